@@ -1,0 +1,26 @@
+"""rlcore: functional reinforcement-learning post-training for LLMs on PyTorch.
+
+Algorithms are pure functions over pytree batches (:mod:`rlcore.algos`) built on
+tensor primitives (:mod:`rlcore.ops`); systems concerns are separate transforms.
+:mod:`rlcore.testing` (hypothesis strategies and loop references) needs the ``test``
+extra and is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from rlcore import device, ops, pytree
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "device", "ops", "pytree", "testing"]
+
+_LAZY = {"testing"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return importlib.import_module(f"rlcore.{name}")
+    raise AttributeError(f"module 'rlcore' has no attribute {name!r}")

@@ -1,0 +1,84 @@
+"""Shared input checks: every public function validates at entry with these.
+
+Each raises ``ValueError`` naming the argument, what it got and what was expected.
+They read shapes and dtypes only (static metadata), so they never sync a device and
+they trace cleanly under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "check_choice",
+    "check_floating",
+    "check_integer",
+    "check_ndim",
+    "check_positive",
+    "check_same_shape",
+    "check_shape",
+    "check_tensor",
+]
+
+
+def _fmt(shape: Iterable[Any]) -> str:
+    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+def check_tensor(name: str, x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: got {type(x).__name__}, expected a torch.Tensor")
+    return x
+
+
+def check_ndim(name: str, x: torch.Tensor, ndim: int | Sequence[int]) -> None:
+    check_tensor(name, x)
+    allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+    if x.dim() not in allowed:
+        want = " or ".join(f"{d}-D" for d in allowed)
+        raise ValueError(f"{name}: got shape {_fmt(x.shape)} ({x.dim()}-D), expected {want}")
+
+
+def check_shape(name: str, x: torch.Tensor, shape: Sequence[int | None], *, what: str = "") -> None:
+    """``shape`` may hold ``None`` as a wildcard for one dimension."""
+    check_tensor(name, x)
+    ok = x.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, x.shape))
+    if not ok:
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name}: got shape {_fmt(x.shape)}, expected {_fmt(shape)}{extra}")
+
+
+def check_same_shape(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    check_tensor(name, x)
+    if x.shape != ref.shape:
+        raise ValueError(
+            f"{name}: got shape {_fmt(x.shape)}, expected {_fmt(ref.shape)} (the shape of {ref_name})"
+        )
+
+
+def check_integer(name: str, x: torch.Tensor) -> None:
+    check_tensor(name, x)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise ValueError(f"{name}: got dtype {x.dtype}, expected an integer dtype (torch.int64 or torch.int32)")
+
+
+def check_floating(name: str, x: torch.Tensor) -> None:
+    check_tensor(name, x)
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{name}: got dtype {x.dtype}, expected a floating-point dtype")
+
+
+def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name}: got {value!r}, expected one of {', '.join(repr(a) for a in allowed)}")
+
+
+def check_positive(name: str, value: float, *, strict: bool = True) -> None:
+    bad = value <= 0 if strict else value < 0
+    if bad:
+        want = "> 0" if strict else ">= 0"
+        raise ValueError(f"{name}: got {value!r}, expected a number {want}")

@@ -1,0 +1,21 @@
+"""Tensor primitives: masked and segment reductions, linear scans, token log-probs.
+
+Pure tensor-in, tensor-out functions with float32 accumulation and no host syncs.
+"""
+
+from rlcore.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlcore.ops.scan import discounted_cumsum, reverse_linear_scan
+from rlcore.ops.segment import segment_count, segment_mean, segment_std, segment_sum
+
+__all__ = [
+    "discounted_cumsum",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "reverse_linear_scan",
+    "segment_count",
+    "segment_mean",
+    "segment_std",
+    "segment_sum",
+]

@@ -1,0 +1,26 @@
+"""Property-testing toolkit: hypothesis strategies and loop-based reference implementations.
+
+Users import these for their own property tests, e.g.
+``from rlcore.testing import strategies as rst`` and ``from rlcore.testing import reference``.
+"""
+
+from rlcore.testing import reference, strategies
+from rlcore.testing.strategies import (
+    float_tensors,
+    group_ids,
+    grouped_scores,
+    logits_and_labels,
+    masks,
+    token_batches,
+)
+
+__all__ = [
+    "float_tensors",
+    "group_ids",
+    "grouped_scores",
+    "logits_and_labels",
+    "masks",
+    "reference",
+    "strategies",
+    "token_batches",
+]
