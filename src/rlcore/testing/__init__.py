@@ -4,7 +4,8 @@ Users import these for their own property tests, e.g.
 ``from rlcore.testing import strategies as rst`` and ``from rlcore.testing import reference``.
 """
 
-from rlcore.testing import reference, strategies
+from rlcore.testing import asserts, reference, strategies
+from rlcore.testing.asserts import assert_close, assert_no_host_sync, tolerances
 from rlcore.testing.strategies import (
     float_tensors,
     group_ids,
@@ -15,6 +16,9 @@ from rlcore.testing.strategies import (
 )
 
 __all__ = [
+    "assert_close",
+    "assert_no_host_sync",
+    "asserts",
     "float_tensors",
     "group_ids",
     "grouped_scores",
@@ -23,4 +27,5 @@ __all__ = [
     "reference",
     "strategies",
     "token_batches",
+    "tolerances",
 ]
