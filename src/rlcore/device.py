@@ -109,7 +109,11 @@ def collective_backend(device: torch.device | str | None = None) -> str:
     >>> collective_backend("cpu")
     'gloo'
     """
-    kind = device_kind() if device is None else torch.device(device).type
+    if device is None:
+        kind = device_kind()
+    else:
+        # Parse strings by hand: torch.device("npu") fails where torch-npu is not loaded.
+        kind = device.split(":")[0] if isinstance(device, str) else device.type
     check_choice("device", kind, _KINDS)
     return _BACKENDS[kind]
 

@@ -40,6 +40,45 @@ def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return num / torch.where(den > 0, den, torch.ones_like(den))
 
 
+def _shifted(x: torch.Tensor, mask: torch.Tensor, dim: Dim) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d, m, pivot, count)``: values shifted by a per-slice pivot, the weights, the pivot, the count.
+
+    The pivot is the smallest counted value of the slice (0 where nothing counts).
+    Shifting by an element of the data makes the mean of a constant slice exact and
+    keeps the two-pass variance accurate for values far from 0 (1e4 + noise in
+    float32); statistics do not depend on the shift, so it carries no gradient.
+    Reductions keep their dimensions.
+    """
+    check_tensor("x", x)
+    check_same_shape("mask", mask, "x", x)
+    acc = acc_dtype(x.dtype)
+    m = mask.to(acc)
+    xa = x.to(acc)
+    xs = torch.where(m != 0, xa.detach(), torch.inf)
+    low = xs.amin() if dim is None else xs.amin(dim=dim, keepdim=True)
+    pivot = torch.where(torch.isfinite(low), low, 0.0)
+    d = torch.where(m != 0, xa - pivot, 0.0)
+    return d, m, pivot, _reduce(m, dim, True)
+
+
+def _moments(
+    x: torch.Tensor, mask: torch.Tensor, dim: Dim, unbiased: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dev, m, mean, var)`` with kept dims; ``dev`` is ``x - mean`` computed without rounding the mean."""
+    d, m, pivot, count = _shifted(x, mask, dim)
+    mean_d = _safe_div(_reduce(d * m, dim, True), count)
+    dev = torch.where(m != 0, d - mean_d, 0.0)
+    den = count - 1 if unbiased else count
+    var = _safe_div(_reduce(dev * dev * m, dim, True), den) * (den > 0)
+    return dev, m, pivot + mean_d, var
+
+
+def _squeeze(t: torch.Tensor, dim: Dim, keepdim: bool) -> torch.Tensor:
+    if keepdim:
+        return t
+    return t.reshape(()) if dim is None else t.squeeze(dim)
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim: bool = False) -> torch.Tensor:
     """Sum of ``x`` where ``mask`` is set.
 
@@ -59,12 +98,6 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim:
     return _reduce(xm, dim, keepdim).to(x.dtype)
 
 
-def _mean_acc(x: torch.Tensor, mask: torch.Tensor, dim: Dim, keepdim: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    xm, m = _prepare(x, mask)
-    count = _reduce(m, dim, keepdim)
-    return _safe_div(_reduce(xm, dim, keepdim), count), count
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim: bool = False) -> torch.Tensor:
     """Mean of ``x`` over the elements where ``mask`` is set; 0 when the mask is empty.
 
@@ -73,22 +106,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim
     >>> masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1, 1], [0, 0]]), dim=1)
     tensor([2., 0.])
     """
-    mean, _ = _mean_acc(x, mask, dim, keepdim)
-    return mean.to(x.dtype)
-
-
-def _var_acc(
-    x: torch.Tensor, mask: torch.Tensor, dim: Dim, keepdim: bool, unbiased: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    mean, count = _mean_acc(x, mask, dim, True)
-    m = mask.to(mean.dtype)
-    dev = torch.where(m != 0, x.to(mean.dtype) - mean, 0.0)
-    m2 = _reduce(dev * dev * m, dim, keepdim)
-    if not keepdim:
-        count = count if dim is None else count.squeeze(dim)
-        mean = mean.reshape(()) if dim is None else mean.squeeze(dim)
-    den = count - 1 if unbiased else count
-    return _safe_div(m2, den) * (den > 0), mean
+    d, m, pivot, count = _shifted(x, mask, dim)
+    mean = pivot + _safe_div(_reduce(d * m, dim, True), count)
+    return _squeeze(mean, dim, keepdim).to(x.dtype)
 
 
 def masked_var(
@@ -102,8 +122,8 @@ def masked_var(
     >>> masked_var(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0]))
     tensor(2.)
     """
-    var, _ = _var_acc(x, mask, dim, keepdim, unbiased)
-    return var.to(x.dtype)
+    _, _, _, var = _moments(x, mask, dim, unbiased)
+    return _squeeze(var, dim, keepdim).to(x.dtype)
 
 
 def masked_whiten(
@@ -133,9 +153,8 @@ def masked_whiten(
     tensor([-0.7071,  0.7071,  0.0000])
     """
     check_floating("values", values)
-    var, mean = _var_acc(values, mask, dim, True, unbiased)
-    x = values.to(var.dtype)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    dev, m, mean, var = _moments(values, mask, dim, unbiased)
+    out = dev * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return torch.where(mask != 0, out, 0.0).to(values.dtype)
+    return torch.where(m != 0, out, 0.0).to(values.dtype)
