@@ -36,6 +36,8 @@ def _doubling(a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def _scan(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Blocked reverse scan of full-shape accumulation-dtype tensors."""
     length = x.shape[-1]
+    if length == 1:
+        return x.clone()  # autograd must not see the input returned as the output
     if length <= _BLOCK:
         return _doubling(x, c)[0]
     nb = -(-length // _BLOCK)

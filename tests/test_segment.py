@@ -1,0 +1,119 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.ops import segment_count, segment_mean, segment_std, segment_sum
+from rlcore.testing import assert_close, assert_no_host_sync, grouped_scores
+from rlcore.testing.reference import segment_mean_ref, segment_std_ref, segment_sum_ref
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _scale(x):
+    return max(1.0, float(x.double().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=grouped_scores(), unbiased=st.booleans())
+def test_match_reference(dtype, data, unbiased):
+    scores, ids = data
+    x = scores.to(dtype)
+    s = _scale(x)
+    assert_close(segment_sum(x, ids), segment_sum_ref(x, ids), dtype=dtype, scale=s * len(x))
+    assert_close(segment_mean(x, ids), segment_mean_ref(x, ids), dtype=dtype, scale=s)
+    got = segment_std(x, ids, unbiased=unbiased)
+    assert_close(got, segment_std_ref(x, ids, unbiased=unbiased), dtype=dtype, scale=s)
+
+
+@given(data=grouped_scores(max_groups=4), width=st.integers(1, 3))
+def test_trailing_dimensions(data, width):
+    scores, ids = data
+    x = torch.stack([scores * (k + 1) for k in range(width)], dim=1)
+    assert segment_std(x, ids).shape == (int(ids.max()) + 1, width)
+    assert_close(segment_std(x, ids), segment_std_ref(x, ids), scale=_scale(x))
+    assert_close(segment_mean(x, ids), segment_mean_ref(x, ids), scale=_scale(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", [0.1, 100.7, 1e6 + 0.3, -3.3e-5, 7.0])
+@pytest.mark.parametrize("size", [2, 3, 16, 1000])
+def test_constant_group_has_exactly_zero_std(dtype, value, size):
+    other = torch.linspace(-1, 1, 5)
+    x = torch.cat([torch.full((size,), value), other]).to(dtype)
+    ids = torch.cat([torch.zeros(size, dtype=torch.long), torch.ones(5, dtype=torch.long)])
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(size))
+    x, ids = x[perm], ids[perm]
+    std = segment_std(x, ids)
+    assert std[0].item() == 0.0
+    assert std[1].item() > 0.0
+    mean = segment_mean(x, ids)
+    assert mean[0] == x[ids == 0][0]
+    assert torch.all(x[ids == 0] - mean[ids[ids == 0]] == 0)
+
+
+@given(grouped_scores(patterns=("constant",)))
+def test_all_constant_groups_exact_zero(data):
+    scores, ids = data
+    assert torch.all(segment_std(scores, ids) == 0)
+    assert torch.all(segment_std(scores.bfloat16(), ids) == 0)
+
+
+def test_empty_and_singleton_segments():
+    x = torch.tensor([5.0, 1.0, 3.0])
+    ids = torch.tensor([3, 1, 1])
+    assert segment_count(ids).tolist() == [0, 2, 0, 1]
+    assert segment_sum(x, ids).tolist() == [0.0, 4.0, 0.0, 5.0]
+    assert segment_mean(x, ids).tolist() == [0.0, 2.0, 0.0, 5.0]
+    std = segment_std(x, ids)
+    assert std[0] == 0 and std[2] == 0 and std[3] == 0  # empty, empty, one sample
+    assert std[1].item() == pytest.approx(2**0.5)
+    assert segment_std(x, ids, unbiased=False)[1].item() == pytest.approx(1.0)
+    assert segment_std(x, ids, num_segments=6).shape == (6,)
+
+
+def test_int32_group_ids_and_dtype():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).bfloat16()
+    ids = torch.tensor([0, 1, 0, 1], dtype=torch.int32)
+    out = segment_mean(x, ids)
+    assert out.dtype == torch.bfloat16 and out.tolist() == [2.0, 3.0]
+
+
+@settings(max_examples=15)
+@given(grouped_scores(patterns=("normal",), max_groups=4, max_size=5))
+def test_gradients(data):
+    scores, ids = data
+    x = scores.double().requires_grad_(True)
+    n = int(ids.max()) + 1
+    assert torch.autograd.gradcheck(lambda t: segment_mean(t, ids, num_segments=n), (x,))
+    counts = segment_count(ids, num_segments=n)
+    if bool((counts >= 2).all()):
+        assert torch.autograd.gradcheck(lambda t: segment_std(t, ids, num_segments=n), (x,))
+
+
+def test_gradient_of_constant_group_std_is_zero_not_nan():
+    x = torch.tensor([2.0, 2.0, 1.0, 3.0], requires_grad=True)
+    segment_std(x, torch.tensor([0, 0, 1, 1])).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert x.grad[:2].tolist() == [0.0, 0.0]
+
+
+def test_bad_input():
+    x = torch.zeros(4)
+    with pytest.raises(ValueError, match="group_ids: got dtype torch.float32, expected an integer dtype"):
+        segment_mean(x, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"group_ids: got shape \(3,\), expected \(4,\)"):
+        segment_sum(x, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"group_ids: got shape \(2, 2\) \(2-D\), expected 1-D"):
+        segment_std(x, torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="num_segments: got -1"):
+        segment_std(x, torch.zeros(4, dtype=torch.long), num_segments=-1)
+
+
+def test_no_host_sync_with_num_segments():
+    x = torch.randn(12)
+    ids = torch.arange(12) % 5
+    assert_no_host_sync(
+        lambda a: (segment_sum(a, ids, num_segments=5), segment_mean(a, ids, num_segments=5), segment_std(a, ids, num_segments=5)),
+        x,
+    )
