@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.ops import segment_count, segment_mean, segment_std, segment_sum
+from rlcore.ops import segment_count, segment_mean, segment_mean_std, segment_std, segment_sum
 from rlcore.testing import assert_close, assert_no_host_sync, grouped_scores
 from rlcore.testing.reference import segment_mean_ref, segment_std_ref, segment_sum_ref
 
@@ -24,6 +24,8 @@ def test_match_reference(dtype, data, unbiased):
     assert_close(segment_mean(x, ids), segment_mean_ref(x, ids), dtype=dtype, scale=s)
     got = segment_std(x, ids, unbiased=unbiased)
     assert_close(got, segment_std_ref(x, ids, unbiased=unbiased), dtype=dtype, scale=s)
+    mean, std = segment_mean_std(x, ids, unbiased=unbiased)
+    assert torch.equal(mean, segment_mean(x, ids)) and torch.equal(std, got)
 
 
 @given(data=grouped_scores(max_groups=4), width=st.integers(1, 3))

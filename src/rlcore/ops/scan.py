@@ -23,12 +23,20 @@ _BLOCK = 64
 
 
 def _doubling(a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scan each last-dim row; returns ``(y, C)`` with ``C_t = prod_{r >= t} c_r``."""
+    """Scan each last-dim row; returns ``(y, C)`` with ``C_t = prod_{r >= t} c_r``.
+
+    Step k composes each position's affine map with the one k steps ahead; positions
+    within k of the end have nothing ahead (y = 0 there, factor 1), so only the head
+    slice is updated, in place on fresh buffers (one fused multiply-add per step).
+    """
     length = a.shape[-1]
     k = 1
     while k < length:
-        a = a + c * F.pad(a[..., k:], (0, k))
-        c = c * F.pad(c[..., k:], (0, k), value=1.0)
+        a_next = a.clone()
+        a_next[..., :-k].addcmul_(c[..., :-k], a[..., k:])
+        c_next = c.clone()
+        c_next[..., :-k].mul_(c[..., k:])
+        a, c = a_next, c_next
         k *= 2
     return a, c
 

@@ -18,7 +18,7 @@ import torch
 from rlcore._checks import check_integer, check_ndim, check_tensor
 from rlcore.ops._accum import acc_dtype
 
-__all__ = ["segment_count", "segment_mean", "segment_std", "segment_sum"]
+__all__ = ["segment_count", "segment_mean", "segment_mean_std", "segment_std", "segment_sum"]
 
 
 def _check(x: torch.Tensor, group_ids: torch.Tensor, num_segments: int | None) -> int:
@@ -115,7 +115,19 @@ def segment_mean(x: torch.Tensor, group_ids: torch.Tensor, *, num_segments: int 
     """
     n = _check(x, group_ids, num_segments)
     _, mean, _ = _moments(x, group_ids, n, need_m2=False)
-    return mean.to(x.dtype) if x.dtype.is_floating_point else mean
+    return _out(mean, x)
+
+
+def _std_from(count: torch.Tensor, m2: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    den = count - 1 if unbiased else count
+    var = m2 / torch.where(den > 0, den, torch.ones_like(den)) * (den > 0)
+    positive = var > 0
+    # sqrt is evaluated only where var > 0, so its gradient cannot be inf/NaN at 0.
+    return torch.where(positive, torch.where(positive, var, torch.ones_like(var)).sqrt(), torch.zeros_like(var))
+
+
+def _out(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t.to(x.dtype) if x.dtype.is_floating_point else t
 
 
 def segment_std(
@@ -143,8 +155,18 @@ def segment_std(
     n = _check(x, group_ids, num_segments)
     count, _, m2 = _moments(x, group_ids, n, need_m2=True)
     assert m2 is not None
-    den = count - 1 if unbiased else count
-    var = m2 / torch.where(den > 0, den, torch.ones_like(den)) * (den > 0)
-    positive = var > 0
-    std = torch.where(positive, torch.where(positive, var, torch.ones_like(var)).sqrt(), torch.zeros_like(var))
-    return std.to(x.dtype) if x.dtype.is_floating_point else std
+    return _out(_std_from(count, m2, unbiased), x)
+
+
+def segment_mean_std(
+    x: torch.Tensor, group_ids: torch.Tensor, *, num_segments: int | None = None, unbiased: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(segment_mean, segment_std)`` from one pass over the data (shared pivot and sums).
+
+    >>> segment_mean_std(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]))
+    (tensor([2., 5.]), tensor([1.4142, 0.0000]))
+    """
+    n = _check(x, group_ids, num_segments)
+    count, mean, m2 = _moments(x, group_ids, n, need_m2=True)
+    assert m2 is not None
+    return _out(mean, x), _out(_std_from(count, m2, unbiased), x)
