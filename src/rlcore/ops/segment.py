@@ -111,7 +111,7 @@ def segment_mean(x: torch.Tensor, group_ids: torch.Tensor, *, num_segments: int 
     A segment whose values are all equal gets exactly that value.
 
     >>> segment_mean(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1, 0, 1]))
-    tensor([2.5000, 2.5000])
+    tensor([2.0000, 2.5000])
     """
     n = _check(x, group_ids, num_segments)
     _, mean, _ = _moments(x, group_ids, n, need_m2=False)
