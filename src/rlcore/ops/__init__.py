@@ -3,12 +3,15 @@
 Pure tensor-in, tensor-out functions with float32 accumulation and no host syncs.
 """
 
+from rlcore.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from rlcore.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlcore.ops.scan import discounted_cumsum, reverse_linear_scan
 from rlcore.ops.segment import segment_count, segment_mean, segment_mean_std, segment_std, segment_sum
 
 __all__ = [
     "discounted_cumsum",
+    "entropy_from_logits",
+    "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",

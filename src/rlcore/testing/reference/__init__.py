@@ -5,6 +5,7 @@ arithmetic, so differential tests compare the vectorised code with an obviously
 correct one.
 """
 
+from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -19,6 +20,9 @@ from rlcore.testing.reference.ops import (
 
 __all__ = [
     "discounted_cumsum_ref",
+    "entropy_ref",
+    "linear_logprobs_ref",
+    "logprobs_ref",
     "masked_mean_ref",
     "masked_sum_ref",
     "masked_var_ref",

@@ -1,0 +1,293 @@
+"""Token log-probabilities and entropy from logits, chunked over tokens with a recomputing backward.
+
+``[tokens, vocab]`` logits are the largest tensors of an LLM training step. The
+plain path (``log_softmax`` then ``gather``, and ``softmax`` for the entropy) keeps
+several full-size float32 copies alive for the backward pass. Here one custom
+autograd function walks the tokens in chunks: the forward keeps only the per-token
+log-normaliser (and entropy), and the backward recomputes each chunk's softmax and
+writes that chunk of the one gradient buffer. Log-probs and entropy requested
+together cost one forward, one backward and one gradient buffer.
+
+Numerics: chunks are upcast to float32 (float64 stays float64), so bfloat16 logits
+are normalised in float32; results come back in the logits' dtype. ``-inf`` logits
+(a masked vocabulary) are allowed: they get probability 0 and add nothing to the
+entropy, where ``sum(p * logits)`` would give ``0 * -inf = nan``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcore._checks import check_floating, check_integer, check_positive, check_tensor
+from rlcore.ops._accum import acc_dtype
+
+__all__ = ["entropy_from_logits", "logprobs_from_logits"]
+
+# 512 tokens of a 152k vocabulary is ~0.3 GB per float32 temporary: small next to
+# the gradient buffer at training batch sizes, large enough to run at memory speed.
+DEFAULT_CHUNK_SIZE = 512
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size: got {chunk_size!r}, expected a positive int")
+
+
+def _check_temperature(temperature: float) -> None:
+    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature: got {type(temperature).__name__}, expected a Python float > 0")
+    check_positive("temperature", temperature)
+
+
+def _check_labels(labels: torch.Tensor, vocab: int, *, lead: torch.Size, lead_name: str) -> None:
+    """Shape/dtype checks for ``labels``, plus the range check where it costs no device read.
+
+    The range check reads the labels' values, so it runs only in eager mode on CPU
+    tensors, where reading them stalls nothing. On an accelerator (or under
+    ``torch.compile``) an out-of-range label is not checked: its log-prob comes back
+    NaN instead, so the error shows in the loss without a host sync in the hot path.
+    """
+    check_integer("labels", labels)
+    if labels.shape != lead:
+        raise ValueError(
+            f"labels: got shape {tuple(labels.shape)}, expected {tuple(lead)} (the leading dimensions of {lead_name})"
+        )
+    if labels.device.type == "cpu" and not torch.compiler.is_compiling() and labels.numel():
+        lo, hi = int(labels.min()), int(labels.max())  # sync-ok: CPU tensor in eager mode, nothing to stall
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"labels: got values in [{lo}, {hi}], expected token ids in [0, {vocab - 1}] (vocabulary {vocab})")
+
+
+def _label_index(labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Labels clamped into the vocabulary (int64), safe to gather with whatever their values."""
+    return labels.long().clamp(0, vocab - 1)
+
+
+def _poison_invalid(logp: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """NaN where a label lies outside the vocabulary (its gradient is then 0)."""
+    return torch.where((labels >= 0) & (labels < vocab), logp, float("nan"))
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _finite_or_zero_(x: torch.Tensor) -> torch.Tensor:
+    """Replace ``-inf`` by 0 in place; used where the matching probability is exactly 0."""
+    return x.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0)
+
+
+def _shifted(chunk: torch.Tensor, m: torch.Tensor, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """``(chunk - m) / T`` written into the fresh buffer ``out``.
+
+    Shifting by the row max before scaling keeps the arithmetic near 0, so the log-prob
+    of a dominant token (about -sum of the others' probabilities) is accurate to
+    relative precision, not to the rounding of logits of size ~30-100.
+    """
+    out.copy_(chunk)
+    out.sub_(m)
+    return out.div_(temperature) if temperature != 1.0 else out
+
+
+def _forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int,
+    want_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per token: the row max ``m``, ``lse = logsumexp((x - m) / T)``, and the requested outputs."""
+    n, vocab = logits.shape
+    acc = acc_dtype(logits.dtype)
+    rowmax = logits.new_empty(n, 1, dtype=acc)
+    lse = logits.new_empty(n, 1, dtype=acc)
+    logp = logits.new_empty(n, dtype=acc) if labels is not None else None
+    ent = logits.new_empty(n, dtype=acc) if want_entropy else None
+    for s, e in _chunks(n, chunk_size):
+        chunk = logits[s:e]
+        m = chunk.amax(-1, keepdim=True).to(acc)
+        z = _shifted(chunk, m, temperature, torch.empty(chunk.shape, dtype=acc, device=chunk.device))
+        ez = torch.exp(z)
+        total = ez.sum(-1, keepdim=True)
+        lse_c = total.log()
+        rowmax[s:e], lse[s:e] = m, lse_c
+        if logp is not None:
+            lab = _label_index(labels[s:e], vocab).unsqueeze(-1)
+            logp[s:e] = (z.gather(-1, lab) - lse_c).squeeze(-1)
+        if ent is not None:
+            # H = lse - sum(p * z), with p * z taken as 0 where p == 0 (z == -inf).
+            pz = (ez.unsqueeze(-2) @ _finite_or_zero_(z).unsqueeze(-1)).squeeze(-1) / total
+            ent[s:e] = (lse_c - pz).squeeze(-1)
+    return rowmax, lse, logp, ent
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Outputs ``(logp?, entropy?, rowmax, lse)`` in the accumulation dtype; the last two are internal."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        temperature: float,
+        chunk_size: int,
+        want_entropy: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        rowmax, lse, logp, ent = _forward(logits, labels, temperature, chunk_size, want_entropy)
+        return tuple(t for t in (logp, ent) if t is not None) + (rowmax, lse)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+        logits, labels, temperature, chunk_size, want_entropy = inputs
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.has_logp, ctx.want_entropy = labels is not None, want_entropy
+        rowmax, lse = output[-2:]
+        ent = output[-3] if want_entropy else None
+        ctx.mark_non_differentiable(rowmax, lse)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels, rowmax, lse, ent)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[no-untyped-def,override]
+        logits, labels, rowmax, lse, ent = ctx.saved_tensors
+        g_logp = grads[0] if ctx.has_logp else None
+        g_ent = grads[int(ctx.has_logp)] if ctx.want_entropy else None
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None
+        grad = _backward(logits, labels, rowmax, lse, ent, g_logp, g_ent, ctx.temperature, ctx.chunk_size)
+        return grad, None, None, None, None
+
+
+def _backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    rowmax: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    g_logp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int,
+) -> torch.Tensor:
+    """d/dx of ``g1 * logp + g2 * H`` with ``x = logits / T``, chunk by chunk.
+
+    ``d logp_y / dx = onehot(y) - p`` and ``dH / dx = -p * (log p + H)``, so the chunk's
+    gradient is ``(onehot(y) * g1 - p * (g1 + g2 * (log p + H))) / T``.
+    """
+    n, vocab = logits.shape
+    acc = lse.dtype
+    grad = torch.empty_like(logits)
+    inv_t = 1.0 / temperature
+    for s, e in _chunks(n, chunk_size):
+        chunk = logits[s:e]
+        # float32 logits: the chunk's gradient is built in place in the output buffer.
+        buf = grad[s:e] if logits.dtype == acc else torch.empty(chunk.shape, dtype=acc, device=chunk.device)
+        lp = _shifted(chunk, rowmax[s:e], temperature, buf).sub_(lse[s:e])
+        g1 = g_logp[s:e].to(acc).unsqueeze(-1) * inv_t if g_logp is not None else None
+        if g_ent is None:
+            out = lp.exp_().mul_(-g1)
+        else:
+            g2 = g_ent[s:e].to(acc).unsqueeze(-1) * inv_t
+            p = torch.exp(lp)
+            out = _finite_or_zero_(lp).add_(ent[s:e].unsqueeze(-1)).mul_(g2)
+            if g1 is not None:
+                out.add_(g1)
+            out.mul_(p).neg_()
+        if g1 is not None:
+            out.scatter_add_(-1, _label_index(labels[s:e], vocab).unsqueeze(-1), g1)
+        if logits.dtype != acc:
+            grad[s:e] = out
+    return grad
+
+
+def _flatten_logits(logits: torch.Tensor) -> torch.Tensor:
+    check_floating("logits", logits)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits: got shape {tuple(logits.shape)}, expected [..., V] with V >= 1")
+    return logits.reshape(-1, logits.shape[-1])
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each label token (and the entropy of each token's distribution).
+
+    The softmax policy of an autoregressive LM, as used by every policy-gradient loss
+    since REINFORCE (Williams, 1992) and by PPO (Schulman et al., arXiv:1707.06347);
+    sampling temperature as in vLLM and verl (logits divided by ``T``):
+
+        logp_t = x_t[y_t] - logsumexp(x_t),      H_t = -sum_v p_t[v] log p_t[v],
+        with x_t = logits_t / T and p_t = softmax(x_t).
+
+    Computed in chunks of ``chunk_size`` tokens with float32 accumulation; the
+    backward recomputes each chunk's softmax instead of saving it, so the extra
+    memory is one gradient buffer plus a few chunk-sized temporaries. The caller's
+    ``logits`` are never modified.
+
+    Labels are checked against the vocabulary in eager mode on CPU tensors (reading
+    them there stalls nothing). On an accelerator or under ``torch.compile`` they are
+    not read back: an out-of-range label gives a NaN log-prob for that token instead
+    of a host sync or a device-side assertion.
+
+    Args:
+      logits: ``[..., V]`` floating point.
+      labels: ``[...]`` integer token ids in ``[0, V)``.
+      temperature: sampling temperature ``T > 0``.
+      chunk_size: tokens per chunk.
+      with_entropy: also return the entropy (one pass and one gradient buffer for both).
+
+    Returns:
+      ``logp [...]``, or ``(logp [...], entropy [...])``, in ``logits.dtype``.
+      Differentiable in ``logits``.
+
+    >>> logits = torch.tensor([[0.0, 0.0], [0.0, 2.0]])
+    >>> logprobs_from_logits(logits, torch.tensor([0, 1]))
+    tensor([-0.6931, -0.1269])
+    >>> logprobs_from_logits(logits, torch.tensor([0, 1]), with_entropy=True)[1]
+    tensor([0.6931, 0.3653])
+    """
+    flat = _flatten_logits(logits)
+    check_tensor("labels", labels)
+    _check_labels(labels, logits.shape[-1], lead=logits.shape[:-1], lead_name="logits")
+    _check_temperature(temperature)
+    _check_chunk_size(chunk_size)
+    out = _TokenLogprobs.apply(flat, labels.reshape(-1), float(temperature), chunk_size, with_entropy)
+    lead = logits.shape[:-1]
+    logp = _poison_invalid(out[0].to(logits.dtype).reshape(lead), labels, logits.shape[-1])
+    if not with_entropy:
+        return logp
+    return logp, out[1].to(logits.dtype).reshape(lead)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Entropy of each token's softmax distribution, chunked over tokens.
+
+    The policy entropy of entropy-regularised policy gradients (Williams & Peng, 1991;
+    A3C, Mnih et al., arXiv:1602.01783), as logged and bonused by PPO-style trainers:
+
+        H_t = logsumexp(x_t) - sum_v softmax(x_t)[v] x_t[v],   x_t = logits_t / T.
+
+    ``-inf`` logits contribute 0. The backward recomputes each chunk's softmax.
+
+    Args:
+      logits: ``[..., V]`` floating point.
+      temperature: sampling temperature ``T > 0``.
+      chunk_size: tokens per chunk.
+
+    Returns:
+      ``[...]`` entropies in ``logits.dtype``, differentiable in ``logits``.
+
+    >>> entropy_from_logits(torch.tensor([[0.0, 0.0], [0.0, float("-inf")]]))
+    tensor([0.6931, 0.0000])
+    """
+    flat = _flatten_logits(logits)
+    _check_temperature(temperature)
+    _check_chunk_size(chunk_size)
+    out = _TokenLogprobs.apply(flat, None, float(temperature), chunk_size, True)
+    return out[0].to(logits.dtype).reshape(logits.shape[:-1])
