@@ -1,0 +1,152 @@
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.memory import offload, reload
+from rlcore.pytree import tree_leaves
+from rlcore.testing.memory_strategies import tensor_trees
+from rlcore.testing.reference import swap_roundtrip_ref
+
+
+def _leaves(tree):
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+@given(tensor_trees())
+def test_roundtrip_restores_same_objects_bit_identical(tree):
+    leaves = _leaves(tree)
+    want = swap_roundtrip_ref(tree)
+    ids = [id(x) for x in leaves]
+    meta = [(x.shape, x.stride(), x.storage_offset(), x.dtype) for x in leaves]
+    handle = offload(tree)
+    assert all(x.untyped_storage().nbytes() == 0 for x in leaves)
+    back = reload(handle)
+    assert back is tree
+    got = _leaves(back)
+    assert [id(x) for x in got] == ids
+    assert [(x.shape, x.stride(), x.storage_offset(), x.dtype) for x in got] == meta
+    for g, w in zip(got, _leaves(want)):
+        assert torch.equal(g, w)
+
+
+@given(tensor_trees())
+def test_one_contiguous_bucket_per_dtype_holding_each_storage_once(tree):
+    leaves = _leaves(tree)
+    unique = {}
+    for x in leaves:
+        if x.untyped_storage().nbytes():
+            unique.setdefault(x.untyped_storage().data_ptr(), x)
+    want_bytes = sum(x.untyped_storage().nbytes() for x in unique.values())
+    per_dtype = {}
+    for x in unique.values():
+        per_dtype[x.dtype] = per_dtype.get(x.dtype, 0) + x.untyped_storage().nbytes()
+    handle = offload(tree)
+    assert handle.nbytes == want_bytes
+    assert set(handle.buckets) == set(per_dtype)
+    for dt, b in handle.buckets.items():
+        assert b.dtype == dt and b.is_contiguous() and b.dim() == 1
+        assert b.numel() * b.element_size() == per_dtype[dt]
+        assert b.is_pinned() == torch.accelerator.is_available()
+    reload(handle)
+
+
+def _train(model, opt, xs, swap_between):
+    losses = []
+    for x in xs:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+        if swap_between:
+            state = {"params": list(model.parameters()), "grads": [p.grad for p in model.parameters()],
+                     "optimizer": list(opt.state.values())}
+            handle = offload(state)
+            assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+            reload(handle)
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_state_survives_swap_between_steps(dtype):
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+    swapped = copy.deepcopy(base)
+    xs = [torch.randn(5, 8, dtype=dtype) for _ in range(4)]
+    opt_a = torch.optim.AdamW(base.parameters(), lr=1e-2)
+    opt_b = torch.optim.AdamW(swapped.parameters(), lr=1e-2)
+    la = _train(base, opt_a, xs, swap_between=False)
+    lb = _train(swapped, opt_b, xs, swap_between=True)
+    assert torch.equal(la, lb)
+    for pa, pb in zip(base.parameters(), swapped.parameters()):
+        assert torch.equal(pa, pb) and torch.equal(pa.grad, pb.grad)
+        for k in opt_a.state[pa]:
+            assert torch.equal(opt_a.state[pa][k], opt_b.state[pb][k])
+
+
+def test_optimizer_keeps_references_to_the_same_tensors():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state_ids = {id(v) for s in opt.state.values() for v in s.values()}
+    reload(offload([list(model.parameters()), list(opt.state.values())]))
+    assert {id(v) for s in opt.state.values() for v in s.values()} == state_ids
+    assert all(p in opt.state for p in model.parameters())
+
+
+def test_non_tensor_leaves_are_ignored():
+    t = torch.arange(3)
+    handle = offload({"t": t, "lr": 0.1, "name": "w"})
+    assert handle.nbytes == 24
+    assert reload(handle)["lr"] == 0.1 and torch.equal(t, torch.arange(3))
+
+
+def test_offloading_twice_is_rejected_and_moves_nothing():
+    t = torch.ones(4)
+    handle = offload([t])
+    with pytest.raises(ValueError, match=r"tree: leaf 0 \(shape \(4,\)\) has an empty storage"):
+        offload([t])
+    reload(handle)
+    assert torch.equal(t, torch.ones(4))
+
+
+def test_reloading_twice_is_rejected():
+    handle = offload([torch.ones(2)])
+    reload(handle)
+    with pytest.raises(ValueError, match="handle: got a handle that was reloaded already"):
+        reload(handle)
+
+
+def test_non_resizable_storage_is_rejected_before_anything_moves():
+    np = pytest.importorskip("numpy")
+    ok = torch.ones(3)
+    with pytest.raises(ValueError, match="cannot be resized"):
+        offload([ok, torch.from_numpy(np.ones(2))])
+    assert ok.untyped_storage().nbytes() == 12
+
+
+def test_mixed_dtype_storage_aliasing_is_rejected():
+    a = torch.zeros(4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="one dtype per storage"):
+        offload([a, a.view(torch.int32)])
+    assert a.untyped_storage().nbytes() == 16
+
+
+def test_reload_rejects_other_objects():
+    with pytest.raises(ValueError, match="handle: got dict, expected a SwapHandle"):
+        reload({})
+
+
+@settings(max_examples=10)
+@given(st.integers(1, 4))
+def test_parameters_of_a_module_keep_working_after_reload(width):
+    model = torch.nn.Linear(width, width)
+    x = torch.randn(2, width)
+    want = model(x)
+    reload(offload(dict(model.named_parameters())))
+    assert torch.equal(model(x), want)
+    assert isinstance(model.weight, torch.nn.Parameter)
