@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from rlcore.memory import offload, reload
 from rlcore.pytree import tree_leaves
 from rlcore.testing.memory_strategies import tensor_trees
-from rlcore.testing.reference import swap_roundtrip_ref
+from rlcore.testing.reference.resharding import swap_roundtrip_ref
 
 
 def _leaves(tree):
