@@ -4,4 +4,33 @@ Pure functions over tensors and pytree batches: no modules, no process groups he
 no host syncs.
 """
 
-__all__: list[str] = []
+from rlcore.algos.advantages import (
+    batch_normalize,
+    gae,
+    gpg_advantages,
+    grpo_advantages,
+    opo_advantages,
+    passk_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
+from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
+
+__all__: list[str] = [
+    "batch_normalize",
+    "dynamic_sampling_indices",
+    "dynamic_sampling_mask",
+    "gae",
+    "gpg_advantages",
+    "grpo_advantages",
+    "opo_advantages",
+    "passk_advantages",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rejection_mask",
+    "remax_advantages",
+    "rloo_advantages",
+    "truncated_is_weights",
+]

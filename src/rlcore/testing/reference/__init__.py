@@ -17,8 +17,30 @@ from rlcore.testing.reference.ops import (
     segment_std_ref,
     segment_sum_ref,
 )
+from rlcore.testing.reference.advantages import (
+    batch_normalize_ref,
+    gae_ref,
+    gpg_advantages_ref,
+    grpo_advantages_ref,
+    opo_advantages_ref,
+    passk_advantages_ref,
+    reinforce_pp_advantages_ref,
+    reinforce_pp_baseline_advantages_ref,
+    remax_advantages_ref,
+    rloo_advantages_ref,
+)
 
 __all__ = [
+    "batch_normalize_ref",
+    "gae_ref",
+    "gpg_advantages_ref",
+    "grpo_advantages_ref",
+    "opo_advantages_ref",
+    "passk_advantages_ref",
+    "reinforce_pp_advantages_ref",
+    "reinforce_pp_baseline_advantages_ref",
+    "remax_advantages_ref",
+    "rloo_advantages_ref",
     "discounted_cumsum_ref",
     "entropy_ref",
     "linear_logprobs_ref",

@@ -1,0 +1,207 @@
+"""Sample filters: DAPO dynamic sampling, and importance weights / rejection for rollout-training mismatch.
+
+Everything returns a mask or weights with the shape of its input, computed on the
+device without a host sync, except :func:`dynamic_sampling_indices`, whose output
+size depends on the data (it reads one count back by design).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlcore._checks import check_choice, check_floating, check_ndim, check_positive, check_same_shape
+from rlcore.algos._groups import check_outcome
+from rlcore.ops._accum import acc_dtype
+
+__all__ = ["dynamic_sampling_indices", "dynamic_sampling_mask", "rejection_mask", "truncated_is_weights"]
+
+_IS_LEVELS = ("token", "sequence")
+_RS_LEVELS = ("token", "sequence", "geometric")
+
+
+def dynamic_sampling_mask(
+    scores: torch.Tensor, group_ids: torch.Tensor, *, num_groups: int | None = None
+) -> torch.Tensor:
+    """DAPO dynamic sampling as a mask: keep the samples whose group's scores are not all equal.
+
+    Reference: Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at
+    Scale", arXiv 2503.14476 (keep a prompt only if ``0 < #correct < G``).
+
+    Formula: ``keep_i = max_{j in g(i)} s_j != min_{j in g(i)} s_j``; exact comparison,
+    so it agrees with a group advantage that is exactly 0. A group of one sample is
+    dropped (its GRPO / RLOO advantage is 0); verl's DAPO trainer keeps it.
+
+    Args:
+      scores: ``[B]`` sequence scores.
+      group_ids: ``[B]`` integer group of each sample.
+      num_groups: number of groups; ``None`` uses ``B`` (no host sync).
+
+    Returns:
+      ``[B]`` bool, True for samples to keep.
+
+    >>> dynamic_sampling_mask(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    tensor([ True,  True, False, False])
+    """
+    n = check_outcome(scores, group_ids, num_groups)
+    s = scores.detach()
+    idx = group_ids.long()
+    hi = s.new_zeros(n).scatter_reduce(0, idx, s, "amax", include_self=False)
+    lo = s.new_zeros(n).scatter_reduce(0, idx, s, "amin", include_self=False)
+    return (hi != lo)[idx]
+
+
+def dynamic_sampling_indices(
+    scores: torch.Tensor, group_ids: torch.Tensor, *, num_groups: int | None = None
+) -> torch.Tensor:
+    """DAPO dynamic sampling as indices: the positions :func:`dynamic_sampling_mask` keeps.
+
+    Use it to gather the kept samples out of a batch (``tree_index(batch, idx)``). The
+    number of kept samples depends on the scores, so this reads it back from the device
+    (one host sync); inside a compiled step, use the mask instead.
+
+    Args:
+      scores: ``[B]`` sequence scores.
+      group_ids: ``[B]`` integer group of each sample.
+      num_groups: number of groups; ``None`` uses ``B``.
+
+    Returns:
+      ``[K]`` int64 indices in increasing order.
+
+    >>> dynamic_sampling_indices(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    tensor([0, 1])
+    """
+    keep = dynamic_sampling_mask(scores, group_ids, num_groups=num_groups)
+    return torch.nonzero(keep).squeeze(-1)  # sync-ok: the output size is data-dependent by definition
+
+
+def _check_logps(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> None:
+    check_ndim("logp", logp, 2)
+    check_floating("logp", logp)
+    check_floating("rollout_logp", rollout_logp)
+    check_same_shape("rollout_logp", rollout_logp, "logp", logp)
+    check_same_shape("mask", mask, "logp", logp)
+
+
+def _log_ratios(
+    logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    on = mask != 0
+    acc = acc_dtype(logp.dtype)
+    log_rho = torch.where(on, logp.detach().to(acc) - rollout_logp.detach().to(acc), 0.0)
+    return log_rho, on
+
+
+def truncated_is_weights(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str = "token",
+    cap: float = 2.0,
+) -> torch.Tensor:
+    """Truncated importance-sampling weights correcting the rollout engine / trainer mismatch.
+
+    Reference: Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy
+    RL Training" (2025, truncated IS, TIS); Liu, Li et al., "When Speed Kills
+    Stability" (2025, sequence-level IS); Ionides, "Truncated Importance Sampling" (2008).
+
+    Formula, with ``rho_t = pi_train(y_t) / pi_rollout(y_t) = exp(logp_t - rollout_logp_t)``::
+
+        token:     w_t = min(rho_t, cap)
+        sequence:  w_t = min(prod_{s in seq} rho_s, cap)   (same weight on every token)
+
+    The product is formed in log space and truncated before ``exp``, so it cannot
+    overflow; peers clamp the log-ratio to +-20 first, which distorts nothing only
+    because the cap is far below ``e^20``. The weights are detached (a constant factor
+    on the per-token loss).
+
+    Args:
+      logp: ``[B, T]`` log-probs of the sampled tokens under the training engine
+        (the proximal policy, or the current one in bypass mode).
+      rollout_logp: ``[B, T]`` log-probs the rollout engine reported.
+      mask: ``[B, T]``; 1 marks a generated token.
+      level: ``"token"`` or ``"sequence"``.
+      cap: truncation threshold ``C`` (> 0; verl's default 2).
+
+    Returns:
+      ``[B, T]`` weights in ``logp.dtype``, 0 where the mask is 0.
+
+    >>> lp = torch.tensor([[0.0, 0.0]]); rl = torch.tensor([[-0.5, -2.0]])
+    >>> truncated_is_weights(lp, rl, torch.ones(1, 2))
+    tensor([[1.6487, 2.0000]])
+    """
+    _check_logps(logp, rollout_logp, mask)
+    check_choice("level", level, _IS_LEVELS)
+    check_positive("cap", cap)
+    log_rho, on = _log_ratios(logp, rollout_logp, mask)
+    if level == "sequence":
+        log_rho = log_rho.sum(dim=-1, keepdim=True).expand_as(log_rho)
+    w = torch.exp(torch.clamp(log_rho, max=math.log(cap)))
+    return torch.where(on, w, 0.0).to(logp.dtype)
+
+
+def rejection_mask(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str = "token",
+    high: float = 2.0,
+    low: float | None = None,
+    veto: float | None = None,
+) -> torch.Tensor:
+    """Rejection sampling for rollout / trainer mismatch: drop tokens or sequences with outlying ratios.
+
+    Reference: Liu, Li et al., "When Speed Kills Stability: Demystifying RL Collapse
+    from the Training-Inference Mismatch" (2025); verl's rollout correction.
+
+    With ``rho_t = exp(logp_t - rollout_logp_t)`` over the counted tokens, a token /
+    sequence is kept when its statistic lies in ``[low, high]``::
+
+        token:      rho_t
+        sequence:   prod_t rho_t
+        geometric:  (prod_t rho_t) ** (1 / |seq|)      (typical bounds 1 +- 1e-3)
+
+    and, with ``veto`` set, a sequence is dropped whole if any token has
+    ``rho_t < veto``. Comparisons are made in log space.
+
+    Args:
+      logp: ``[B, T]`` log-probs of the sampled tokens under the training engine.
+      rollout_logp: ``[B, T]`` log-probs the rollout engine reported.
+      mask: ``[B, T]``; 1 marks a generated token.
+      level: ``"token"``, ``"sequence"`` or ``"geometric"``.
+      high: upper bound on the ratio (> 0).
+      low: lower bound; ``None`` uses ``1 / high``.
+      veto: per-token catastrophe threshold, or ``None``.
+
+    Returns:
+      The mask with rejected tokens set to 0, in ``mask.dtype``.
+
+    >>> lp = torch.tensor([[0.0, 0.0], [0.0, 0.0]]); rl = torch.tensor([[0.0, -1.0], [0.0, 0.1]])
+    >>> rejection_mask(lp, rl, torch.ones(2, 2), level="sequence")
+    tensor([[0., 0.],
+            [1., 1.]])
+    """
+    _check_logps(logp, rollout_logp, mask)
+    check_choice("level", level, _RS_LEVELS)
+    check_positive("high", high)
+    lo = 1.0 / high if low is None else low
+    check_positive("low", lo)
+    if lo > high:
+        raise ValueError(f"low: got {lo!r}, expected a number <= high ({high!r})")
+    log_rho, on = _log_ratios(logp, rollout_logp, mask)
+    if level == "token":
+        stat = log_rho
+    else:
+        total = log_rho.sum(dim=-1, keepdim=True)
+        if level == "geometric":
+            total = total / torch.clamp(on.sum(dim=-1, keepdim=True), min=1).to(total.dtype)
+        stat = total.expand_as(log_rho)
+    keep = (stat >= math.log(lo)) & (stat <= math.log(high))
+    if veto is not None:
+        check_positive("veto", veto)
+        vetoed = (on & (log_rho < math.log(veto))).any(dim=-1, keepdim=True)
+        keep = keep & ~vetoed
+    return torch.where(keep & on, mask, torch.zeros_like(mask))
