@@ -17,8 +17,30 @@ from rlcore.algos.advantages import (
     rloo_advantages,
 )
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
+from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
+from rlcore.algos.policy_losses import (
+    cispo_loss,
+    gmpo_loss,
+    gpg_loss,
+    gspo_loss,
+    ppo_clip_loss,
+    reinforce_loss,
+    sapo_loss,
+)
+from rlcore.algos.value_loss import value_loss
 
 __all__: list[str] = [
+    "AGGREGATION_MODES",
+    "aggregate",
+    "cispo_loss",
+    "global_counts",
+    "gmpo_loss",
+    "gpg_loss",
+    "gspo_loss",
+    "ppo_clip_loss",
+    "reinforce_loss",
+    "sapo_loss",
+    "value_loss",
     "batch_normalize",
     "dynamic_sampling_indices",
     "dynamic_sampling_mask",

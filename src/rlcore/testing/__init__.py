@@ -5,6 +5,7 @@ Users import these for their own property tests, e.g.
 """
 
 from rlcore.testing import asserts, reference, strategies
+from rlcore.testing import loss_strategies
 from rlcore.testing.asserts import assert_close, assert_no_host_sync, tolerances
 from rlcore.testing.strategies import (
     float_tensors,
@@ -19,6 +20,7 @@ __all__ = [
     "assert_close",
     "assert_no_host_sync",
     "asserts",
+    "loss_strategies",
     "float_tensors",
     "group_ids",
     "grouped_scores",

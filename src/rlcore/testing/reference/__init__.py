@@ -6,6 +6,16 @@ correct one.
 """
 
 from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
+from rlcore.testing.reference.losses import (
+    aggregate_ref,
+    cispo_loss_ref,
+    gmpo_loss_ref,
+    gspo_loss_ref,
+    ppo_clip_loss_ref,
+    reinforce_loss_ref,
+    sapo_loss_ref,
+    value_loss_ref,
+)
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -31,6 +41,14 @@ from rlcore.testing.reference.advantages import (
 )
 
 __all__ = [
+    "aggregate_ref",
+    "cispo_loss_ref",
+    "gmpo_loss_ref",
+    "gspo_loss_ref",
+    "ppo_clip_loss_ref",
+    "reinforce_loss_ref",
+    "sapo_loss_ref",
+    "value_loss_ref",
     "batch_normalize_ref",
     "gae_ref",
     "gpg_advantages_ref",

@@ -1,0 +1,158 @@
+"""Loss aggregation: per-token losses to one scalar, exact across micro-batches and ranks.
+
+Peers normalise each micro-batch by its own token or sequence count and then average
+the micro-batches (and the data-parallel ranks). When micro-batches hold different
+numbers of tokens, that mean of means weights tokens unequally, so the gradient
+depends on how the batch happened to be split. Here the normaliser is a global count
+passed in (:func:`global_counts` computes it once per step), so the aggregates of the
+micro-batches *add up* to the aggregate of the whole batch, whatever the split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlcore._checks import check_choice, check_ndim, check_positive, check_same_shape, check_tensor
+from rlcore.ops import masked_mean, masked_sum
+from rlcore.ops._accum import acc_dtype
+
+__all__ = ["AGGREGATION_MODES", "aggregate", "global_counts"]
+
+AGGREGATION_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+Count = int | float | torch.Tensor
+
+
+def _safe_den(count: Count, ref: torch.Tensor) -> torch.Tensor:
+    den = torch.as_tensor(count, device=ref.device).to(ref.dtype)
+    return torch.where(den > 0, den, torch.ones_like(den))
+
+
+def _check_count(name: str, count: Count | None) -> None:
+    if count is None or isinstance(count, torch.Tensor):
+        if isinstance(count, torch.Tensor) and count.numel() != 1:
+            raise ValueError(f"{name}: got a tensor of shape {tuple(count.shape)}, expected a scalar")
+        return
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise ValueError(f"{name}: got {type(count).__name__}, expected None, a number or a scalar tensor")
+    check_positive(name, count, strict=False)
+
+
+def aggregate(
+    loss_t: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str = "token-mean",
+    num_tokens: Count | None = None,
+    num_seqs: Count | None = None,
+    horizon: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar, normalised by (global) counts.
+
+    Modes, with ``m`` the mask, ``N = num_tokens`` and ``S = num_seqs``::
+
+        token-mean               sum_{i,t} m l / N                     (DAPO, arXiv:2503.14476)
+        token-sum                sum_{i,t} m l
+        seq-mean-token-sum       sum_i (sum_t m l) / S
+        seq-mean-token-mean      sum_i (sum_t m l / sum_t m) / S       (GRPO, arXiv:2402.03300)
+        seq-mean-token-sum-norm  sum_i (sum_t m l) / (S * horizon)     (Dr. GRPO, arXiv:2503.20783)
+
+    ``N`` defaults to the batch's ``sum(m)`` and ``S`` to its number of sequences with at
+    least one counted token (a fully masked sequence, e.g. one rejected by a filter, is
+    not an example). Passing the counts of the *whole* batch makes the result additive:
+    the sum of ``aggregate`` over the micro-batches (and over data-parallel ranks, with
+    counts from :func:`global_counts` over the group) equals ``aggregate`` of the whole
+    batch. Wrappers that *average* gradients across ranks (DDP, FSDP) then need the
+    loss multiplied by the world size.
+
+    ``horizon`` defaults to ``T``; pass a constant (the maximum generation length, as
+    Dr. GRPO does) so micro-batches padded to different lengths agree. verl's version of
+    this mode divides by ``T`` only, without ``S``, so its scale grows with the batch.
+
+    Args:
+      loss_t: ``[B, T]`` per-token loss.
+      mask: ``[B, T]``, 1 (or a weight) where a token counts.
+      mode: one of :data:`AGGREGATION_MODES`.
+      num_tokens: global counted-token total ``N`` (number or scalar tensor).
+      num_seqs: global counted-sequence total ``S`` (number or scalar tensor).
+      horizon: normaliser of ``"seq-mean-token-sum-norm"`` (> 0).
+
+    Returns:
+      A scalar in ``loss_t.dtype`` (float32 accumulation). Zero counts give 0, not NaN.
+
+    >>> loss_t = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    >>> mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    >>> aggregate(loss_t, mask, mode="token-mean")
+    tensor(2.5000)
+    >>> aggregate(loss_t, mask, mode="seq-mean-token-mean")
+    tensor(3.)
+    >>> aggregate(loss_t[:1], mask[:1], mode="token-mean", num_tokens=4)
+    tensor(1.5000)
+    """
+    check_tensor("loss_t", loss_t)
+    check_ndim("loss_t", loss_t, 2)
+    check_same_shape("mask", mask, "loss_t", loss_t)
+    check_choice("mode", mode, AGGREGATION_MODES)
+    _check_count("num_tokens", num_tokens)
+    _check_count("num_seqs", num_seqs)
+    if horizon is not None:
+        if isinstance(horizon, bool) or not isinstance(horizon, (int, float)):
+            raise ValueError(f"horizon: got {type(horizon).__name__}, expected a positive number")
+        check_positive("horizon", horizon)
+    loss = loss_t.to(acc_dtype(loss_t.dtype))
+    if mode == "token-sum":
+        return masked_sum(loss, mask).to(loss_t.dtype)
+    if mode == "token-mean":
+        total = masked_sum(loss, mask)
+        count = masked_sum(torch.ones_like(loss), mask) if num_tokens is None else num_tokens
+        return (total / _safe_den(count, total)).to(loss_t.dtype)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked_mean(loss, mask, dim=-1)
+    else:
+        per_seq = masked_sum(loss, mask, dim=-1)
+    if num_seqs is None:
+        num_seqs = (mask != 0).any(dim=-1).sum()
+    total = per_seq.sum()
+    den = _safe_den(num_seqs, total)
+    if mode == "seq-mean-token-sum-norm":
+        den = den * (loss_t.shape[-1] if horizon is None else horizon)
+    return (total / den).to(loss_t.dtype)
+
+
+def global_counts(mask: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The token and sequence counts of a batch, summed over a process group if one is given.
+
+    Take them from the whole (local) batch *after* filtering and before splitting it
+    into micro-batches, and pass them to :func:`aggregate` (or ``Algorithm.loss``) as
+    ``**counts``. With ``group``, one ``all_reduce`` (sum) of a two-element tensor
+    makes them global over the data-parallel ranks.
+
+    Args:
+      mask: ``[B, T]`` token mask of the local batch.
+      group: optional ``torch.distributed`` process group (the data-parallel group).
+
+    Returns:
+      ``{"num_tokens": N, "num_seqs": S}`` as scalar tensors on ``mask.device``: int64
+      for a boolean or integer mask (exact at any size), float for a weighted mask.
+
+    >>> global_counts(torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]]))
+    {'num_tokens': tensor(3), 'num_seqs': tensor(2)}
+    """
+    check_tensor("mask", mask)
+    check_ndim("mask", mask, 2)
+    if mask.dtype.is_floating_point:
+        weights = mask.to(acc_dtype(mask.dtype))
+    else:
+        weights = (mask != 0).long()
+    seqs = (mask != 0).any(dim=-1).sum().to(weights.dtype)
+    counts = torch.stack([weights.sum(), seqs])
+    if group is not None:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    return {"num_tokens": counts[0], "num_seqs": counts[1]}
