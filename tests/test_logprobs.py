@@ -1,4 +1,3 @@
-import doctest
 import math
 
 import pytest
@@ -6,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rlcore.ops.logprobs as logprobs_module
 from rlcore.ops import entropy_from_logits, logprobs_from_logits
 from rlcore.testing import assert_close, assert_no_host_sync
+from rlcore.testing.allocations import record_allocations
 from rlcore.testing.reference import entropy_ref, logprobs_ref
 from rlcore.testing.token_strategies import chunk_sizes, lm_logits_and_labels
 
@@ -243,6 +242,13 @@ def test_bad_input_raises_value_error(call, match):
         call(x, y)
 
 
-def test_docstring_examples():
-    result = doctest.testmod(logprobs_module, extraglobs={"torch": torch})
-    assert result.attempted >= 3 and result.failed == 0
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_tokens_by_vocab_allocation_the_gradient(dtype):
+    n, vocab, chunk = 48, 70, 16
+    logits = torch.randn(n, vocab).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (n,))
+    with record_allocations() as shapes:
+        lp, h = logprobs_from_logits(logits, labels, temperature=0.9, chunk_size=chunk, with_entropy=True)
+        (lp.float().sum() + h.float().sum()).backward()
+    assert shapes.count((n, vocab)) == 1
+    assert max(math.prod(s) for s in shapes if s != (n, vocab)) <= chunk * vocab

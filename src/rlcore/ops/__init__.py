@@ -3,6 +3,7 @@
 Pure tensor-in, tensor-out functions with float32 accumulation and no host syncs.
 """
 
+from rlcore.ops.linear_logprobs import linear_logprobs
 from rlcore.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from rlcore.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlcore.ops.scan import discounted_cumsum, reverse_linear_scan
@@ -11,6 +12,7 @@ from rlcore.ops.segment import segment_count, segment_mean, segment_mean_std, se
 __all__ = [
     "discounted_cumsum",
     "entropy_from_logits",
+    "linear_logprobs",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

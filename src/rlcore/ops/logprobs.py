@@ -28,9 +28,9 @@ __all__ = ["entropy_from_logits", "logprobs_from_logits"]
 DEFAULT_CHUNK_SIZE = 512
 
 
-def _check_chunk_size(chunk_size: int) -> None:
+def _check_chunk_size(chunk_size: int, name: str = "chunk_size") -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size: got {chunk_size!r}, expected a positive int")
+        raise ValueError(f"{name}: got {chunk_size!r}, expected a positive int")
 
 
 def _check_temperature(temperature: float) -> None:

@@ -5,6 +5,7 @@ Users import these for their own property tests, e.g.
 """
 
 from rlcore.testing import asserts, reference, strategies
+from rlcore.testing import allocations, token_strategies
 from rlcore.testing import loss_strategies
 from rlcore.testing.asserts import assert_close, assert_no_host_sync, tolerances
 from rlcore.testing.strategies import (
@@ -30,4 +31,6 @@ __all__ = [
     "strategies",
     "token_batches",
     "tolerances",
+    "allocations",
+    "token_strategies",
 ]
