@@ -28,6 +28,10 @@ from rlcore.algos.policy_losses import (
     sapo_loss,
 )
 from rlcore.algos.value_loss import value_loss
+from rlcore.algos.kto import kto_loss
+from rlcore.algos.preference import sequence_logps
+from rlcore.algos.preference_pairwise import DIVERGENCES, DPO_LOSS_TYPES, dpo_loss
+from rlcore.algos.preference_reffree import cpo_loss, orpo_loss, simpo_loss
 
 __all__: list[str] = [
     "AGGREGATION_MODES",
@@ -55,4 +59,12 @@ __all__: list[str] = [
     "remax_advantages",
     "rloo_advantages",
     "truncated_is_weights",
+    "DIVERGENCES",
+    "DPO_LOSS_TYPES",
+    "cpo_loss",
+    "dpo_loss",
+    "kto_loss",
+    "orpo_loss",
+    "sequence_logps",
+    "simpo_loss",
 ]

@@ -16,6 +16,14 @@ from rlcore.testing.reference.losses import (
     sapo_loss_ref,
     value_loss_ref,
 )
+from rlcore.testing.reference.preference import (
+    cpo_loss_ref,
+    dpo_loss_ref,
+    kto_loss_ref,
+    orpo_loss_ref,
+    sequence_logps_ref,
+    simpo_loss_ref,
+)
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -71,4 +79,10 @@ __all__ = [
     "segment_mean_ref",
     "segment_std_ref",
     "segment_sum_ref",
+    "cpo_loss_ref",
+    "dpo_loss_ref",
+    "kto_loss_ref",
+    "orpo_loss_ref",
+    "sequence_logps_ref",
+    "simpo_loss_ref",
 ]

@@ -1,0 +1,106 @@
+"""Sequence log-probabilities for preference losses, and the pieces the losses share.
+
+A preference loss scores whole responses: it takes per-sequence log-probabilities
+``[B]`` (from :func:`sequence_logps`), never token tensors, so the same loss serves a
+padded batch, a packed one, or values precomputed offline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcore._checks import check_choice, check_floating, check_ndim, check_same_shape
+from rlcore.ops import masked_mean, masked_sum
+
+__all__ = ["sequence_logps"]
+
+REDUCTIONS = ("sum", "mean")
+
+# Beyond exp(_EXP_CAP) the exponential is continued linearly: see _capped_exp.
+_EXP_CAP = 20.0
+
+
+def sequence_logps(logp: torch.Tensor, mask: torch.Tensor, *, reduce: str = "sum") -> torch.Tensor:
+    """Per-sequence log-probability from token log-probs: the masked sum, or its length-normalised mean.
+
+    DPO (Rafailov et al., 2023, arXiv:2305.18290) scores a response by
+    ``log pi(y|x) = sum_t log pi(y_t | x, y_<t)``; SimPO (Meng et al., 2024,
+    arXiv:2405.14734) and ORPO (Hong et al., 2024, arXiv:2403.07691) use the average
+    ``(1/|y|) sum_t log pi(y_t | x, y_<t)``, and TRL runs IPO on it too.
+
+    Args:
+      logp: ``[B, T]`` token log-probs; positions outside the mask may hold anything,
+        ``nan`` included.
+      mask: ``[B, T]``, 1 on the response tokens that count (bool or 0/1).
+      reduce: ``"sum"`` or ``"mean"`` (length-normalised).
+
+    Returns:
+      ``[B]`` in ``logp.dtype`` (float32 accumulation); a row with an empty mask gives 0.
+
+    >>> logp = torch.tensor([[-1.0, -2.0, float("nan")], [-0.5, -0.5, -0.5]])
+    >>> mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    >>> sequence_logps(logp, mask)
+    tensor([-3.0000, -1.5000])
+    >>> sequence_logps(logp, mask, reduce="mean")
+    tensor([-1.5000, -0.5000])
+    """
+    check_choice("reduce", reduce, REDUCTIONS)
+    check_floating("logp", logp)
+    check_ndim("logp", logp, 2)
+    check_same_shape("mask", mask, "logp", logp)
+    reducer = masked_sum if reduce == "sum" else masked_mean
+    return reducer(logp, mask, dim=-1)
+
+
+def _check_sequences(**tensors: torch.Tensor) -> torch.Tensor:
+    """Every tensor must be floating point with the shape ``[B]`` of the first one; returns the first."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    check_floating(first_name, first)
+    check_ndim(first_name, first, 1)
+    for name, x in items[1:]:
+        check_floating(name, x)
+        check_same_shape(name, x, first_name, first)
+    return first
+
+
+def _check_label_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(
+            f"label_smoothing: got {label_smoothing!r}, expected a number in [0, 0.5) "
+            "(the probability that a preference label is flipped)"
+        )
+
+
+def _capped_exp(t: torch.Tensor) -> torch.Tensor:
+    """``exp(t)``, continued linearly (value and slope matched) beyond ``t = 20``.
+
+    The f-divergence scores and DiscoPOP contain ``exp`` of a log-ratio, which
+    overflows at the log-ratios a diverging policy reaches. TRL clamps the exponent at
+    ``log(finfo.max)``: the clamped value still overflows once divided by alpha or
+    multiplied by beta, and the clamp zeroes the gradient. The linear continuation
+    keeps both finite (squares included, for IPO and SPPO) and keeps the gradient's
+    sign; below the cap it is exactly ``exp``.
+    """
+    return torch.exp(t.clamp(max=_EXP_CAP)) * (1.0 + (t - _EXP_CAP).clamp(min=0.0))
+
+
+def _smoothed_logistic(x: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """``-(1 - eps) log sigmoid(x) - eps log sigmoid(-x)``, in the overflow-free softplus form."""
+    loss = torch.nn.functional.softplus(-x)
+    if label_smoothing:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * torch.nn.functional.softplus(x)
+    return loss
+
+
+def _pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, dtype: torch.dtype) -> dict:
+    """Detached per-pair implicit rewards, their margin and whether the pair is ranked right."""
+    chosen_rewards = chosen_rewards.detach()
+    rejected_rewards = rejected_rewards.detach()
+    margins = chosen_rewards - rejected_rewards
+    return {
+        "chosen_rewards": chosen_rewards.to(dtype),
+        "rejected_rewards": rejected_rewards.to(dtype),
+        "margins": margins.to(dtype),
+        "accuracies": (margins > 0).to(dtype),
+    }

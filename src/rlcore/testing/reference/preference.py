@@ -1,0 +1,183 @@
+"""Scalar references for the preference losses, straight from the published formulas.
+
+One pair (or sample) at a time in Python float64 with the naive textbook expressions
+(``log(sigmoid(x))``, ``u = exp(l)``, odds ``P / (1 - P)``), so they are accurate for
+moderate inputs only; differential tests draw inputs in that range and the
+vectorised code is tested separately at the extremes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "cpo_loss_ref",
+    "dpo_loss_ref",
+    "kto_loss_ref",
+    "orpo_loss_ref",
+    "sequence_logps_ref",
+    "simpo_loss_ref",
+]
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _cdpo(x: float, eps: float) -> float:
+    return -(1.0 - eps) * math.log(_sigmoid(x)) - eps * math.log(_sigmoid(-x))
+
+
+def _floats(*tensors: torch.Tensor) -> list[list[float]]:
+    return [t.double().tolist() for t in tensors]
+
+
+def _t(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def sequence_logps_ref(logp: torch.Tensor, mask: torch.Tensor, *, reduce: str = "sum") -> torch.Tensor:
+    out = []
+    for row, m in zip(logp.double().tolist(), mask.double().tolist()):
+        picked = [v for v, w in zip(row, m) if w != 0]
+        total = math.fsum(picked)
+        out.append(total if reduce == "sum" else (total / len(picked) if picked else 0.0))
+    return _t(out)
+
+
+def _score(logratio: float, divergence: str, alpha: float) -> float:
+    """f'(u) - f'(1) for u = pi / pi_ref, f-DPO (arXiv:2309.16240), Table 1."""
+    u = math.exp(logratio)
+    if divergence == "reverse_kl":  # f'(u) = log u + 1
+        return math.log(u)
+    if divergence == "forward_kl":  # f'(u) = -1/u
+        return -1.0 / u + 1.0
+    if divergence == "js":  # f'(u) = log(2u / (1 + u))
+        return math.log(2.0 * u / (1.0 + u))
+    return (1.0 - u ** (-alpha)) / alpha  # alpha-divergence
+
+
+def dpo_loss_ref(
+    pi_chosen: torch.Tensor,
+    pi_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    divergence: str = "reverse_kl",
+    alpha: float = 0.5,
+    discopop_tau: float = 0.05,
+    bco_delta: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [B], chosen_rewards [B], rejected_rewards [B])`` in float64."""
+    pw, pl, rw, rl = _floats(pi_chosen, pi_rejected, ref_chosen, ref_rejected)
+    n = len(pw)
+    eps = label_smoothing
+    sc = [_score(pw[i] - rw[i], divergence, alpha) for i in range(n)]
+    sr = [_score(pl[i] - rl[i], divergence, alpha) for i in range(n)]
+    if loss_type == "aot":
+        pol = sorted(pw[i] - pl[i] for i in range(n))
+        ref = sorted(rw[i] - rl[i] for i in range(n))
+        losses = [_cdpo(beta * (pol[i] - ref[i]), eps) for i in range(n)]
+    elif loss_type == "aot_pair":
+        cs, rs = sorted(sc), sorted(sr)
+        losses = [_cdpo(beta * (cs[i] - rs[i]), eps) for i in range(n)]
+    else:
+        if loss_type == "bco_pair" and bco_delta is None:
+            bco_delta = math.fsum(beta * s for s in sc + sr) / (2 * n)
+        losses = [_pair_ref(loss_type, sc[i], sr[i], beta, eps, discopop_tau, bco_delta) for i in range(n)]
+    return _t(losses), _t([beta * s for s in sc]), _t([beta * s for s in sr])
+
+
+def _pair_ref(
+    loss_type: str, sc: float, sr: float, beta: float, eps: float, tau: float, delta: float | None
+) -> float:
+    h = sc - sr
+    x = beta * h
+    if loss_type == "sigmoid":  # DPO eq. 7; cDPO for eps > 0
+        return _cdpo(x, eps)
+    if loss_type == "robust":  # rDPO, arXiv:2403.00409 eq. 8
+        return ((1 - eps) * -math.log(_sigmoid(x)) - eps * -math.log(_sigmoid(-x))) / (1 - 2 * eps)
+    if loss_type == "hinge":
+        return max(0.0, 1.0 - x)
+    if loss_type == "ipo":  # IPO eq. 17
+        return (h - 1.0 / (2.0 * beta)) ** 2
+    if loss_type == "exo_pair":  # EXO eq. 16, K = 2: KL(q_theta || p_target)
+        q = [_sigmoid(x), _sigmoid(-x)]
+        p = [1.0 - eps, eps]
+        return sum(qi * math.log(qi / pi) for qi, pi in zip(q, p) if qi > 0)
+    if loss_type == "nca_pair":
+        cr, rr = beta * sc, beta * sr
+        return -math.log(_sigmoid(cr)) - 0.5 * (math.log(_sigmoid(-cr)) + math.log(_sigmoid(-rr)))
+    if loss_type == "bco_pair":
+        assert delta is not None
+        return -math.log(_sigmoid(beta * sc - delta)) - math.log(_sigmoid(-(beta * sr - delta)))
+    if loss_type == "sppo_hard":  # SPPO eq. 4.7 with P(y_w > y_l) = 1
+        return (sc - 0.5 / beta) ** 2 + (sr + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":  # APO eq. 7
+        return 1.0 - _sigmoid(beta * sc) + _sigmoid(beta * sr)
+    if loss_type == "apo_down":  # APO eq. 8
+        return _sigmoid(beta * sc) + 1.0 - _sigmoid(x)
+    if loss_type == "discopop":  # DiscoPOP eq. 5 (log-ratio modulated loss)
+        m = _sigmoid(x / tau)
+        return (1.0 - m) * -math.log(_sigmoid(x)) + m * math.exp(-x)
+    raise ValueError(f"loss_type: got {loss_type!r}")
+
+
+def simpo_loss_ref(
+    pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, *, beta: float = 2.0, gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    pw, pl = _floats(pi_chosen, pi_rejected)
+    return _t([_cdpo(beta * w - beta * l - gamma, label_smoothing) for w, l in zip(pw, pl)])
+
+
+def cpo_loss_ref(
+    pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, chosen_nll: torch.Tensor, *, beta: float = 0.1,
+    alpha: float = 1.0, label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    pw, pl, nll = _floats(pi_chosen, pi_rejected, chosen_nll)
+    return _t([_cdpo(beta * (w - l), label_smoothing) + alpha * n for w, l, n in zip(pw, pl, nll)])
+
+
+def orpo_loss_ref(
+    pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, chosen_nll: torch.Tensor, *, lam: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss [B], log_odds_ratio [B])``: odds = P / (1 - P) with P = exp(mean log-prob)."""
+    pw, pl, nll = _floats(pi_chosen, pi_rejected, chosen_nll)
+    losses, ratios = [], []
+    for w, l, n in zip(pw, pl, nll):
+        odds_w = math.exp(w) / (1.0 - math.exp(w))
+        odds_l = math.exp(l) / (1.0 - math.exp(l))
+        ratio = math.log(odds_w / odds_l)
+        ratios.append(ratio)
+        losses.append(n - lam * math.log(_sigmoid(ratio)))
+    return _t(losses), _t(ratios)
+
+
+def kto_loss_ref(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    desirable: torch.Tensor,
+    kl_logp: torch.Tensor,
+    kl_ref_logp: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, float]:
+    """``(loss [B], z)``: KTO eq. 8, loss = lambda_y - v(x, y)."""
+    lp, rp, klp, klr = _floats(logp, ref_logp, kl_logp, kl_ref_logp)
+    z = max(0.0, math.fsum(a - b for a, b in zip(klp, klr)) / len(klp))
+    losses = []
+    for a, b, good in zip(lp, rp, desirable.bool().tolist()):
+        r = a - b
+        if good:
+            losses.append(desirable_weight - desirable_weight * _sigmoid(beta * (r - z)))
+        else:
+            losses.append(undesirable_weight - undesirable_weight * _sigmoid(beta * (z - r)))
+    return _t(losses), z
