@@ -1,0 +1,371 @@
+"""The resharding flow: move weights from the training layout to the inference layout.
+
+:func:`plan_reshard` decides, from two :class:`~rlcore.dataflow.layout.Layout` values
+and the parameter shapes alone, which collective moves each parameter, and packs the
+parameters into dtype buckets of bounded size. :func:`reshard` (or
+:func:`reshard_bucket`, one bucket at a time) runs the plan on a real process group.
+The collectives, in the order they apply to one parameter:
+
+1. ``broadcast`` over ``pp``: a training pipeline stage sends its layers to the
+   other stages, since inference keeps every layer on every rank;
+2. per split mesh dimension (``tp``, or ``ep`` for stacked experts), from ``s`` to
+   ``d`` shards:
+
+   * ``split`` -- every rank already holds its new shard (``s = 1``, or the new
+     shard is inside the old one on the same rank): a local slice, no traffic;
+   * ``all_gather`` -- fewer shards (``s`` a multiple of ``d``): ``Shard -> Replicate``
+     by ``DTensor.redistribute`` over the training group, then the local slice;
+   * ``all_to_all`` -- as many or more shards, on other ranks (``d`` a multiple of ``s``):
+     ``all_to_all_single`` over the training group, each rank sending every peer
+     exactly the slice of its shard that the peer needs, and nothing else.
+
+The seed system's AllGather-Swap all-gathers in both directions; the all-to-all
+moves ``1/s`` of that volume when inference shards more finely than training (e.g.
+expert parallel 2 -> 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rlcore._checks import check_positive
+from rlcore.dataflow.layout import Layout, _shape
+
+__all__ = [
+    "Bucket",
+    "Move",
+    "ParamMove",
+    "ReshardPlan",
+    "allocate_buckets",
+    "bucket_views",
+    "plan_reshard",
+    "reshard",
+    "reshard_bucket",
+]
+
+_SPLIT_DIMS = ("ep", "tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One step of one parameter: ``collective`` over mesh dim ``mesh_dim`` (``src_size -> dst_size`` shards)."""
+
+    collective: str
+    mesh_dim: str
+    tensor_dim: int | None
+    src_size: int
+    dst_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMove:
+    """How one parameter moves, with its per-rank byte counts."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    src_shape: tuple[int, ...]
+    dst_shape: tuple[int, ...]
+    moves: tuple[Move, ...]
+    dst_bytes: int
+    transient_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Parameters of one dtype moved together; ``nbytes`` of inference weights, ``transient_bytes`` in flight at most."""
+
+    dtype: torch.dtype
+    names: tuple[str, ...]
+    nbytes: int
+    transient_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardPlan:
+    """What :func:`plan_reshard` returns: the two layouts, a :class:`ParamMove` per parameter, the buckets."""
+
+    src: Layout
+    dst: Layout
+    params: Mapping[str, ParamMove]
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+
+    def dst_bytes(self) -> int:
+        """Bytes of inference weights per rank."""
+        return sum(b.nbytes for b in self.buckets)
+
+    def src_bytes(self, rank: int, names: Any = None) -> int:
+        """Bytes of training weights ``rank`` holds (of ``names``, default all)."""
+        names = self.params if names is None else names
+        return sum(
+            math.prod(self.params[n].src_shape) * self.params[n].dtype.itemsize
+            for n in names
+            if self.src.holds(n, rank)
+        )
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _local_everywhere(src: Layout, dst: Layout, dim: str, k: int) -> bool:
+    """Whether every rank's new shard lies inside the old shard it already holds."""
+    return all(dst.coords(r)[dim] // k == src.coords(r)[dim] for r in range(src.world_size))
+
+
+def _moves(name: str, shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout) -> ParamMove:
+    sp = src.placements[name]
+    src_shape, dst_shape = src.local_shape(name, shape), dst.local_shape(name, shape)
+    moves, transient = [], 0
+    if src.pp > 1:
+        moves.append(Move("broadcast", "pp", None, src.pp, 1))
+        transient += _nbytes(src_shape, dtype)
+    for dim in _SPLIT_DIMS:
+        tdim = getattr(sp, dim)
+        if tdim is None:
+            continue
+        s, d = getattr(src, dim), getattr(dst, dim)
+        if s == 1 or (d % s == 0 and _local_everywhere(src, dst, dim, d // s)):
+            kind = "split"
+        elif d % s == 0:
+            kind = "all_to_all"
+            transient += _nbytes(src_shape, dtype) + _nbytes(dst_shape, dtype)
+        else:
+            kind = "all_gather"
+            transient += _nbytes(src_shape, dtype) * s
+        moves.append(Move(kind, dim, tdim, s, d))
+    return ParamMove(name, shape, dtype, src_shape, dst_shape, tuple(moves), _nbytes(dst_shape, dtype), transient)
+
+
+def _check_pair(param_meta: Mapping[str, Any], src: Layout, dst: Layout) -> None:
+    if src.world_size != dst.world_size:
+        raise ValueError(
+            f"dst_layout: got world size {dst.world_size} ({dst.describe()}), expected {src.world_size}, "
+            f"the world size of src_layout ({src.describe()})"
+        )
+    if dst.pp != 1:
+        raise ValueError(f"dst_layout: got pp={dst.pp}, expected pp=1 (inference holds every layer on every rank)")
+    for dim in _SPLIT_DIMS:
+        s, d = getattr(src, dim), getattr(dst, dim)
+        if s % d and d % s:
+            raise ValueError(f"{dim}: got {s} in src_layout and {d} in dst_layout, expected one to divide the other")
+    src.validate(param_meta, what="src_layout")
+    dst.validate(param_meta, what="dst_layout")
+    for name in param_meta:
+        a, b = src.placements[name], dst.placements[name]
+        if (a.tp, a.ep) != (b.tp, b.ep):
+            raise ValueError(
+                f"dst_layout: parameter {name!r} is split as (tp={b.tp}, ep={b.ep}), expected the split dims of "
+                f"src_layout (tp={a.tp}, ep={a.ep}); only the mesh sizes may change"
+            )
+
+
+def plan_reshard(
+    param_meta: Mapping[str, Any], src_layout: Layout, dst_layout: Layout, *, bucket_bytes: int = 256 << 20
+) -> ReshardPlan:
+    """Plan the move of every parameter from ``src_layout`` (training) to ``dst_layout`` (inference).
+
+    Reference: MindSpeed-RL's resharding flow and AllGather-Swap (Feng et al.,
+    arXiv:2507.19017). Per parameter, ``broadcast`` over pipeline stages, then per
+    split mesh dim ``split`` / ``all_gather`` / ``all_to_all`` (module docstring).
+    Parameters are packed in order into buckets of one dtype with
+    ``sum(inference bytes) + max(transient bytes) <= bucket_bytes``, so a bucket in
+    flight never holds more than ``bucket_bytes`` beyond the weights themselves.
+
+    Args:
+      param_meta: parameter name -> anything with ``.shape`` and ``.dtype`` (full,
+        unsharded shapes; ``meta`` tensors allocate nothing).
+      src_layout: the training layout.
+      dst_layout: the inference layout, over the same world size, with ``pp = 1``;
+        its ``tp`` and ``ep`` must divide or be multiples of the training ones.
+      bucket_bytes: the bound on one bucket, per rank.
+
+    Returns:
+      A :class:`ReshardPlan`.
+
+    Raises:
+      ValueError: different world sizes, sizes that do not divide, a placement on a
+        dim the tensor lacks, a bucket smaller than one parameter's needs.
+
+    >>> from rlcore.dataflow.layout import decoder_layout
+    >>> meta = {"model.layers.0.mlp.up_proj.weight": torch.empty(8, 4, device="meta")}
+    >>> plan = plan_reshard(meta, decoder_layout(meta, tp=2), decoder_layout(meta, dp=2))
+    >>> plan.params["model.layers.0.mlp.up_proj.weight"].moves[0].collective
+    'all_gather'
+    """
+    check_positive("bucket_bytes", bucket_bytes)
+    _check_pair(param_meta, src_layout, dst_layout)
+    params = {
+        n: _moves(n, _shape(m), m.dtype, src_layout, dst_layout) for n, m in param_meta.items()
+    }
+    buckets: list[Bucket] = []
+    cur: list[ParamMove] = []
+
+    def close() -> None:
+        if cur:
+            buckets.append(
+                Bucket(cur[0].dtype, tuple(p.name for p in cur), sum(p.dst_bytes for p in cur),
+                       max(p.transient_bytes for p in cur))
+            )
+            cur.clear()
+
+    for p in params.values():
+        need = p.dst_bytes + p.transient_bytes
+        if need > bucket_bytes:
+            raise ValueError(
+                f"bucket_bytes: got {bucket_bytes}, expected at least {need}: parameter {p.name!r} "
+                f"(shape {p.shape}, {p.dtype}) needs {p.dst_bytes} bytes of inference weights and "
+                f"{p.transient_bytes} in flight"
+            )
+        if cur and (
+            cur[0].dtype != p.dtype
+            or sum(q.dst_bytes for q in cur) + p.dst_bytes + max(p.transient_bytes, *(q.transient_bytes for q in cur))
+            > bucket_bytes
+        ):
+            close()
+        cur.append(p)
+    close()
+    return ReshardPlan(src_layout, dst_layout, params, tuple(buckets), bucket_bytes)
+
+
+def allocate_buckets(plan: ReshardPlan, device: torch.device | str) -> list[torch.Tensor]:
+    """One flat, uninitialised tensor per bucket, sized from the inference layout.
+
+    >>> from rlcore.dataflow.layout import Layout, Placement
+    >>> lay = Layout({"w": Placement()})
+    >>> meta = {"w": torch.empty(3, 2, device="meta")}
+    >>> [b.shape for b in allocate_buckets(plan_reshard(meta, lay, lay), "cpu")]
+    [torch.Size([6])]
+    """
+    return [
+        torch.empty(sum(math.prod(plan.params[n].dst_shape) for n in b.names), dtype=b.dtype, device=device)
+        for b in plan.buckets
+    ]
+
+
+def bucket_views(plan: ReshardPlan, index: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inference weights of bucket ``index``: views of ``buffer`` in their shard shapes."""
+    bucket = plan.buckets[index]
+    want = sum(math.prod(plan.params[n].dst_shape) for n in bucket.names)
+    if buffer.dim() != 1 or buffer.numel() != want or buffer.dtype != bucket.dtype:
+        raise ValueError(
+            f"buffer: got shape {tuple(buffer.shape)} {buffer.dtype}, expected ({want},) {bucket.dtype} for bucket {index}"
+        )
+    views, offset = {}, 0
+    for n in bucket.names:
+        shape = plan.params[n].dst_shape
+        views[n] = buffer[offset : offset + math.prod(shape)].view(shape)
+        offset += math.prod(shape)
+    return views
+
+
+def _gather(x: torch.Tensor, mesh: Any, tdim: int) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    dt = DTensor.from_local(x, device_mesh=mesh, placements=[Shard(tdim)], run_check=False)
+    return dt.redistribute(mesh, [Replicate()]).to_local()
+
+
+def _all_to_all(x: torch.Tensor, mesh: Any, move: Move, plan: ReshardPlan, rank: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dim, tdim, k = move.mesh_dim, move.tensor_dim, move.dst_size // move.src_size
+    group = mesh.get_group()
+    members = dist.get_process_group_ranks(group)
+    mine = plan.src.coords(rank)[dim]
+    want = plan.dst.coords(rank)[dim]
+    piece = x.shape[tdim] // k
+    pieces, send_sizes, recv_sizes = [], [], []
+    for peer in members:
+        target = plan.dst.coords(peer)[dim]
+        if target // k == mine:
+            pieces.append(x.narrow(tdim, (target % k) * piece, piece).reshape(-1))
+            send_sizes.append(pieces[-1].numel())
+        else:
+            send_sizes.append(0)
+        recv_sizes.append(x.numel() // k if plan.src.coords(peer)[dim] == want // k else 0)
+    shape = list(x.shape)
+    shape[tdim] = piece
+    out = x.new_empty(x.numel() // k)
+    send = torch.cat(pieces) if pieces else x.new_empty(0)
+    dist.all_to_all_single(out, send, recv_sizes, send_sizes, group=group)
+    return out.view(shape)
+
+
+def reshard_bucket(
+    params: Mapping[str, torch.Tensor], plan: ReshardPlan, index: int, *, mesh: Any, out: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Run bucket ``index`` of ``plan``: write this rank's inference shards into ``out``.
+
+    Collective: every rank of the mesh calls it with the same ``index``.
+
+    Args:
+      params: this rank's training shards, name -> tensor of the training shard shape;
+        only the parameters of this rank's pipeline stage.
+      plan: from :func:`plan_reshard`.
+      index: which bucket.
+      mesh: ``plan.src.device_mesh(device_type)``, built once and reused.
+      out: the bucket's flat buffer (from :func:`allocate_buckets`).
+
+    Returns:
+      name -> inference shard (a view of ``out``) for the parameters of the bucket.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    views = bucket_views(plan, index, out)
+    for name, view in views.items():
+        pm = plan.params[name]
+        held = plan.src.holds(name, rank)
+        if held != (name in params):
+            want = "holds" if held else "does not hold"
+            raise ValueError(f"params: rank {rank} {want} {name!r} in src_layout, expected params to match")
+        if held:
+            x = params[name]
+            if tuple(x.shape) != pm.src_shape or x.dtype != pm.dtype:
+                raise ValueError(
+                    f"params[{name!r}]: got shape {tuple(x.shape)} {x.dtype}, expected {pm.src_shape} {pm.dtype}"
+                )
+        for move in pm.moves:
+            if move.collective == "broadcast":
+                buf = x.contiguous() if held else out.new_empty(pm.src_shape)
+                dist.broadcast(buf, group=mesh["pp"].get_group(), group_src=plan.src.placements[name].stage)
+                x = buf
+            elif move.collective == "all_gather":
+                full = _gather(x.contiguous(), mesh[move.mesh_dim], move.tensor_dim)
+                c = plan.dst.coords(rank)[move.mesh_dim]
+                x = full.chunk(move.dst_size, dim=move.tensor_dim)[c]
+            elif move.collective == "all_to_all":
+                x = _all_to_all(x.contiguous(), mesh[move.mesh_dim], move, plan, rank)
+            else:
+                c = plan.dst.coords(rank)[move.mesh_dim]
+                k = move.dst_size // move.src_size
+                x = x.chunk(k, dim=move.tensor_dim)[c % k]
+        view.copy_(x)
+    return views
+
+
+def reshard(
+    params: Mapping[str, torch.Tensor], plan: ReshardPlan, *, mesh: Any, out: list[torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Run every bucket of ``plan``: this rank's inference weights, name -> tensor.
+
+    Collective over the mesh. ``out`` (default: :func:`allocate_buckets` on the
+    device of ``params``) receives the weights; the returned tensors are its views.
+    See :func:`reshard_bucket` for the arguments.
+    """
+    if out is None:
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        out = allocate_buckets(plan, device)
+    if len(out) != len(plan.buckets):
+        raise ValueError(f"out: got {len(out)} buffers, expected {len(plan.buckets)} (one per bucket)")
+    weights: dict[str, torch.Tensor] = {}
+    for i, buf in enumerate(out):
+        weights.update(reshard_bucket(params, plan, i, mesh=mesh, out=buf))
+    return weights
