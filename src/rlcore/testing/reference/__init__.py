@@ -24,6 +24,7 @@ from rlcore.testing.reference.preference import (
     sequence_logps_ref,
     simpo_loss_ref,
 )
+from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -85,4 +86,6 @@ __all__ = [
     "orpo_loss_ref",
     "sequence_logps_ref",
     "simpo_loss_ref",
+    "TransferDockRef",
+    "balanced_partition_ref",
 ]

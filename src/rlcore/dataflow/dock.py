@@ -1,0 +1,645 @@
+"""The Transfer Dock: a shared sample store split into a controller (metadata) and warehouses (data).
+
+MindSpeed-RL (Feng et al., 2025, arXiv:2507.19017) replaces the central trainer that
+gathers every batch and scatters it again with a *Transfer Dock*: each stage of the
+RL loop (rollout, reward, reference / old log-probs, values, advantages, update)
+``put``\\ s the columns it produced and ``get``\\ s the rows it needs as soon as they are
+ready. The table has ``num_prompts * n_samples`` rows; the ``n_samples`` rows of one
+prompt are contiguous and form a group.
+
+* The :class:`DockController` keeps only metadata, as tensors: one readiness bitmap,
+  put stamp and length vector per column, one consumption bitmap per consumer, and
+  per-row ``age`` / ``completed`` flags for partial rollouts. A ``get`` selects rows
+  with whole-table tensor ops (no Python loop over rows) under that consumer's lock;
+  consumers never wait on each other, and puts take a lock of their own.
+* Each :class:`Warehouse` holds the unpadded per-row tensors of one contiguous,
+  disjoint index range. The controller tells a client where rows live
+  (:meth:`DockController.layout`) and the client moves payloads to and from the
+  warehouses directly, so no single process carries all the data.
+
+:class:`TransferDock` is the embedded, in-process client; ``rlcore.dataflow.ray_dock``
+places the same controller and warehouses in Ray actors behind the same API.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rlcore._checks import check_choice, check_ndim, check_positive
+
+__all__ = ["BALANCE_MODES", "DockController", "TransferDock", "Warehouse"]
+
+BALANCE_MODES = ("random", "tokens", "fifo")
+
+# fifo keys are ``age * _AGE_STEP - stamp``: put stamps stay far below 2**40.
+_AGE_STEP = 2**40
+
+
+def as_indexes(name: str, indexes: Any) -> torch.Tensor:
+    """``indexes`` (tensor, sequence or range of ints) as a 1-D int64 CPU tensor."""
+    if isinstance(indexes, torch.Tensor):
+        if indexes.dtype.is_floating_point or indexes.dtype.is_complex or indexes.dtype == torch.bool:
+            raise ValueError(f"{name}: got dtype {indexes.dtype}, expected an integer dtype")
+        check_ndim(name, indexes, 1)
+        return indexes.to(device="cpu", dtype=torch.int64)
+    if isinstance(indexes, (range, Sequence)) and all(isinstance(i, int) and not isinstance(i, bool) for i in indexes):
+        return torch.tensor(list(indexes), dtype=torch.int64).reshape(-1)
+    raise ValueError(f"{name}: got {type(indexes).__name__}, expected a 1-D integer tensor or a sequence of ints")
+
+
+def split_rows(column: str, value: Any) -> list[torch.Tensor]:
+    """One tensor per row: a tensor is split along dim 0, a list is taken as the rows."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise ValueError(f"columns[{column!r}]: got a 0-d tensor, expected one row per index along dim 0")
+        return list(value.detach().unbind(0))
+    if isinstance(value, (list, tuple)):
+        rows = list(value)
+        for i, row in enumerate(rows):
+            if not isinstance(row, torch.Tensor):
+                raise ValueError(f"columns[{column!r}][{i}]: got {type(row).__name__}, expected a torch.Tensor")
+        return [row.detach() for row in rows]
+    raise ValueError(f"columns[{column!r}]: got {type(value).__name__}, expected a tensor or a list of tensors")
+
+
+def row_spec(column: str, rows: list[torch.Tensor]) -> tuple[torch.dtype, int, tuple[int, ...]]:
+    """``(dtype, ndim, trailing shape)`` shared by ``rows``; the first dimension may vary."""
+    first = rows[0]
+    spec = (first.dtype, first.dim(), tuple(first.shape[1:]))
+    for i, row in enumerate(rows):
+        got = (row.dtype, row.dim(), tuple(row.shape[1:]))
+        if got != spec:
+            raise ValueError(
+                f"columns[{column!r}][{i}]: got dtype {row.dtype} and shape {tuple(row.shape)}, expected dtype "
+                f"{spec[0]} with {spec[1]} dims and trailing shape {spec[2]} (that of row 0)"
+            )
+    return spec
+
+
+def row_lengths(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Tokens per row: the first dimension of each row, 0 for 0-d (per-sample scalar) rows."""
+    return torch.tensor([row.shape[0] if row.dim() else 0 for row in rows], dtype=torch.int64)
+
+
+class DockController:
+    """The Transfer Dock's metadata: readiness, consumption, ages; no payloads.
+
+    Args:
+      num_prompts: number of groups in the table.
+      n_samples: rows per group (responses per prompt).
+      columns: column names declared up front; more are added by the first put.
+      consumers: consumer names (each stage that gets rows).
+      num_warehouses: the table is cut into this many contiguous index ranges.
+      seed: seeds the generator behind ``balance="random"``.
+
+    Every method takes and returns plain values and CPU tensors, so the controller
+    runs unchanged inside a (threaded) Ray actor.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        n_samples: int = 1,
+        *,
+        columns: Iterable[str] = (),
+        consumers: Iterable[str] = (),
+        num_warehouses: int = 1,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("num_prompts", num_prompts), ("n_samples", n_samples), ("num_warehouses", num_warehouses)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name}: got {value!r}, expected a positive int")
+            check_positive(name, value)
+        capacity = num_prompts * n_samples
+        if num_warehouses > capacity:
+            raise ValueError(f"num_warehouses: got {num_warehouses}, expected at most the capacity {capacity}")
+        self.num_prompts = num_prompts
+        self.n_samples = n_samples
+        self.capacity = capacity
+        # Warehouse w holds rows [bounds[w], bounds[w + 1]).
+        self.bounds = torch.linspace(0, capacity, num_warehouses + 1).round().to(torch.int64)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._stamps = itertools.count(1)
+        self._put_lock = threading.Lock()  # column registration and per-column bitmap writes
+        self._registry_lock = threading.Lock()  # adding consumers
+        self._ready: dict[str, torch.Tensor] = {}
+        self._stamp: dict[str, torch.Tensor] = {}
+        self._lengths: dict[str, torch.Tensor] = {}
+        self._specs: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}
+        self._consumed: dict[str, torch.Tensor] = {}
+        self._conds: dict[str, threading.Condition] = {}
+        self._all_conds: tuple[threading.Condition, ...] = ()
+        self.age = torch.zeros(capacity, dtype=torch.int64)
+        self.completed = torch.ones(capacity, dtype=torch.bool)
+        for column in columns:
+            self._add_column(column)
+        for consumer in consumers:
+            self.add_consumer(consumer)
+
+    # ------------------------------------------------------------------ registry
+
+    def layout(self) -> dict[str, Any]:
+        """What a client needs to route rows: capacity, group size and warehouse bounds."""
+        return {"capacity": self.capacity, "n_samples": self.n_samples, "bounds": self.bounds.clone()}
+
+    def columns(self) -> list[str]:
+        """The declared column names."""
+        return sorted(self._ready)
+
+    def consumers(self) -> list[str]:
+        """The registered consumer names."""
+        return sorted(self._conds)
+
+    def add_consumer(self, name: str) -> None:
+        """Register a consumer; it starts having taken nothing."""
+        if not isinstance(name, str):
+            raise ValueError(f"name: got {type(name).__name__}, expected a str")
+        with self._registry_lock:
+            if name in self._conds:
+                return
+            self._consumed[name] = torch.zeros(self.capacity, dtype=torch.bool)
+            cond = threading.Condition(threading.Lock())
+            self._conds[name] = cond
+            self._all_conds = self._all_conds + (cond,)
+
+    def _add_column(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise ValueError(f"columns: got a {type(name).__name__} name, expected str")
+        if name not in self._ready:
+            self._stamp[name] = torch.zeros(self.capacity, dtype=torch.int64)
+            self._lengths[name] = torch.zeros(self.capacity, dtype=torch.int64)
+            self._ready[name] = torch.zeros(self.capacity, dtype=torch.bool)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_in_range(self, name: str, indexes: torch.Tensor) -> None:
+        if indexes.numel() and bool(((indexes < 0) | (indexes >= self.capacity)).any()):
+            bad = indexes[(indexes < 0) | (indexes >= self.capacity)][:5].tolist()
+            raise ValueError(f"{name}: got row(s) {bad}, expected indexes in [0, {self.capacity})")
+        if indexes.unique().numel() != indexes.numel():
+            raise ValueError(f"{name}: got repeated rows, expected each row at most once")
+
+    def _check_consumer(self, consumer: str) -> threading.Condition:
+        cond = self._conds.get(consumer)
+        if cond is None:
+            raise ValueError(f"consumer: got {consumer!r}, expected a registered consumer, one of {self.consumers()}")
+        return cond
+
+    def _check_columns(self, columns: Sequence[str]) -> None:
+        if isinstance(columns, str) or not columns:
+            raise ValueError(f"columns: got {columns!r}, expected a non-empty list of column names")
+        unknown = [c for c in columns if c not in self._ready]
+        if unknown:
+            raise ValueError(f"columns: got undeclared column(s) {unknown}, expected some of {self.columns()}")
+
+    def check_put(self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor) -> None:
+        """Validate a put before any data moves; registers new columns only when it all passes."""
+        self._check_in_range("indexes", indexes)
+        with self._put_lock:
+            for column, spec in specs.items():
+                known = self._specs.get(column)
+                if known is not None and known != spec:
+                    raise ValueError(
+                        f"columns[{column!r}]: got dtype {spec[0]}, {spec[1]} dims, trailing shape {spec[2]}; "
+                        f"expected dtype {known[0]}, {known[1]} dims, trailing shape {known[2]} (earlier puts)"
+                    )
+            for column, spec in specs.items():
+                self._add_column(column)
+                self._specs.setdefault(column, spec)
+
+    # ------------------------------------------------------------------ put side
+
+    def commit_put(self, lengths: Mapping[str, torch.Tensor], indexes: torch.Tensor) -> None:
+        """Mark the cells of a put ready (after its payloads reached the warehouses) and wake consumers."""
+        stamp = next(self._stamps)
+        with self._put_lock:
+            for column, lens in lengths.items():
+                self._lengths[column][indexes] = lens
+                self._stamp[column][indexes] = stamp
+                self._ready[column][indexes] = True
+        for cond in self._all_conds:
+            with cond:
+                cond.notify_all()
+
+    def set_completed(self, indexes: torch.Tensor, completed: torch.Tensor) -> None:
+        """Flag rows whose generation finished (True) or must resume next iteration (False)."""
+        self._check_in_range("indexes", indexes)
+        if completed.dtype != torch.bool or completed.shape != indexes.shape:
+            raise ValueError(
+                f"completed: got dtype {completed.dtype} shape {tuple(completed.shape)}, "
+                f"expected torch.bool of shape {tuple(indexes.shape)} (that of indexes)"
+            )
+        with self._put_lock:
+            self.completed[indexes] = completed
+
+    # ------------------------------------------------------------------ get side
+
+    def _unit_view(self, x: torch.Tensor, by_group: bool) -> torch.Tensor:
+        return x.view(self.num_prompts, self.n_samples) if by_group else x.view(-1, 1)
+
+    def _select(self, consumer: str, columns: Sequence[str], need: int, by_group: bool, balance: str) -> torch.Tensor | None:
+        """Up to ``need`` eligible units in priority order, or None when fewer are eligible."""
+        ready = torch.stack([self._ready[c] for c in columns]).all(0)
+        eligible = self._unit_view(ready & ~self._consumed[consumer], by_group).all(1)
+        candidates = eligible.nonzero().squeeze(1)  # sync-ok: host-side controller, CPU tensors
+        if candidates.numel() < need:
+            return None
+        age = self._unit_view(self.age, by_group).amax(1)[candidates]
+        if balance == "random":
+            # Oldest first; ties broken uniformly at random. topk keeps this O(capacity).
+            key = age.double() + torch.rand(candidates.numel(), generator=self._generator, dtype=torch.float64)
+            order = key.topk(need).indices
+        elif balance == "fifo":
+            stamp = torch.stack([self._stamp[c] for c in columns]).amax(0)
+            ready_at = self._unit_view(stamp, by_group).amax(1)[candidates]
+            order = torch.sort(age * _AGE_STEP - ready_at, descending=True, stable=True).indices[:need]
+        else:
+            tokens = torch.stack([self._lengths[c] for c in columns]).sum(0)
+            tokens = self._unit_view(tokens, by_group).sum(1)[candidates]
+            by_len = torch.sort(tokens, descending=True, stable=True).indices
+            # Interleave longest and shortest: every prefix pairs long with short units, so
+            # consecutive gets carry similar token totals.
+            m = by_len.numel()
+            alternate = torch.stack([torch.arange(m), m - 1 - torch.arange(m)], 1).flatten()[:m]
+            rank = torch.empty(m, dtype=torch.int64)
+            rank[by_len[alternate]] = torch.arange(m)
+            order = torch.sort(age * _AGE_STEP - rank, descending=True, stable=True).indices[:need]
+        units = candidates[order]
+        if not by_group:
+            return units
+        return (units[:, None] * self.n_samples + torch.arange(self.n_samples)).flatten()
+
+    def sample(
+        self,
+        consumer: str,
+        columns: Sequence[str],
+        count: int | None,
+        *,
+        by_group: bool = True,
+        balance: str = "random",
+        indexes: torch.Tensor | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """Pick rows for ``consumer`` whose ``columns`` are ready, mark them consumed, return their indexes.
+
+        See :meth:`TransferDock.get` for the semantics; an empty tensor means "not now".
+        """
+        cond = self._check_consumer(consumer)
+        columns = list(columns)
+        self._check_columns(columns)
+        check_choice("balance", balance, BALANCE_MODES)
+        if timeout is not None:
+            check_positive("timeout", timeout, strict=False)
+        if indexes is not None:
+            self._check_in_range("indexes", indexes)
+            if count is not None and count != indexes.numel():
+                raise ValueError(f"count: got {count}, expected None or {indexes.numel()} (the number of indexes)")
+            if by_group and indexes.numel():
+                per_group = torch.bincount(indexes // self.n_samples, minlength=self.num_prompts)
+                if bool(((per_group != 0) & (per_group != self.n_samples)).any()):
+                    raise ValueError(f"indexes: got partial groups, expected whole groups of {self.n_samples} rows (by_group=True)")
+            return self._wait_for(cond, consumer, columns, indexes, timeout)
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise ValueError(f"count: got {count!r}, expected a positive int")
+        unit = self.n_samples if by_group else 1
+        if count % unit:
+            raise ValueError(f"count: got {count}, expected a multiple of the group size {unit} (by_group=True)")
+        if count > self.capacity:
+            raise ValueError(f"count: got {count}, expected at most the capacity {self.capacity}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with cond:
+            while True:
+                rows = self._select(consumer, columns, count // unit, by_group, balance)
+                if rows is not None:
+                    self._consumed[consumer][rows] = True
+                    return rows
+                left = 0.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0 or int((~self._consumed[consumer]).sum()) < count:
+                    return torch.empty(0, dtype=torch.int64)
+                cond.wait(left)
+
+    def _wait_for(
+        self, cond: threading.Condition, consumer: str, columns: list[str], indexes: torch.Tensor, timeout: float | None
+    ) -> torch.Tensor:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with cond:
+            if bool(self._consumed[consumer][indexes].any()):
+                taken = indexes[self._consumed[consumer][indexes]][:5].tolist()
+                raise ValueError(f"indexes: got row(s) {taken} already taken by {consumer!r}, expected rows it has not taken")
+            while not bool(torch.stack([self._ready[c][indexes] for c in columns]).all()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return torch.empty(0, dtype=torch.int64)
+                cond.wait(left)
+            self._consumed[consumer][indexes] = True
+            return indexes
+
+    def all_consumed(self, consumer: str) -> bool:
+        """Whether ``consumer`` has taken every row of the table."""
+        self._check_consumer(consumer)
+        return bool(self._consumed[consumer].all())
+
+    # ------------------------------------------------------------------ iteration
+
+    def reset(self, keep: Sequence[str] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start the next iteration; returns ``(cleared rows, kept incomplete rows)`` for the warehouses.
+
+        Completed rows are cleared. Incomplete rows (partial rollouts) keep the
+        columns in ``keep`` ready, age by one and are offered first next time.
+        """
+        keep = list(keep)
+        unknown = [c for c in keep if c not in self._ready]
+        if unknown:
+            raise ValueError(f"keep: got undeclared column(s) {unknown}, expected some of {self.columns()}")
+        conds = [self._conds[c] for c in sorted(self._conds)]
+        with self._put_lock:
+            for cond in conds:
+                cond.acquire()
+            try:
+                incomplete = ~self.completed
+                for column, ready in self._ready.items():
+                    kept = incomplete if column in keep else torch.zeros_like(incomplete)
+                    ready &= kept
+                    self._lengths[column] *= kept
+                    self._stamp[column] *= kept
+                for consumed in self._consumed.values():
+                    consumed.zero_()
+                self.age = torch.where(incomplete, self.age + 1, 0)
+                self.completed = torch.ones_like(self.completed)
+                cleared = (~incomplete).nonzero().squeeze(1)  # sync-ok: host-side controller
+                kept_rows = incomplete.nonzero().squeeze(1)  # sync-ok: host-side controller
+            finally:
+                for cond in reversed(conds):
+                    cond.release()
+        return cleared, kept_rows
+
+    def free_rows(self) -> torch.Tensor:
+        """Rows holding no ready column: where new prompts go after a reset."""
+        if not self._ready:
+            return torch.arange(self.capacity)
+        used = torch.stack(list(self._ready.values())).any(0)
+        return (~used).nonzero().squeeze(1)  # sync-ok: host-side controller
+
+    def state(self) -> dict[str, Any]:
+        """A copy of all metadata: per-column ready / stamp / lengths, per-consumer consumed, ages, flags."""
+        return {
+            "ready": {c: t.clone() for c, t in self._ready.items()},
+            "stamp": {c: t.clone() for c, t in self._stamp.items()},
+            "lengths": {c: t.clone() for c, t in self._lengths.items()},
+            "specs": dict(self._specs),
+            "consumed": {c: t.clone() for c, t in self._consumed.items()},
+            "age": self.age.clone(),
+            "completed": self.completed.clone(),
+        }
+
+    def ages(self) -> torch.Tensor:
+        """Per-row age: iterations a partial rollout has survived."""
+        return self.age.clone()
+
+    def completed_flags(self) -> torch.Tensor:
+        """Per-row completed flags (True unless a producer flagged the row incomplete)."""
+        return self.completed.clone()
+
+
+class Warehouse:
+    """Payload store for rows ``[start, stop)``: one list of per-row (unpadded) tensors per column."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.start = start
+        self.stop = stop
+        self._data: dict[str, list[torch.Tensor | None]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, columns: Mapping[str, list[torch.Tensor]], indexes: torch.Tensor) -> None:
+        """Store the rows of each column at ``indexes`` (global row numbers inside this range)."""
+        local = (indexes - self.start).tolist()
+        with self._lock:
+            for column, rows in columns.items():
+                store = self._data.setdefault(column, [None] * (self.stop - self.start))
+                for i, row in zip(local, rows):
+                    store[i] = row
+
+    def get(self, columns: Sequence[str], indexes: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """The stored rows of ``columns`` at ``indexes``, in that order."""
+        local = (indexes - self.start).tolist()
+        with self._lock:
+            return {c: [self._data[c][i] for i in local] for c in columns}
+
+    def clear(self, cleared: torch.Tensor, kept: torch.Tensor, keep: Sequence[str]) -> None:
+        """Drop every column of ``cleared`` rows and all but ``keep`` of ``kept`` rows."""
+        inside = lambda rows: (rows[(rows >= self.start) & (rows < self.stop)] - self.start).tolist()  # noqa: E731
+        gone, partial = inside(cleared), inside(kept)
+        with self._lock:
+            for column, store in self._data.items():
+                for i in gone if column in keep else gone + partial:
+                    store[i] = None
+
+
+def collate(columns: Sequence[str], rows: Mapping[str, list[torch.Tensor]], *, pad_value: float = 0) -> dict[str, torch.Tensor]:
+    """A padded batch: ``[B]`` for per-row scalars, ``[B, T, ...]`` right-padded plus ``<column>_mask`` otherwise."""
+    batch: dict[str, torch.Tensor] = {}
+    for column in columns:
+        values = rows[column]
+        if values[0].dim() == 0:
+            batch[column] = torch.stack(values)
+            continue
+        mask_key = f"{column}_mask"
+        if mask_key in columns:
+            raise ValueError(f"columns: got both {column!r} and {mask_key!r}, expected {mask_key!r} free for the padding mask")
+        lengths = row_lengths(values)
+        batch[column] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=pad_value)
+        batch[mask_key] = torch.arange(batch[column].shape[1]) < lengths[:, None]
+    return batch
+
+
+class TransferDock:
+    """The embedded Transfer Dock: controller and warehouses in this process, shared by threads.
+
+    MindSpeed-RL's Transfer Dock (arXiv:2507.19017): stages put the columns they
+    produce and get ready rows, instead of a trainer gathering and scattering batches.
+
+    Args:
+      num_prompts: groups in the table (prompts per iteration).
+      n_samples: rows per group (responses per prompt); the rows of prompt ``p`` are
+        ``p * n_samples ... p * n_samples + n_samples - 1``.
+      columns: column names declared up front (others are added by their first put).
+      consumers: the consumer names that will call :meth:`get`.
+      num_warehouses: disjoint row ranges the payloads are split over.
+      pad_value: fill value of padded batches.
+      seed: seeds ``balance="random"``.
+
+    The dock keeps references to the tensors it is given: do not modify them in place
+    after a put.
+
+    >>> dock = TransferDock(2, 2, columns=["prompts"], consumers=["rollout"])
+    >>> dock.put({"prompts": [torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([3])]}, [0, 1, 2, 3])
+    >>> batch, idx = dock.get("rollout", ["prompts"], 2, balance="fifo")
+    >>> idx.tolist(), batch["prompts"].tolist(), batch["prompts_mask"].tolist()
+    ([0, 1], [[1, 2], [1, 2]], [[True, True], [True, True]])
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        n_samples: int = 1,
+        *,
+        columns: Iterable[str] = (),
+        consumers: Iterable[str] = (),
+        num_warehouses: int = 1,
+        pad_value: float = 0,
+        seed: int = 0,
+    ) -> None:
+        self.controller = DockController(
+            num_prompts, n_samples, columns=columns, consumers=consumers, num_warehouses=num_warehouses, seed=seed
+        )
+        bounds = self.controller.bounds.tolist()
+        self.warehouses = [Warehouse(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.pad_value = pad_value
+        self._layout()
+
+    # Backends override these two: how a call reaches the controller or the warehouses.
+    def _call(self, target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(target, method)(*args, **kwargs)
+
+    def _call_all(self, calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
+        return [getattr(target, method)(*args) for target, method, args in calls]
+
+    def _layout(self) -> None:
+        # The controller says once which warehouse holds which rows; clients route by it.
+        layout = self._call(self.controller, "layout")
+        self.capacity: int = layout["capacity"]
+        self.n_samples: int = layout["n_samples"]
+        self._bounds: torch.Tensor = layout["bounds"]
+
+    def _by_warehouse(self, rows: torch.Tensor) -> list[tuple[int, list[int]]]:
+        """``(warehouse, positions in rows)`` for every warehouse holding some of ``rows``."""
+        where = torch.bucketize(rows, self._bounds[1:], right=True)
+        order = torch.argsort(where, stable=True)
+        counts = torch.bincount(where, minlength=len(self.warehouses)).tolist()
+        pieces = order.split(counts)
+        return [(w, piece.tolist()) for w, piece in enumerate(pieces) if counts[w]]
+
+    def add_consumer(self, name: str) -> None:
+        """Register another consumer."""
+        self._call(self.controller, "add_consumer", name)
+
+    def put(self, columns: Mapping[str, torch.Tensor | list[torch.Tensor]], indexes: Any) -> None:
+        """Store per-row, unpadded values of ``columns`` at rows ``indexes`` and mark those cells ready.
+
+        Args:
+          columns: name -> a tensor ``[n, ...]`` (one row per index along dim 0) or a
+            list of ``n`` tensors of varying first dimension (e.g. token ids).
+          indexes: ``n`` distinct row numbers in ``[0, capacity)``.
+
+        Raises ``ValueError`` (and changes nothing) for an index out of range, a column
+        whose row count differs from ``len(indexes)``, or rows whose dtype / trailing
+        shape differ from earlier puts of that column.
+        """
+        idx = as_indexes("indexes", indexes)
+        if not isinstance(columns, Mapping) or not columns:
+            raise ValueError(f"columns: got {type(columns).__name__}, expected a non-empty dict of column -> rows")
+        rows = {c: split_rows(c, v) for c, v in columns.items()}
+        for column, values in rows.items():
+            if len(values) != idx.numel():
+                raise ValueError(f"columns[{column!r}]: got {len(values)} rows, expected {idx.numel()} (one per index)")
+        if idx.numel() == 0:
+            return
+        self._call(self.controller, "check_put", {c: row_spec(c, v) for c, v in rows.items()}, idx)
+        self._call_all(
+            [
+                (self.warehouses[w], "put", ({c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel]))
+                for w, sel in self._by_warehouse(idx)
+            ]
+        )
+        self._call(self.controller, "commit_put", {c: row_lengths(v) for c, v in rows.items()}, idx)
+
+    def get(
+        self,
+        consumer: str,
+        columns: Sequence[str],
+        count: int | None = None,
+        *,
+        by_group: bool = True,
+        balance: str = "random",
+        indexes: Any = None,
+        timeout: float | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Take ``count`` rows this consumer has not taken whose ``columns`` are all ready.
+
+        Args:
+          consumer: a registered consumer name; each row goes to it at most once.
+          columns: the column names to return.
+          count: rows to take; a multiple of ``n_samples`` when ``by_group``.
+          by_group: take whole groups only (all rows of a group ready and untaken).
+          balance: which eligible rows go first, after the oldest (partial-rollout) groups:
+            ``"random"`` uniformly, ``"fifo"`` in the order they became ready (ties by
+            row), ``"tokens"`` alternating longest and shortest so successive gets carry
+            similar token totals.
+          indexes: take exactly these rows, waiting until they are ready (``count``
+            may then be None).
+          timeout: seconds to wait for enough ready rows. None without ``indexes``
+            returns at once; None with ``indexes`` waits as long as needed.
+
+        Returns:
+          ``(batch, indexes)``: ``batch[column]`` is ``[B]`` for per-row scalars, else
+          ``[B, T, ...]`` right-padded with ``pad_value`` plus a bool ``batch[column + "_mask"]``;
+          ``indexes`` ``[B]`` int64 are the rows taken. When not enough rows are ready in
+          time, ``({}, empty indexes)`` and nothing is marked taken.
+        """
+        idx = None if indexes is None else as_indexes("indexes", indexes)
+        if isinstance(columns, str) or not isinstance(columns, Sequence):
+            raise ValueError(f"columns: got {columns!r}, expected a list of column names")
+        rows = self._call(
+            self.controller, "sample", consumer, list(columns), count,
+            by_group=by_group, balance=balance, indexes=idx, timeout=timeout,
+        )
+        if rows.numel() == 0:
+            return {}, rows
+        return collate(columns, self._fetch(columns, rows), pad_value=self.pad_value), rows
+
+    def _fetch(self, columns: Sequence[str], rows: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        routes = self._by_warehouse(rows)
+        parts = self._call_all([(self.warehouses[w], "get", (list(columns), rows[sel])) for w, sel in routes])
+        out: dict[str, list[Any]] = {c: [None] * rows.numel() for c in columns}
+        for (_, sel), part in zip(routes, parts):
+            for c, values in part.items():
+                for i, v in zip(sel, values):
+                    out[c][i] = v
+        return out
+
+    def set_completed(self, indexes: Any, completed: torch.Tensor) -> None:
+        """Flag rows as finished (True) or as partial rollouts to resume next iteration (False)."""
+        self._call(self.controller, "set_completed", as_indexes("indexes", indexes), completed)
+
+    def all_consumed(self, consumer: str) -> bool:
+        """Whether ``consumer`` has taken every row."""
+        return self._call(self.controller, "all_consumed", consumer)
+
+    def reset(self, *, keep: Sequence[str] = ()) -> None:
+        """Start the next iteration: clear completed rows; incomplete rows keep ``keep`` and age by one."""
+        cleared, kept = self._call(self.controller, "reset", list(keep))
+        self._call_all([(house, "clear", (cleared, kept, list(keep))) for house in self.warehouses])
+
+    def free_rows(self) -> torch.Tensor:
+        """Rows holding no ready column (where a new iteration's prompts go)."""
+        return self._call(self.controller, "free_rows")
+
+    def state(self) -> dict[str, Any]:
+        """A copy of the controller's metadata (bitmaps, ages, flags), for monitoring and tests."""
+        return self._call(self.controller, "state")
+
+    @property
+    def age(self) -> torch.Tensor:
+        """Per-row age ``[capacity]``: iterations a partial rollout has been carried over."""
+        return self._call(self.controller, "ages")
+
+    @property
+    def completed(self) -> torch.Tensor:
+        """Per-row completed flags ``[capacity]``."""
+        return self._call(self.controller, "completed_flags")

@@ -1,0 +1,143 @@
+"""The Transfer Dock on Ray: the controller and each warehouse are actors, spread over nodes.
+
+Same API and semantics as :class:`rlcore.dataflow.TransferDock` (MindSpeed-RL,
+arXiv:2507.19017). The client asks the controller actor for metadata only (where rows
+live, which rows to take) and moves payloads to and from the warehouse actors itself,
+so tensors never pass through the controller. Needs the ``ray`` extra
+(``pip install rlcore[ray]``); Ray is imported when a dock is made, not with this module.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rlcore.dataflow.dock import DockController, TransferDock, Warehouse
+
+__all__ = ["DockHost", "RayTransferDock"]
+
+# Gets with explicit indexes block inside the controller's host: its thread pool must
+# be larger than the number of clients that wait at once.
+_HOST_THREADS = 64
+
+_PARTS = {"controller": DockController, "warehouse": Warehouse}
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("RayTransferDock needs Ray: pip install 'rlcore[ray]'") from err
+    return ray
+
+
+class DockHost:
+    """The body of a Ray actor that hosts dock parts (controllers, warehouses) by key.
+
+    A dock normally starts its own hosts; several docks may share hosts started once
+    (``RayTransferDock.start_hosts``), since an actor process takes seconds to start.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[str, Any] = {}
+
+    def create(self, key: str, kind: str, *args: Any, **kwargs: Any) -> None:
+        self._parts[key] = _PARTS[kind](*args, **kwargs)
+
+    def call(self, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._parts[key], method)(*args, **kwargs)
+
+    def drop(self, key: str) -> None:
+        self._parts.pop(key, None)
+
+
+class RayTransferDock(TransferDock):
+    """A :class:`~rlcore.dataflow.TransferDock` whose controller and warehouses live in Ray actors.
+
+    Args: as :class:`~rlcore.dataflow.TransferDock`, plus ``hosts``: actors from
+    :meth:`start_hosts` to place the controller (first host) and the warehouses (round
+    robin over the others) in; by default the dock starts ``1 + num_warehouses`` hosts
+    of its own, spread over the nodes (Ray's ``"SPREAD"`` strategy). Ray must be
+    initialised (``ray.init``) first. The client object is picklable, so Ray tasks and
+    actors of other stages can take it as an argument and put / get directly.
+
+    >>> import ray  # doctest: +SKIP
+    >>> ray.init(num_cpus=2)  # doctest: +SKIP
+    >>> dock = RayTransferDock(4, 2, consumers=["reward"], num_warehouses=2)  # doctest: +SKIP
+    >>> dock.put({"responses": [torch.arange(3)] * 8}, range(8))  # doctest: +SKIP
+    >>> dock.get("reward", ["responses"], 4)[1].numel()  # doctest: +SKIP
+    4
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        n_samples: int = 1,
+        *,
+        columns: Iterable[str] = (),
+        consumers: Iterable[str] = (),
+        num_warehouses: int = 1,
+        pad_value: float = 0,
+        seed: int = 0,
+        hosts: Sequence[Any] | None = None,
+    ) -> None:
+        # Validate here first, so bad arguments raise in this process and not in an actor.
+        local = DockController(
+            num_prompts, n_samples, columns=columns, consumers=consumers, num_warehouses=num_warehouses, seed=seed
+        )
+        self._owns_hosts = hosts is None
+        self.hosts = list(self.start_hosts(1 + num_warehouses) if hosts is None else hosts)
+        if not self.hosts:
+            raise ValueError("hosts: got an empty list, expected at least one actor from start_hosts")
+        key = uuid.uuid4().hex
+        self.controller = (self.hosts[0], f"{key}/controller")
+        others = self.hosts[1:] or self.hosts
+        bounds = local.bounds.tolist()
+        self.warehouses = [(others[w % len(others)], f"{key}/warehouse{w}") for w in range(num_warehouses)]
+        created = [
+            self.controller[0].create.remote(
+                self.controller[1], "controller", num_prompts, n_samples,
+                columns=list(columns), consumers=list(consumers), num_warehouses=num_warehouses, seed=seed,
+            )
+        ]
+        for (host, name), a, b in zip(self.warehouses, bounds[:-1], bounds[1:]):
+            created.append(host.create.remote(name, "warehouse", a, b))
+        self._wait(created)
+        self.pad_value = pad_value
+        self._layout()
+
+    @staticmethod
+    def start_hosts(count: int, *, spread: bool = True) -> list[Any]:
+        """Start ``count`` host actors, spread over the nodes unless ``spread=False``."""
+        ray = _ray()
+        host = ray.remote(DockHost).options(
+            num_cpus=0, max_concurrency=_HOST_THREADS, scheduling_strategy="SPREAD" if spread else "DEFAULT"
+        )
+        return [host.remote() for _ in range(count)]
+
+    def _call(self, target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        host, key = target
+        return self._wait(host.call.remote(key, method, *args, **kwargs))
+
+    def _call_all(self, calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
+        return self._wait([host.call.remote(key, method, *args) for (host, key), method, args in calls])
+
+    @staticmethod
+    def _wait(refs: Any) -> Any:
+        ray = _ray()
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as err:
+            # Re-raise the actor's own error (a ValueError for bad input) with its message.
+            if isinstance(err.cause, Exception):
+                raise err.cause from None
+            raise
+
+    def close(self) -> None:
+        """Drop this dock's parts from their hosts, and kill the hosts it started itself."""
+        ray = _ray()
+        self._wait([host.drop.remote(key) for host, key in [self.controller, *self.warehouses]])
+        if self._owns_hosts:
+            for host in self.hosts:
+                ray.kill(host)

@@ -1,0 +1,435 @@
+"""The Transfer Dock: one behavioural suite run on the embedded dock and on the Ray-backed dock.
+
+Checked: values round-trip (padded, masked, dtypes kept); rows come whole by group and
+only when every requested column is ready; a get never returns a row twice to one
+consumer and loses none, under random thread interleavings; explicit indexes block
+until ready; fifo selection equals the loop model in ``rlcore.testing.reference``;
+partial rollouts age and come first; bad input raises ValueError and changes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.dataflow import DockController, RayTransferDock, TransferDock
+from rlcore.testing.reference import TransferDockRef
+
+BACKENDS = ["embedded", "ray"]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+class _RayDocks:
+    """Actor processes take seconds to start: every Ray dock of the suite lives on three shared hosts."""
+
+    def __init__(self) -> None:
+        self.hosts = RayTransferDock.start_hosts(3)
+        self.docks: list[RayTransferDock] = []
+
+    def make(self, num_prompts: int, n_samples: int, **kw) -> RayTransferDock:
+        while self.docks:
+            self.docks.pop().close()
+        dock = RayTransferDock(num_prompts, n_samples, hosts=self.hosts, **kw)
+        self.docks.append(dock)
+        return dock
+
+
+@pytest.fixture(scope="module")
+def ray_docks(ray_session):
+    pool = _RayDocks()
+    yield pool
+    for host in pool.hosts:
+        ray_session.kill(host)
+
+
+@pytest.fixture(params=BACKENDS)
+def make_dock(request):
+    if request.param == "embedded":
+        return TransferDock
+    return request.getfixturevalue("ray_docks").make
+
+
+def tokens(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            assert a[key].keys() == b[key].keys(), key
+            for name in a[key]:
+                va, vb = a[key][name], b[key][name]
+                assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, (key, name)
+        else:
+            assert torch.equal(a[key], b[key]), key
+
+
+# ---------------------------------------------------------------------------- behaviour
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_round_trip_padded_with_masks(make_dock, dtype):
+    dock = make_dock(2, 2, consumers=["train"], num_warehouses=2, pad_value=-1)
+    responses = [tokens(5, 6, 7), tokens(8), tokens(9, 10), tokens(11, 12, 13, 14)]
+    logp = [torch.tensor([0.5, -1.5, 2.25], dtype=dtype), torch.tensor([0.125], dtype=dtype)]
+    logp += [torch.tensor([-0.25, 4.0], dtype=dtype), torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=dtype)]
+    scores = torch.tensor([1.0, 0.0, 0.5, -2.0], dtype=dtype)
+    dock.put({"responses": responses, "logp": logp}, [0, 1, 2, 3])
+    dock.put({"scores": scores}, torch.tensor([0, 1, 2, 3]))
+    batch, idx = dock.get("train", ["responses", "logp", "scores"], 4, balance="fifo")
+    assert idx.tolist() == [0, 1, 2, 3]
+    assert batch["responses"].tolist() == [[5, 6, 7, -1], [8, -1, -1, -1], [9, 10, -1, -1], [11, 12, 13, 14]]
+    assert batch["responses_mask"].tolist() == [
+        [True, True, True, False],
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, True],
+    ]
+    assert batch["logp"].dtype == dtype and batch["scores"].dtype == dtype
+    assert batch["logp"][0].tolist() == [0.5, -1.5, 2.25, -1.0]
+    assert batch["logp"][3].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert batch["scores"].tolist() == [1.0, 0.0, 0.5, -2.0]
+    assert set(batch) == {"responses", "responses_mask", "logp", "logp_mask", "scores"}
+
+
+def test_groups_come_whole_and_only_when_all_columns_are_ready(make_dock):
+    dock = make_dock(3, 2, consumers=["reward", "ref"])
+    dock.put({"responses": [tokens(1)] * 3}, [0, 1, 2])  # group 0 whole, group 1 half
+    batch, idx = dock.get("reward", ["responses"], 2)
+    assert idx.tolist() == [0, 1]
+    assert dock.get("reward", ["responses"], 2)[1].numel() == 0  # row 2 alone is not a group
+    dock.put({"responses": [tokens(2)]}, [3])
+    assert dock.get("reward", ["responses"], 2)[1].tolist() == [2, 3]
+    # "ref" also needs "prompts", which only group 2 has.
+    dock.put({"prompts": [tokens(7), tokens(7)]}, [4, 5])
+    assert dock.get("ref", ["responses", "prompts"], 2, by_group=False)[1].numel() == 0
+    dock.put({"responses": [tokens(3), tokens(4)]}, [4, 5])
+    assert sorted(dock.get("ref", ["responses", "prompts"], 2)[1].tolist()) == [4, 5]
+
+
+def test_by_group_false_takes_single_rows(make_dock):
+    dock = make_dock(2, 3, consumers=["c"])
+    dock.put({"x": torch.arange(2.0)}, [1, 5])
+    batch, idx = dock.get("c", ["x"], 1, by_group=False, balance="fifo")
+    assert idx.tolist() == [1] and batch["x"].tolist() == [0.0]
+    assert dock.get("c", ["x"], 1, by_group=False)[1].tolist() == [5]
+    assert dock.get("c", ["x"], 1, by_group=False)[1].numel() == 0
+
+
+def test_too_few_ready_rows_return_empty_and_take_nothing(make_dock):
+    dock = make_dock(4, 1, consumers=["c"])
+    dock.put({"x": torch.zeros(2)}, [0, 3])
+    before = dock.state()
+    batch, idx = dock.get("c", ["x"], 3)
+    assert batch == {} and idx.numel() == 0 and idx.dtype == torch.int64
+    assert_state_equal(before, dock.state())
+    assert sorted(dock.get("c", ["x"], 2)[1].tolist()) == [0, 3]
+
+
+def test_consumers_are_independent_and_all_consumed(make_dock):
+    dock = make_dock(2, 2, consumers=["a", "b"])
+    dock.put({"x": torch.arange(4.0)}, range(4))
+    assert not dock.all_consumed("a")
+    for _ in range(2):
+        dock.get("a", ["x"], 2)
+    assert dock.all_consumed("a") and not dock.all_consumed("b")
+    assert dock.get("a", ["x"], 2)[1].numel() == 0
+    assert sorted(dock.get("b", ["x"], 4)[1].tolist()) == [0, 1, 2, 3]
+    assert dock.all_consumed("b")
+
+
+def test_explicit_indexes_wait_until_ready(make_dock):
+    dock = make_dock(2, 2, consumers=["c"])
+    dock.put({"x": torch.zeros(2)}, [0, 1])
+    result = {}
+
+    def consume():
+        start = time.monotonic()
+        result["got"] = dock.get("c", ["x"], indexes=[2, 3])
+        result["waited"] = time.monotonic() - start
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive()
+    dock.put({"x": torch.tensor([5.0, 6.0])}, [2, 3])
+    thread.join(10)
+    batch, idx = result["got"]
+    assert idx.tolist() == [2, 3] and batch["x"].tolist() == [5.0, 6.0]
+    assert result["waited"] >= 0.25
+    # Already taken by this consumer: refused; within the timeout but never ready: empty.
+    with pytest.raises(ValueError, match="already taken"):
+        dock.get("c", ["x"], indexes=[2, 3])
+    dock.add_consumer("d")
+    dock.put({"y": torch.zeros(1)}, [0])
+    start = time.monotonic()
+    assert dock.get("d", ["y"], indexes=[2, 3], timeout=0.2)[1].numel() == 0
+    assert time.monotonic() - start >= 0.2
+
+
+def test_timeout_waits_for_enough_rows(make_dock):
+    dock = make_dock(4, 1, consumers=["c"])
+    dock.put({"x": torch.zeros(1)}, [0])
+    timer = threading.Timer(0.3, lambda: dock.put({"x": torch.ones(2)}, [1, 2]))
+    timer.start()
+    start = time.monotonic()
+    batch, idx = dock.get("c", ["x"], 3, timeout=10, balance="fifo")
+    timer.join()
+    assert idx.tolist() == [0, 1, 2] and 0.25 <= time.monotonic() - start < 10
+    start = time.monotonic()
+    assert dock.get("c", ["x"], 1, timeout=0.2)[1].numel() == 0
+    assert time.monotonic() - start >= 0.2
+
+
+def test_tokens_balance_pairs_long_with_short(make_dock):
+    dock = make_dock(8, 1, consumers=["c"])
+    dock.put({"responses": [torch.zeros(n) for n in (3, 8, 1, 5, 2, 7, 4, 6)]}, range(8))
+    totals, seen = [], []
+    for _ in range(4):
+        batch, idx = dock.get("c", ["responses"], 2, balance="tokens")
+        totals.append(int(batch["responses_mask"].sum()))
+        seen += idx.tolist()
+    # Lengths 8+1, 7+2, 6+3, 5+4: every get carries 9 tokens.
+    assert totals == [9, 9, 9, 9] and sorted(seen) == list(range(8))
+
+
+def test_partial_rollouts_age_and_come_first(make_dock):
+    dock = make_dock(4, 2, consumers=["rollout"])
+    dock.put({"prompts": [tokens(p) for p in range(8)], "responses": [tokens(1, 2)] * 8}, range(8))
+    # Group 2 did not finish generating: it resumes next iteration.
+    dock.set_completed([4, 5], torch.tensor([False, False]))
+    assert dock.completed.tolist() == [True] * 4 + [False] * 2 + [True] * 2
+    dock.reset(keep=["prompts"])
+    assert dock.age.tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
+    assert dock.completed.all()
+    assert dock.free_rows().tolist() == [0, 1, 2, 3, 6, 7]
+    dock.put({"prompts": [tokens(10 + p) for p in range(6)]}, [0, 1, 2, 3, 6, 7])
+    for balance in ("random", "fifo", "tokens"):
+        dock.add_consumer(balance)
+        batch, idx = dock.get(balance, ["prompts"], 2, balance=balance)
+        assert idx.tolist() == [4, 5], balance
+        assert batch["prompts"].flatten().tolist() == [4, 5]
+    # The partial responses were dropped (not in keep), so a stage needing them waits.
+    assert dock.get("rollout", ["responses"], 2)[1].numel() == 0
+    dock.reset()
+    assert dock.age.tolist() == [0] * 8 and dock.free_rows().tolist() == list(range(8))
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+BAD_CALLS = {
+    "put index out of range": (lambda d: d.put({"x": torch.zeros(2)}, [3, 8]), "indexes"),
+    "put negative index": (lambda d: d.put({"x": torch.zeros(1)}, [-1]), "indexes"),
+    "put repeated index": (lambda d: d.put({"x": torch.zeros(2)}, [1, 1]), "indexes"),
+    "put column of wrong length": (lambda d: d.put({"x": torch.zeros(2), "y": torch.zeros(3)}, [4, 5]), "columns\\['y'\\]"),
+    "put column of wrong dtype": (lambda d: d.put({"x": torch.zeros(2, dtype=torch.int32)}, [4, 5]), "columns\\['x'\\]"),
+    "put rows of mixed dtype": (lambda d: d.put({"z": [torch.zeros(2), torch.zeros(2, dtype=torch.int64)]}, [4, 5]), "columns\\['z'\\]"),
+    "put non-tensor row": (lambda d: d.put({"z": [torch.zeros(2), [1.0]]}, [4, 5]), "columns\\['z'\\]"),
+    "put float indexes": (lambda d: d.put({"x": torch.zeros(1)}, torch.tensor([1.0])), "indexes"),
+    "get undeclared column": (lambda d: d.get("c", ["x", "nope"], 2), "columns"),
+    "get column as a string": (lambda d: d.get("c", "x", 2), "columns"),
+    "get unregistered consumer": (lambda d: d.get("nobody", ["x"], 2), "consumer"),
+    "get bad balance": (lambda d: d.get("c", ["x"], 2, balance="lpt"), "balance"),
+    "get count not a group multiple": (lambda d: d.get("c", ["x"], 3), "count"),
+    "get count zero": (lambda d: d.get("c", ["x"], 0), "count"),
+    "get count over capacity": (lambda d: d.get("c", ["x"], 10), "count"),
+    "get partial group by index": (lambda d: d.get("c", ["x"], indexes=[0]), "indexes"),
+    "get index out of range": (lambda d: d.get("c", ["x"], indexes=[8, 9]), "indexes"),
+    "get count disagrees with indexes": (lambda d: d.get("c", ["x"], 4, indexes=[0, 1]), "count"),
+    "set_completed wrong shape": (lambda d: d.set_completed([0, 1], torch.tensor([False])), "completed"),
+    "reset keeps undeclared column": (lambda d: d.reset(keep=["nope"]), "keep"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_raises_and_changes_nothing(make_dock, case):
+    call, argument = BAD_CALLS[case]
+    dock = make_dock(4, 2, consumers=["c"], num_warehouses=2)
+    dock.put({"x": torch.arange(4.0)}, [0, 1, 2, 3])
+    before = dock.state()
+    with pytest.raises(ValueError, match=argument):
+        call(dock)
+    assert_state_equal(before, dock.state())
+    # The data is intact too: the consumer still gets every stored row, once.
+    batch, idx = dock.get("c", ["x"], 4, balance="fifo")
+    assert idx.tolist() == [0, 1, 2, 3] and batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_constructor_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="n_samples"):
+        TransferDock(4, 0)
+    with pytest.raises(ValueError, match="num_warehouses"):
+        TransferDock(2, 2, num_warehouses=5)
+    with pytest.raises(ValueError, match="num_prompts"):
+        DockController(2.5)
+
+
+def test_warehouses_hold_disjoint_ranges():
+    dock = TransferDock(5, 2, consumers=["c"], num_warehouses=3)
+    assert [(h.start, h.stop) for h in dock.warehouses] == [(0, 3), (3, 7), (7, 10)]
+    dock.put({"x": torch.arange(10.0)}, torch.randperm(10))
+    for house in dock.warehouses:
+        stored = house._data["x"]
+        assert len(stored) == house.stop - house.start and all(v is not None for v in stored)
+    batch, idx = dock.get("c", ["x"], 10)
+    assert sorted(batch["x"].tolist()) == [float(i) for i in range(10)]
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.sampled_from(["a", "b"]), st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True)),
+        st.tuples(st.just("get"), st.sampled_from(["c0", "c1"]), st.sampled_from([("a",), ("a", "b")]), st.integers(1, 3), st.booleans()),
+        st.tuples(st.just("incomplete"), st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True)),
+        st.tuples(st.just("reset"), st.sampled_from([(), ("a",)])),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+def _run_against_model(dock, model_ops) -> None:
+    model = TransferDockRef(4, 3, ["c0", "c1"])
+    counter = 0
+    for op in model_ops:
+        if op[0] == "put":
+            _, column, rows = op
+            values = []
+            for _ in rows:
+                counter += 1
+                values.append(torch.arange(counter % 4 + 1) + counter)
+            dock.put({column: values}, rows)
+            model.put({column: values}, rows)
+        elif op[0] == "get":
+            _, consumer, columns, units, by_group = op
+            count = units * 3 if by_group else units
+            batch, idx = dock.get(consumer, list(columns), count, by_group=by_group, balance="fifo")
+            want = model.get(consumer, columns, count, by_group=by_group)
+            assert idx.tolist() == want
+            for pos, row in enumerate(want):
+                for column in columns:
+                    value = model.value(row, column)
+                    assert torch.equal(batch[column][pos, : value.numel()], value)
+                    assert int(batch[f"{column}_mask"][pos].sum()) == value.numel()
+        elif op[0] == "incomplete":
+            flags = [False] * len(op[1])
+            dock.set_completed(op[1], torch.tensor(flags))
+            model.set_completed(op[1], flags)
+        else:
+            dock.reset(keep=list(op[1]))
+            model.reset(op[1])
+            assert dock.age.tolist() == model.age
+        for consumer in ("c0", "c1"):
+            assert dock.all_consumed(consumer) == (len(model.taken[consumer]) == model.capacity)
+
+
+@given(model_ops=ops)
+@settings(max_examples=40)
+def test_fifo_matches_loop_model_embedded(model_ops):
+    _run_against_model(TransferDock(4, 3, columns=["a", "b"], consumers=["c0", "c1"], num_warehouses=2), model_ops)
+
+
+@given(model_ops=ops)
+@settings(max_examples=15)
+def test_fifo_matches_loop_model_ray(ray_docks, model_ops):
+    _run_against_model(ray_docks.make(4, 3, columns=["a", "b"], consumers=["c0", "c1"], num_warehouses=2), model_ops)
+
+
+@st.composite
+def interleavings(draw):
+    num_prompts = draw(st.integers(1, 6))
+    n_samples = draw(st.integers(1, 3))
+    capacity = num_prompts * n_samples
+    order = draw(st.permutations(range(capacity)))
+    cuts = sorted(draw(st.lists(st.integers(1, max(capacity - 1, 1)), max_size=4, unique=True)))
+    chunks = [order[a:b] for a, b in zip([0, *cuts], [*cuts, capacity]) if order[a:b]]
+    return {
+        "num_prompts": num_prompts,
+        "n_samples": n_samples,
+        "chunks": chunks,
+        "producers": draw(st.integers(1, 3)),
+        "threads_per_consumer": draw(st.integers(1, 3)),
+        "units": draw(st.integers(1, 2)),
+        "by_group": draw(st.booleans()),
+        "balance": draw(st.sampled_from(["random", "fifo", "tokens"])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def _exactly_once(dock, case) -> None:
+    n, capacity = case["n_samples"], case["num_prompts"] * case["n_samples"]
+    consumers = ["reward", "update"]
+    unit = n if case["by_group"] else 1
+    count = min(case["units"], capacity // unit) * unit
+    received = {c: [] for c in consumers}
+    errors = []
+
+    def produce(chunks):
+        for rows in chunks:
+            dock.put({"responses": [torch.full((row % 3 + 1,), row) for row in rows], "row": torch.tensor(rows)}, rows)
+
+    def consume(consumer):
+        try:
+            while not dock.all_consumed(consumer):
+                # A short timeout: when the rows left are fewer than count, give up on them.
+                batch, idx = dock.get(
+                    consumer, ["responses", "row"], count, by_group=case["by_group"], balance=case["balance"], timeout=0.05
+                )
+                if idx.numel() == 0:
+                    if producers_done.is_set() and capacity - len(received[consumer]) < count:
+                        return
+                    time.sleep(0.001)
+                    continue
+                assert batch["row"].tolist() == idx.tolist()
+                assert (batch["responses"][:, 0] == idx).all()
+                received[consumer].extend(idx.tolist())
+        except Exception as err:  # surfaced in the main thread
+            errors.append(err)
+
+    producers_done = threading.Event()
+    producers = [threading.Thread(target=produce, args=(case["chunks"][k :: case["producers"]],)) for k in range(case["producers"])]
+    workers = [threading.Thread(target=consume, args=(c,)) for c in consumers for _ in range(case["threads_per_consumer"])]
+    for thread in workers + producers:
+        thread.start()
+    for thread in producers:
+        thread.join()
+    producers_done.set()
+    for thread in workers:
+        thread.join(30)
+    assert not errors, errors
+    for consumer in consumers:
+        got = received[consumer]
+        assert len(got) == len(set(got)), f"{consumer} got a row twice"
+        if capacity % count == 0:
+            assert sorted(got) == list(range(capacity)), f"{consumer} lost rows"
+        if case["by_group"]:
+            groups = torch.bincount(torch.tensor(got, dtype=torch.int64) // n, minlength=case["num_prompts"])
+            assert ((groups == 0) | (groups == n)).all()
+
+
+@given(case=interleavings())
+@settings(max_examples=25)
+def test_threads_deliver_each_row_exactly_once_embedded(case):
+    _exactly_once(TransferDock(case["num_prompts"], case["n_samples"], columns=["responses", "row"], consumers=["reward", "update"], seed=case["seed"]), case)
+
+
+@given(case=interleavings())
+@settings(max_examples=10)
+def test_threads_deliver_each_row_exactly_once_ray(ray_docks, case):
+    _exactly_once(ray_docks.make(case["num_prompts"], case["n_samples"], columns=["responses", "row"], consumers=["reward", "update"]), case)
