@@ -32,8 +32,38 @@ from rlcore.algos.kto import kto_loss
 from rlcore.algos.preference import sequence_logps
 from rlcore.algos.preference_pairwise import DIVERGENCES, DPO_LOSS_TYPES, dpo_loss
 from rlcore.algos.preference_reffree import cpo_loss, orpo_loss, simpo_loss
+from rlcore.algos.kl import (
+    KL_ESTIMATORS,
+    KLController,
+    KLControllerState,
+    adaptive_kl_controller,
+    fixed_kl_controller,
+    kl_in_reward,
+    kl_penalty,
+)
+from rlcore.algos.shaping import (
+    RewardNormalizer,
+    RunningMomentsState,
+    clip_rewards,
+    overlong_penalty,
+    running_reward_normalizer,
+    scores_to_token_rewards,
+)
 
 __all__: list[str] = [
+    "KL_ESTIMATORS",
+    "KLController",
+    "KLControllerState",
+    "RewardNormalizer",
+    "RunningMomentsState",
+    "adaptive_kl_controller",
+    "clip_rewards",
+    "fixed_kl_controller",
+    "kl_in_reward",
+    "kl_penalty",
+    "overlong_penalty",
+    "running_reward_normalizer",
+    "scores_to_token_rewards",
     "AGGREGATION_MODES",
     "aggregate",
     "cispo_loss",

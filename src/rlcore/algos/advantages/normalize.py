@@ -37,12 +37,13 @@ def _resolve(process_group: Any) -> tuple[Any, int, int]:
 
 def _centred_moments(
     x: torch.Tensor, weights: torch.Tensor, process_group: Any = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dev, count, m2)`` over the weighted elements of ``x``, across ranks when a group is given.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dev, count, mean, m2)`` over the weighted elements of ``x``, across ranks when a group is given.
 
     ``dev`` is ``x - mean`` for every element (0 where the weight is 0), computed from
-    the shifted values so that the mean is never rounded on its own; ``count`` and
-    ``m2`` (sum of weighted squared deviations) are scalars in the accumulation dtype.
+    the shifted values so that the mean is never rounded on its own; ``count``,
+    ``mean`` and ``m2`` (sum of weighted squared deviations) are scalars in the
+    accumulation dtype.
     """
     acc = acc_dtype(x.dtype)
     w = weights.to(acc)
@@ -55,7 +56,7 @@ def _centred_moments(
     mean_d = _safe_div((d * w).sum(), count)
     if process_group is None:
         dev = torch.where(on, d - mean_d, 0.0)
-        return dev, count, (dev * dev * w).sum()
+        return dev, count, pivot + mean_d, (dev * dev * w).sum()
     pg, world, rank = _resolve(process_group)
     dev_local = torch.where(on, d - mean_d, 0.0)
     local = torch.stack([count, pivot + mean_d, (dev_local * dev_local * w).sum()])
@@ -70,7 +71,7 @@ def _centred_moments(
     mean = ref + mean_off
     m2 = m2s.sum() + (counts * (means - mean) ** 2).sum()
     dev = torch.where(on, d - (mean - pivot), 0.0)
-    return dev, total, m2
+    return dev, total, mean, m2
 
 
 def batch_normalize(
@@ -117,7 +118,7 @@ def batch_normalize(
     if mask is None:
         mask = torch.ones_like(x, dtype=torch.bool)
     check_same_shape("mask", mask, "x", x)
-    dev, count, m2 = _centred_moments(x, mask, process_group)
+    dev, count, mean, m2 = _centred_moments(x, mask, process_group)
     den = count - 1 if unbiased else count
     var = _safe_div(m2, den) * (den > 0)
     # With eps = 0 a constant batch has var 0; its deviations are exactly 0, so any
@@ -125,5 +126,5 @@ def batch_normalize(
     total = var + eps
     out = dev * torch.where(total > 0, torch.rsqrt(torch.where(total > 0, total, 1.0)), 0.0)
     if not shift_mean:
-        out = out + (x.to(dev.dtype) - dev)
+        out = out + mean
     return torch.where(mask != 0, out, 0.0).to(x.dtype)

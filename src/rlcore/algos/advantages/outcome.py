@@ -78,7 +78,7 @@ def grpo_advantages(
     if scale == "group":
         std = segment_std(s, group_ids, num_segments=n)[group_ids]
     else:
-        _, count, m2 = _centred_moments(s, torch.ones_like(s), process_group)
+        _, count, _, m2 = _centred_moments(s, torch.ones_like(s), process_group)
         var = m2 / torch.clamp(count - 1, min=1) * (count > 1)
         std = torch.where(var > 0, torch.sqrt(torch.where(var > 0, var, 1.0)), 0.0)
     # Where std + eps is 0 (eps=0, constant group) the centred score is exactly 0 too.

@@ -48,8 +48,26 @@ from rlcore.testing.reference.advantages import (
     remax_advantages_ref,
     rloo_advantages_ref,
 )
+from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
+from rlcore.testing.reference.kl import adaptive_kl_coefs_ref, kl_in_reward_ref, kl_penalty_ref
+from rlcore.testing.reference.shaping import (
+    RunningNormalizerRef,
+    clip_rewards_ref,
+    overlong_penalty_ref,
+    scores_to_token_rewards_ref,
+)
 
 __all__ = [
+    "RunningNormalizerRef",
+    "adaptive_kl_coefs_ref",
+    "clip_rewards_ref",
+    "dynamic_sampling_mask_ref",
+    "kl_in_reward_ref",
+    "kl_penalty_ref",
+    "overlong_penalty_ref",
+    "rejection_mask_ref",
+    "scores_to_token_rewards_ref",
+    "truncated_is_weights_ref",
     "aggregate_ref",
     "cispo_loss_ref",
     "gmpo_loss_ref",
