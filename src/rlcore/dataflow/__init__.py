@@ -2,6 +2,18 @@
 
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse
 from rlcore.dataflow.ray_dock import DockHost, RayTransferDock
+from rlcore.dataflow.layout import MESH_DIMS, Layout, Placement, decoder_layout, param_meta
+from rlcore.dataflow.reshard import (
+    Bucket,
+    Move,
+    ParamMove,
+    ReshardPlan,
+    allocate_buckets,
+    bucket_views,
+    plan_reshard,
+    reshard,
+    reshard_bucket,
+)
 
 __all__: list[str] = [
     "BALANCE_MODES",
@@ -10,4 +22,18 @@ __all__: list[str] = [
     "RayTransferDock",
     "TransferDock",
     "Warehouse",
+    "MESH_DIMS",
+    "Bucket",
+    "Layout",
+    "Move",
+    "ParamMove",
+    "Placement",
+    "ReshardPlan",
+    "allocate_buckets",
+    "bucket_views",
+    "decoder_layout",
+    "param_meta",
+    "plan_reshard",
+    "reshard",
+    "reshard_bucket",
 ]
