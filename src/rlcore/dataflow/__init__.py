@@ -1,5 +1,6 @@
 """Data movement: sequence packing, the Transfer Dock, dispatch, resharding, pipelines."""
 
+from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, shard_samples
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse
 from rlcore.dataflow.ray_dock import DockHost, RayTransferDock
 from rlcore.dataflow.layout import MESH_DIMS, Layout, Placement, decoder_layout, param_meta
@@ -16,6 +17,9 @@ from rlcore.dataflow.reshard import (
 )
 
 __all__: list[str] = [
+    "PARTITION_METHODS",
+    "balanced_partition",
+    "shard_samples",
     "BALANCE_MODES",
     "DockController",
     "DockHost",
