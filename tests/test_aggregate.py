@@ -124,7 +124,7 @@ def _rank_main(rank, world, init_file, loss_t, mask, out_dir):
     try:
         # Rank 0 holds the first row, rank 1 the others: uneven token counts per rank.
         rows = slice(0, 1) if rank == 0 else slice(1, None)
-        counts = global_counts(mask[rows], group=dist.group.WORLD)
+        counts = global_counts(mask[rows], process_group=dist.group.WORLD)
         results = {}
         for mode in AGGREGATION_MODES:
             local = aggregate(loss_t[rows], mask[rows], mode=mode, **counts)

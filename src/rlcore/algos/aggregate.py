@@ -10,8 +10,11 @@ micro-batches *add up* to the aggregate of the whole batch, whatever the split.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from rlcore._checks import check_choice, check_ndim, check_positive, check_same_shape, check_tensor
 from rlcore.ops import masked_mean, masked_sum
@@ -68,7 +71,7 @@ def aggregate(
     least one counted token (a fully masked sequence, e.g. one rejected by a filter, is
     not an example). Passing the counts of the *whole* batch makes the result additive:
     the sum of ``aggregate`` over the micro-batches (and over data-parallel ranks, with
-    counts from :func:`global_counts` over the group) equals ``aggregate`` of the whole
+    counts from :func:`global_counts` over the process group) equals ``aggregate`` of the whole
     batch. Wrappers that *average* gradients across ranks (DDP, FSDP) then need the
     loss multiplied by the world size.
 
@@ -126,17 +129,18 @@ def aggregate(
     return (total / den).to(loss_t.dtype)
 
 
-def global_counts(mask: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def global_counts(mask: torch.Tensor, *, process_group: Any = None) -> dict[str, torch.Tensor]:
     """The token and sequence counts of a batch, summed over a process group if one is given.
 
     Take them from the whole (local) batch *after* filtering and before splitting it
     into micro-batches, and pass them to :func:`aggregate` (or ``Algorithm.loss``) as
-    ``**counts``. With ``group``, one ``all_reduce`` (sum) of a two-element tensor
-    makes them global over the data-parallel ranks.
+    ``**counts``. With ``process_group``, one ``all_reduce`` (sum) of a two-element
+    tensor makes them global over the data-parallel ranks.
 
     Args:
       mask: ``[B, T]`` token mask of the local batch.
-      group: optional ``torch.distributed`` process group (the data-parallel group).
+      process_group: optional ``torch.distributed`` process group or 1-D ``DeviceMesh``
+        (the data-parallel one).
 
     Returns:
       ``{"num_tokens": N, "num_seqs": S}`` as scalar tensors on ``mask.device``: int64
@@ -153,6 +157,7 @@ def global_counts(mask: torch.Tensor, *, group: dist.ProcessGroup | None = None)
         weights = (mask != 0).long()
     seqs = (mask != 0).any(dim=-1).sum().to(weights.dtype)
     counts = torch.stack([weights.sum(), seqs])
-    if group is not None:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    if process_group is not None:
+        pg = process_group.get_group() if isinstance(process_group, DeviceMesh) else process_group
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=pg)
     return {"num_tokens": counts[0], "num_seqs": counts[1]}

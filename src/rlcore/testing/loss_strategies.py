@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from hypothesis import strategies as st
 
-from rlcore.testing.strategies import masks
+from rlcore.testing.strategies import grouped_scores, masks
 
-__all__ = ["DRIFTS", "microbatch_splits", "policy_batches"]
+__all__ = ["DRIFTS", "microbatch_splits", "policy_batches", "recipe_batches"]
 
 # How far the current policy has moved from the sampling one, in log-ratio units:
 # "none" is on-policy, "small" stays near the clip band, "large" crosses it on most
@@ -88,3 +88,33 @@ def microbatch_splits(draw: st.DrawFn, batch: int, *, max_parts: int = 4) -> lis
     cuts = sorted(draw(st.lists(st.integers(1, max(1, batch - 1)), min_size=parts - 1, max_size=parts - 1, unique=True)))
     bounds = [0, *cuts, batch]
     return [torch.tensor(order[lo:hi], dtype=torch.long) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+@st.composite
+def recipe_batches(
+    draw: st.DrawFn,
+    *,
+    max_groups: int = 4,
+    max_size: int = 4,
+    max_len: int = 8,
+    dtype: torch.dtype = torch.float32,
+    drifts: Sequence[str] = ("none", "small", "large"),
+) -> dict[str, torch.Tensor]:
+    """A :func:`policy_batches` batch without ``advantages`` and ``returns``, plus ``scores`` and ``group_ids``.
+
+    ``scores`` is ``[B]`` float32, ``group_ids`` ``[B]`` int64.
+
+    Groups are uneven and shuffled; some have all-equal scores. Scores are binary,
+    normal or constant per group (no large offsets: group stds stay well above the
+    float32 rounding of the scores).
+    """
+    scores, ids = draw(
+        grouped_scores(max_groups=max_groups, max_size=max_size, patterns=("binary", "normal", "constant"))
+    )
+    b = ids.shape[0]
+    batch = draw(policy_batches(min_batch=b, max_batch=b, max_len=max_len, dtype=dtype, drifts=drifts))
+    # A recipe computes these itself.
+    del batch["advantages"], batch["returns"]
+    batch["scores"] = scores.float()
+    batch["group_ids"] = ids
+    return batch

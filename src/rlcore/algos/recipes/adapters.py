@@ -1,0 +1,120 @@
+"""Batch adapters: lift tensor-level estimators and shaping functions to ``batch -> ...`` steps.
+
+Estimator adapters return a dict of *new* leaves (``"advantages"``, maybe
+``"returns"``); shaping adapters return the whole batch, changed. All of them read
+documented keys and are meant to be bound with ``functools.partial``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rlcore.algos.advantages import batch_normalize, gae
+from rlcore.algos.filters import dynamic_sampling_mask
+from rlcore.algos.kl import kl_in_reward, kl_penalty
+from rlcore.algos.recipes.algorithm import Batch, _get
+from rlcore.algos.shaping import overlong_penalty, scores_to_token_rewards
+from rlcore.ops import masked_sum
+
+__all__ = [
+    "dynamic_sampling_filter",
+    "gae_advantages",
+    "kl_reward_shaping",
+    "kl_score_shaping",
+    "outcome_advantages",
+    "overlong_shaping",
+    "token_advantages",
+    "token_rewards_shaping",
+]
+
+
+def outcome_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor]) -> Batch:
+    """Run an outcome estimator on ``scores`` and ``group_ids`` and spread its ``[B]`` result over the tokens.
+
+    ``estimator(scores, group_ids) -> [B]``, e.g. ``partial(grpo_advantages, scale="group")``.
+
+    >>> from functools import partial
+    >>> from rlcore.algos import rloo_advantages
+    >>> batch = {"scores": torch.tensor([1.0, 0.0]), "group_ids": torch.tensor([0, 0]),
+    ...          "mask": torch.tensor([[1, 1], [1, 0]])}
+    >>> outcome_advantages(batch, estimator=rloo_advantages)["advantages"]
+    tensor([[ 1.,  1.],
+            [-1.,  0.]])
+    """
+    adv = estimator(_get(batch, "scores", "sequence scores [B]"), _get(batch, "group_ids", "groups [B]"))
+    mask = _get(batch, "mask", "the token mask")
+    return {"advantages": torch.where(mask != 0, adv[:, None], torch.zeros((), dtype=adv.dtype, device=adv.device))}
+
+
+def token_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor]) -> Batch:
+    """Run a token-level estimator ``estimator(rewards, mask) -> [B, T]`` on ``rewards`` and ``mask``.
+
+    E.g. ``partial(reinforce_pp_advantages, gamma=1.0)``.
+    """
+    return {"advantages": estimator(_get(batch, "rewards", "token rewards [B, T]"), _get(batch, "mask", "the token mask"))}
+
+
+def gae_advantages(batch: Batch, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True) -> Batch:
+    """GAE on ``rewards`` and the rollout critic's ``old_values``; advantages whitened over the batch.
+
+    Returns ``{"advantages", "returns"}``; the returns (value targets) are not whitened.
+    """
+    mask = _get(batch, "mask", "the token mask")
+    adv, returns = gae(
+        _get(batch, "rewards", "token rewards [B, T]"),
+        _get(batch, "old_values", "rollout critic values [B, T]"),
+        mask,
+        gamma=gamma,
+        lam=lam,
+    )
+    if whiten:
+        adv = batch_normalize(adv, mask)
+    return {"advantages": adv, "returns": returns}
+
+
+def token_rewards_shaping(batch: Batch) -> Batch:
+    """Put each sequence's ``scores`` on its last counted token as ``rewards`` (unless ``rewards`` is given)."""
+    if "rewards" in batch:
+        return batch
+    return {**batch, "rewards": scores_to_token_rewards(_get(batch, "scores", "sequence scores [B]"), batch["mask"])}
+
+
+def kl_reward_shaping(batch: Batch, *, kl_coef: float, estimator: str = "k1") -> Batch:
+    """Fold ``kl_coef * KL(old_logp || ref_logp)`` per token into ``rewards`` (RLHF's KL reward)."""
+    rewards, _ = kl_in_reward(
+        _get(batch, "rewards", "token rewards [B, T]"),
+        _get(batch, "old_logp", "rollout-policy log-probs"),
+        _get(batch, "ref_logp", "reference log-probs"),
+        batch["mask"],
+        kl_coef=kl_coef,
+        estimator=estimator,
+    )
+    return {**batch, "rewards": rewards}
+
+
+def kl_score_shaping(batch: Batch, *, kl_coef: float, estimator: str = "k1") -> Batch:
+    """Subtract ``kl_coef`` times the sequence KL (sum over tokens) from ``scores``: RLOO's KL reward."""
+    mask = _get(batch, "mask", "the token mask")
+    on = mask != 0
+    old_logp = torch.where(on, _get(batch, "old_logp", "rollout-policy log-probs"), 0.0)
+    ref_logp = torch.where(on, _get(batch, "ref_logp", "reference log-probs"), 0.0)
+    seq_kl = masked_sum(kl_penalty(old_logp.detach(), ref_logp.detach(), estimator=estimator).float(), mask, dim=-1)
+    scores = _get(batch, "scores", "sequence scores [B]")
+    return {**batch, "scores": (scores.float() - kl_coef * seq_kl).to(scores.dtype)}
+
+
+def dynamic_sampling_filter(batch: Batch) -> Batch:
+    """DAPO dynamic sampling without a host sync: zero the ``mask`` of groups whose ``scores`` are all equal."""
+    keep = dynamic_sampling_mask(_get(batch, "scores", "sequence scores [B]"), _get(batch, "group_ids", "groups [B]"))
+    mask = _get(batch, "mask", "the token mask")
+    return {**batch, "mask": mask * keep[:, None].to(mask.dtype)}
+
+
+def overlong_shaping(batch: Batch, *, max_length: int = 20480, cache_length: int = 4096) -> Batch:
+    """Add DAPO's overlong penalty to ``scores``; lengths from ``lengths`` or the mask's token count."""
+    scores = _get(batch, "scores", "sequence scores [B]")
+    lengths = batch["lengths"] if "lengths" in batch else (_get(batch, "mask", "the token mask") != 0).sum(-1)
+    penalty = overlong_penalty(lengths, max_length=max_length, cache_length=cache_length)
+    return {**batch, "scores": (scores.float() + penalty.float()).to(scores.dtype)}

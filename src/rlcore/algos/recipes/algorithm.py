@@ -1,0 +1,153 @@
+"""The ``Algorithm`` NamedTuple: an RL algorithm as a composition of pure functions.
+
+Like an optax optimiser, an algorithm is a value, not a class hierarchy: a tuple of the
+functions it is made of (advantage estimator, policy loss, KL term, value loss,
+shaping) and its coefficients. ``algo._replace(policy_loss=...)`` makes a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from rlcore.algos.aggregate import aggregate
+from rlcore.ops import masked_mean
+
+__all__ = ["Algorithm", "Batch", "chain"]
+
+Batch = dict[str, Any]
+Metrics = dict[str, torch.Tensor]
+Count = int | float | torch.Tensor
+
+
+def _get(batch: Batch, key: str, why: str) -> torch.Tensor:
+    if key not in batch:
+        raise ValueError(f"batch: got keys {sorted(batch)}, expected a {key!r} entry ({why})")
+    return batch[key]
+
+
+def chain(*steps: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
+    """Compose batch transforms (shaping, filters) left to right, like ``optax.chain``.
+
+    >>> double = lambda b: {**b, "scores": 2 * b["scores"]}
+    >>> chain(double, double)({"scores": torch.tensor([1.0])})["scores"]
+    tensor([4.])
+    """
+
+    def chained(batch: Batch) -> Batch:
+        for step in steps:
+            batch = step(batch)
+        return batch
+
+    return chained
+
+
+class Algorithm(NamedTuple):
+    """An RL algorithm: the pure functions it is composed of, plus its coefficients.
+
+    Fields:
+      advantage_estimator: ``batch -> dict`` of new leaves, at least ``"advantages"``
+        ``[B, T]`` (GAE also gives ``"returns"``). See :mod:`rlcore.algos.recipes.adapters`.
+      policy_loss: ``(logp, old_logp, advantages, mask) -> (loss_t, metrics)``, e.g.
+        ``functools.partial(ppo_clip_loss, clip_high=0.28)``.
+      kl: ``(logp, ref_logp) -> kl_t`` per-token KL *loss term* (e.g.
+        ``partial(kl_penalty, estimator="k3")``), or ``None``.
+      kl_coef: weight of ``kl`` in the loss.
+      agg_mode: :func:`rlcore.algos.aggregate` mode.
+      horizon: ``aggregate``'s horizon for ``"seq-mean-token-sum-norm"``.
+      shaping: ``batch -> batch`` applied before the estimator (reward shaping, KL in
+        reward, sample filters that zero the mask), or ``None``.
+      entropy_coef: weight of the entropy bonus (subtracted from the loss).
+      value_loss: ``(values, old_values, returns, mask) -> (loss_t, metrics)``, or ``None``.
+      vf_coef: weight of the value loss.
+
+    Batch keys (all token leaves ``[B, T]``, sequence leaves ``[B]``): ``mask``, ``logp``
+    (current policy, with gradient), ``old_logp`` (rollout policy); ``advantages``, or
+    what the estimator reads (``scores`` + ``group_ids``; ``rewards``;
+    ``old_values``); ``ref_logp`` for a KL term; ``entropy`` for an entropy bonus (from
+    ``rlcore.ops.logprobs_from_logits(..., with_entropy=True)``); ``values``,
+    ``old_values``, ``returns`` for a value loss; optional ``is_weights`` (detached
+    per-token weights, e.g. :func:`rlcore.algos.truncated_is_weights`, multiplied into
+    the policy loss).
+    """
+
+    advantage_estimator: Callable[[Batch], Batch]
+    policy_loss: Callable[..., tuple[torch.Tensor, Metrics]]
+    kl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    kl_coef: float = 0.0
+    agg_mode: str = "token-mean"
+    horizon: int | None = None
+    shaping: Callable[[Batch], Batch] | None = None
+    entropy_coef: float = 0.0
+    value_loss: Callable[..., tuple[torch.Tensor, Metrics]] | None = None
+    vf_coef: float = 1.0
+
+    def advantages(self, batch: Batch) -> Batch:
+        """The batch after shaping, with ``"advantages"`` (and the estimator's other leaves) added.
+
+        Call it once on the whole batch, before splitting it into micro-batches: group
+        baselines and batch whitening need every sample. Take the counts for
+        :meth:`loss` (:func:`rlcore.algos.global_counts`) from the mask it returns.
+        """
+        if self.shaping is not None:
+            batch = self.shaping(batch)
+        return {**batch, **self.advantage_estimator(batch)}
+
+    def loss(
+        self, batch: Batch, *, num_tokens: Count | None = None, num_seqs: Count | None = None
+    ) -> tuple[torch.Tensor, Metrics]:
+        """The scalar training loss of a (micro-)batch and detached metrics.
+
+        ``loss = aggregate(policy_t + kl_coef * kl_t - entropy_coef * entropy_t)
+        + vf_coef * aggregate(value_t)``, all with ``agg_mode``. Without an
+        ``"advantages"`` entry the batch goes through :meth:`advantages` first (fine for
+        a whole batch, wrong for a micro-batch of a grouped estimator). With the global
+        counts of the whole batch, the losses of its micro-batches add up to the loss of
+        the whole batch (see :func:`rlcore.algos.aggregate`).
+
+        Returns:
+          ``(loss, metrics)``: the policy loss's metrics plus ``pg_loss``, and ``kl``,
+          ``entropy``, ``vf_loss``, ``vf_clip_frac``, ``vf_mse`` where those terms are on.
+        """
+        if "advantages" not in batch:
+            batch = self.advantages(batch)
+        mask = _get(batch, "mask", "the token mask")
+        keep = mask != 0
+        counts = {"num_tokens": num_tokens, "num_seqs": num_seqs}
+
+        def agg(x: torch.Tensor) -> torch.Tensor:
+            return aggregate(x, mask, mode=self.agg_mode, horizon=self.horizon, **counts)
+
+        logp = _get(batch, "logp", "current-policy log-probs")
+        old_logp = _get(batch, "old_logp", "rollout-policy log-probs")
+        loss_t, metrics = self.policy_loss(logp, old_logp, batch["advantages"], mask)
+        if "is_weights" in batch:
+            loss_t = loss_t * torch.where(keep, batch["is_weights"].detach(), 0.0).to(loss_t.dtype)
+        metrics = {**metrics, "pg_loss": agg(loss_t.detach())}
+        if self.kl_coef != 0:
+            if self.kl is None:
+                raise ValueError(f"kl: got None with kl_coef={self.kl_coef!r}, expected a KL function")
+            ref_logp = _get(batch, "ref_logp", "reference log-probs for the KL term")
+            # Padding may hold nan: it must reach neither the value nor the gradient.
+            kl_t = self.kl(torch.where(keep, logp, 0.0), torch.where(keep, ref_logp, 0.0))
+            loss_t = loss_t + self.kl_coef * kl_t
+            metrics["kl"] = masked_mean(kl_t.detach().float(), mask)
+        if self.entropy_coef != 0:
+            entropy = torch.where(keep, _get(batch, "entropy", "per-token entropy for the bonus"), 0.0)
+            loss_t = loss_t - self.entropy_coef * entropy
+            metrics["entropy"] = masked_mean(entropy.detach().float(), mask)
+        loss = agg(loss_t)
+        if self.value_loss is not None and self.vf_coef != 0:
+            vf_t, vf_metrics = self.value_loss(
+                _get(batch, "values", "current critic values"),
+                _get(batch, "old_values", "rollout critic values"),
+                _get(batch, "returns", "value targets"),
+                mask,
+            )
+            vf = agg(vf_t)
+            loss = loss + self.vf_coef * vf
+            metrics["vf_loss"] = vf.detach()
+            metrics.update({f"vf_{k}": v for k, v in vf_metrics.items()})
+        return loss, metrics

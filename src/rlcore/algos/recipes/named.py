@@ -1,0 +1,188 @@
+"""Named recipes: PPO, GRPO, Dr. GRPO, DAPO, GSPO, REINFORCE++ and RLOO as compositions, with published defaults."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from rlcore.algos.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from rlcore.algos.kl import kl_penalty
+from rlcore.algos.policy_losses import gspo_loss, ppo_clip_loss
+from rlcore.algos.recipes.adapters import (
+    dynamic_sampling_filter,
+    gae_advantages,
+    kl_reward_shaping,
+    kl_score_shaping,
+    outcome_advantages,
+    overlong_shaping,
+    token_advantages,
+    token_rewards_shaping,
+)
+from rlcore.algos.recipes.algorithm import Algorithm, chain
+from rlcore.algos.value_loss import value_loss
+
+__all__ = ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"]
+
+
+def ppo(
+    *,
+    clip: float = 0.2,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    kl_coef: float = 0.02,
+    value_clip: float = 0.2,
+    vf_coef: float = 0.1,
+) -> Algorithm:
+    """PPO for RLHF: GAE on token rewards with a per-token KL reward, clipped policy and value losses.
+
+    Schulman et al. 2017, arXiv:1707.06347 (clip 0.2); the RLHF setting of Ouyang et al.
+    2022, arXiv:2203.02155 (KL reward coefficient 0.02, gamma 1, lambda 0.95); value clip
+    0.2 and value coefficient 0.1 are TRL's ``PPOConfig`` defaults. Advantages are
+    whitened over the batch; the loss is a token mean.
+
+    Batch: ``scores`` ``[B]`` (placed on the last token) or ``rewards`` ``[B, T]``,
+    ``old_values``, ``values``, ``old_logp``, ``ref_logp``, ``logp``, ``mask``.
+
+    >>> ppo().policy_loss.keywords
+    {'clip_low': 0.2, 'clip_high': 0.2}
+    """
+    return Algorithm(
+        advantage_estimator=partial(gae_advantages, gamma=gamma, lam=lam, whiten=True),
+        policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+        agg_mode="token-mean",
+        shaping=chain(token_rewards_shaping, partial(kl_reward_shaping, kl_coef=kl_coef, estimator="k1")),
+        value_loss=partial(value_loss, clip=value_clip),
+        vf_coef=vf_coef,
+    )
+
+
+def grpo(*, clip: float = 0.2, kl_coef: float = 0.04, kl_estimator: str = "k3", eps: float = 1e-6) -> Algorithm:
+    """GRPO: group-normalised outcome advantages, PPO clip, k3 KL loss, per-sequence token mean.
+
+    Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, eq. 3-4: clip 0.2, beta 0.04,
+    the k3 estimator as a loss term, ``1/G sum_i 1/|o_i| sum_t`` (``"seq-mean-token-mean"``).
+    As a loss, k3's gradient estimates the forward KL's (see
+    :func:`rlcore.algos.kl_penalty`); ``kl_estimator="k2"`` gives the reverse KL's.
+
+    Batch: ``scores``, ``group_ids``, ``logp``, ``old_logp``, ``ref_logp``, ``mask``.
+
+    >>> grpo().agg_mode
+    'seq-mean-token-mean'
+    """
+    return Algorithm(
+        advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group", eps=eps)),
+        policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+        kl=partial(kl_penalty, estimator=kl_estimator),
+        kl_coef=kl_coef,
+        agg_mode="seq-mean-token-mean",
+    )
+
+
+def dr_grpo(*, clip: float = 0.2, horizon: int | None = None) -> Algorithm:
+    """Dr. GRPO: GRPO without the std division and without length normalisation.
+
+    Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+    arXiv:2503.20783: advantages are group-centred scores (``scale="none"``), the loss is
+    ``1/G sum_i sum_t`` divided by a constant, the generation budget (``horizon``; set it
+    to the maximum response length, it defaults to the padded ``T``), and no KL term.
+
+    >>> dr_grpo(horizon=4096).horizon
+    4096
+    """
+    return Algorithm(
+        advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="none")),
+        policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+        agg_mode="seq-mean-token-sum-norm",
+        horizon=horizon,
+    )
+
+
+def dapo(
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    max_length: int = 20480,
+    cache_length: int = 4096,
+    dynamic_sampling: bool = True,
+) -> Algorithm:
+    """DAPO: clip-higher, dynamic sampling, token-level loss, overlong reward shaping, no KL.
+
+    Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+    arXiv:2503.14476: eps_low 0.2, eps_high 0.28, ``"token-mean"`` over all tokens of the
+    batch, soft overlong punishment with ``L_max`` 20480 and ``L_cache`` 4096.
+
+    Dynamic sampling keeps a group only if its scores are not all equal (on the raw
+    scores, before the overlong penalty). The paper over-samples until the batch is
+    full; here the dropped groups' masks are zeroed on the device, so nothing syncs and
+    the counts (:func:`rlcore.algos.global_counts` of the shaped mask) exclude them.
+
+    Batch: ``scores``, ``group_ids``, optional ``lengths``, ``logp``, ``old_logp``, ``mask``.
+
+    >>> dapo().policy_loss.keywords
+    {'clip_low': 0.2, 'clip_high': 0.28}
+    """
+    overlong = partial(overlong_shaping, max_length=max_length, cache_length=cache_length)
+    shaping = chain(dynamic_sampling_filter, overlong) if dynamic_sampling else overlong
+    return Algorithm(
+        advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group")),
+        policy_loss=partial(ppo_clip_loss, clip_low=clip_low, clip_high=clip_high),
+        agg_mode="token-mean",
+        shaping=shaping,
+    )
+
+
+def gspo(*, clip_low: float = 3e-4, clip_high: float = 4e-4) -> Algorithm:
+    """GSPO: group-normalised advantages with a clipped, length-normalised sequence ratio.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071: clip
+    ranges 3e-4 / 4e-4, no KL term, ``"seq-mean-token-mean"`` (the sequence objective).
+
+    >>> gspo().policy_loss.func.__name__
+    'gspo_loss'
+    """
+    return Algorithm(
+        advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group")),
+        policy_loss=partial(gspo_loss, clip_low=clip_low, clip_high=clip_high),
+        agg_mode="seq-mean-token-mean",
+    )
+
+
+def reinforce_pp(*, clip: float = 0.2, kl_coef: float = 0.01, gamma: float = 1.0) -> Algorithm:
+    """REINFORCE++: per-token k1 KL reward, discounted reward-to-go whitened over the batch, PPO clip.
+
+    Hu 2025, "REINFORCE++", arXiv:2501.03262: ``r_t = [t = last] r(x, y) - beta KL_t``
+    with ``KL_t = log pi_old / pi_ref``, gamma 1, global advantage normalisation, clip
+    0.2; beta 0.01 is OpenRLHF's ``init_kl_coef`` default (the paper tunes it per task).
+
+    Batch: ``scores`` (or ``rewards``), ``old_logp``, ``ref_logp``, ``logp``, ``mask``.
+
+    >>> reinforce_pp().kl is None
+    True
+    """
+    return Algorithm(
+        advantage_estimator=partial(token_advantages, estimator=partial(reinforce_pp_advantages, gamma=gamma)),
+        policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+        agg_mode="token-mean",
+        shaping=chain(token_rewards_shaping, partial(kl_reward_shaping, kl_coef=kl_coef, estimator="k1")),
+    )
+
+
+def rloo(*, clip: float = 0.2, kl_coef: float = 0.05) -> Algorithm:
+    """RLOO: leave-one-out baselines on KL-penalised sequence rewards.
+
+    Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+    Learning from Human Feedback in LLMs", arXiv:2402.14740: the whole completion is
+    one action, rewarded ``r(x, y) - beta * sum_t log(pi_old / pi_ref)``; beta 0.05 is
+    TRL's ``RLOOConfig`` default. The PPO-clip surrogate (0.2, as TRL and verl use)
+    equals the paper's REINFORCE gradient on the first, on-policy step.
+
+    Batch: ``scores``, ``group_ids``, ``old_logp``, ``ref_logp``, ``logp``, ``mask``.
+
+    >>> rloo().shaping.keywords
+    {'kl_coef': 0.05, 'estimator': 'k1'}
+    """
+    return Algorithm(
+        advantage_estimator=partial(outcome_advantages, estimator=rloo_advantages),
+        policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+        agg_mode="token-mean",
+        shaping=partial(kl_score_shaping, kl_coef=kl_coef, estimator="k1"),
+    )
