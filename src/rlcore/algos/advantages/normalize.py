@@ -1,12 +1,13 @@
 """Batch whitening of advantages, locally or across data-parallel ranks with one all-reduce.
 
-Each rank summarises its elements as ``(count, mean, m2)`` (shifted by an exact local
-pivot, so a constant batch has variance exactly 0), writes the triple into its own
-row of a ``[world_size, 3]`` tensor of zeros, and one sum all-reduce hands every rank
-all the triples; Chan's parallel combination then merges them. This costs one
-collective of ``3 * world_size`` numbers and, unlike summing ``x`` and ``x^2``, it has
-no catastrophic cancellation when the values sit far from 0. The all-reduce is the
-differentiable functional collective, so gradients flow across ranks.
+Each rank summarises its elements as ``(count, pivot, mean - pivot, m2)``, where the
+pivot is its smallest counted value (an exact shift, so a constant batch has variance
+exactly 0), writes the four numbers into its own row of a ``[world_size, 4]`` tensor of
+zeros, and one sum all-reduce hands every rank every row; Chan's parallel combination
+then merges them. This costs one collective of ``4 * world_size`` numbers and, unlike
+summing ``x`` and ``x^2``, has no catastrophic cancellation when the values sit far from
+0. The all-reduce is the differentiable functional collective, so gradients flow
+across ranks.
 """
 
 from __future__ import annotations
@@ -59,18 +60,22 @@ def _centred_moments(
         return dev, count, pivot + mean_d, (dev * dev * w).sum()
     pg, world, rank = _resolve(process_group)
     dev_local = torch.where(on, d - mean_d, 0.0)
-    local = torch.stack([count, pivot + mean_d, (dev_local * dev_local * w).sum()])
+    local = torch.stack([count, pivot, mean_d, (dev_local * dev_local * w).sum()])
     slot = F.one_hot(torch.tensor(rank, device=x.device), world).to(acc)
     table = funcol.all_reduce(slot[:, None] * local[None, :], "sum", pg)
-    counts, means, m2s = table.unbind(-1)
+    counts, pivots, means_d, m2s = table.unbind(-1)
     total = counts.sum()
-    # Chan et al.: offsets are taken from one rank's own mean, so identical means
-    # across ranks merge to that mean exactly.
-    ref = means[torch.argmax((counts > 0).to(torch.int32))]
-    mean_off = _safe_div((counts * (means - ref)).sum(), total)
-    mean = ref + mean_off
-    m2 = m2s.sum() + (counts * (means - mean) ** 2).sum()
-    dev = torch.where(on, d - (mean - pivot), 0.0)
+    # Chan et al.'s merge, with every mean kept as (pivot, small offset) and offsets
+    # taken against one reference rank: differences of nearby pivots are exact, so a
+    # mean near 1e4 is never rounded at its own scale, and identical data on every
+    # rank merges to deviations of exactly 0.
+    r0 = torch.argmax((counts > 0).to(torch.int32))
+    off = (pivots - pivots[r0]) + (means_d - means_d[r0])
+    mean_off = _safe_div((counts * off).sum(), total)
+    m2 = m2s.sum() + (counts * (off - mean_off) ** 2).sum()
+    rel = (pivots[r0] - pivot) + means_d[r0] + mean_off
+    dev = torch.where(on, d - rel, 0.0)
+    mean = pivots[r0] + means_d[r0] + mean_off
     return dev, total, mean, m2
 
 
@@ -93,7 +98,7 @@ def batch_normalize(
     every element with nonzero mask on every rank of ``process_group``. With
     ``shift_mean=False`` the mean is added back. Locally it equals
     :func:`rlcore.ops.masked_whiten`. Across ranks it issues exactly one all-reduce
-    (of ``3 * world_size`` numbers); peers that whiten per rank give each rank its own
+    (of ``4 * world_size`` numbers); peers that whiten per rank give each rank its own
     scale, which makes the update depend on how samples were sharded.
 
     Args:

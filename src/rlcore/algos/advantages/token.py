@@ -83,9 +83,12 @@ def gae(
     on = mask != 0
     r = torch.where(on, rewards.to(acc), 0.0)
     v = torch.where(on, values.to(acc), 0.0)
-    # Value of the nearest counted token at or after t: V_t where counted, else carried.
-    carried = reverse_linear_scan(v, (~on).to(acc))
-    next_v = F.pad(carried[:, 1:], (0, 1))
+    # V of the nearest counted token after t (0 past the last one): a reverse running
+    # minimum of counted positions, then one gather.
+    length = rewards.shape[-1]
+    positions = torch.where(on, torch.arange(length, device=on.device), length)
+    nearest = positions.flip(-1).cummin(dim=-1).values.flip(-1)
+    next_v = F.pad(v, (0, 1)).gather(-1, F.pad(nearest[:, 1:], (0, 1), value=length))
     delta = torch.where(on, r + gamma * next_v - v, 0.0)
     adv = reverse_linear_scan(delta, torch.where(on, delta.new_full((), gamma * lam), 1.0))
     adv = torch.where(on, adv, 0.0)
