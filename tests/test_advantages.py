@@ -27,7 +27,7 @@ from rlcore.algos import (
     rloo_advantages,
 )
 from rlcore.ops import masked_whiten, segment_std, segment_sum
-from rlcore.testing import assert_close, assert_no_host_sync, grouped_scores
+from rlcore.testing import assert_close, assert_no_host_sync, grouped_scores, masks
 from rlcore.testing import reference as ref
 from rlcore.testing.algo_strategies import reward_batches
 
@@ -186,8 +186,6 @@ def test_reinforce_pp_is_whitened(batch, gamma):
 @given(scores_ids=grouped_scores(), t=st.integers(1, 6), data=st.data())
 def test_reinforce_pp_baseline_matches_reference(scores_ids, t, data):
     scores, ids = scores_ids
-    from rlcore.testing.strategies import masks
-
     mask = data.draw(masks(scores.shape[0], t))
     got = reinforce_pp_baseline_advantages(scores, ids, mask)
     want = ref.reinforce_pp_baseline_advantages_ref(scores, ids, mask)

@@ -178,8 +178,14 @@ def _init(value: float) -> Callable[..., KLControllerState]:
 def fixed_kl_controller(*, kl_coef: float) -> KLController:
     """A constant KL coefficient: ``update`` returns the state unchanged.
 
+    Reference: Ziegler et al., arXiv 1909.08593 (the fixed-beta baseline of the
+    adaptive controller). Formula: ``beta_{k+1} = beta_k = kl_coef``.
+
     Args:
       kl_coef: the coefficient ``beta`` (>= 0).
+
+    Returns:
+      A :class:`KLController` whose state is :class:`KLControllerState`.
 
     >>> ctrl = fixed_kl_controller(kl_coef=0.05)
     >>> ctrl.update(torch.tensor(3.0), ctrl.init(), n_steps=8).kl_coef
@@ -208,6 +214,9 @@ def adaptive_kl_controller(*, init_kl_coef: float = 0.2, target: float = 6.0, ho
       target: the KL to aim for (> 0), in the units of the ``kl`` passed to ``update``
         (the defaults assume the sequence KL, ``kl_in_reward``'s ``"kl"`` metric).
       horizon: number of samples over which the error is corrected (> 0).
+
+    Returns:
+      A :class:`KLController` whose state is :class:`KLControllerState`.
 
     >>> ctrl = adaptive_kl_controller(init_kl_coef=0.1, target=1.0, horizon=100)
     >>> ctrl.update(torch.tensor(2.0), ctrl.init(), n_steps=50).kl_coef

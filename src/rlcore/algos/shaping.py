@@ -95,8 +95,12 @@ def clip_rewards(rewards: torch.Tensor, *, low: float = -10.0, high: float = 10.
 def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Place each sequence score on the last counted token of its row, 0 elsewhere.
 
-    The usual way an outcome reward enters token-level estimators (GAE,
+    Reference: Ziegler et al., arXiv 1909.08593, and Ouyang et al., arXiv 2203.02155:
+    the reward model's score is the reward of the final token, the other tokens get
+    only the KL term. This is how an outcome reward enters token-level estimators (GAE,
     REINFORCE++). A row without counted tokens gets no reward.
+
+    Formula: ``r_{i,t} = s_i`` if ``t`` is the last ``t`` with ``mask[i, t] = 1``, else 0.
 
     Args:
       scores: ``[B]`` sequence scores.
@@ -151,7 +155,8 @@ def running_reward_normalizer(*, shift_mean: bool = True, eps: float = 1e-8) -> 
     formula; across data-parallel ranks with one all-reduce when a process group is
     given) and then returns ``(r - mean) / sqrt(var + eps)`` with the merged mean and
     unbiased variance (``r / sqrt(var + eps)`` with ``shift_mean=False``). Elements with
-    mask 0 neither count nor change (they come back as 0).
+    mask 0 neither count nor change (they come back as 0). Rewards are data: the
+    output carries no gradient.
 
     Args:
       shift_mean: subtract the running mean (True) or only rescale (False).

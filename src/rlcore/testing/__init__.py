@@ -16,8 +16,10 @@ from rlcore.testing.strategies import (
     masks,
     token_batches,
 )
+from rlcore.testing import algo_strategies
 
 __all__ = [
+    "algo_strategies",
     "assert_close",
     "assert_no_host_sync",
     "asserts",

@@ -5,8 +5,9 @@ Each takes one score per sample ``[B]`` and the sample's group ``group_ids [B]``
 advantage per sample ``[B]``; broadcast it over the response tokens with the mask.
 Group statistics use :func:`rlcore.ops.segment_mean` / :func:`rlcore.ops.segment_std`
 with an explicit segment count (``num_groups``, else ``B``), so nothing is read back
-from the device. A group whose scores are all equal gets advantage exactly 0, and so
-does a group of one sample.
+from the device; scores are centred after an exact per-group shift, so ``1e4 + noise``
+keeps its float32 resolution. A group whose scores are all equal gets advantage
+exactly 0, and so does a group of one sample.
 """
 
 from __future__ import annotations
@@ -157,10 +158,8 @@ def gpg_advantages(
     centred = group_centred(s, group_ids, n)
     if alpha == "auto":
         valid = dynamic_sampling_mask(s, group_ids, num_groups=n).to(s.dtype).sum()
-        factor = s.shape[0] / torch.clamp(valid, min=1)
-    else:
-        factor = torch.tensor(float(alpha), dtype=s.dtype, device=s.device)
-    return (factor * centred / f_norm).to(scores.dtype)
+        return (s.shape[0] / torch.clamp(valid, min=1) * centred / f_norm).to(scores.dtype)
+    return (alpha * centred / f_norm).to(scores.dtype)
 
 
 def opo_advantages(
