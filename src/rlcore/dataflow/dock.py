@@ -136,6 +136,7 @@ class DockController:
         self._conds: dict[str, threading.Condition] = {}
         self._all_conds: tuple[threading.Condition, ...] = ()
         self.age = torch.zeros(capacity, dtype=torch.int64)
+        self._group_age = torch.zeros(num_prompts, dtype=torch.int64)  # ages change only at reset
         self.completed = torch.ones(capacity, dtype=torch.bool)
         for column in columns:
             self._add_column(column)
@@ -244,33 +245,34 @@ class DockController:
         return x.view(self.num_prompts, self.n_samples) if by_group else x.view(-1, 1)
 
     def _select(self, consumer: str, columns: Sequence[str], need: int, by_group: bool, balance: str) -> torch.Tensor | None:
-        """Up to ``need`` eligible units in priority order, or None when fewer are eligible."""
-        ready = torch.stack([self._ready[c] for c in columns]).all(0)
-        eligible = self._unit_view(ready & ~self._consumed[consumer], by_group).all(1)
-        candidates = eligible.nonzero().squeeze(1)  # sync-ok: host-side controller, CPU tensors
-        if candidates.numel() < need:
+        """``need`` eligible units in priority order as row indexes, or None when fewer are eligible."""
+        ready = self._ready[columns[0]] if len(columns) == 1 else torch.stack([self._ready[c] for c in columns]).all(0)
+        available = self._unit_view(ready & ~self._consumed[consumer], by_group)
+        eligible = available.min(1).values
+        if int(eligible.sum()) < need:
             return None
-        age = self._unit_view(self.age, by_group).amax(1)[candidates]
+        age = self._group_age if by_group else self.age
         if balance == "random":
-            # Oldest first; ties broken uniformly at random. topk keeps this O(capacity).
-            key = age.double() + torch.rand(candidates.numel(), generator=self._generator, dtype=torch.float64)
-            order = key.topk(need).indices
-        elif balance == "fifo":
-            stamp = torch.stack([self._stamp[c] for c in columns]).amax(0)
-            ready_at = self._unit_view(stamp, by_group).amax(1)[candidates]
-            order = torch.sort(age * _AGE_STEP - ready_at, descending=True, stable=True).indices[:need]
+            # Oldest first, ties broken uniformly at random; topk keeps it one O(capacity) pass.
+            noise = torch.rand(eligible.numel(), generator=self._generator, dtype=torch.float64)
+            units = torch.where(eligible, age.double() + noise, -1.0).topk(need).indices
         else:
-            tokens = torch.stack([self._lengths[c] for c in columns]).sum(0)
-            tokens = self._unit_view(tokens, by_group).sum(1)[candidates]
-            by_len = torch.sort(tokens, descending=True, stable=True).indices
-            # Interleave longest and shortest: every prefix pairs long with short units, so
-            # consecutive gets carry similar token totals.
-            m = by_len.numel()
-            alternate = torch.stack([torch.arange(m), m - 1 - torch.arange(m)], 1).flatten()[:m]
-            rank = torch.empty(m, dtype=torch.int64)
-            rank[by_len[alternate]] = torch.arange(m)
-            order = torch.sort(age * _AGE_STEP - rank, descending=True, stable=True).indices[:need]
-        units = candidates[order]
+            candidates = eligible.nonzero().squeeze(1)  # sync-ok: host-side controller, CPU tensors
+            age = age[candidates]
+            if balance == "fifo":
+                stamp = torch.stack([self._stamp[c] for c in columns]).amax(0)
+                rank = self._unit_view(stamp, by_group).amax(1)[candidates]
+            else:
+                tokens = torch.stack([self._lengths[c] for c in columns]).sum(0)
+                tokens = self._unit_view(tokens, by_group).sum(1)[candidates]
+                by_len = torch.sort(tokens, descending=True, stable=True).indices
+                # Interleave longest and shortest: every prefix pairs long with short units,
+                # so consecutive gets carry similar token totals.
+                m = by_len.numel()
+                alternate = torch.stack([torch.arange(m), m - 1 - torch.arange(m)], 1).flatten()[:m]
+                rank = torch.empty(m, dtype=torch.int64)
+                rank[by_len[alternate]] = torch.arange(m)
+            units = candidates[torch.sort(age * _AGE_STEP - rank, descending=True, stable=True).indices[:need]]
         if not by_group:
             return units
         return (units[:, None] * self.n_samples + torch.arange(self.n_samples)).flatten()
@@ -371,6 +373,7 @@ class DockController:
                 for consumed in self._consumed.values():
                     consumed.zero_()
                 self.age = torch.where(incomplete, self.age + 1, 0)
+                self._group_age = self.age.view(self.num_prompts, self.n_samples).amax(1)
                 self.completed = torch.ones_like(self.completed)
                 cleared = (~incomplete).nonzero().squeeze(1)  # sync-ok: host-side controller
                 kept_rows = incomplete.nonzero().squeeze(1)  # sync-ok: host-side controller
@@ -425,11 +428,16 @@ class Warehouse:
                 for i, row in zip(local, rows):
                     store[i] = row
 
-    def get(self, columns: Sequence[str], indexes: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        """The stored rows of ``columns`` at ``indexes``, in that order."""
+    def put_flat(self, columns: Mapping[str, tuple[torch.Tensor, list[int] | None]], indexes: torch.Tensor) -> None:
+        """:meth:`put` for rows sent as one ``(flat, lengths)`` pair per column (see :func:`flatten_rows`)."""
+        self.put({c: unflatten_rows(flat, lengths) for c, (flat, lengths) in columns.items()}, indexes)
+
+    def get(self, columns: Sequence[str], indexes: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int] | None]]:
+        """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`flatten_rows`."""
         local = (indexes - self.start).tolist()
         with self._lock:
-            return {c: [self._data[c][i] for i in local] for c in columns}
+            rows = {c: [self._data[c][i] for i in local] for c in columns}
+        return {c: flatten_rows(values) for c, values in rows.items()}
 
     def clear(self, cleared: torch.Tensor, kept: torch.Tensor, keep: Sequence[str]) -> None:
         """Drop every column of ``cleared`` rows and all but ``keep`` of ``kept`` rows."""
@@ -441,20 +449,60 @@ class Warehouse:
                     store[i] = None
 
 
-def collate(columns: Sequence[str], rows: Mapping[str, list[torch.Tensor]], *, pad_value: float = 0) -> dict[str, torch.Tensor]:
-    """A padded batch: ``[B]`` for per-row scalars, ``[B, T, ...]`` right-padded plus ``<column>_mask`` otherwise."""
+def flatten_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
+    """Rows as one tensor: 0-d rows stacked (lengths None), others concatenated along dim 0 with their lengths.
+
+    One tensor per column crosses a process boundary far faster than one per row.
+    """
+    if rows[0].dim() == 0:
+        return torch.stack(rows), None
+    return torch.cat(rows), [row.shape[0] for row in rows]
+
+
+def unflatten_rows(flat: torch.Tensor, lengths: list[int] | None) -> list[torch.Tensor]:
+    """Inverse of :func:`flatten_rows`."""
+    return list(flat.unbind(0) if lengths is None else flat.split(lengths))
+
+
+def collate(
+    columns: Sequence[str],
+    size: int,
+    pieces: Sequence[tuple[list[int], Mapping[str, tuple[torch.Tensor, list[int] | None]]]],
+    *,
+    pad_value: float = 0,
+) -> dict[str, torch.Tensor]:
+    """A padded batch of ``size`` rows from flattened pieces (batch positions, column -> flat rows).
+
+    Per-row scalars give ``[B]``; other columns ``[B, T, ...]`` right-padded with
+    ``pad_value`` plus a bool ``<column>_mask`` ``[B, T]``.
+    """
     batch: dict[str, torch.Tensor] = {}
     for column in columns:
-        values = rows[column]
-        if values[0].dim() == 0:
-            batch[column] = torch.stack(values)
+        first, lengths = pieces[0][1][column]
+        if lengths is None:
+            out = first.new_empty((size, *first.shape[1:]))
+            for positions, part in pieces:
+                out[positions] = part[column][0]
+            batch[column] = out
             continue
         mask_key = f"{column}_mask"
         if mask_key in columns:
             raise ValueError(f"columns: got both {column!r} and {mask_key!r}, expected {mask_key!r} free for the padding mask")
-        lengths = row_lengths(values)
-        batch[column] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=pad_value)
-        batch[mask_key] = torch.arange(batch[column].shape[1]) < lengths[:, None]
+        all_lengths = torch.zeros(size, dtype=torch.int64)
+        for positions, part in pieces:
+            all_lengths[positions] = torch.tensor(part[column][1], dtype=torch.int64)
+        width = int(all_lengths.max())
+        mask = torch.arange(width) < all_lengths[:, None]
+        out = first.new_full((size, width, *first.shape[1:]), pad_value)
+        if len(pieces) == 1 and pieces[0][0] == list(range(size)):
+            out[mask] = first
+        else:
+            for positions, part in pieces:
+                sub = first.new_full((len(positions), width, *first.shape[1:]), pad_value)
+                sub[mask[positions]] = part[column][0]
+                out[positions] = sub
+        batch[column] = out
+        batch[mask_key] = mask
     return batch
 
 
@@ -510,6 +558,10 @@ class TransferDock:
     def _call_all(self, calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
         return [getattr(target, method)(*args) for target, method, args in calls]
 
+    def _put_call(self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor) -> tuple[Any, str, tuple[Any, ...]]:
+        # In process, the warehouse keeps the caller's row tensors as they are.
+        return self.warehouses[w], "put", (rows, indexes)
+
     def _layout(self) -> None:
         # The controller says once which warehouse holds which rows; clients route by it.
         layout = self._call(self.controller, "layout")
@@ -551,12 +603,7 @@ class TransferDock:
         if idx.numel() == 0:
             return
         self._call(self.controller, "check_put", {c: row_spec(c, v) for c, v in rows.items()}, idx)
-        self._call_all(
-            [
-                (self.warehouses[w], "put", ({c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel]))
-                for w, sel in self._by_warehouse(idx)
-            ]
-        )
+        self._call_all([self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel]) for w, sel in self._by_warehouse(idx)])
         self._call(self.controller, "commit_put", {c: row_lengths(v) for c, v in rows.items()}, idx)
 
     def get(
@@ -601,17 +648,13 @@ class TransferDock:
         )
         if rows.numel() == 0:
             return {}, rows
-        return collate(columns, self._fetch(columns, rows), pad_value=self.pad_value), rows
+        return self._fetch(columns, rows), rows
 
-    def _fetch(self, columns: Sequence[str], rows: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def _fetch(self, columns: Sequence[str], rows: torch.Tensor) -> dict[str, torch.Tensor]:
         routes = self._by_warehouse(rows)
         parts = self._call_all([(self.warehouses[w], "get", (list(columns), rows[sel])) for w, sel in routes])
-        out: dict[str, list[Any]] = {c: [None] * rows.numel() for c in columns}
-        for (_, sel), part in zip(routes, parts):
-            for c, values in part.items():
-                for i, v in zip(sel, values):
-                    out[c][i] = v
-        return out
+        pieces = [(sel, part) for (_, sel), part in zip(routes, parts)]
+        return collate(columns, rows.numel(), pieces, pad_value=self.pad_value)
 
     def set_completed(self, indexes: Any, completed: torch.Tensor) -> None:
         """Flag rows as finished (True) or as partial rollouts to resume next iteration (False)."""

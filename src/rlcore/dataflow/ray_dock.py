@@ -13,7 +13,9 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rlcore.dataflow.dock import DockController, TransferDock, Warehouse
+import torch
+
+from rlcore.dataflow.dock import DockController, TransferDock, Warehouse, flatten_rows
 
 __all__ = ["DockHost", "RayTransferDock"]
 
@@ -115,6 +117,10 @@ class RayTransferDock(TransferDock):
             num_cpus=0, max_concurrency=_HOST_THREADS, scheduling_strategy="SPREAD" if spread else "DEFAULT"
         )
         return [host.remote() for _ in range(count)]
+
+    def _put_call(self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor) -> tuple[Any, str, tuple[Any, ...]]:
+        # Across processes, send one flat tensor per column rather than one per row.
+        return self.warehouses[w], "put_flat", ({c: flatten_rows(v) for c, v in rows.items()}, indexes)
 
     def _call(self, target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         host, key = target
