@@ -60,6 +60,47 @@ def _label_in_block(labels: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tenso
     return local.clamp(0, v1 - v0 - 1).unsqueeze(-1), inside.unsqueeze(-1)
 
 
+_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
+
+
+def _forward_block(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    v0: int,
+    state: _State | None,
+    temperature: float,
+    want_entropy: bool,
+) -> _State:
+    """Fold vocabulary block ``[v0, v0 + len(w))`` into the running ``(m, sum e^y, sum e^y y, z_label)``.
+
+    ``y = (z - m) / T`` is taken against the running max ``m`` of the raw logits. The
+    block's ``[chunk, block]`` temporaries die on return.
+    """
+    z = _mm(h, w.T, acc_dtype(h.dtype))
+    idx, inside = _label_in_block(labels, v0, v0 + w.shape[0])
+    z_y = z.gather(-1, idx)
+    block_max = z.amax(-1, keepdim=True)
+    m = block_max if state is None else torch.maximum(state[0], block_max)
+    y = z.sub_(m)
+    if temperature != 1.0:
+        y.div_(temperature)
+    ey = torch.exp(y)
+    total = ey.sum(-1, keepdim=True)
+    pz = (ey.unsqueeze(-2) @ y.unsqueeze(-1)).squeeze(-1) if want_entropy else None
+    if state is None:
+        return m, total, pz, z_y
+    m_old, total_old, pz_old, z_label = state
+    # Move the running sums from the old pivot to the new one:
+    # sum e^(y - d) = a sum e^y and sum e^(y - d) (y - d) = a (sum e^y y - d sum e^y),
+    # with d = (m - m_old) / T >= 0 and a = e^-d.
+    d = (m - m_old) / temperature
+    a = torch.exp(-d)
+    if want_entropy:
+        pz = a * (pz_old - d * total_old) + pz
+    return m, a * total_old + total, pz, torch.where(inside, z_y, z_label)
+
+
 def _forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -69,7 +110,7 @@ def _forward(
     vocab_chunk_size: int,
     want_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per token: running max ``m`` of the raw logits, ``lse = log sum exp((z - m) / T)``, logp, H."""
+    """Per token: the max ``m`` of the raw logits, ``lse = log sum exp((z - m) / T)``, logp, H."""
     n, vocab = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     rowmax = hidden.new_empty(n, 1, dtype=acc)
@@ -78,32 +119,10 @@ def _forward(
     ent = hidden.new_empty(n, dtype=acc) if want_entropy else None
     for s, e in _chunks(n, chunk_size):
         h = _operand(hidden[s:e], acc)
-        lab = labels[s:e]
-        m = total = pz = z_label = None
+        state = None
         for v0, v1 in _chunks(vocab, vocab_chunk_size):
-            z = _mm(h, _operand(weight[v0:v1], acc).T, acc)
-            idx, inside = _label_in_block(lab, v0, v1)
-            z_y = z.gather(-1, idx)
-            z_label = z_y if z_label is None else torch.where(inside, z_y, z_label)
-            m_new = z.amax(-1, keepdim=True) if m is None else torch.maximum(m, z.amax(-1, keepdim=True))
-            y = z.sub_(m_new)
-            if temperature != 1.0:
-                y.div_(temperature)
-            ey = torch.exp(y)
-            block_total = ey.sum(-1, keepdim=True)
-            block_pz = (ey.unsqueeze(-2) @ y.unsqueeze(-1)).squeeze(-1) if want_entropy else None
-            if m is None:
-                total, pz = block_total, block_pz
-            else:
-                # Move the running sums from the old pivot to the new one:
-                # sum e^(y - d) = a * sum e^y and sum e^(y - d) (y - d) = a * (sum e^y y - d sum e^y),
-                # with d = (m_new - m) / T >= 0 and a = e^-d.
-                d = (m_new - m) / temperature
-                a = torch.exp(-d)
-                if want_entropy:
-                    pz = a * (pz - d * total) + block_pz
-                total = a * total + block_total
-            m = m_new
+            state = _forward_block(h, _operand(weight[v0:v1], acc), labels[s:e], v0, state, temperature, want_entropy)
+        m, total, pz, z_label = state
         lse_c = total.log()
         rowmax[s:e], lse[s:e] = m, lse_c
         logp[s:e] = ((z_label - m) / temperature - lse_c).squeeze(-1)
@@ -152,6 +171,41 @@ class _LinearLogprobs(torch.autograd.Function):
         return (gh, gw) + (None,) * 5
 
 
+def _backward_block(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    v0: int,
+    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    g1: torch.Tensor | None,
+    g2: torch.Tensor | None,
+    temperature: float,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+) -> None:
+    """Add one block's contribution to the gradient slices ``grad_h``, ``grad_w`` (in place)."""
+    rowmax, lse, ent = stats
+    lp = _mm(h, w.T, lse.dtype).sub_(rowmax)
+    if temperature != 1.0:
+        lp.div_(temperature)
+    lp.sub_(lse)
+    if g2 is None:
+        dz = lp.exp_().mul_(-g1)
+    else:
+        p = torch.exp(lp)
+        dz = lp.add_(ent).mul_(g2)
+        if g1 is not None:
+            dz.add_(g1)
+        dz.mul_(p).neg_()
+    if g1 is not None:
+        idx, inside = _label_in_block(labels, v0, v0 + w.shape[0])
+        dz.scatter_add_(-1, idx, torch.where(inside, g1, 0.0))
+    if grad_h is not None:
+        _add_mm_(grad_h, dz, w)
+    if grad_w is not None:
+        _add_mm_(grad_w, dz.T, h)
+
+
 def _backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -181,27 +235,20 @@ def _backward(
         h = _operand(hidden[s:e], acc)
         g1 = g_logp[s:e].to(acc).unsqueeze(-1) * inv_t if g_logp is not None else None
         g2 = g_ent[s:e].to(acc).unsqueeze(-1) * inv_t if g_ent is not None else None
+        stats = (rowmax[s:e], lse[s:e], ent[s:e].unsqueeze(-1) if ent is not None else None)
         for v0, v1 in _chunks(vocab, vocab_chunk_size):
-            w = _operand(weight[v0:v1], acc)
-            lp = _mm(h, w.T, acc).sub_(rowmax[s:e])
-            if temperature != 1.0:
-                lp.div_(temperature)
-            lp.sub_(lse[s:e])
-            if g2 is None:
-                dz = lp.exp_().mul_(-g1)
-            else:
-                p = torch.exp(lp)
-                dz = lp.add_(ent[s:e].unsqueeze(-1)).mul_(g2)
-                if g1 is not None:
-                    dz.add_(g1)
-                dz.mul_(p).neg_()
-            if g1 is not None:
-                idx, inside = _label_in_block(labels[s:e], v0, v1)
-                dz.scatter_add_(-1, idx, torch.where(inside, g1, 0.0))
-            if grad_h is not None:
-                _add_mm_(grad_h[s:e], dz, w)
-            if grad_w is not None:
-                _add_mm_(grad_w[v0:v1], dz.T, h)
+            _backward_block(
+                h,
+                _operand(weight[v0:v1], acc),
+                labels[s:e],
+                v0,
+                stats,
+                g1,
+                g2,
+                temperature,
+                grad_h[s:e] if grad_h is not None else None,
+                grad_w[v0:v1] if grad_w is not None else None,
+            )
     return (
         grad_h.to(hidden.dtype) if grad_h is not None else None,
         grad_w.to(weight.dtype) if grad_w is not None else None,

@@ -89,6 +89,25 @@ def _shifted(chunk: torch.Tensor, m: torch.Tensor, temperature: float, out: torc
     return out.div_(temperature) if temperature != 1.0 else out
 
 
+def _forward_chunk(
+    chunk: torch.Tensor, labels: torch.Tensor | None, temperature: float, want_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(rowmax, lse, logp, entropy)`` of one chunk; its ``[chunk, V]`` temporaries die on return."""
+    acc = acc_dtype(chunk.dtype)
+    m = chunk.amax(-1, keepdim=True).to(acc)
+    z = _shifted(chunk, m, temperature, torch.empty(chunk.shape, dtype=acc, device=chunk.device))
+    z_y = z.gather(-1, _label_index(labels, chunk.shape[-1]).unsqueeze(-1)) if labels is not None else None
+    ez = torch.exp(z) if want_entropy else z.exp_()
+    total = ez.sum(-1, keepdim=True)
+    lse = total.log()
+    logp = (z_y - lse).squeeze(-1) if z_y is not None else None
+    if not want_entropy:
+        return m, lse, logp, None
+    # H = lse - sum(p * z), with p * z taken as 0 where p == 0 (z == -inf).
+    pz = (ez.unsqueeze(-2) @ _finite_or_zero_(z).unsqueeze(-1)).squeeze(-1) / total
+    return m, lse, logp, (lse - pz).squeeze(-1)
+
+
 def _forward(
     logits: torch.Tensor,
     labels: torch.Tensor | None,
@@ -97,27 +116,20 @@ def _forward(
     want_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per token: the row max ``m``, ``lse = logsumexp((x - m) / T)``, and the requested outputs."""
-    n, vocab = logits.shape
+    n = logits.shape[0]
     acc = acc_dtype(logits.dtype)
     rowmax = logits.new_empty(n, 1, dtype=acc)
     lse = logits.new_empty(n, 1, dtype=acc)
     logp = logits.new_empty(n, dtype=acc) if labels is not None else None
     ent = logits.new_empty(n, dtype=acc) if want_entropy else None
     for s, e in _chunks(n, chunk_size):
-        chunk = logits[s:e]
-        m = chunk.amax(-1, keepdim=True).to(acc)
-        z = _shifted(chunk, m, temperature, torch.empty(chunk.shape, dtype=acc, device=chunk.device))
-        ez = torch.exp(z)
-        total = ez.sum(-1, keepdim=True)
-        lse_c = total.log()
-        rowmax[s:e], lse[s:e] = m, lse_c
+        lab = labels[s:e] if labels is not None else None
+        m_c, lse_c, logp_c, ent_c = _forward_chunk(logits[s:e], lab, temperature, want_entropy)
+        rowmax[s:e], lse[s:e] = m_c, lse_c
         if logp is not None:
-            lab = _label_index(labels[s:e], vocab).unsqueeze(-1)
-            logp[s:e] = (z.gather(-1, lab) - lse_c).squeeze(-1)
+            logp[s:e] = logp_c
         if ent is not None:
-            # H = lse - sum(p * z), with p * z taken as 0 where p == 0 (z == -inf).
-            pz = (ez.unsqueeze(-2) @ _finite_or_zero_(z).unsqueeze(-1)).squeeze(-1) / total
-            ent[s:e] = (lse_c - pz).squeeze(-1)
+            ent[s:e] = ent_c
     return rowmax, lse, logp, ent
 
 
@@ -157,6 +169,32 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _backward_chunk(
+    chunk: torch.Tensor,
+    labels: torch.Tensor | None,
+    rowmax: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    g1: torch.Tensor | None,
+    g2: torch.Tensor | None,
+    temperature: float,
+    buf: torch.Tensor,
+) -> torch.Tensor:
+    """One chunk's gradient, built in ``buf`` (``g1``, ``g2`` already divided by ``T``)."""
+    lp = _shifted(chunk, rowmax, temperature, buf).sub_(lse)
+    if g2 is None:
+        out = lp.exp_().mul_(-g1)
+    else:
+        p = torch.exp(lp)
+        out = _finite_or_zero_(lp).add_(ent.unsqueeze(-1)).mul_(g2)
+        if g1 is not None:
+            out.add_(g1)
+        out.mul_(p).neg_()
+    if g1 is not None:
+        out.scatter_add_(-1, _label_index(labels, chunk.shape[-1]).unsqueeze(-1), g1)
+    return out
+
+
 def _backward(
     logits: torch.Tensor,
     labels: torch.Tensor | None,
@@ -173,29 +211,23 @@ def _backward(
     ``d logp_y / dx = onehot(y) - p`` and ``dH / dx = -p * (log p + H)``, so the chunk's
     gradient is ``(onehot(y) * g1 - p * (g1 + g2 * (log p + H))) / T``.
     """
-    n, vocab = logits.shape
+    n = logits.shape[0]
     acc = lse.dtype
     grad = torch.empty_like(logits)
     inv_t = 1.0 / temperature
     for s, e in _chunks(n, chunk_size):
         chunk = logits[s:e]
-        # float32 logits: the chunk's gradient is built in place in the output buffer.
-        buf = grad[s:e] if logits.dtype == acc else torch.empty(chunk.shape, dtype=acc, device=chunk.device)
-        lp = _shifted(chunk, rowmax[s:e], temperature, buf).sub_(lse[s:e])
         g1 = g_logp[s:e].to(acc).unsqueeze(-1) * inv_t if g_logp is not None else None
-        if g_ent is None:
-            out = lp.exp_().mul_(-g1)
+        g2 = g_ent[s:e].to(acc).unsqueeze(-1) * inv_t if g_ent is not None else None
+        lab = labels[s:e] if labels is not None else None
+        ent_c = ent[s:e] if ent is not None else None
+        if logits.dtype == acc:
+            # The chunk's gradient is built in place in the output buffer.
+            _backward_chunk(chunk, lab, rowmax[s:e], lse[s:e], ent_c, g1, g2, temperature, grad[s:e])
         else:
-            g2 = g_ent[s:e].to(acc).unsqueeze(-1) * inv_t
-            p = torch.exp(lp)
-            out = _finite_or_zero_(lp).add_(ent[s:e].unsqueeze(-1)).mul_(g2)
-            if g1 is not None:
-                out.add_(g1)
-            out.mul_(p).neg_()
-        if g1 is not None:
-            out.scatter_add_(-1, _label_index(labels[s:e], vocab).unsqueeze(-1), g1)
-        if logits.dtype != acc:
-            grad[s:e] = out
+            buf = torch.empty(chunk.shape, dtype=acc, device=chunk.device)
+            grad[s:e] = _backward_chunk(chunk, lab, rowmax[s:e], lse[s:e], ent_c, g1, g2, temperature, buf)
+            del buf  # not alive while the next chunk allocates its own
     return grad
 
 
