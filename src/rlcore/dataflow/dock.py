@@ -41,7 +41,7 @@ BALANCE_MODES = ("random", "tokens", "fifo")
 _AGE_STEP = 2**40
 
 
-def as_indexes(name: str, indexes: Any) -> torch.Tensor:
+def _as_indexes(name: str, indexes: Any) -> torch.Tensor:
     """``indexes`` (tensor, sequence or range of ints) as a 1-D int64 CPU tensor."""
     if isinstance(indexes, torch.Tensor):
         if indexes.dtype.is_floating_point or indexes.dtype.is_complex or indexes.dtype == torch.bool:
@@ -53,7 +53,7 @@ def as_indexes(name: str, indexes: Any) -> torch.Tensor:
     raise ValueError(f"{name}: got {type(indexes).__name__}, expected a 1-D integer tensor or a sequence of ints")
 
 
-def split_rows(column: str, value: Any) -> list[torch.Tensor]:
+def _split_rows(column: str, value: Any) -> list[torch.Tensor]:
     """One tensor per row: a tensor is split along dim 0, a list is taken as the rows."""
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
@@ -68,7 +68,7 @@ def split_rows(column: str, value: Any) -> list[torch.Tensor]:
     raise ValueError(f"columns[{column!r}]: got {type(value).__name__}, expected a tensor or a list of tensors")
 
 
-def row_spec(column: str, rows: list[torch.Tensor]) -> tuple[torch.dtype, int, tuple[int, ...]]:
+def _row_spec(column: str, rows: list[torch.Tensor]) -> tuple[torch.dtype, int, tuple[int, ...]]:
     """``(dtype, ndim, trailing shape)`` shared by ``rows``; the first dimension may vary."""
     first = rows[0]
     spec = (first.dtype, first.dim(), tuple(first.shape[1:]))
@@ -82,7 +82,7 @@ def row_spec(column: str, rows: list[torch.Tensor]) -> tuple[torch.dtype, int, t
     return spec
 
 
-def row_lengths(rows: list[torch.Tensor]) -> torch.Tensor:
+def _row_lengths(rows: list[torch.Tensor]) -> torch.Tensor:
     """Tokens per row: the first dimension of each row, 0 for 0-d (per-sample scalar) rows."""
     return torch.tensor([row.shape[0] if row.dim() else 0 for row in rows], dtype=torch.int64)
 
@@ -353,7 +353,9 @@ class DockController:
         """Start the next iteration; returns ``(cleared rows, kept incomplete rows)`` for the warehouses.
 
         Completed rows are cleared. Incomplete rows (partial rollouts) keep the
-        columns in ``keep`` ready, age by one and are offered first next time.
+        columns in ``keep`` ready, age by one and are offered first next time. Every
+        consumer starts afresh and every completed flag returns to True: a producer
+        flags a row incomplete again if it still has not finished.
         """
         keep = list(keep)
         unknown = [c for c in keep if c not in self._ready]
@@ -429,15 +431,15 @@ class Warehouse:
                     store[i] = row
 
     def put_flat(self, columns: Mapping[str, tuple[torch.Tensor, list[int] | None]], indexes: torch.Tensor) -> None:
-        """:meth:`put` for rows sent as one ``(flat, lengths)`` pair per column (see :func:`flatten_rows`)."""
-        self.put({c: unflatten_rows(flat, lengths) for c, (flat, lengths) in columns.items()}, indexes)
+        """:meth:`put` for rows sent as one ``(flat, lengths)`` pair per column (see :func:`_flatten_rows`)."""
+        self.put({c: _unflatten_rows(flat, lengths) for c, (flat, lengths) in columns.items()}, indexes)
 
     def get(self, columns: Sequence[str], indexes: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int] | None]]:
-        """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`flatten_rows`."""
+        """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`_flatten_rows`."""
         local = (indexes - self.start).tolist()
         with self._lock:
             rows = {c: [self._data[c][i] for i in local] for c in columns}
-        return {c: flatten_rows(values) for c, values in rows.items()}
+        return {c: _flatten_rows(values) for c, values in rows.items()}
 
     def clear(self, cleared: torch.Tensor, kept: torch.Tensor, keep: Sequence[str]) -> None:
         """Drop every column of ``cleared`` rows and all but ``keep`` of ``kept`` rows."""
@@ -449,7 +451,7 @@ class Warehouse:
                     store[i] = None
 
 
-def flatten_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
+def _flatten_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
     """Rows as one tensor: 0-d rows stacked (lengths None), others concatenated along dim 0 with their lengths.
 
     One tensor per column crosses a process boundary far faster than one per row.
@@ -459,12 +461,12 @@ def flatten_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | No
     return torch.cat(rows), [row.shape[0] for row in rows]
 
 
-def unflatten_rows(flat: torch.Tensor, lengths: list[int] | None) -> list[torch.Tensor]:
-    """Inverse of :func:`flatten_rows`."""
+def _unflatten_rows(flat: torch.Tensor, lengths: list[int] | None) -> list[torch.Tensor]:
+    """Inverse of :func:`_flatten_rows`."""
     return list(flat.unbind(0) if lengths is None else flat.split(lengths))
 
 
-def collate(
+def _collate(
     columns: Sequence[str],
     size: int,
     pieces: Sequence[tuple[list[int], Mapping[str, tuple[torch.Tensor, list[int] | None]]]],
@@ -593,18 +595,18 @@ class TransferDock:
         whose row count differs from ``len(indexes)``, or rows whose dtype / trailing
         shape differ from earlier puts of that column.
         """
-        idx = as_indexes("indexes", indexes)
+        idx = _as_indexes("indexes", indexes)
         if not isinstance(columns, Mapping) or not columns:
             raise ValueError(f"columns: got {type(columns).__name__}, expected a non-empty dict of column -> rows")
-        rows = {c: split_rows(c, v) for c, v in columns.items()}
+        rows = {c: _split_rows(c, v) for c, v in columns.items()}
         for column, values in rows.items():
             if len(values) != idx.numel():
                 raise ValueError(f"columns[{column!r}]: got {len(values)} rows, expected {idx.numel()} (one per index)")
         if idx.numel() == 0:
             return
-        self._call(self.controller, "check_put", {c: row_spec(c, v) for c, v in rows.items()}, idx)
+        self._call(self.controller, "check_put", {c: _row_spec(c, v) for c, v in rows.items()}, idx)
         self._call_all([self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel]) for w, sel in self._by_warehouse(idx)])
-        self._call(self.controller, "commit_put", {c: row_lengths(v) for c, v in rows.items()}, idx)
+        self._call(self.controller, "commit_put", {c: _row_lengths(v) for c, v in rows.items()}, idx)
 
     def get(
         self,
@@ -639,7 +641,7 @@ class TransferDock:
           ``indexes`` ``[B]`` int64 are the rows taken. When not enough rows are ready in
           time, ``({}, empty indexes)`` and nothing is marked taken.
         """
-        idx = None if indexes is None else as_indexes("indexes", indexes)
+        idx = None if indexes is None else _as_indexes("indexes", indexes)
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise ValueError(f"columns: got {columns!r}, expected a list of column names")
         rows = self._call(
@@ -654,11 +656,11 @@ class TransferDock:
         routes = self._by_warehouse(rows)
         parts = self._call_all([(self.warehouses[w], "get", (list(columns), rows[sel])) for w, sel in routes])
         pieces = [(sel, part) for (_, sel), part in zip(routes, parts)]
-        return collate(columns, rows.numel(), pieces, pad_value=self.pad_value)
+        return _collate(columns, rows.numel(), pieces, pad_value=self.pad_value)
 
     def set_completed(self, indexes: Any, completed: torch.Tensor) -> None:
         """Flag rows as finished (True) or as partial rollouts to resume next iteration (False)."""
-        self._call(self.controller, "set_completed", as_indexes("indexes", indexes), completed)
+        self._call(self.controller, "set_completed", _as_indexes("indexes", indexes), completed)
 
     def all_consumed(self, consumer: str) -> bool:
         """Whether ``consumer`` has taken every row."""
