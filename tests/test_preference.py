@@ -509,8 +509,7 @@ def test_kto_hand_computed_and_reference_point():
     # KL estimate 2 (> 0): z = 2, r = (1, -1, 0), beta = 1.
     loss, m = kto_loss(logp, ref, desirable, torch.tensor([-1.0, -3.0]), torch.tensor([-3.0, -5.0]), beta=1.0,
                        desirable_weight=2.0)
-    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
-    want = [2 * (1 - sig(1 - 2)), 1 - sig(2 + 1), 2 * (1 - sig(0 - 2))]
+    want = [2 / (1 + math.exp(1 - 2)), 1 / (1 + math.exp(2 + 1)), 2 / (1 + math.exp(0 - 2))]  # w (1 - sigmoid(u))
     assert_close(loss, torch.tensor(want), dtype=torch.float32)
     assert m["kl"].tolist() == 2.0
     assert m["accuracies"].tolist() == pytest.approx(1 / 3)  # only the undesirable one is past z

@@ -28,6 +28,7 @@ from rlcore.algos.policy_losses import (
     sapo_loss,
 )
 from rlcore.algos.value_loss import value_loss
+from rlcore.algos.dpo_recipe import DPO, concatenated_logps, dpo
 from rlcore.algos.kto import kto_loss
 from rlcore.algos.preference import sequence_logps
 from rlcore.algos.preference_pairwise import DIVERGENCES, DPO_LOSS_TYPES, dpo_loss
@@ -127,6 +128,9 @@ __all__: list[str] = [
     "truncated_is_weights",
     "DIVERGENCES",
     "DPO_LOSS_TYPES",
+    "DPO",
+    "concatenated_logps",
+    "dpo",
     "cpo_loss",
     "dpo_loss",
     "kto_loss",

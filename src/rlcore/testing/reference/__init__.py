@@ -19,8 +19,10 @@ from rlcore.testing.reference.losses import (
 from rlcore.testing.reference.preference import (
     cpo_loss_ref,
     dpo_loss_ref,
+    dpo_step_ref,
     kto_loss_ref,
     orpo_loss_ref,
+    pair_logps_ref,
     sequence_logps_ref,
     simpo_loss_ref,
 )
@@ -102,6 +104,8 @@ __all__ = [
     "dpo_loss_ref",
     "kto_loss_ref",
     "orpo_loss_ref",
+    "dpo_step_ref",
+    "pair_logps_ref",
     "sequence_logps_ref",
     "simpo_loss_ref",
     "TransferDockRef",

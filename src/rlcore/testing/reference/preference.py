@@ -1,5 +1,8 @@
 """Scalar references for the preference losses, straight from the published formulas.
 
+Plus per-sequence references for the DPO recipe: every sequence run through the model
+alone, padding stripped, and scored one position at a time.
+
 One pair (or sample) at a time in Python float64 with the naive textbook expressions
 (``log(sigmoid(x))``, ``u = exp(l)``, odds ``P / (1 - P)``), so they are accurate for
 moderate inputs only; differential tests draw inputs in that range and the
@@ -16,7 +19,9 @@ __all__ = [
     "cpo_loss_ref",
     "dpo_loss_ref",
     "kto_loss_ref",
+    "dpo_step_ref",
     "orpo_loss_ref",
+    "pair_logps_ref",
     "sequence_logps_ref",
     "simpo_loss_ref",
 ]
@@ -181,3 +186,41 @@ def kto_loss_ref(
         else:
             losses.append(undesirable_weight - undesirable_weight * _sigmoid(beta * (z - r)))
     return _t(losses), z
+
+
+def pair_logps_ref(
+    model, batch: dict, *, reduce: str = "sum", temperature: float = 1.0  # type: ignore[no-untyped-def]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen [B], rejected [B])`` float64 sequence log-probs, one unpadded sequence per forward.
+
+    Stays differentiable in the model's parameters (torch ops on its logits), so
+    gradients of the one-pass recipe can be compared with it.
+    """
+    out = []
+    for side in ("chosen", "rejected"):
+        ids, attention, mask = batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch[f"{side}_mask"]
+        values = []
+        for b in range(ids.shape[0]):
+            n = int(attention[b].sum())  # right padding: the real tokens come first
+            seq = ids[b, :n].unsqueeze(0)
+            logits = model(seq, torch.ones_like(seq)).double()[0] / temperature
+            terms = [torch.log_softmax(logits[t - 1], dim=-1)[seq[0, t]] for t in range(1, n) if mask[b, t] != 0]
+            total = torch.stack(terms).sum() if terms else logits.new_zeros(())
+            values.append(total / len(terms) if reduce == "mean" and terms else total)
+        out.append(torch.stack(values))
+    return out[0], out[1]
+
+
+def dpo_step_ref(
+    policy, batch: dict, reference=None, *, reduce: str = "sum", temperature: float = 1.0,  # type: ignore[no-untyped-def]
+    num_pairs: int | None = None, **loss_options,  # type: ignore[no-untyped-def]
+) -> float:
+    """The recipe's loss: per-sequence log-probs, the scalar DPO-family loss, summed over ``num_pairs``."""
+    with torch.no_grad():
+        pc, pr = pair_logps_ref(policy, batch, reduce=reduce, temperature=temperature)
+        if reference is None:
+            rc, rr = batch["ref_chosen_logps"].double(), batch["ref_rejected_logps"].double()
+        else:
+            rc, rr = pair_logps_ref(reference, batch, reduce=reduce, temperature=temperature)
+    losses = dpo_loss_ref(pc, pr, rc, rr, **loss_options)[0].tolist()
+    return math.fsum(losses) / (num_pairs or len(losses))

@@ -1,0 +1,123 @@
+"""A DPO step with chosen and rejected in one stacked forward pass, against two separate forwards.
+
+Run: python benchmarks/bench_preference.py [--pairs 8] [--length 128] [--repeats 5]
+Model: a random-weight Qwen2 causal LM built from its config (hidden 128, 2 layers,
+vocabulary 4096; no download). A step is forward + DPO loss + backward of the policy,
+with reference log-probs precomputed as batch columns. Both paths use the same
+rlcore primitives (logprobs_from_logits, sequence_logps, dpo_loss); the only
+difference is one forward of ``[2B, T]`` versus two of ``[B, T_chosen]`` and
+``[B, T_rejected]``. Prints both medians and the ratio (two forwards / one forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import median_time, report  # noqa: E402
+
+from rlcore.algos import concatenated_logps, dpo, dpo_loss, sequence_logps  # noqa: E402
+from rlcore.device import get_device  # noqa: E402
+from rlcore.ops import logprobs_from_logits  # noqa: E402
+
+
+def tiny_qwen2(device: torch.device) -> torch.nn.Module:
+    config = transformers.Qwen2Config(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).to(device)
+
+
+def pair_batch(pairs: int, length: int, rejected_length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded pairs with random lengths up to ``length`` (chosen) and ``rejected_length``."""
+    g = torch.Generator().manual_seed(0)
+    batch = {}
+    for side, longest in (("chosen", length), ("rejected", rejected_length)):
+        lengths = torch.randint(longest // 2, longest + 1, (pairs,), generator=g)
+        pos = torch.arange(longest)
+        attention = (pos < lengths[:, None]).long()
+        mask = (pos >= length // 4) & attention.bool()
+        ids = torch.randint(0, 4096, (pairs, longest), generator=g) * attention
+        batch.update({f"{side}_input_ids": ids, f"{side}_attention_mask": attention, f"{side}_mask": mask})
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _side_logps(model, batch, side):  # type: ignore[no-untyped-def]
+    ids, attention, mask = (batch[f"{side}_{k}"] for k in ("input_ids", "attention_mask", "mask"))
+    logits = model(ids, attention)
+    scored = mask[:, 1:]
+    logp = logprobs_from_logits(logits[:, :-1], torch.where(scored, ids[:, 1:], 0))
+    return sequence_logps(logp.float(), scored)
+
+
+def bench(model, lm, device, pairs: int, length: int, rejected_length: int, repeats: int) -> None:  # type: ignore[no-untyped-def]
+    batch = pair_batch(pairs, length, rejected_length, device)
+    with torch.no_grad():
+        ref_chosen, ref_rejected = concatenated_logps(model, batch)
+    batch.update(ref_chosen_logps=ref_chosen - 0.5, ref_rejected_logps=ref_rejected + 0.5)
+    step = dpo(beta=0.1)
+
+    def synchronize() -> None:
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def one_forward() -> torch.Tensor:
+        loss, _ = step(model, batch)
+        loss.backward()
+        lm.zero_grad(set_to_none=True)
+        synchronize()
+        return loss.detach()
+
+    def two_forwards() -> torch.Tensor:
+        chosen = _side_logps(model, batch, "chosen")
+        rejected = _side_logps(model, batch, "rejected")
+        loss = dpo_loss(chosen, rejected, batch["ref_chosen_logps"], batch["ref_rejected_logps"])[0].mean()
+        loss.backward()
+        lm.zero_grad(set_to_none=True)
+        synchronize()
+        return loss.detach()
+
+    torch.testing.assert_close(one_forward(), two_forwards(), rtol=1e-4, atol=1e-5)
+    # Alternate the two paths so that drift in machine load hits both alike; report the
+    # median of three per-round medians.
+    ours, base = [], []
+    for _ in range(3):
+        ours.append(median_time(one_forward, repeats=repeats))
+        base.append(median_time(two_forwards, repeats=repeats))
+    report(f"DPO step {pairs} pairs, T_c<={length}, T_r<={rejected_length}", sorted(ours)[1], sorted(base)[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    device = get_device()
+    lm = tiny_qwen2(device)
+
+    def model(ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return lm(input_ids=ids, attention_mask=attention_mask).logits
+
+    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads")
+    # Equal longest lengths: the stacked pass adds no padding. Shorter rejected side: the
+    # stacked pass pads it to the chosen length, which two forwards avoid.
+    for rejected_length in (args.length, args.length * 7 // 8):
+        bench(model, lm, device, args.pairs, args.length, rejected_length, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

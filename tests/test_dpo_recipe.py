@@ -1,0 +1,246 @@
+"""The DPO recipe: one stacked forward pass, label shift, reference sources, loss reduction."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.algos import DPO, DPO_LOSS_TYPES, concatenated_logps, dpo, dpo_loss
+from rlcore.testing import assert_close, assert_no_host_sync
+from rlcore.testing.reference import dpo_step_ref, pair_logps_ref
+
+VOCAB = 40
+
+
+class CausalBag(torch.nn.Module):
+    """A tiny causal LM: each position sees the running mean of the embeddings up to it."""
+
+    def __init__(self, seed=0, dtype=torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Parameter(torch.randn(VOCAB, 16, generator=g, dtype=dtype))
+        self.out = torch.nn.Parameter(torch.randn(16, VOCAB, generator=g, dtype=dtype) / 2)
+
+    def forward(self, ids, attention_mask):
+        h = self.emb[ids.clamp(min=0)] * attention_mask.unsqueeze(-1).to(self.emb.dtype)
+        steps = torch.arange(1, ids.shape[1] + 1, dtype=h.dtype, device=h.device)
+        return torch.tanh(h.cumsum(1) / steps.unsqueeze(-1)) @ self.out
+
+
+def _side(g, b, length, pad_id):
+    lengths = torch.randint(2, length + 1, (b,), generator=g)
+    prompts = torch.randint(1, 3, (b,), generator=g).minimum(lengths - 1)
+    pos = torch.arange(length)
+    attention = (pos < lengths[:, None]).long()
+    mask = (pos >= prompts[:, None]) & attention.bool()
+    ids = torch.randint(0, VOCAB, (b, length), generator=g)
+    return torch.where(attention.bool(), ids, pad_id), attention, mask
+
+
+def make_batch(seed, b=3, chosen_len=7, rejected_len=5, pad_id=0):
+    g = torch.Generator().manual_seed(seed)
+    batch = {}
+    for side, length in (("chosen", chosen_len), ("rejected", rejected_len)):
+        ids, attention, mask = _side(g, b, length, pad_id)
+        batch.update({f"{side}_input_ids": ids, f"{side}_attention_mask": attention, f"{side}_mask": mask})
+    return batch
+
+
+batches = st.builds(
+    make_batch,
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 4),
+    chosen_len=st.integers(2, 9),
+    rejected_len=st.integers(2, 9),
+)
+
+
+@settings(max_examples=20)
+@given(batch=batches, reduce=st.sampled_from(["sum", "mean"]), temperature=st.sampled_from([1.0, 0.7]))
+def test_concatenated_logps_match_one_sequence_at_a_time(batch, reduce, temperature):
+    model = CausalBag()
+    chosen, rejected = concatenated_logps(model, batch, reduce=reduce, temperature=temperature)
+    want_c, want_r = pair_logps_ref(model, batch, reduce=reduce, temperature=temperature)
+    assert chosen.dtype == torch.float32 and chosen.shape == want_c.shape
+    assert_close(chosen, want_c.detach(), dtype=torch.float32, scale=20.0)
+    assert_close(rejected, want_r.detach(), dtype=torch.float32, scale=20.0)
+
+
+def test_bfloat16_model_sums_in_float32():
+    model = CausalBag(dtype=torch.bfloat16)
+    batch = make_batch(3, b=4, chosen_len=9, rejected_len=6)
+    chosen, rejected = concatenated_logps(model, batch)
+    want_c, want_r = pair_logps_ref(model, batch)
+    assert chosen.dtype == torch.float32
+    assert_close(chosen, want_c.detach(), dtype=torch.bfloat16, scale=10.0)
+    assert_close(rejected, want_r.detach(), dtype=torch.bfloat16, scale=10.0)
+
+
+def test_padding_ids_need_not_be_tokens():
+    model = CausalBag()
+    clean = concatenated_logps(model, make_batch(5, pad_id=0))
+    odd = concatenated_logps(model, make_batch(5, pad_id=-1))
+    assert torch.equal(clean[0], odd[0]) and torch.equal(clean[1], odd[1])
+
+
+def test_one_forward_sees_chosen_then_rejected_padded_to_one_length():
+    seen = {}
+
+    def model(ids, attention_mask):
+        seen.update(input_ids=ids, attention_mask=attention_mask)
+        return torch.zeros(*ids.shape, VOCAB)
+
+    batch = make_batch(2, b=2, chosen_len=4, rejected_len=6)
+    concatenated_logps(model, batch)
+    for key in ("input_ids", "attention_mask"):
+        want = torch.cat([torch.nn.functional.pad(batch[f"chosen_{key}"], (0, 2)), batch[f"rejected_{key}"]])
+        assert torch.equal(seen[key], want)
+
+
+def test_label_shift_by_hand():
+    # Logits at position t put all mass on token t + 1, so the scored tokens that equal
+    # their position get log-prob 0 and the others -inf-ish (here -20 below).
+    def model(ids, attention_mask):
+        t = torch.arange(ids.shape[1])
+        return torch.nn.functional.one_hot((t + 1) % 4, 4).float().expand(ids.shape[0], -1, -1) * 20.0
+
+    ids = torch.tensor([[0, 1, 2, 3]])
+    wrong = torch.tensor([[0, 1, 0, 3]])
+    one = torch.ones_like(ids)
+    scored = torch.tensor([[0, 1, 1, 1]])
+    batch = {"chosen_input_ids": ids, "chosen_attention_mask": one, "chosen_mask": scored,
+             "rejected_input_ids": wrong, "rejected_attention_mask": one, "rejected_mask": scored}
+    chosen, rejected = concatenated_logps(model, batch)
+    expected_miss = -20.0 - math.log(1 + 3 * math.exp(-20.0))
+    assert_close(chosen, torch.tensor([-3 * math.log(1 + 3 * math.exp(-20.0))]), dtype=torch.float32)
+    assert_close(rejected, torch.tensor([expected_miss - 2 * math.log(1 + 3 * math.exp(-20.0))]), dtype=torch.float32,
+                 scale=20.0)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "reduce"), [("sigmoid", "sum"), ("ipo", "mean"), ("hinge", "sum"), ("apo_zero", "sum")]
+)
+@settings(max_examples=8)
+@given(batch=batches, seed=st.integers(1, 100))
+def test_step_matches_reference_with_model_or_columns(loss_type, reduce, batch, seed):
+    policy, reference = CausalBag(0), CausalBag(seed)
+    step = dpo(beta=0.5, loss_type=loss_type, reduce=reduce)
+    loss, metrics = step(policy, batch, reference)
+    want = dpo_step_ref(policy, batch, reference, beta=0.5, loss_type=loss_type, reduce=reduce)
+    assert loss.shape == () and loss.requires_grad
+    assert_close(loss.detach(), torch.tensor(want, dtype=torch.float64), dtype=torch.float32, scale=10 * max(1, abs(want)))
+    ref_c, ref_r = concatenated_logps(reference, batch, reduce=reduce)
+    columns = dict(batch, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r)
+    from_columns, m2 = step(policy, columns)
+    assert torch.equal(from_columns, loss)
+    assert all(torch.equal(metrics[k], m2[k]) for k in metrics)
+
+
+def test_policy_equal_to_reference_gives_log2_and_only_the_policy_gets_gradients():
+    policy, reference = CausalBag(0), CausalBag(0)
+    loss, metrics = dpo()(policy, make_batch(1, b=4), reference)
+    assert_close(loss.detach(), torch.tensor(math.log(2.0)), dtype=torch.float32)
+    assert float(metrics["margins"]) == 0.0 and float(metrics["accuracies"]) == 0.0
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in policy.parameters())
+    assert any(p.grad.abs().sum() > 0 for p in policy.parameters())
+    assert all(p.grad is None for p in reference.parameters())
+    assert all(not v.requires_grad for v in metrics.values())
+
+
+@settings(max_examples=5)
+@given(batch=batches)
+def test_gradients_match_per_sequence_forwards(batch):
+    policy, reference = CausalBag(0, torch.float64), CausalBag(7, torch.float64)
+    loss, _ = dpo(beta=0.3)(policy, batch, reference)
+    got = torch.autograd.grad(loss, list(policy.parameters()))
+    pc, pr = pair_logps_ref(policy, batch)
+    with torch.no_grad():
+        rc, rr = pair_logps_ref(reference, batch)
+    want_loss = dpo_loss(pc, pr, rc, rr, beta=0.3)[0].mean()
+    want = torch.autograd.grad(want_loss, list(policy.parameters()))
+    for g, w in zip(got, want):
+        assert_close(g, w, dtype=torch.float32)
+
+
+def test_num_pairs_sets_the_denominator():
+    policy, reference = CausalBag(0), CausalBag(1)
+    batch = make_batch(2, b=3)
+    local, _ = dpo()(policy, batch, reference)
+    global_, _ = dpo()(policy, batch, reference, num_pairs=12)
+    assert_close(global_.detach(), local.detach() * 3 / 12, dtype=torch.float32)
+
+
+def test_replacing_the_loss_composes():
+    def squared_margin(pc, pr, rc, rr):
+        h = (pc - rc) - (pr - rr)
+        return h**2, {"h": h.detach()}
+
+    policy, reference = CausalBag(0), CausalBag(1)
+    batch = make_batch(4)
+    loss, metrics = DPO()._replace(loss=squared_margin)(policy, batch, reference)
+    pc, pr = concatenated_logps(policy, batch)
+    rc, rr = concatenated_logps(reference, batch)
+    assert_close(loss.detach(), (((pc - rc) - (pr - rr)) ** 2).mean().detach(), dtype=torch.float32, scale=10.0)
+    assert set(metrics) == {"h", "logps_chosen", "logps_rejected"}
+
+
+def test_step_has_no_host_sync():
+    policy, reference = CausalBag(0), CausalBag(1)
+    step = dpo(loss_type="ipo", reduce="mean")
+    assert_no_host_sync(step, policy, make_batch(6), reference)
+
+
+def test_tiny_qwen2_one_forward_matches_separate_sequences():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    lm = transformers.Qwen2ForCausalLM(config).eval()
+
+    def model(ids, attention_mask):
+        return lm(input_ids=ids, attention_mask=attention_mask).logits
+
+    batch = make_batch(9, b=3, chosen_len=8, rejected_len=5)
+    chosen, rejected = concatenated_logps(model, batch)
+    want_c, want_r = pair_logps_ref(model, batch)
+    assert_close(chosen.detach(), want_c.detach(), dtype=torch.float32, scale=30.0)
+    assert_close(rejected.detach(), want_r.detach(), dtype=torch.float32, scale=30.0)
+
+
+def test_bad_input():
+    policy = CausalBag()
+    batch = make_batch(0)
+    with pytest.raises(ValueError) as err:
+        dpo(loss_type="dpo")
+    assert all(repr(t) in str(err.value) for t in DPO_LOSS_TYPES)
+    with pytest.raises(ValueError, match="reduce"):
+        dpo(reduce="max")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        dpo(loss_type="exo_pair")
+    with pytest.raises(ValueError, match="exactly one source"):
+        dpo()(policy, batch)
+    with pytest.raises(ValueError, match="exactly one source"):
+        dpo()(policy, dict(batch, ref_chosen_logps=torch.zeros(3), ref_rejected_logps=torch.zeros(3)), policy)
+    with pytest.raises(ValueError, match="exactly one source"):
+        dpo()(policy, dict(batch, ref_chosen_logps=torch.zeros(3)))
+    with pytest.raises(ValueError, match="ref_rejected.*expected \\(3\\)"):
+        dpo()(policy, dict(batch, ref_chosen_logps=torch.zeros(3), ref_rejected_logps=torch.zeros(2)))
+    with pytest.raises(ValueError, match="batch: missing rejected_mask"):
+        concatenated_logps(policy, {k: v for k, v in batch.items() if k != "rejected_mask"})
+    with pytest.raises(ValueError, match="rejected_input_ids: got shape \\(2, 5\\), expected \\(3, \\*\\)"):
+        concatenated_logps(policy, dict(batch, rejected_input_ids=batch["rejected_input_ids"][:2],
+                                        rejected_attention_mask=batch["rejected_attention_mask"][:2],
+                                        rejected_mask=batch["rejected_mask"][:2]))
+    with pytest.raises(ValueError, match="chosen_mask: got shape"):
+        concatenated_logps(policy, dict(batch, chosen_mask=batch["chosen_mask"][:, :3]))
+    with pytest.raises(ValueError, match="chosen_input_ids.*integer"):
+        concatenated_logps(policy, dict(batch, chosen_input_ids=batch["chosen_input_ids"].float()))
+    with pytest.raises(ValueError, match="logits: got shape"):
+        concatenated_logps(lambda ids, am: torch.zeros(ids.shape[0], 3, 4), batch)
+    with pytest.raises(ValueError, match="num_pairs"):
+        dpo()(policy, batch, policy, num_pairs=0)
