@@ -79,6 +79,15 @@ def test_empty_mask_gives_zero_not_nan(dtype):
     assert torch.equal(masked_whiten(x, m), torch.zeros(3, 4, dtype=dtype))
 
 
+def test_constant_values_with_eps_zero_whiten_to_zero():
+    x = torch.full((2, 4), 3.7, requires_grad=True)
+    m = torch.ones(2, 4)
+    w = masked_whiten(x, m, eps=0.0)
+    assert torch.equal(w, torch.zeros(2, 4))
+    w.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
 def test_empty_mask_gradients_are_zero_not_nan():
     x = torch.randn(2, 5, requires_grad=True)
     m = torch.zeros(2, 5)

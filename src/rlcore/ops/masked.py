@@ -154,7 +154,11 @@ def masked_whiten(
     """
     check_floating("values", values)
     dev, m, mean, var = _moments(values, mask, dim, unbiased)
-    out = dev * torch.rsqrt(var + eps)
+    # A constant slice with eps=0 has var + eps == 0: its deviations are exactly 0 and
+    # stay 0 (not 0 * inf = NaN), in value and gradient.
+    v = var + eps
+    positive = v > 0
+    out = dev * torch.where(positive, torch.rsqrt(torch.where(positive, v, torch.ones_like(v))), 0.0)
     if not shift_mean:
         out = out + mean
     return torch.where(m != 0, out, 0.0).to(values.dtype)
