@@ -270,6 +270,20 @@ def test_bad_input_raises_and_changes_nothing(make_dock, case):
     assert idx.tolist() == [0, 1, 2, 3] and batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_ray_dock_travels_to_a_remote_task(ray_docks, ray_session):
+    dock = ray_docks.make(2, 2, consumers=["reward"], num_warehouses=2)
+
+    @ray_session.remote(num_cpus=1)
+    def rollout(dock):
+        # Another process puts straight into the warehouses through the pickled client.
+        dock.put({"responses": [torch.arange(n + 1) for n in range(4)]}, range(4))
+        return dock.get("reward", ["responses"], 2, balance="fifo")[1]
+
+    assert ray_session.get(rollout.remote(dock)).tolist() == [0, 1]
+    batch, idx = dock.get("reward", ["responses"], 2)
+    assert idx.tolist() == [2, 3] and batch["responses_mask"].sum(1).tolist() == [3, 4]
+
+
 def test_constructor_rejects_bad_sizes():
     with pytest.raises(ValueError, match="n_samples"):
         TransferDock(4, 0)

@@ -100,6 +100,13 @@ class DockController:
 
     Every method takes and returns plain values and CPU tensors, so the controller
     runs unchanged inside a (threaded) Ray actor.
+
+    >>> ctl = DockController(2, 2, columns=["responses"], consumers=["reward"])
+    >>> ctl.commit_put({"responses": torch.tensor([3, 5])}, torch.tensor([2, 3]))
+    >>> ctl.sample("reward", ["responses"], 2, balance="fifo").tolist()
+    [2, 3]
+    >>> ctl.all_consumed("reward")
+    False
     """
 
     def __init__(
@@ -413,7 +420,13 @@ class DockController:
 
 
 class Warehouse:
-    """Payload store for rows ``[start, stop)``: one list of per-row (unpadded) tensors per column."""
+    """Payload store for rows ``[start, stop)``: one list of per-row (unpadded) tensors per column.
+
+    >>> house = Warehouse(4, 8)
+    >>> house.put({"responses": [torch.tensor([1, 2]), torch.tensor([3])]}, torch.tensor([5, 4]))
+    >>> house.get(["responses"], torch.tensor([4, 5]))
+    {'responses': (tensor([3, 1, 2]), [1, 2])}
+    """
 
     def __init__(self, start: int, stop: int) -> None:
         self.start = start
