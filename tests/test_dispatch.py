@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,6 +102,8 @@ def test_partition_bad_input(kwargs, argument):
 
 
 def test_shard_samples_bad_options():
+    with pytest.raises(ValueError, match="group"):
+        shard_samples(lambda b: b, DeviceMesh("cpu", torch.arange(4).reshape(2, 2), _init_backend=False))
     with pytest.raises(ValueError, match="balance"):
         shard_samples(lambda b: b, balance="random")
     with pytest.raises(ValueError, match="method"):
@@ -146,6 +149,7 @@ def _worker(rank, world, store_path, out_path):
             "contiguous": {"balance": "contiguous"},
             "groups": {"group_key": "group_ids", "method": "lpt"},
             "src1": {"src": 1},
+            "mesh": {"group": init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))["dp"], "equal_size": True},
         }.items():
             src = kwargs.get("src", 0)
             results[name] = shard_samples(_row_fn, **kwargs)(batch if rank == src else None)
@@ -165,7 +169,7 @@ def test_shard_samples_on_gloo(tmp_path, world):
     batch = _batch(64)
     # The reference is fn on the unsharded batch: row-wise outputs must match row for row.
     want = {"y": batch["x"].sum(1) * 2, "half": batch["half"] + 1, "tokens": batch["mask"].sum(1)}
-    for name in ("tokens", "contiguous", "groups", "src1"):
+    for name in ("tokens", "contiguous", "groups", "src1", "mesh"):
         src = 1 if name == "src1" else 0
         got = outs[src][name]
         assert all(outs[r][name] is None for r in range(world) if r != src), name
@@ -184,3 +188,5 @@ def test_shard_samples_on_gloo(tmp_path, world):
     for gid in grouped["group_ids"].unique():
         assert grouped["rank"][grouped["group_ids"] == gid].unique().numel() == 1
     assert all("src" in outs[r]["bad src"] for r in range(world))
+    # equal_size over a DeviceMesh: every rank computed 64 / world samples.
+    assert torch.bincount(outs[0]["mesh"]["rank"]).tolist() == [64 // world] * world

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from rlcore._checks import check_choice, check_integer, check_ndim, check_same_shape
 from rlcore.pytree import NAMESPACE, batch_size, tree_cat, tree_index
@@ -138,13 +139,14 @@ def _mask_lengths(batch: Any) -> torch.Tensor:
 
 def shard_samples(
     fn: Callable[..., Any],
-    group: dist.ProcessGroup | None = None,
+    group: Any = None,
     *,
     src: int = 0,
     balance: str = "tokens",
     lengths: Callable[[Any], torch.Tensor] | None = None,
     group_key: str | None = None,
     method: str = "kk",
+    equal_size: bool = False,
 ) -> Callable[..., Any]:
     """Wrap ``fn`` to run data-parallel: scatter the batch by token load, gather results in order.
 
@@ -158,13 +160,15 @@ def shard_samples(
     Args:
       fn: ``fn(batch, *args, **kwargs) -> pytree`` whose every leaf has the shard's rows
         along dim 0 (per-sample outputs).
-      group: the data-parallel process group (default: the world).
+      group: the data-parallel process group, or a 1-D ``DeviceMesh`` such as
+        ``mesh["dp"]`` (default: the world).
       src: group rank holding the batch and receiving the results.
       balance: ``"tokens"`` or ``"contiguous"``.
       lengths: ``lengths(batch) -> [B]`` tokens per sample; default, the sum of every
         leaf whose key ends in ``mask``.
       group_key: key of a ``[B]`` group-id leaf whose groups must stay on one rank.
       method: partition method, ``"kk"`` or ``"lpt"``.
+      equal_size: every rank gets the same number of samples (groups with ``group_key``).
 
     Returns:
       ``sharded(batch, *args, **kwargs)``: on ``src``, ``fn``'s result for the whole
@@ -182,6 +186,10 @@ def shard_samples(
     check_choice("balance", balance, ("tokens", "contiguous"))
     check_choice("method", method, PARTITION_METHODS)
     measure = lengths or _mask_lengths
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group: got a {group.ndim}-D DeviceMesh, expected a 1-D mesh (e.g. mesh['dp'])")
+        group = group.get_group()
 
     def sharded(batch: Any, *args: Any, **kwargs: Any) -> Any:
         world = dist.get_world_size(group)
@@ -193,7 +201,7 @@ def shard_samples(
             size = batch_size(batch)
             if balance == "tokens":
                 groups = None if group_key is None else batch[group_key]
-                parts = balanced_partition(measure(batch), world, group_ids=groups, method=method)
+                parts = balanced_partition(measure(batch), world, group_ids=groups, method=method, equal_size=equal_size)
             else:
                 parts = list(torch.arange(size).tensor_split(world))
             shards = [tree_index(batch, part) for part in parts]
