@@ -1,6 +1,7 @@
 """Data movement: sequence packing, the Transfer Dock, dispatch, resharding, pipelines."""
 
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, shard_samples
+from rlcore.dataflow.packing import Packed, pack, pack_to_budget, shift_labels, unpack
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse
 from rlcore.dataflow.ray_dock import DockHost, RayTransferDock
 from rlcore.dataflow.layout import MESH_DIMS, Layout, Placement, decoder_layout, param_meta
@@ -20,6 +21,11 @@ __all__: list[str] = [
     "PARTITION_METHODS",
     "balanced_partition",
     "shard_samples",
+    "Packed",
+    "pack",
+    "pack_to_budget",
+    "shift_labels",
+    "unpack",
     "BALANCE_MODES",
     "DockController",
     "DockHost",

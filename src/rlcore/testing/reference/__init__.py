@@ -27,6 +27,13 @@ from rlcore.testing.reference.preference import (
     simpo_loss_ref,
 )
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
+from rlcore.testing.reference.packing import (
+    first_fit_decreasing_ref,
+    min_bins_ref,
+    pack_ref,
+    shift_labels_ref,
+    unpack_ref,
+)
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -92,6 +99,11 @@ __all__ = [
     "entropy_ref",
     "linear_logprobs_ref",
     "logprobs_ref",
+    "first_fit_decreasing_ref",
+    "min_bins_ref",
+    "pack_ref",
+    "shift_labels_ref",
+    "unpack_ref",
     "masked_mean_ref",
     "masked_sum_ref",
     "masked_var_ref",
