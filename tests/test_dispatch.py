@@ -12,17 +12,12 @@ from hypothesis import strategies as st
 import pytest
 
 from rlcore.dataflow import balanced_partition, shard_samples
+from rlcore.testing.dataflow_strategies import token_lengths
 from rlcore.testing.reference import balanced_partition_ref
 
 
 def loads(parts, lengths):
     return [int(lengths[p].sum()) for p in parts]
-
-
-@st.composite
-def lengths_and_k(draw, max_batch=40, max_len=4096):
-    values = draw(st.lists(st.integers(0, max_len), min_size=0, max_size=max_batch))
-    return torch.tensor(values, dtype=torch.int64), draw(st.integers(1, 6))
 
 
 # ---------------------------------------------------------------------------- balanced_partition
@@ -38,9 +33,8 @@ def test_textbook_example_by_hand():
     assert [p.tolist() for p in lpt] == [[0, 3, 4], [1, 2]] and loads(lpt, lengths) == [17, 13]
 
 
-@given(case=lengths_and_k(), method=st.sampled_from(["kk", "lpt"]))
-def test_every_sample_lands_in_exactly_one_part(case, method):
-    lengths, k = case
+@given(lengths=token_lengths(), k=st.integers(1, 6), method=st.sampled_from(["kk", "lpt"]))
+def test_every_sample_lands_in_exactly_one_part(lengths, k, method):
     parts = balanced_partition(lengths, k, method=method)
     assert len(parts) == k
     assert all(p.dtype == torch.int64 and bool((p[1:] > p[:-1]).all()) for p in parts)
@@ -59,9 +53,8 @@ def test_within_the_approximation_bound_of_the_exhaustive_optimum(lengths, k, me
     assert best <= got <= (4 / 3 - 1 / (3 * k)) * best + 1e-9
 
 
-@given(case=lengths_and_k(max_batch=24), method=st.sampled_from(["kk", "lpt"]), data=st.data())
-def test_groups_stay_whole_and_equal_size_holds(case, method, data):
-    lengths, k = case
+@given(lengths=token_lengths(max_size=24), k=st.integers(1, 6), method=st.sampled_from(["kk", "lpt"]), data=st.data())
+def test_groups_stay_whole_and_equal_size_holds(lengths, k, method, data):
     group_ids = torch.tensor(data.draw(st.lists(st.integers(0, 5), min_size=lengths.numel(), max_size=lengths.numel())), dtype=torch.int64)
     parts = balanced_partition(lengths, k, group_ids=group_ids, method=method)
     owners = [set(group_ids[p].tolist()) for p in parts]

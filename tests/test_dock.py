@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from rlcore.dataflow import DockController, RayTransferDock, TransferDock
+from rlcore.testing.dataflow_strategies import dock_interleavings, dock_programs
 from rlcore.testing.reference import TransferDockRef
 
 BACKENDS = ["embedded", "ray"]
@@ -334,18 +334,6 @@ def test_get_runs_no_python_loop_over_the_table(balance):
 # ---------------------------------------------------------------------------- properties
 
 
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("put"), st.sampled_from(["a", "b"]), st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True)),
-        st.tuples(st.just("get"), st.sampled_from(["c0", "c1"]), st.sampled_from([("a",), ("a", "b")]), st.integers(1, 3), st.booleans()),
-        st.tuples(st.just("incomplete"), st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True)),
-        st.tuples(st.just("reset"), st.sampled_from([(), ("a",)])),
-    ),
-    min_size=1,
-    max_size=25,
-)
-
-
 def _run_against_model(dock, model_ops) -> None:
     model = TransferDockRef(4, 3, ["c0", "c1"])
     counter = 0
@@ -381,37 +369,16 @@ def _run_against_model(dock, model_ops) -> None:
             assert dock.all_consumed(consumer) == (len(model.taken[consumer]) == model.capacity)
 
 
-@given(model_ops=ops)
+@given(model_ops=dock_programs())
 @settings(max_examples=40)
 def test_fifo_matches_loop_model_embedded(model_ops):
     _run_against_model(TransferDock(4, 3, columns=["a", "b"], consumers=["c0", "c1"], num_warehouses=2), model_ops)
 
 
-@given(model_ops=ops)
+@given(model_ops=dock_programs())
 @settings(max_examples=15)
 def test_fifo_matches_loop_model_ray(ray_docks, model_ops):
     _run_against_model(ray_docks.make(4, 3, columns=["a", "b"], consumers=["c0", "c1"], num_warehouses=2), model_ops)
-
-
-@st.composite
-def interleavings(draw):
-    num_prompts = draw(st.integers(1, 6))
-    n_samples = draw(st.integers(1, 3))
-    capacity = num_prompts * n_samples
-    order = draw(st.permutations(range(capacity)))
-    cuts = sorted(draw(st.lists(st.integers(1, max(capacity - 1, 1)), max_size=4, unique=True)))
-    chunks = [order[a:b] for a, b in zip([0, *cuts], [*cuts, capacity]) if order[a:b]]
-    return {
-        "num_prompts": num_prompts,
-        "n_samples": n_samples,
-        "chunks": chunks,
-        "producers": draw(st.integers(1, 3)),
-        "threads_per_consumer": draw(st.integers(1, 3)),
-        "units": draw(st.integers(1, 2)),
-        "by_group": draw(st.booleans()),
-        "balance": draw(st.sampled_from(["random", "fifo", "tokens"])),
-        "seed": draw(st.integers(0, 2**16)),
-    }
 
 
 def _exactly_once(dock, case) -> None:
@@ -465,13 +432,13 @@ def _exactly_once(dock, case) -> None:
             assert ((groups == 0) | (groups == n)).all()
 
 
-@given(case=interleavings())
+@given(case=dock_interleavings())
 @settings(max_examples=25)
 def test_threads_deliver_each_row_exactly_once_embedded(case):
     _exactly_once(TransferDock(case["num_prompts"], case["n_samples"], columns=["responses", "row"], consumers=["reward", "update"], seed=case["seed"]), case)
 
 
-@given(case=interleavings())
+@given(case=dock_interleavings())
 @settings(max_examples=10)
 def test_threads_deliver_each_row_exactly_once_ray(ray_docks, case):
     _exactly_once(ray_docks.make(case["num_prompts"], case["n_samples"], columns=["responses", "row"], consumers=["reward", "update"]), case)

@@ -7,6 +7,7 @@ Users import these for their own property tests, e.g.
 from rlcore.testing import asserts, reference, strategies
 from rlcore.testing import allocations, token_strategies
 from rlcore.testing import loss_strategies
+from rlcore.testing import dataflow_strategies
 from rlcore.testing.asserts import assert_close, assert_no_host_sync, tolerances
 from rlcore.testing.strategies import (
     float_tensors,
@@ -23,6 +24,7 @@ __all__ = [
     "assert_close",
     "assert_no_host_sync",
     "asserts",
+    "dataflow_strategies",
     "loss_strategies",
     "float_tensors",
     "group_ids",
