@@ -1,0 +1,99 @@
+"""The reward protocol: ``reward(prompts, responses, **columns) -> tensor [B]``, and how rewards are called.
+
+A reward is any callable taking the decoded prompts and responses (lists of ``B``
+strings) plus per-sample data columns (``answers=...``) and returning one score per
+response. Objects in the style of MindSpeed-RL's ``BaseReward`` -- a ``forward(self,
+prompts, responses, **kwargs)`` method returning a list of numbers or booleans -- are
+rewards too, unchanged: :func:`evaluate` calls ``forward`` when an object has one.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Reward", "RewardError", "evaluate", "reward_name"]
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """``(prompts [B], responses [B], **columns) -> scores``: a tensor ``[B]`` or a list of numbers / booleans."""
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> Any: ...
+
+
+class RewardError(ValueError):
+    """A reward raised, or returned something other than one finite number per response."""
+
+
+def reward_name(reward: Any) -> str:
+    """The name an error message gives a reward: its ``name`` attribute, function name or class name.
+
+    >>> reward_name(len)
+    'len'
+    """
+    name = getattr(reward, "name", None)
+    if isinstance(name, str):
+        return name
+    return getattr(reward, "__name__", None) or type(reward).__name__
+
+
+def _as_scores(out: Any, n: int, where: str) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        scores = out.detach().to("cpu", torch.float32)
+    else:
+        if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+            raise RewardError(f"{where}: got {type(out).__name__}, expected a tensor [{n}] or a list of {n} numbers")
+        bad = [i for i, v in enumerate(out) if not isinstance(v, (numbers.Real, bool))]
+        if bad:
+            raise RewardError(
+                f"{where}: got {type(out[bad[0]]).__name__} at index {bad[0]}, expected numbers or booleans"
+            )
+        scores = torch.tensor([float(v) for v in out], dtype=torch.float32)
+    if scores.shape != (n,):
+        raise RewardError(f"{where}: got scores of shape {tuple(scores.shape)}, expected ({n},) -- one per response")
+    if not torch.isfinite(scores).all():
+        index = int(torch.nonzero(~torch.isfinite(scores))[0])
+        raise RewardError(f"{where}: got a non-finite score {scores[index]} at index {index}, expected finite scores")
+    return scores
+
+
+def evaluate(
+    reward: Any, prompts: Sequence[str], responses: Sequence[str], *, batch: int | str | None = None, **columns: Any
+) -> torch.Tensor:
+    """Call a reward on one batch and return its scores as a float32 tensor ``[B]``.
+
+    Objects with a ``forward`` method (the ``BaseReward`` style) are called through it.
+    Lists of numbers or booleans become float32 tensors (``True`` is 1.0).
+
+    Args:
+      reward: a :class:`Reward` callable or an object with ``forward``.
+      prompts, responses: ``B`` strings each.
+      batch: an identifier of the batch (the step), named in errors.
+      **columns: per-sample data passed through, e.g. ``answers``.
+
+    Returns:
+      float32 tensor ``[B]`` on the CPU.
+
+    Raises:
+      RewardError: naming the reward and the batch, if the reward raises or returns
+        anything but ``B`` finite numbers.
+
+    >>> class LongEnough:  # the seed's BaseReward style
+    ...     def forward(self, prompts, responses, **kwargs):
+    ...         return [len(r) > 3 for r in responses]
+    >>> evaluate(LongEnough(), ["q", "q"], ["short", "no"])
+    tensor([1., 0.])
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"responses: got {len(responses)}, expected {len(prompts)} (one per prompt)")
+    where = f"reward {reward_name(reward)!r} on batch {batch!r}" if batch is not None else f"reward {reward_name(reward)!r}"
+    fn = reward.forward if callable(getattr(reward, "forward", None)) else reward
+    try:
+        out = fn(list(prompts), list(responses), **columns)
+    except Exception as err:
+        raise RewardError(f"{where} of {len(responses)} responses raised {type(err).__name__}: {err}") from err
+    return _as_scores(out, len(responses), where)

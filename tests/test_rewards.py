@@ -1,0 +1,184 @@
+"""rlcore.rewards: protocol, rule rewards, weighted composition, the process pool, error messages."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.rewards import (
+    AnswerMatch,
+    FormatMatch,
+    LengthReward,
+    RewardError,
+    RewardPool,
+    Weighted,
+    evaluate,
+    extract_answer,
+)
+from rlcore.testing.reference import length_reward_ref, weighted_ref
+
+
+class BaseReward:
+    """The seed document's base class, as its users write it."""
+
+    def forward(self, prompts, responses, **kwargs):
+        raise NotImplementedError
+
+
+class LongReward(BaseReward):
+    def forward(self, prompts, responses, **kwargs):
+        return [len(r) > 100 for r in responses]
+
+
+class Explodes:
+    name = "explodes"
+
+    def __call__(self, prompts, responses, **columns):
+        raise ZeroDivisionError("boom")
+
+
+def short_list(prompts, responses, **columns):
+    return [1.0] * (len(responses) - 1)
+
+
+def count_a(prompts, responses, **columns):
+    return [float(r.count("a")) for r in responses]
+
+
+def test_seed_base_reward_style_works_unchanged():
+    responses = ["x" * 101, "short"]
+    assert evaluate(LongReward(), ["p", "p"], responses).tolist() == [1.0, 0.0]
+    with RewardPool(LongReward(), num_workers=0) as pool:
+        assert pool(["p", "p"], responses).tolist() == [1.0, 0.0]
+
+
+def test_reward_that_raises_names_reward_and_batch():
+    with pytest.raises(RewardError, match=r"reward 'explodes' on batch 7 of 2 responses raised ZeroDivisionError: boom"):
+        evaluate(Explodes(), ["p", "q"], ["a", "b"], batch=7)
+
+
+def test_wrong_length_names_reward_and_batch():
+    with pytest.raises(RewardError, match=r"reward 'short_list' on batch 3: got scores of shape \(2,\), expected \(3,\)"):
+        evaluate(short_list, ["p"] * 3, ["a"] * 3, batch=3)
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [("abc", "got str"), ([1.0, "x"], "got str at index 1"), ([1.0, float("nan")], "non-finite score"), (None, "got NoneType")],
+)
+def test_bad_outputs_are_errors(out, message):
+    with pytest.raises(RewardError, match=message):
+        evaluate(lambda p, r: out, ["p", "q"], ["a", "b"])
+
+
+def test_mismatched_prompts_and_responses():
+    with pytest.raises(ValueError, match="responses: got 1, expected 2"):
+        evaluate(count_a, ["p", "q"], ["a"])
+
+
+def test_process_pool_scores_and_propagates_errors():
+    with RewardPool(Weighted([(1.0, count_a), (2.0, LongReward())]), num_workers=1) as pool:
+        first = pool.submit(["p"] * 3, ["aa", "a" * 101, "b"], batch=0)
+        bad = RewardPool.submit(pool, ["p"], ["a", "b"], batch=1)
+        assert first.result().tolist() == [2.0, 103.0, 0.0]
+        assert first.result().dtype == torch.float32
+        with pytest.raises(ValueError, match="responses: got 2, expected 1"):
+            bad.result()
+    with RewardPool(Explodes(), num_workers=1) as pool:
+        with pytest.raises(RewardError, match="reward 'explodes' on batch 5"):
+            pool(["p"], ["a"], batch=5)
+
+
+def test_pool_rejects_unpicklable_reward_by_name():
+    with pytest.raises(ValueError, match="reward: '<lambda>' cannot be pickled"):
+        RewardPool(lambda p, r: [0.0] * len(r), num_workers=1)
+    with pytest.raises(ValueError, match="num_workers: got -1"):
+        RewardPool(count_a, num_workers=-1)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the answer is \\boxed{42} not \\boxed{41}. \\boxed{3/4}", "3/4"),
+        ("reasoning 12 then\n#### 1,024", "1,024"),
+        ("x = 3, y = -2.5e3", "-2.5e3"),
+        ("no digits here", None),
+        ("", None),
+    ],
+)
+def test_extract_answer_conventions(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_extract_answer_with_pattern_takes_last_match():
+    assert extract_answer("<a>1</a> <a>2</a>", pattern=r"<a>(.*?)</a>") == "2"
+    assert extract_answer("dcba", pattern=r"\S+") == "dcba"
+    assert extract_answer("nothing", pattern=r"<a>(.*?)</a>") is None
+
+
+@given(st.integers(-(10**9), 10**9), st.sampled_from(["{:,}", "{}", "{}.0", "{:.2f}"]), st.text("abc xyz", max_size=8))
+def test_numeric_match_ignores_formatting(value, fmt, prefix):
+    response = prefix + " " + fmt.format(value)
+    assert AnswerMatch(numeric=True)(["q"], [response], answers=[value]).tolist() == [1.0]
+    assert AnswerMatch(numeric=True)(["q"], [response], answers=[value + 1]).tolist() == [0.0]
+
+
+def test_exact_match_is_string_equality_after_strip():
+    got = AnswerMatch()(["q"] * 3, ["#### 10", "#### 10.0", "#### ten"], answers=["10 ", "10", "10"])
+    assert got.tolist() == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="answers: got 1 values, expected 3"):
+        AnswerMatch()(["q"] * 3, ["a"] * 3, answers=["1"])
+    with pytest.raises(ValueError, match="answers: got None"):
+        AnswerMatch()(["q"], ["a"])
+
+
+def test_format_match_fullmatch_and_search():
+    think = FormatMatch(r"<think>.*?</think>\s*<answer>.*?</answer>")
+    ok = "<think>a\nb</think> <answer>1</answer>"
+    assert think(["q"] * 2, [ok, ok + " trailing"]).tolist() == [1.0, 0.0]
+    assert FormatMatch(r"answer", search=True)(["q"], [ok]).tolist() == [1.0]
+
+
+@given(
+    st.lists(st.text(max_size=12), min_size=1, max_size=6),
+    st.integers(0, 5),
+    st.integers(0, 6),
+    st.integers(0, 4),
+)
+def test_length_reward_matches_reference(responses, lo, extra, slack):
+    reward = LengthReward(min_length=lo, max_length=lo + extra, slack=slack)
+    got = reward(["q"] * len(responses), responses)
+    expected = torch.tensor(length_reward_ref(responses, min_length=lo, max_length=lo + extra, slack=slack))
+    torch.testing.assert_close(got, expected)
+    assert bool(((got >= 0) & (got <= 1)).all())
+
+
+def test_length_reward_hand_values_and_bad_bounds():
+    assert LengthReward(min_length=3, slack=3)(["q"] * 3, ["a", "abc", "abcdefgh"]).tolist() == pytest.approx([1 / 3, 1, 1])
+    with pytest.raises(ValueError, match="min_length, max_length, slack"):
+        LengthReward(min_length=4, max_length=2)
+
+
+@settings(max_examples=25)
+@given(
+    st.lists(st.text("ab ", max_size=6), min_size=1, max_size=5),
+    st.lists(st.floats(-3, 3, allow_nan=False), min_size=2, max_size=2),
+)
+def test_weighted_matches_reference_and_is_linear(responses, weights):
+    prompts = ["q"] * len(responses)
+    parts = [count_a, LongReward()]
+    reward = Weighted(list(zip(weights, parts)))
+    scores = [evaluate(p, prompts, responses).tolist() for p in parts]
+    torch.testing.assert_close(reward(prompts, responses), torch.tensor(weighted_ref(scores, weights)))
+    doubled = Weighted([(2 * w, p) for w, p in zip(weights, parts)])
+    torch.testing.assert_close(doubled(prompts, responses), 2 * reward(prompts, responses))
+    assert set(reward.components(prompts, responses)) == {"count_a", "LongReward"}
+
+
+def test_weighted_names_failing_component_and_rejects_bad_pairs():
+    with pytest.raises(RewardError, match="reward 'explodes' on batch 2"):
+        Weighted([(1.0, count_a), (1.0, Explodes())])(["q"], ["a"], batch=2)
+    with pytest.raises(ValueError, match=r"rewards\[0\]: got"):
+        Weighted([count_a])
+    with pytest.raises(ValueError, match="rewards: got an empty sequence"):
+        Weighted([])
