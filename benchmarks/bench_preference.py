@@ -1,6 +1,6 @@
 """A DPO step with chosen and rejected in one stacked forward pass, against two separate forwards.
 
-Run: python benchmarks/bench_preference.py [--pairs 8] [--length 128] [--repeats 5]
+Run: python benchmarks/bench_preference.py [--pairs 8] [--length 128] [--repeats 5] [--threads 1]
 Model: a random-weight Qwen2 causal LM built from its config (hidden 128, 2 layers,
 vocabulary 4096; no download). A step is forward + DPO loss + backward of the policy,
 with reference log-probs precomputed as batch columns. Both paths use the same
@@ -104,7 +104,11 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    # One thread by default: on a shared CPU a descheduled worker thread stalls every
+    # op of a two-thread run, which swamps the difference being measured.
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     device = get_device()
     lm = tiny_qwen2(device)

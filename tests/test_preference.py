@@ -137,9 +137,11 @@ def test_dpo_loss_matches_reference(loss_type, dtype, data):
 )
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_every_loss_at_the_reference_point(loss_type, options, expected, divergence):
-    if loss_type == "aot" and divergence != "reverse_kl":
-        return
     args = _pairs([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    if loss_type == "aot" and divergence != "reverse_kl":
+        with pytest.raises(ValueError, match="divergence"):
+            dpo_loss(*args, loss_type=loss_type, divergence=divergence, **options)
+        return
     loss, metrics = dpo_loss(*args, loss_type=loss_type, divergence=divergence, **options)
     assert_close(loss, torch.full((3,), expected, dtype=torch.float64), dtype=torch.float32)
     assert torch.equal(metrics["margins"], torch.zeros(3, dtype=torch.float64))

@@ -52,8 +52,8 @@ def sequence_logps(logp: torch.Tensor, mask: torch.Tensor, *, reduce: str = "sum
     return reducer(logp, mask, dim=-1)
 
 
-def _check_sequences(**tensors: torch.Tensor) -> torch.Tensor:
-    """Every tensor must be floating point with the shape ``[B]`` of the first one; returns the first."""
+def _check_sequences(**tensors: torch.Tensor) -> None:
+    """Every tensor must be floating point with the shape ``[B]`` of the first one."""
     items = list(tensors.items())
     first_name, first = items[0]
     check_floating(first_name, first)
@@ -61,7 +61,6 @@ def _check_sequences(**tensors: torch.Tensor) -> torch.Tensor:
     for name, x in items[1:]:
         check_floating(name, x)
         check_same_shape(name, x, first_name, first)
-    return first
 
 
 def _check_label_smoothing(label_smoothing: float) -> None:
