@@ -14,14 +14,19 @@ Metrics (all masked means over the counted tokens unless named otherwise):
 ``approx_kl`` is Schulman's k3 estimate ``r - 1 - log r`` of KL(old || new) (non-negative,
 lower variance than the ``-log r`` that verl reports), ``ratio_mean``, ``ratio_min``,
 ``ratio_max`` (0 for an empty mask), and the clip fractions of each loss.
+
+Gradients: the token-local losses (PPO, GSPO-token, CISPO, SAPO, REINFORCE) compute
+their value without autograd and attach the closed-form derivative with respect to
+``logp`` (one saved tensor, a one-multiply backward); only ``logp`` is differentiated.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from rlcore._checks import check_floating, check_ndim, check_positive, check_same_shape
-from rlcore.ops import masked_mean
 from rlcore.ops._accum import acc_dtype
 
 __all__ = ["cispo_loss", "gmpo_loss", "gpg_loss", "gspo_loss", "ppo_clip_loss", "reinforce_loss", "sapo_loss"]
@@ -45,42 +50,77 @@ def _check_clip(name: str, value: float) -> None:
     check_positive(name, value, strict=False)
 
 
-def _prepare(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(keep, logp, log_ratio, advantages)`` in the accumulation dtype, zeroed where ``mask`` is 0.
+class _LocalGrad(torch.autograd.Function):
+    """A per-token loss computed without autograd, with its derivative ``d loss_t / d logp_t`` given.
 
-    ``torch.where`` (not a multiply) keeps ``nan`` padding out of values and gradients.
+    The token-local losses know their gradient in closed form (``-A r`` where the
+    unclipped branch is active, else 0), so the forward keeps one tensor for the
+    backward, which is a single multiply, instead of an autograd graph of every clamp,
+    maximum and where. Only ``logp`` receives a gradient; old log-probs, advantages
+    and importance weights are data.
     """
+
+    @staticmethod
+    def forward(logp: torch.Tensor, loss: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return loss.to(logp.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+        logp, _, dloss = inputs
+        ctx.save_for_backward(dloss)
+        ctx.dtype = logp.dtype
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[no-untyped-def,override]
+        (dloss,) = ctx.saved_tensors
+        return (g.to(dloss.dtype) * dloss).to(ctx.dtype), None, None
+
+
+class _Tokens(NamedTuple):
+    """Detached per-token inputs in the accumulation dtype, 0 where the mask is 0."""
+
+    keep: torch.Tensor  # bool: the token counts
+    weights: torch.Tensor  # the mask as weights (bool or float), for the metrics' sums
+    count: torch.Tensor  # total weight, replaced by 1 when 0 (empty masks give 0 metrics)
+    log_ratio: torch.Tensor  # logp - old_logp, clamped to +-20
+    in_range: torch.Tensor  # bool: the clamp let the gradient through
+    neg_adv: torch.Tensor  # -advantages: every loss is linear in it, and +0 at mask 0 stays +0
+
+
+def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> _Tokens:
+    # torch.where (not a multiply) keeps nan padding out of every value.
     acc = acc_dtype(logp.dtype)
-    keep = mask != 0
-    lp = torch.where(keep, logp.to(acc), 0.0)
-    log_ratio = (lp - torch.where(keep, old_logp.to(acc), 0.0)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    adv = torch.where(keep, advantages.to(acc), 0.0)
-    return keep, lp, log_ratio, adv
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    with torch.no_grad():
+        # A boolean mask serves as 0/1 weights as it is (no float copy).
+        weights = mask if mask.dtype == torch.bool else mask.to(acc)
+        total = mask.sum(dtype=acc)
+        raw = torch.where(keep, logp.detach().to(acc) - old_logp.to(acc), 0.0)
+        log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        neg_adv = torch.where(keep, -advantages.detach().to(acc), 0.0)
+    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, log_ratio == raw, neg_adv)
 
 
-def _frac(cond: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return masked_mean(cond.float(), mask)
+def _mean(x: torch.Tensor, tok: _Tokens) -> torch.Tensor:
+    """Weighted mean over the counted tokens of a metric input that is finite everywhere.
+
+    Every metric input is built from the zeroed inputs of :func:`_prepare`, so it is
+    finite at mask-0 positions and a weighted sum is the masked sum; it skips the
+    ``nan`` guard of :func:`rlcore.ops.masked_sum`, which costs several passes per metric.
+    """
+    return (x * tok.weights).sum().float() / tok.count
 
 
-def _ratio_metrics(log_ratio: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor) -> Metrics:
-    lr = log_ratio.detach().float()
-    ratio = lr.exp()
-    any_kept = keep.any()
-    big = torch.finfo(ratio.dtype).max
-    rmin = torch.where(keep, ratio, big).amin()
-    rmax = torch.where(keep, ratio, 0.0).amax()
-    return {
-        "approx_kl": masked_mean(ratio - 1.0 - lr, mask),
-        "ratio_mean": masked_mean(ratio, mask),
-        "ratio_min": torch.where(any_kept, rmin, 0.0),
-        "ratio_max": rmax,
-    }
-
-
-def _out(loss: torch.Tensor, keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.where(keep, loss, 0.0).to(like.dtype)
+def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, tok: _Tokens) -> Metrics:
+    """``approx_kl`` and ratio statistics over the counted tokens (0 for an empty mask)."""
+    with torch.no_grad():
+        rmin = torch.where(tok.keep, ratio, torch.inf).amin()
+        return {
+            "approx_kl": _mean(ratio - 1.0 - log_ratio, tok),
+            "ratio_mean": _mean(ratio, tok),
+            "ratio_min": torch.where(torch.isfinite(rmin), rmin, 0.0).float(),
+            "ratio_max": torch.where(tok.keep, ratio, 0.0).amax().float(),
+        }
 
 
 def ppo_clip_loss(
@@ -139,24 +179,32 @@ def ppo_clip_loss(
     _check_clip("clip_high", clip_high)
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip: got {dual_clip!r}, expected None or a number > 1")
-    keep, _, log_ratio, adv = _prepare(logp, old_logp, advantages, mask)
-    ratio = log_ratio.exp()
-    lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))
-    with torch.no_grad():
-        metrics = {
-            "clip_frac_low": _frac((adv < 0) & (ratio < lo), mask),
-            "clip_frac_high": _frac((adv > 0) & (ratio > hi), mask),
-        }
-    if dual_clip is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
-        with torch.no_grad():
-            metrics["clip_frac_dual"] = _frac((adv < 0) & (ratio > dual_clip), mask)
     if is_weights is not None:
         check_same_shape("is_weights", is_weights, "logp", logp)
-        loss = loss * torch.where(keep, is_weights.detach().to(loss.dtype), 0.0)
-    metrics.update(_ratio_metrics(log_ratio, keep, mask))
-    return _out(loss, keep, logp), metrics
+    tok = _prepare(logp, old_logp, advantages, mask)
+    nadv = tok.neg_adv
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    with torch.no_grad():
+        ratio = tok.log_ratio.exp()
+        metrics = _ratio_metrics(ratio, tok.log_ratio, tok)
+        bounded = ratio.clamp(lo, hi)
+        unclipped = nadv * ratio
+        clipped = nadv * bounded
+        loss = torch.maximum(unclipped, clipped)
+        # The unclipped branch is active (ties inside the band carry its gradient too).
+        live = ((unclipped > clipped) | (bounded == ratio)) & tok.in_range
+        metrics["clip_frac_low"] = _mean((nadv > 0) & (ratio < lo), tok)
+        metrics["clip_frac_high"] = _mean((nadv < 0) & (ratio > hi), tok)
+        if dual_clip is not None:
+            capped = (nadv > 0) & (loss > nadv * dual_clip)
+            loss = torch.where(capped, nadv * dual_clip, loss)
+            live = live & ~capped
+            metrics["clip_frac_dual"] = _mean((nadv > 0) & (ratio > dual_clip), tok)
+        dloss = torch.where(live, unclipped, 0.0)
+        if is_weights is not None:
+            w = torch.where(tok.keep, is_weights.detach().to(loss.dtype), 0.0)
+            loss, dloss = loss * w, dloss * w
+    return _LocalGrad.apply(logp, loss, dloss), metrics
 
 
 def gspo_loss(
@@ -199,20 +247,26 @@ def gspo_loss(
     _check(logp, old_logp, advantages, mask)
     _check_clip("clip_low", clip_low)
     _check_clip("clip_high", clip_high)
-    keep, lp, log_ratio, adv = _prepare(logp, old_logp, advantages, mask)
-    log_s = masked_mean(log_ratio, mask, dim=-1, keepdim=True).detach()
-    # Adding the detached sequence term last keeps logp - sg(logp) an exact 0 in value.
-    log_st = (lp - lp.detach() + log_s).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = log_st.exp()
+    tok = _prepare(logp, old_logp, advantages, mask)
+    nadv = tok.neg_adv
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))
     with torch.no_grad():
-        metrics = {
-            "clip_frac_low": _frac((adv < 0) & (ratio < lo), mask),
-            "clip_frac_high": _frac((adv > 0) & (ratio > hi), mask),
-        }
-    metrics.update(_ratio_metrics(log_st, keep, mask))
-    return _out(loss, keep, logp), metrics
+        n = tok.weights.sum(-1, keepdim=True, dtype=tok.log_ratio.dtype)
+        raw = (tok.log_ratio * tok.weights).sum(-1, keepdim=True) / torch.where(n > 0, n, 1.0)
+        log_s = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        # s_{i,t} = sg(s_i) * exp(logp_t - sg(logp_t)): value s_i, derivative s_i.
+        log_st = torch.where(tok.keep, log_s, 0.0)
+        ratio = log_st.exp()
+        bounded = ratio.clamp(lo, hi)
+        unclipped = nadv * ratio
+        clipped = nadv * bounded
+        loss = torch.maximum(unclipped, clipped)
+        live = ((unclipped > clipped) | (bounded == ratio)) & (log_s == raw)
+        dloss = torch.where(live, unclipped, 0.0)
+        metrics = _ratio_metrics(ratio, log_st, tok)
+        metrics["clip_frac_low"] = _mean((nadv > 0) & (ratio < lo), tok)
+        metrics["clip_frac_high"] = _mean((nadv < 0) & (ratio > hi), tok)
+    return _LocalGrad.apply(logp, loss, dloss), metrics
 
 
 def cispo_loss(
@@ -257,17 +311,18 @@ def cispo_loss(
     if clip_low is not None:
         _check_clip("clip_low", clip_low)
     _check_clip("clip_high", clip_high)
-    keep, lp, log_ratio, adv = _prepare(logp, old_logp, advantages, mask)
-    ratio = log_ratio.detach().exp()
+    tok = _prepare(logp, old_logp, advantages, mask)
     lo = None if clip_low is None else 1.0 - clip_low
     hi = 1.0 + clip_high
-    weight = ratio.clamp(lo, hi)
-    loss = -weight * adv * lp
     with torch.no_grad():
-        low = ratio < lo if lo is not None else torch.zeros_like(keep)
-        metrics = {"clip_frac_low": _frac(low, mask), "clip_frac_high": _frac(ratio > hi, mask)}
-    metrics.update(_ratio_metrics(log_ratio, keep, mask))
-    return _out(loss, keep, logp), metrics
+        ratio = tok.log_ratio.exp()
+        metrics = _ratio_metrics(ratio, tok.log_ratio, tok)
+        dloss = ratio.clamp(lo, hi) * tok.neg_adv
+        loss = dloss * torch.where(tok.keep, logp.detach().to(dloss.dtype), 0.0)
+        low = ratio < lo if lo is not None else torch.zeros_like(tok.keep)
+        metrics["clip_frac_low"] = _mean(low, tok)
+        metrics["clip_frac_high"] = _mean(ratio > hi, tok)
+    return _LocalGrad.apply(logp, loss, dloss), metrics
 
 
 def reinforce_loss(
@@ -297,8 +352,10 @@ def reinforce_loss(
     tensor([[ 0.6931, -2.7726]])
     """
     _check(logp, old_logp, advantages, mask)
-    keep, lp, log_ratio, adv = _prepare(logp, old_logp, advantages, mask)
-    return _out(-adv * lp, keep, logp), _ratio_metrics(log_ratio, keep, mask)
+    tok = _prepare(logp, old_logp, advantages, mask)
+    with torch.no_grad():
+        loss = tok.neg_adv * torch.where(tok.keep, logp.detach().to(tok.neg_adv.dtype), 0.0)
+    return _LocalGrad.apply(logp, loss, tok.neg_adv), _ratio_metrics(tok.log_ratio.exp(), tok.log_ratio, tok)
 
 
 def gpg_loss(
@@ -369,15 +426,18 @@ def sapo_loss(
     _check(logp, old_logp, advantages, mask)
     check_positive("tau_pos", tau_pos)
     check_positive("tau_neg", tau_neg)
-    keep, _, log_ratio, adv = _prepare(logp, old_logp, advantages, mask)
-    ratio = log_ratio.exp()
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
-    gate = torch.sigmoid(tau * (ratio - 1.0))
-    loss = -gate * (4.0 / tau) * adv
-    metrics = _ratio_metrics(log_ratio, keep, mask)
+    tok = _prepare(logp, old_logp, advantages, mask)
+    nadv = tok.neg_adv
     with torch.no_grad():
-        metrics["gate_mean"] = masked_mean((4.0 * gate * (1.0 - gate)).float(), mask)
-    return _out(loss, keep, logp), metrics
+        ratio = tok.log_ratio.exp()
+        metrics = _ratio_metrics(ratio, tok.log_ratio, tok)
+        tau = torch.where(nadv < 0, tau_pos, tau_neg).to(ratio.dtype)
+        gate = torch.sigmoid(tau * (ratio - 1.0))
+        loss = gate * (4.0 / tau) * nadv
+        weight = 4.0 * gate * (1.0 - gate)
+        dloss = torch.where(tok.in_range, weight * ratio * nadv, 0.0)
+        metrics["gate_mean"] = _mean(weight, tok)
+    return _LocalGrad.apply(logp, loss, dloss), metrics
 
 
 def gmpo_loss(
@@ -421,17 +481,21 @@ def gmpo_loss(
     _check(logp, old_logp, advantages, mask)
     _check_clip("clip_low", clip_low)
     _check_clip("clip_high", clip_high)
-    keep, _, log_ratio, adv = _prepare(logp, old_logp, advantages, mask)
-    sign = torch.sign(adv)
+    tok = _prepare(logp, old_logp, advantages, mask)
+    nadv, acc = tok.neg_adv, tok.neg_adv.dtype
+    metrics = _ratio_metrics(tok.log_ratio.exp(), tok.log_ratio, tok)
+    # The sequence ratio couples the tokens of a sequence: this one runs on autograd.
+    log_ratio = torch.where(tok.keep, logp.to(acc) - old_logp.to(acc), 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    sign = -torch.sign(nadv)
     clipped = log_ratio.clamp(-clip_low, clip_high)
     chosen = sign * torch.minimum(sign * log_ratio, sign * clipped)
-    rho = masked_mean(chosen, mask, dim=-1, keepdim=True).exp()
-    seq_adv = masked_mean(adv, mask, dim=-1, keepdim=True)
-    loss = (-seq_adv * rho).expand_as(adv)
+    # Both are 0 at mask-0 positions, so weighted sums are masked sums.
+    n = tok.weights.sum(-1, keepdim=True, dtype=acc)
+    n = torch.where(n > 0, n, 1.0)
+    rho = ((chosen * tok.weights).sum(-1, keepdim=True) / n).exp()
+    seq_nadv = (nadv * tok.weights).sum(-1, keepdim=True) / n
+    loss = torch.where(tok.keep, seq_nadv * rho, 0.0)
     with torch.no_grad():
-        metrics = {
-            "clip_frac_low": _frac((adv < 0) & (log_ratio < -clip_low), mask),
-            "clip_frac_high": _frac((adv > 0) & (log_ratio > clip_high), mask),
-        }
-    metrics.update(_ratio_metrics(log_ratio, keep, mask))
-    return _out(loss, keep, logp), metrics
+        metrics["clip_frac_low"] = _mean((nadv > 0) & (log_ratio < -clip_low), tok)
+        metrics["clip_frac_high"] = _mean((nadv < 0) & (log_ratio > clip_high), tok)
+    return loss.to(logp.dtype), metrics

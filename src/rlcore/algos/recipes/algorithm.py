@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import torch
 
 from rlcore.algos.aggregate import aggregate
-from rlcore.ops import masked_mean
 
 __all__ = ["Algorithm", "Batch", "chain"]
 
@@ -109,7 +108,8 @@ class Algorithm(NamedTuple):
 
         Returns:
           ``(loss, metrics)``: the policy loss's metrics plus ``pg_loss``, and ``kl``,
-          ``entropy``, ``vf_loss``, ``vf_clip_frac``, ``vf_mse`` where those terms are on.
+          ``entropy``, ``vf_loss`` (each term aggregated like the loss), ``vf_clip_frac``,
+          ``vf_mse`` where those terms are on.
         """
         if "advantages" not in batch:
             batch = self.advantages(batch)
@@ -122,23 +122,25 @@ class Algorithm(NamedTuple):
 
         logp = _get(batch, "logp", "current-policy log-probs")
         old_logp = _get(batch, "old_logp", "rollout-policy log-probs")
-        loss_t, metrics = self.policy_loss(logp, old_logp, batch["advantages"], mask)
+        pg_t, metrics = self.policy_loss(logp, old_logp, batch["advantages"], mask)
         if "is_weights" in batch:
-            loss_t = loss_t * torch.where(keep, batch["is_weights"].detach(), 0.0).to(loss_t.dtype)
-        metrics = {**metrics, "pg_loss": agg(loss_t.detach())}
+            pg_t = pg_t * torch.where(keep, batch["is_weights"].detach(), 0.0).to(pg_t.dtype)
+        # aggregate is linear in loss_t, so each term is aggregated on its own: the
+        # total is the aggregate of the summed per-token loss, and each part is a metric.
+        loss = agg(pg_t)
+        metrics = {**metrics, "pg_loss": loss.detach()}
         if self.kl_coef != 0:
             if self.kl is None:
                 raise ValueError(f"kl: got None with kl_coef={self.kl_coef!r}, expected a KL function")
             ref_logp = _get(batch, "ref_logp", "reference log-probs for the KL term")
             # Padding may hold nan: it must reach neither the value nor the gradient.
-            kl_t = self.kl(torch.where(keep, logp, 0.0), torch.where(keep, ref_logp, 0.0))
-            loss_t = loss_t + self.kl_coef * kl_t
-            metrics["kl"] = masked_mean(kl_t.detach().float(), mask)
+            kl = agg(self.kl(torch.where(keep, logp, 0.0), torch.where(keep, ref_logp, 0.0)))
+            loss = loss + self.kl_coef * kl
+            metrics["kl"] = kl.detach()
         if self.entropy_coef != 0:
-            entropy = torch.where(keep, _get(batch, "entropy", "per-token entropy for the bonus"), 0.0)
-            loss_t = loss_t - self.entropy_coef * entropy
-            metrics["entropy"] = masked_mean(entropy.detach().float(), mask)
-        loss = agg(loss_t)
+            entropy = agg(torch.where(keep, _get(batch, "entropy", "per-token entropy for the bonus"), 0.0))
+            loss = loss - self.entropy_coef * entropy
+            metrics["entropy"] = entropy.detach()
         if self.value_loss is not None and self.vf_coef != 0:
             vf_t, vf_metrics = self.value_loss(
                 _get(batch, "values", "current critic values"),
