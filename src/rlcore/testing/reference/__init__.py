@@ -6,6 +6,7 @@ correct one.
 """
 
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
+from rlcore.testing.reference.attention import packed_attention_ref
 from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
 from rlcore.testing.reference.losses import (
     aggregate_ref,
@@ -107,6 +108,7 @@ __all__ = [
     "pack_ref",
     "shift_labels_ref",
     "unpack_ref",
+    "packed_attention_ref",
     "masked_mean_ref",
     "masked_sum_ref",
     "masked_var_ref",

@@ -1,0 +1,19 @@
+"""Model adapters: HF causal LMs as pure functions over packed tokens, and packed attention.
+
+transformers is needed only by :mod:`rlcore.models.hf` (the ``hf`` extra), and is
+imported on first use.
+"""
+
+from rlcore.models.attention import check_cu_seqlens, packed_causal_attention
+from rlcore.models.hf import ATTENTION_NAME, HFCausalLM, from_hf, load_causal_lm
+from rlcore.models.token_logprobs import token_logprobs
+
+__all__ = [
+    "ATTENTION_NAME",
+    "HFCausalLM",
+    "check_cu_seqlens",
+    "from_hf",
+    "load_causal_lm",
+    "packed_causal_attention",
+    "token_logprobs",
+]

@@ -1,0 +1,196 @@
+"""Packed causal attention: the sequences of a pack never attend to each other, with no N x N mask.
+
+Tokens are ``[N, heads, head_dim]`` with the sequence boundaries in ``cu_seqlens``
+(int32 ``[B + 1]``, the flash-attention varlen convention). A dense ``[N, N]``
+block-diagonal mask would cost O(N^2) memory on long packs; instead each backend runs
+attention over the segments only:
+
+* CPU: one causal SDPA call per sequence (with torch 2.13, FlexAttention has no CPU
+  backward and nested-jagged SDPA has no causal CPU kernel).
+* CUDA: flash-attention varlen (``torch.nn.attention.varlen.varlen_attn``) for
+  float16 / bfloat16; FlexAttention with a document mask for other dtypes.
+* Ascend NPU: torch-npu's fused varlen attention (``npu_fusion_attention``, layout TND).
+
+The backend follows the tensors' device (``rlcore.device`` names the same three);
+torch-npu is imported only through :mod:`rlcore.device`. The CUDA and NPU branches
+cannot run on the CPU-only CI and are kept to the library call; the CPU test suite
+checks the FlexAttention document mask with a CPU forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlcore._checks import check_integer, check_ndim, check_tensor
+from rlcore.device import _import_torch_npu
+
+__all__ = ["check_cu_seqlens", "packed_causal_attention"]
+
+# The compressed causal mask npu_fusion_attention requires with sparse_mode=3.
+_NPU_MASK_SIZE = 2048
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> list[int] | None:
+    """Validate ``cu_seqlens`` for ``n`` packed tokens; return its values when read.
+
+    Shape and dtype are always checked. The values (start 0, non-decreasing, end at
+    ``n``) are read and checked only for CPU tensors in eager mode, where reading
+    them stalls nothing; they are then returned as host ints (the CPU kernel needs
+    them anyway). Elsewhere returns None.
+
+    >>> check_cu_seqlens(torch.tensor([0, 3, 5], dtype=torch.int32), 5)
+    [0, 3, 5]
+    """
+    check_ndim("cu_seqlens", cu_seqlens, 1)
+    check_integer("cu_seqlens", cu_seqlens)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: got shape ({cu_seqlens.shape[0]},), expected [B + 1] with B >= 1")
+    if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    bounds = cu_seqlens.tolist()  # sync-ok: a CPU tensor in eager mode
+    if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"cu_seqlens: got {bounds if len(bounds) <= 12 else bounds[:6] + ['...'] + bounds[-3:]}, expected "
+            f"non-decreasing boundaries from 0 to {n} (the number of packed tokens)"
+        )
+    return bounds
+
+
+def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True, scale=scale, enable_gqa=gqa
+        ).transpose(0, 1)
+        for s, e in zip(bounds[:-1], bounds[1:])
+        if e > s
+    ]
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _flex_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """FlexAttention with a causal document mask: block-sparse, never a dense ``[N, N]``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = q.shape[0]
+    doc = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(n, device=q.device), right=True)
+
+    def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    block = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    out = _compiled_flex_attention()(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=block,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+    # CUDA only; not run by the CPU test suite.
+    if q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seqlens.to(torch.int32)
+        return varlen_attn(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1]
+        )
+    return _flex_document(q, k, v, cu_seqlens, scale)
+
+
+def _npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float) -> torch.Tensor:
+    # Ascend NPU only; not run by the CPU test suite.
+    torch_npu, reason = _import_torch_npu()
+    if torch_npu is None:
+        raise RuntimeError(f"packed attention on an NPU tensor needs torch-npu: {reason}")
+    mask = torch.triu(torch.ones(_NPU_MASK_SIZE, _NPU_MASK_SIZE, dtype=torch.bool, device=q.device), diagonal=1)
+    ends = tuple(bounds[1:])
+    return torch_npu.npu_fusion_attention(
+        q, k, v, q.shape[1], "TND", atten_mask=mask, scale=scale, keep_prob=1.0,
+        actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=3,
+    )[0]
+
+
+def packed_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence (scaled dot-product attention, arXiv:1706.03762).
+
+    For token ``i`` of sequence ``b`` (``cu_seqlens[b] <= i < cu_seqlens[b + 1]``):
+
+        out_i = sum_{cu_seqlens[b] <= j <= i} softmax_j(scale * q_i . k_j) v_j
+
+    Grouped-query attention is supported (``key``/``value`` heads dividing the query
+    heads). Never materialises an ``[N, N]`` mask.
+
+    Args:
+      query: ``[N, Hq, D]``.
+      key: ``[N, Hkv, D]``.
+      value: ``[N, Hkv, D]``.
+      cu_seqlens: ``[B + 1]`` integer boundaries, from 0 to ``N``.
+      max_seqlen: the longest sequence; needed on CUDA (read from ``cu_seqlens`` with
+        a sync when omitted).
+      scale: softmax scale, ``1 / sqrt(D)`` by default.
+
+    Returns:
+      ``[N, Hq, D]`` in ``query.dtype``.
+
+    >>> q = torch.randn(5, 2, 4)
+    >>> out = packed_causal_attention(q, q, q, torch.tensor([0, 3, 5], dtype=torch.int32))
+    >>> torch.allclose(out[3], q[3])  # the first token of a sequence sees only itself
+    True
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_ndim(name, t, 3)
+    check_tensor("cu_seqlens", cu_seqlens)
+    n, hq, d = query.shape
+    if key.shape[0] != n or value.shape != key.shape or key.shape[2] != d or hq % key.shape[1]:
+        raise ValueError(
+            f"key: got key {tuple(key.shape)} and value {tuple(value.shape)}, expected ({n}, Hkv, {d}) both, "
+            f"with Hkv dividing {hq} (the query heads)"
+        )
+    bounds = check_cu_seqlens(cu_seqlens, n)
+    return _attend(query, key, value, cu_seqlens, max_seqlen, bounds, d**-0.5 if scale is None else scale)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    bounds: list[int] | None,
+    scale: float,
+) -> torch.Tensor:
+    """The backend dispatch of :func:`packed_causal_attention`, without its checks (for per-layer calls)."""
+    kind = q.device.type
+    if kind == "cuda":
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # sync-ok: documented; pass max_seqlen
+        return _cuda(q, k, v, cu_seqlens, max_seqlen, scale)
+    if bounds is None:
+        bounds = cu_seqlens.tolist()  # sync-ok: the CPU and NPU kernels take host boundaries
+    if kind == "npu":
+        return _npu(q, k, v, bounds, scale)
+    return _per_segment(q, k, v, bounds, scale)

@@ -1,0 +1,201 @@
+"""Adapter: an HF transformers causal LM as a pure function over one packed row of tokens.
+
+``apply, params = from_hf(model)`` gives ``apply(params, input_ids, *, position_ids,
+cu_seqlens) -> hidden [N, H]`` (the last hidden states, after the final norm) through
+``torch.func.functional_call``, and ``apply.output_weight(params)`` the output-
+embedding matrix ``[V, H]`` for :func:`rlcore.ops.linear_logprobs`; the logits are
+never built. Qwen2 and Llama (and other HF decoders with the same layout: a
+``base_model_prefix`` backbone and a bias-free ``lm_head``) are supported.
+
+The backbone runs as a parameter-free twin on the meta device whose configuration
+selects rlcore's packed attention (``"rlcore_packed"``, registered with
+transformers' ``AttentionInterface``), so the user's model object is left exactly as
+it was, and no ``[N, N]`` mask is built. transformers is imported on first use.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlcore._checks import check_integer, check_ndim, check_same_shape
+from rlcore.models.attention import _attend, check_cu_seqlens
+
+__all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf", "load_causal_lm"]
+
+ATTENTION_NAME = "rlcore_packed"
+_PACKING_KWARG = "rlcore_packing"
+
+
+def _hf_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry: ``[1, heads, N, D]`` in, ``[1, N, heads, D]`` out."""
+    packing = kwargs.get(_PACKING_KWARG)
+    if packing is None or query.shape[0] != 1:
+        raise RuntimeError(f"the {ATTENTION_NAME!r} attention runs only inside rlcore.models.from_hf's apply")
+    if sliding_window is not None:
+        raise ValueError(f"sliding_window: got {sliding_window}, expected None (packed attention is full causal)")
+    if dropout:
+        raise ValueError(f"dropout: got {dropout}, expected 0.0 (packed attention applies no attention dropout)")
+    cu_seqlens, max_seqlen, bounds = packing
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = _attend(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seqlens, max_seqlen, bounds, scale)
+    return out.unsqueeze(0), None
+
+
+@functools.cache
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _hf_attention)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HFCausalLM:
+    """``apply(params, input_ids, *, position_ids, cu_seqlens, max_seqlen=None) -> hidden [N, H]``.
+
+    Made by :func:`from_hf`. ``params`` maps the model's parameter names (as in
+    ``model.named_parameters()``) to tensors; names it omits take the model's own
+    tensors. ``output_weight(params)`` is the output-embedding matrix ``[V, H]``.
+    """
+
+    model: nn.Module
+    prefix: str
+    output_weight_name: str
+    twin: nn.Module
+
+    def __call__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        """Last hidden states ``[N, H]`` of the packed row ``input_ids`` ``[N]``.
+
+        Args:
+          params: parameter name -> tensor (a subset is fine).
+          input_ids: ``[N]`` token ids of the packed sequences.
+          position_ids: ``[N]`` position of each token within its sequence.
+          cu_seqlens: ``[B + 1]`` integer sequence boundaries, from 0 to ``N``.
+          max_seqlen: the longest sequence (used by the CUDA kernel).
+        """
+        check_ndim("input_ids", input_ids, 1)
+        check_integer("input_ids", input_ids)
+        check_same_shape("position_ids", position_ids, "input_ids", input_ids)
+        check_integer("position_ids", position_ids)
+        bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[0])
+        if input_ids.shape[0] == 0:
+            # HF layers reshape with -1, which an empty row cannot satisfy.
+            weight = self.output_weight(params)
+            return weight.new_zeros(0, weight.shape[1])
+        if max_seqlen is None and bounds is not None:
+            max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
+        backbone = self.model.get_submodule(self.prefix)
+        tensors: dict[str, torch.Tensor] = dict(backbone.named_parameters())
+        tensors.update(backbone.named_buffers())
+        cut = len(self.prefix) + 1
+        tensors.update({k[cut:]: v for k, v in params.items() if k.startswith(self.prefix + ".")})
+        kwargs = {
+            "input_ids": input_ids.unsqueeze(0),
+            "position_ids": position_ids.unsqueeze(0),
+            "use_cache": False,
+            _PACKING_KWARG: (cu_seqlens, max_seqlen, bounds),
+        }
+        out = torch.func.functional_call(self.twin, tensors, (), kwargs)
+        return out.last_hidden_state[0]
+
+    def output_weight(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The output-embedding (``lm_head``) weight ``[V, H]`` from ``params`` (or the model's own)."""
+        if self.output_weight_name in params:
+            return params[self.output_weight_name]
+        return self.model.get_parameter(self.output_weight_name)
+
+
+def from_hf(model: nn.Module) -> tuple[HFCausalLM, dict[str, torch.Tensor]]:
+    """Wrap an HF causal LM as ``(apply, params)`` for packed, padding-free forward passes.
+
+    The model is not modified. ``params`` is ``dict(model.named_parameters())`` (tied
+    embeddings appear once, under the input-embedding name); pass it, or any updated
+    copy, to ``apply``. The pure-function form of ``torch.func.functional_call``.
+
+    Args:
+      model: a transformers ``*ForCausalLM`` (Qwen2, Llama, ...).
+
+    Returns:
+      ``(apply, params)``; ``apply.output_weight(params)`` is the ``[V, H]`` output embedding.
+    """
+    _register_attention()
+    prefix = getattr(model, "base_model_prefix", "")
+    if not isinstance(model, nn.Module) or not prefix or not hasattr(model, prefix):
+        raise ValueError(f"model: got {type(model).__name__}, expected a transformers causal LM with a base_model_prefix backbone")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise ValueError(f"model: got output embeddings {head!r}, expected a bias-free nn.Linear lm_head")
+    names = {id(p): n for n, p in model.named_parameters()}
+    if id(head.weight) not in names:
+        raise ValueError("model: its output-embedding weight is not one of model.named_parameters()")
+    backbone = model.get_submodule(prefix)
+    config = copy.deepcopy(backbone.config)
+    config._attn_implementation = ATTENTION_NAME
+    with torch.device("meta"):
+        twin = type(backbone)(config)
+    # RL post-training runs without dropout; eval mode also keeps HF from asking for it.
+    twin.eval()
+    apply = HFCausalLM(model=model, prefix=prefix, output_weight_name=names[id(head.weight)], twin=twin)
+    return apply, dict(model.named_parameters())
+
+
+def load_causal_lm(source: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """Build an HF causal LM from a config (random weights) or load it from a local directory.
+
+    Never downloads: a string that is not an existing directory is refused, where
+    transformers would treat it as a hub name.
+
+    Args:
+      source: a transformers ``PretrainedConfig``, a dict of config fields with a
+        ``"model_type"`` (e.g. ``{"model_type": "qwen2", "hidden_size": 64, ...}``), or
+        a local directory written by ``save_pretrained``.
+      dtype: parameter dtype.
+      seed: seed of the random initialisation (the global RNG is left untouched).
+
+    Returns:
+      The ``*ForCausalLM`` module.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    if isinstance(source, (str, os.PathLike)):
+        if not os.path.isdir(source):
+            raise ValueError(
+                f"source: got {os.fspath(source)!r}, expected a local model directory or a config "
+                "(rlcore never downloads from the hub)"
+            )
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
+    if isinstance(source, Mapping):
+        fields = dict(source)
+        if "model_type" not in fields:
+            raise ValueError(f"source: got config keys {sorted(fields)}, expected a 'model_type' among them")
+        source = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if not isinstance(source, PretrainedConfig):
+        raise ValueError(f"source: got {type(source).__name__}, expected a PretrainedConfig, a dict or a local path")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(source, dtype=dtype)
