@@ -108,7 +108,7 @@ def _mean(x: torch.Tensor, tok: _Tokens) -> torch.Tensor:
     finite at mask-0 positions and a weighted sum is the masked sum; it skips the
     ``nan`` guard of :func:`rlcore.ops.masked_sum`, which costs several passes per metric.
     """
-    return (x * tok.weights).sum().float() / tok.count
+    return ((x * tok.weights).sum() / tok.count).float()
 
 
 def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, tok: _Tokens) -> Metrics:
