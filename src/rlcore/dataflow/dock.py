@@ -140,6 +140,10 @@ class DockController:
         self._lengths: dict[str, torch.Tensor] = {}
         self._specs: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}
         self._consumed: dict[str, torch.Tensor] = {}
+        # Per-group counts of ready / taken rows, kept in step with the bitmaps, so a
+        # whole-group get reads num_prompts entries rather than reducing capacity ones.
+        self._group_ready: dict[str, torch.Tensor] = {}
+        self._group_taken: dict[str, torch.Tensor] = {}
         self._conds: dict[str, threading.Condition] = {}
         self._all_conds: tuple[threading.Condition, ...] = ()
         self.age = torch.zeros(capacity, dtype=torch.int64)
@@ -172,6 +176,7 @@ class DockController:
             if name in self._conds:
                 return
             self._consumed[name] = torch.zeros(self.capacity, dtype=torch.bool)
+            self._group_taken[name] = torch.zeros(self.num_prompts, dtype=torch.int32)
             cond = threading.Condition(threading.Lock())
             self._conds[name] = cond
             self._all_conds = self._all_conds + (cond,)
@@ -183,6 +188,7 @@ class DockController:
             self._stamp[name] = torch.zeros(self.capacity, dtype=torch.int64)
             self._lengths[name] = torch.zeros(self.capacity, dtype=torch.int64)
             self._ready[name] = torch.zeros(self.capacity, dtype=torch.bool)
+            self._group_ready[name] = torch.zeros(self.num_prompts, dtype=torch.int32)
 
     # ------------------------------------------------------------------ checks
 
@@ -227,9 +233,12 @@ class DockController:
         """Mark the cells of a put ready (after its payloads reached the warehouses) and wake consumers."""
         stamp = next(self._stamps)
         with self._put_lock:
+            groups = indexes // self.n_samples
             for column, lens in lengths.items():
                 self._lengths[column][indexes] = lens
                 self._stamp[column][indexes] = stamp
+                fresh = ~self._ready[column][indexes]
+                self._group_ready[column].index_add_(0, groups, fresh.to(torch.int32))
                 self._ready[column][indexes] = True
         for cond in self._all_conds:
             with cond:
@@ -253,16 +262,20 @@ class DockController:
 
     def _select(self, consumer: str, columns: Sequence[str], need: int, by_group: bool, balance: str) -> torch.Tensor | None:
         """``need`` eligible units in priority order as row indexes, or None when fewer are eligible."""
-        ready = self._ready[columns[0]] if len(columns) == 1 else torch.stack([self._ready[c] for c in columns]).all(0)
-        available = self._unit_view(ready & ~self._consumed[consumer], by_group)
-        eligible = available.min(1).values
+        if by_group:
+            ready = [self._group_ready[c] for c in columns]
+            full = (ready[0] if len(columns) == 1 else torch.stack(ready).amin(0)) == self.n_samples
+            eligible = full & (self._group_taken[consumer] == 0)
+        else:
+            ready = self._ready[columns[0]] if len(columns) == 1 else torch.stack([self._ready[c] for c in columns]).all(0)
+            eligible = ready & ~self._consumed[consumer]
         if int(eligible.sum()) < need:
             return None
         age = self._group_age if by_group else self.age
         if balance == "random":
-            # Oldest first, ties broken uniformly at random; topk keeps it one O(capacity) pass.
-            noise = torch.rand(eligible.numel(), generator=self._generator, dtype=torch.float64)
-            units = torch.where(eligible, age.double() + noise, -1.0).topk(need).indices
+            # Oldest first, ties broken uniformly at random; topk keeps it one pass over the units.
+            noise = torch.rand(eligible.numel(), generator=self._generator)
+            units = torch.where(eligible, age + noise, -1.0).topk(need).indices
         else:
             candidates = eligible.nonzero().squeeze(1)  # sync-ok: host-side controller, CPU tensors
             age = age[candidates]
@@ -326,7 +339,7 @@ class DockController:
             while True:
                 rows = self._select(consumer, columns, count // unit, by_group, balance)
                 if rows is not None:
-                    self._consumed[consumer][rows] = True
+                    self._take(consumer, rows)
                     return rows
                 left = 0.0 if deadline is None else deadline - time.monotonic()
                 if left <= 0 or int((~self._consumed[consumer]).sum()) < count:
@@ -346,8 +359,13 @@ class DockController:
                 if left is not None and left <= 0:
                     return torch.empty(0, dtype=torch.int64)
                 cond.wait(left)
-            self._consumed[consumer][indexes] = True
+            self._take(consumer, indexes)
             return indexes
+
+    def _take(self, consumer: str, rows: torch.Tensor) -> None:
+        """Mark ``rows`` taken by ``consumer`` (its lock held)."""
+        self._consumed[consumer][rows] = True
+        self._group_taken[consumer].index_add_(0, rows // self.n_samples, torch.ones_like(rows, dtype=torch.int32))
 
     def all_consumed(self, consumer: str) -> bool:
         """Whether ``consumer`` has taken every row of the table."""
@@ -379,8 +397,11 @@ class DockController:
                     ready &= kept
                     self._lengths[column] *= kept
                     self._stamp[column] *= kept
-                for consumed in self._consumed.values():
+                for column, ready in self._ready.items():
+                    self._group_ready[column] = ready.view(self.num_prompts, self.n_samples).sum(1, dtype=torch.int32)
+                for consumer, consumed in self._consumed.items():
                     consumed.zero_()
+                    self._group_taken[consumer].zero_()
                 self.age = torch.where(incomplete, self.age + 1, 0)
                 self._group_age = self.age.view(self.num_prompts, self.n_samples).amax(1)
                 self.completed = torch.ones_like(self.completed)
