@@ -9,8 +9,9 @@ prompt are contiguous and form a group.
 
 * The :class:`DockController` keeps only metadata, as tensors: one readiness bitmap,
   put stamp and length vector per column, one consumption bitmap per consumer, and
-  per-row ``age`` / ``completed`` flags for partial rollouts. A ``get`` selects rows
-  with whole-table tensor ops (no Python loop over rows) under that consumer's lock;
+  per-row ``age`` / ``completed`` flags for partial rollouts, plus per-group counts of
+  ready and taken rows kept in step with the bitmaps. A ``get`` selects rows with
+  tensor ops over the table (no Python loop over rows) under that consumer's lock;
   consumers never wait on each other, and puts take a lock of their own.
 * Each :class:`Warehouse` holds the unpadded per-row tensors of one contiguous,
   disjoint index range. The controller tells a client where rows live
