@@ -1,25 +1,28 @@
 """A DPO step with chosen and rejected in one stacked forward pass, against two separate forwards.
 
-Run: python benchmarks/bench_preference.py [--pairs 8] [--length 128] [--repeats 5] [--threads 1]
+Run: python benchmarks/bench_preference.py [--pairs 8] [--length 128] [--repeats 15] [--threads 1]
 Model: a random-weight Qwen2 causal LM built from its config (hidden 128, 2 layers,
 vocabulary 4096; no download). A step is forward + DPO loss + backward of the policy,
 with reference log-probs precomputed as batch columns. Both paths use the same
 rlcore primitives (logprobs_from_logits, sequence_logps, dpo_loss); the only
 difference is one forward of ``[2B, T]`` versus two of ``[B, T_chosen]`` and
-``[B, T_rejected]``. Prints both medians and the ratio (two forwards / one forward).
+``[B, T_rejected]``. Prints both medians (wall and process CPU time) and the ratio
+(two forwards / one forward) for equal and for unequal longest lengths.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import median_time, report  # noqa: E402
+from _timing import report  # noqa: E402
 
 from rlcore.algos import concatenated_logps, dpo, dpo_loss, sequence_logps  # noqa: E402
 from rlcore.device import get_device  # noqa: E402
@@ -62,7 +65,7 @@ def _side_logps(model, batch, side):  # type: ignore[no-untyped-def]
     return sequence_logps(logp.float(), scored)
 
 
-def bench(model, lm, device, pairs: int, length: int, rejected_length: int, repeats: int) -> None:  # type: ignore[no-untyped-def]
+def bench(model, lm, device, pairs, length, rejected_length, repeats):  # type: ignore[no-untyped-def]
     batch = pair_batch(pairs, length, rejected_length, device)
     with torch.no_grad():
         ref_chosen, ref_rejected = concatenated_logps(model, batch)
@@ -90,20 +93,27 @@ def bench(model, lm, device, pairs: int, length: int, rejected_length: int, repe
         return loss.detach()
 
     torch.testing.assert_close(one_forward(), two_forwards(), rtol=1e-4, atol=1e-5)
-    # Alternate the two paths so that drift in machine load hits both alike; report the
-    # median of three per-round medians.
-    ours, base = [], []
-    for _ in range(3):
-        ours.append(median_time(one_forward, repeats=repeats))
-        base.append(median_time(two_forwards, repeats=repeats))
-    report(f"DPO step {pairs} pairs, T_c<={length}, T_r<={rejected_length}", sorted(ours)[1], sorted(base)[1])
+    # The two paths alternate call by call, so drift in machine load hits both alike.
+    # Process CPU time is reported beside wall time: on a shared machine it leaves out
+    # the time this process spent descheduled.
+    times: dict[str, list[tuple[float, float]]] = {"one": [], "two": []}
+    for _ in range(repeats):
+        for key, fn in (("one", one_forward), ("two", two_forwards)):
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[key].append((time.perf_counter() - wall, time.process_time() - cpu))
+    name = f"DPO step {pairs} pairs, T_c<={length}, T_r<={rejected_length}"
+    for i, clock in enumerate(("wall", "cpu")):
+        ours = statistics.median(t[i] for t in times["one"])
+        base = statistics.median(t[i] for t in times["two"])
+        report(f"{name} [{clock}]", ours, base)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     # One thread by default: on a shared CPU a descheduled worker thread stalls every
     # op of a two-thread run, which swamps the difference being measured.
     parser.add_argument("--threads", type=int, default=1)
