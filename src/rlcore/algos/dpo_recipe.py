@@ -61,9 +61,11 @@ def concatenated_logps(
 
     Both sides are right-padded to a common length and stacked into one ``[2B, T]``
     batch, as in the DPO reference code (Rafailov et al., 2023, arXiv:2305.18290) and
-    TRL's ``concatenated_forward``: one pass instead of two halves the kernel launches
-    and weight reads, and keeps FSDP / tensor-parallel collectives to one round.
-    Logits at position ``t`` score token ``t + 1``::
+    TRL's ``concatenated_forward``, which do it so that FSDP gathers each layer's
+    weights once per step instead of twice. On a CPU there is nothing to gain:
+    ``benchmarks/bench_preference.py`` measures the same time at equal lengths, and
+    the padded tokens' cost when one side is shorter. Logits at position ``t`` score
+    token ``t + 1``::
 
         logp[b, t] = log softmax(logits[b, t] / T)[input_ids[b, t + 1]],  counted where mask[b, t + 1]
 
