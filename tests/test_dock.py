@@ -106,6 +106,27 @@ def test_values_round_trip_padded_with_masks(make_dock, dtype):
     assert set(batch) == {"responses", "responses_mask", "logp", "logp_mask", "scores"}
 
 
+def test_packed_batches(make_dock):
+    dock = make_dock(2, 2, consumers=["train", "other"], num_warehouses=2)
+    responses = [tokens(5, 6, 7), tokens(8), tokens(9, 10), tokens(11, 12, 13, 14)]
+    logp = [torch.tensor([0.5, -1.5, 2.25]), torch.tensor([0.125]), torch.tensor([-0.25, 4.0]), torch.tensor([1.0, 2.0, 3.0, 4.0])]
+    dock.put({"responses": responses, "logp": logp, "scores": torch.tensor([1.0, 0.0, 0.5, -2.0])}, [0, 1, 2, 3])
+    batch, idx = dock.get("train", ["responses", "logp", "scores"], 4, balance="fifo", packed=True)
+    assert idx.tolist() == [0, 1, 2, 3]
+    packed = batch["responses"]
+    assert packed.input_ids.tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 6, 10] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.position_ids.tolist() == [0, 1, 2, 0, 0, 1, 0, 1, 2, 3]
+    assert batch["logp"].tolist() == [0.5, -1.5, 2.25, 0.125, -0.25, 4.0, 1.0, 2.0, 3.0, 4.0]
+    assert batch["logp_cu_seqlens"].tolist() == [0, 3, 4, 6, 10]
+    assert batch["scores"].tolist() == [1.0, 0.0, 0.5, -2.0]
+    # Rows in any order across warehouses: packed and padded agree row by row.
+    batch, idx = dock.get("other", ["logp"], 4, packed=True)
+    cu = batch["logp_cu_seqlens"].tolist()
+    for b, row in enumerate(idx.tolist()):
+        assert torch.equal(batch["logp"][cu[b] : cu[b + 1]], logp[row])
+
+
 def test_groups_come_whole_and_only_when_all_columns_are_ready(make_dock):
     dock = make_dock(3, 2, consumers=["reward", "ref"])
     dock.put({"responses": [tokens(1)] * 3}, [0, 1, 2])  # group 0 whole, group 1 half

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from rlcore._checks import check_choice, check_ndim, check_positive
+from rlcore.dataflow.packing import pack
 
 __all__ = ["BALANCE_MODES", "DockController", "TransferDock", "Warehouse"]
 
@@ -501,19 +502,36 @@ def _unflatten_rows(flat: torch.Tensor, lengths: list[int] | None) -> list[torch
     return list(flat.unbind(0) if lengths is None else flat.split(lengths))
 
 
+def _check_free(columns: Sequence[str], column: str, key: str) -> None:
+    if key in columns:
+        raise ValueError(f"columns: got both {column!r} and {key!r}, expected {key!r} free for the batch layout")
+
+
+def _rows_in_order(column: str, size: int, pieces: Sequence[tuple[list[int], Mapping[str, Any]]]) -> list[torch.Tensor]:
+    rows: list[Any] = [None] * size
+    for positions, part in pieces:
+        flat, lengths = part[column]
+        for pos, row in zip(positions, flat.split(lengths)):
+            rows[pos] = row
+    return rows
+
+
 def _collate(
     columns: Sequence[str],
     size: int,
     pieces: Sequence[tuple[list[int], Mapping[str, tuple[torch.Tensor, list[int] | None]]]],
     *,
     pad_value: float = 0,
-) -> dict[str, torch.Tensor]:
-    """A padded batch of ``size`` rows from flattened pieces (batch positions, column -> flat rows).
+    packed: bool = False,
+) -> dict[str, Any]:
+    """A batch of ``size`` rows from flattened pieces (batch positions, column -> flat rows).
 
-    Per-row scalars give ``[B]``; other columns ``[B, T, ...]`` right-padded with
-    ``pad_value`` plus a bool ``<column>_mask`` ``[B, T]``.
+    Per-row scalars give ``[B]``. Other columns, padded: ``[B, T, ...]`` right-padded
+    with ``pad_value`` plus a bool ``<column>_mask`` ``[B, T]``; packed: a
+    :class:`~rlcore.dataflow.Packed` for 1-D integer rows (token ids), else the rows
+    concatenated ``[N, ...]`` plus ``<column>_cu_seqlens`` int32 ``[B + 1]``.
     """
-    batch: dict[str, torch.Tensor] = {}
+    batch: dict[str, Any] = {}
     for column in columns:
         first, lengths = pieces[0][1][column]
         if lengths is None:
@@ -522,9 +540,19 @@ def _collate(
                 out[positions] = part[column][0]
             batch[column] = out
             continue
+        if packed:
+            rows = _rows_in_order(column, size, pieces)
+            if first.dim() == 1 and not (first.dtype.is_floating_point or first.dtype.is_complex or first.dtype == torch.bool):
+                batch[column] = pack(rows)
+                continue
+            _check_free(columns, column, f"{column}_cu_seqlens")
+            cu = torch.zeros(size + 1, dtype=torch.int32)
+            cu[1:] = torch.tensor([row.shape[0] for row in rows]).cumsum(0)
+            batch[column] = torch.cat(rows)
+            batch[f"{column}_cu_seqlens"] = cu
+            continue
         mask_key = f"{column}_mask"
-        if mask_key in columns:
-            raise ValueError(f"columns: got both {column!r} and {mask_key!r}, expected {mask_key!r} free for the padding mask")
+        _check_free(columns, column, mask_key)
         all_lengths = torch.zeros(size, dtype=torch.int64)
         for positions, part in pieces:
             all_lengths[positions] = torch.tensor(part[column][1], dtype=torch.int64)
@@ -653,7 +681,8 @@ class TransferDock:
         balance: str = "random",
         indexes: Any = None,
         timeout: float | None = None,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        packed: bool = False,
+    ) -> tuple[dict[str, Any], torch.Tensor]:
         """Take ``count`` rows this consumer has not taken whose ``columns`` are all ready.
 
         Args:
@@ -669,12 +698,17 @@ class TransferDock:
             may then be None).
           timeout: seconds to wait for enough ready rows. None without ``indexes``
             returns at once; None with ``indexes`` waits as long as needed.
+          packed: return variable-length columns packed instead of padded.
 
         Returns:
-          ``(batch, indexes)``: ``batch[column]`` is ``[B]`` for per-row scalars, else
-          ``[B, T, ...]`` right-padded with ``pad_value`` plus a bool ``batch[column + "_mask"]``;
-          ``indexes`` ``[B]`` int64 are the rows taken. When not enough rows are ready in
-          time, ``({}, empty indexes)`` and nothing is marked taken.
+          ``(batch, indexes)``; ``indexes`` ``[B]`` int64 are the rows taken, in batch
+          order. ``batch[column]`` is ``[B]`` for per-row scalars. Variable-length
+          columns are, padded, ``[B, T, ...]`` right-padded with ``pad_value`` plus a bool
+          ``batch[column + "_mask"]`` ``[B, T]``; packed, a :class:`~rlcore.dataflow.Packed`
+          (:func:`rlcore.dataflow.pack`) for 1-D integer rows (token ids), otherwise the
+          rows concatenated ``[N, ...]`` plus ``batch[column + "_cu_seqlens"]`` int32
+          ``[B + 1]``. When not enough rows are ready in time, ``({}, empty indexes)``
+          and nothing is marked taken.
         """
         idx = None if indexes is None else _as_indexes("indexes", indexes)
         if isinstance(columns, str) or not isinstance(columns, Sequence):
@@ -685,13 +719,13 @@ class TransferDock:
         )
         if rows.numel() == 0:
             return {}, rows
-        return self._fetch(columns, rows), rows
+        return self._fetch(columns, rows, packed), rows
 
-    def _fetch(self, columns: Sequence[str], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _fetch(self, columns: Sequence[str], rows: torch.Tensor, packed: bool) -> dict[str, Any]:
         routes = self._by_warehouse(rows)
         parts = self._call_all([(self.warehouses[w], "get", (list(columns), rows[sel])) for w, sel in routes])
         pieces = [(sel, part) for (_, sel), part in zip(routes, parts)]
-        return _collate(columns, rows.numel(), pieces, pad_value=self.pad_value)
+        return _collate(columns, rows.numel(), pieces, pad_value=self.pad_value, packed=packed)
 
     def set_completed(self, indexes: Any, completed: torch.Tensor) -> None:
         """Flag rows as finished (True) or as partial rollouts to resume next iteration (False)."""
