@@ -1,3 +1,4 @@
+import datetime
 import json
 import os
 import traceback
@@ -79,7 +80,9 @@ def check_reshard(rank, src_kw, dst_kw):
 
 
 def _worker(rank, world, tmp, checks):
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    # A check that fails on one rank leaves its peers in a collective: time out instead of hanging.
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
     torch.set_num_threads(1)
     results = {}
     for name, (fn, args) in checks.items():
@@ -88,9 +91,12 @@ def _worker(rank, world, tmp, checks):
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
+        with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
+            json.dump(results, f)
+        if results[name] != "ok":
+            # Peers may be waiting in a collective this rank left: stop rather than mismatch them.
+            os._exit(0)
         dist.barrier()
-    with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
-        json.dump(results, f)
     dist.destroy_process_group()
 
 
@@ -100,26 +106,43 @@ def run_group(world, checks, tmp):
     mp.spawn(_worker, args=(world, str(tmp), checks), nprocs=world, join=True)
     out = {}
     for r in range(world):
-        with open(os.path.join(tmp, f"result_{r}.json")) as f:
-            out[r] = json.load(f)
+        path = os.path.join(tmp, f"result_{r}.json")
+        out[r] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                out[r] = json.load(f)
     return out
 
 
 def assert_ok(results, name):
     for rank, res in results.items():
-        assert res[name] == "ok", f"rank {rank}:\n{res[name]}"
+        got = res.get(name, "not run: an earlier check failed on this rank")
+        assert got == "ok", f"rank {rank}:\n{got}"
+
+
+_GROUPS = {}
+
+
+def shared_group(world, tmp_path_factory):
+    """One spawned group per world size for the whole session: reshard checks plus AllGather-Swap runs."""
+    if world not in _GROUPS:
+        checks = {n: (check_reshard, args) for n, args in RESHARD_CASES[world].items()}
+        if world == 4:
+            from test_memory_plan import SWAP_CASES, check_allgather_swap_training
+
+            checks.update({f"swap:{n}": (check_allgather_swap_training, args) for n, args in SWAP_CASES.items()})
+        _GROUPS[world] = run_group(world, checks, tmp_path_factory.mktemp(f"group{world}"))
+    return _GROUPS[world]
 
 
 @pytest.fixture(scope="module")
 def group4(tmp_path_factory):
-    checks = {n: (check_reshard, args) for n, args in RESHARD_CASES[4].items()}
-    return run_group(4, checks, tmp_path_factory.mktemp("g4"))
+    return shared_group(4, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def group2(tmp_path_factory):
-    checks = {n: (check_reshard, args) for n, args in RESHARD_CASES[2].items()}
-    return run_group(2, checks, tmp_path_factory.mktemp("g2"))
+    return shared_group(2, tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", sorted(RESHARD_CASES[4]))

@@ -298,6 +298,22 @@ def _all_to_all(x: torch.Tensor, mesh: Any, move: Move, plan: ReshardPlan, rank:
     return out.view(shape)
 
 
+def _check_params(params: Mapping[str, torch.Tensor], plan: ReshardPlan, rank: int, names: Any) -> None:
+    """Reject a mismatch before any collective starts, so bad input moves nothing."""
+    for name in names:
+        pm = plan.params[name]
+        held = plan.src.holds(name, rank)
+        if held != (name in params):
+            want = "holds" if held else "does not hold"
+            raise ValueError(f"params: rank {rank} {want} {name!r} in src_layout, expected params to match")
+        if held:
+            x = params[name]
+            if tuple(x.shape) != pm.src_shape or x.dtype != pm.dtype:
+                raise ValueError(
+                    f"params[{name!r}]: got shape {tuple(x.shape)} {x.dtype}, expected {pm.src_shape} {pm.dtype}"
+                )
+
+
 def reshard_bucket(
     params: Mapping[str, torch.Tensor], plan: ReshardPlan, index: int, *, mesh: Any, out: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -320,21 +336,23 @@ def reshard_bucket(
 
     rank = dist.get_rank()
     views = bucket_views(plan, index, out)
+    _check_params(params, plan, rank, views)
+    # Moving weights is not part of any graph: nn.Parameter sources must not record it.
+    with torch.no_grad():
+        _fill(views, params, plan, rank, mesh)
+    return views
+
+
+def _fill(views: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor], plan: ReshardPlan, rank: int, mesh: Any) -> None:
+    import torch.distributed as dist
+
     for name, view in views.items():
         pm = plan.params[name]
-        held = plan.src.holds(name, rank)
-        if held != (name in params):
-            want = "holds" if held else "does not hold"
-            raise ValueError(f"params: rank {rank} {want} {name!r} in src_layout, expected params to match")
-        if held:
-            x = params[name]
-            if tuple(x.shape) != pm.src_shape or x.dtype != pm.dtype:
-                raise ValueError(
-                    f"params[{name!r}]: got shape {tuple(x.shape)} {x.dtype}, expected {pm.src_shape} {pm.dtype}"
-                )
+        held = name in params
+        x = params.get(name)
         for move in pm.moves:
             if move.collective == "broadcast":
-                buf = x.contiguous() if held else out.new_empty(pm.src_shape)
+                buf = x.contiguous() if held else view.new_empty(pm.src_shape)
                 dist.broadcast(buf, group=mesh["pp"].get_group(), group_src=plan.src.placements[name].stage)
                 x = buf
             elif move.collective == "all_gather":
@@ -348,7 +366,6 @@ def reshard_bucket(
                 k = move.dst_size // move.src_size
                 x = x.chunk(k, dim=move.tensor_dim)[c % k]
         view.copy_(x)
-    return views
 
 
 def reshard(
@@ -365,6 +382,9 @@ def reshard(
         out = allocate_buckets(plan, device)
     if len(out) != len(plan.buckets):
         raise ValueError(f"out: got {len(out)} buffers, expected {len(plan.buckets)} (one per bucket)")
+    import torch.distributed as dist
+
+    _check_params(params, plan, dist.get_rank(), plan.params)
     weights: dict[str, torch.Tensor] = {}
     for i, buf in enumerate(out):
         weights.update(reshard_bucket(params, plan, i, mesh=mesh, out=buf))

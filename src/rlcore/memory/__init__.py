@@ -1,5 +1,31 @@
 """Memory: host<->device swap of pytrees, the per-phase memory plan, AllGather-Swap."""
 
+from rlcore.memory.allgather_swap import (
+    AllGatherSwapPlan,
+    RolloutState,
+    TrainState,
+    allgather_swap_plan,
+    enter_rollout,
+    enter_train,
+)
+from rlcore.memory.plan import ORDERS, RESIDENCIES, MemoryPlan, StateGroup, Step, Transition, colocated_plan
 from rlcore.memory.swap import SwapHandle, offload, reload
 
-__all__ = ["SwapHandle", "offload", "reload"]
+__all__ = [
+    "ORDERS",
+    "RESIDENCIES",
+    "AllGatherSwapPlan",
+    "MemoryPlan",
+    "RolloutState",
+    "StateGroup",
+    "Step",
+    "SwapHandle",
+    "TrainState",
+    "Transition",
+    "allgather_swap_plan",
+    "colocated_plan",
+    "enter_rollout",
+    "enter_train",
+    "offload",
+    "reload",
+]
