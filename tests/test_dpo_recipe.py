@@ -194,7 +194,8 @@ def test_step_has_no_host_sync():
 
 
 def test_tiny_qwen2_one_forward_matches_separate_sequences():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # in the test extra: missing is a failure, not a skip
+
     config = transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=64,
