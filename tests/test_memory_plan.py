@@ -95,9 +95,8 @@ def test_colocated_plan_counts_the_rank_bytes():
     params = sum(t.numel() * t.element_size() for t in meta.values())
     sharded = sum(local_shard_ref(torch.zeros(t.shape, dtype=t.dtype), rplan.src, n, 1).numel() * t.element_size()
                   for n, t in meta.items())
-    numel = sum(local_shard_ref(torch.zeros(t.shape), rplan.src, n, 1).numel() for n, t in meta.items())
     assert plan.group("params").nbytes == plan.group("grads").nbytes == sharded
-    assert plan.group("optimizer").nbytes == 8 * numel
+    assert plan.group("optimizer").nbytes == 2 * sharded
     assert plan.group("inference_weights").nbytes == params
     assert plan.resident_bytes("rollout") == params + 1000
     swap = plan.transition("train", "rollout")
@@ -223,9 +222,9 @@ def test_predicted_peak_matches_measured_peak(tmp_path):
         rdevice.synchronize(dev)
         stats = rdevice.memory_stats(dev)
         predicted = plan.memory.transition("train", "rollout").peak_bytes
-        assert stats.allocated - base == plan.memory.resident_bytes("rollout")
         # The allocator rounds each block up to 512 bytes: allow that per tensor.
         slack = 512 * (3 * len(params) + len(rplan.buckets) + 8)
+        assert abs(stats.allocated - base - plan.memory.resident_bytes("rollout")) <= slack
         assert abs(stats.peak_allocated - base - predicted) <= slack, (stats.peak_allocated - base, predicted)
         enter_train(rollout, plan)
     finally:

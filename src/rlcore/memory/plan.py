@@ -21,7 +21,6 @@ bucket in flight, where the naive order exceeds it by the whole derived group.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -233,21 +232,19 @@ def colocated_plan(
       reshard_plan: a :class:`~rlcore.dataflow.reshard.ReshardPlan` (training -> inference layout).
       rank: the rank whose bytes are planned (ranks differ under pipeline parallelism).
       grad_bytes: gradient bytes; default as many as the params.
-      optimizer_bytes: optimizer state bytes; default Adam's two float32 moments per parameter.
+      optimizer_bytes: optimizer state bytes; default Adam's two moments in the params'
+        dtype, as ``torch.optim.AdamW`` keeps them (pass more for float32 master weights).
       kv_cache_bytes: what the inference engine allocates for its KV cache.
 
     Returns:
       A :class:`MemoryPlan` with phases ``train`` and ``rollout``.
     """
     params = reshard_plan.src_bytes(rank)
-    numel = sum(
-        math.prod(p.src_shape) for n, p in reshard_plan.params.items() if reshard_plan.src.holds(n, rank)
-    )
     chunks = tuple((b.nbytes, b.transient_bytes, reshard_plan.src_bytes(rank, b.names)) for b in reshard_plan.buckets)
     groups = (
         StateGroup("params", params),
         StateGroup("grads", params if grad_bytes is None else grad_bytes),
-        StateGroup("optimizer", 8 * numel if optimizer_bytes is None else optimizer_bytes),
+        StateGroup("optimizer", 2 * params if optimizer_bytes is None else optimizer_bytes),
         StateGroup("inference_weights", reshard_plan.dst_bytes(), source="params", chunks=chunks),
         StateGroup("kv_cache", kv_cache_bytes),
     )
