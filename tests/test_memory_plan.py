@@ -9,6 +9,7 @@ from rlcore import device as rdevice
 from rlcore.dataflow.layout import decoder_layout, param_meta
 from rlcore.dataflow.reshard import plan_reshard
 from rlcore.memory import (
+    AllGatherSwapPlan,
     MemoryPlan,
     StateGroup,
     TrainState,
@@ -117,6 +118,39 @@ def test_plan_validation_names_what_is_wrong():
         plan.transition("b", "a", order="fast")
     with pytest.raises(ValueError, match="w: chunks build 5 bytes, expected nbytes=1"):
         StateGroup("w", 1, source="p", chunks=((5, 0, 1),))
+
+
+def _one_rank_plan(memory=None):
+    w = {"lm_head.weight": torch.ones(4, 2)}
+    lay = decoder_layout(w)
+    plan = allgather_swap_plan(plan_reshard(w, lay, lay), mesh=None, device="cpu", rank=0)
+    return plan if memory is None else AllGatherSwapPlan(plan.reshard, memory, None, plan.device)
+
+
+def test_enter_rollout_rejects_bad_params_before_moving_anything():
+    optimizer = [torch.ones(3)]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"params\['lm_head.weight'\]: got shape \(2, 4\) torch.float32, expected \(4, 2\)"):
+            enter_rollout(TrainState({"lm_head.weight": torch.ones(2, 4)}, optimizer=optimizer), _one_rank_plan())
+    finally:
+        dist.destroy_process_group()
+    assert optimizer[0].untyped_storage().nbytes() == 12
+
+
+def test_enter_rollout_rejects_steps_it_cannot_run():
+    base = _one_rank_plan().memory
+    residency = {k: dict(v) for k, v in base.residency.items()}
+    residency["grads"]["rollout"] = "none"
+    grads = [torch.ones(2)]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="plan: got step 'free' of 'grads' in train -> rollout, expected only: offload of"):
+            enter_rollout(TrainState({"lm_head.weight": torch.ones(4, 2)}, grads=grads),
+                          _one_rank_plan(MemoryPlan(base.groups, residency)))
+    finally:
+        dist.destroy_process_group()
+    assert grads[0].untyped_storage().nbytes() == 8
 
 
 # --------------------------------------------------------------------------- AllGather-Swap on gloo

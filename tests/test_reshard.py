@@ -82,7 +82,7 @@ def check_reshard(rank, src_kw, dst_kw):
 def _worker(rank, world, tmp, checks):
     # A check that fails on one rank leaves its peers in a collective: time out instead of hanging.
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+                            timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     results = {}
     for name, (fn, args) in checks.items():

@@ -375,7 +375,19 @@ def reshard(
 
     Collective over the mesh. ``out`` (default: :func:`allocate_buckets` on the
     device of ``params``) receives the weights; the returned tensors are its views.
-    See :func:`reshard_bucket` for the arguments.
+    Every parameter is checked before the first collective, so bad input moves
+    nothing. See :func:`reshard_bucket` for the arguments.
+
+    >>> import torch.distributed as dist
+    >>> from rlcore.dataflow.layout import decoder_layout
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> w = {"model.layers.0.mlp.down_proj.weight": torch.arange(6.0).reshape(2, 3)}
+    >>> lay = decoder_layout(w)
+    >>> plan = plan_reshard(w, lay, lay)
+    >>> reshard(w, plan, mesh=lay.device_mesh("cpu"))["model.layers.0.mlp.down_proj.weight"]
+    tensor([[0., 1., 2.],
+            [3., 4., 5.]])
+    >>> dist.destroy_process_group()
     """
     if out is None:
         device = next(iter(params.values())).device if params else torch.device("cpu")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rlcore.dataflow.reshard import ReshardPlan, reshard_bucket
+from rlcore.dataflow.reshard import ReshardPlan, _check_params, reshard_bucket
 from rlcore.memory.plan import MemoryPlan, colocated_plan
 from rlcore.memory.swap import SwapHandle, offload, reload
 
@@ -115,7 +115,24 @@ def enter_rollout(state: TrainState, plan: AllGatherSwapPlan) -> RolloutState:
     Returns:
       A :class:`RolloutState`; ``weights`` maps every parameter name to this rank's
       inference shard.
+
+    >>> import torch.distributed as dist
+    >>> from rlcore.dataflow import decoder_layout, plan_reshard
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> w = torch.nn.Parameter(torch.ones(4, 2))
+    >>> lay = decoder_layout({"lm_head.weight": w})
+    >>> plan = allgather_swap_plan(plan_reshard({"lm_head.weight": w}, lay, lay), mesh=lay.device_mesh("cpu"),
+    ...                            device="cpu", rank=0)
+    >>> rollout = enter_rollout(TrainState({"lm_head.weight": w}), plan)
+    >>> w.untyped_storage().nbytes(), rollout.weights["lm_head.weight"].sum().item()
+    (0, 8.0)
+    >>> enter_train(rollout, plan).params["lm_head.weight"] is w, w.sum().item()
+    (True, 8.0)
+    >>> dist.destroy_process_group()
     """
+    import torch.distributed as dist
+
+    _check_params(state.params, plan.reshard, dist.get_rank(), plan.reshard.params)
     steps = plan.memory.transition("train", "rollout").steps
     _check_steps(
         steps,

@@ -238,6 +238,14 @@ def colocated_plan(
 
     Returns:
       A :class:`MemoryPlan` with phases ``train`` and ``rollout``.
+
+    >>> import torch
+    >>> from rlcore.dataflow import decoder_layout, plan_reshard
+    >>> meta = {"lm_head.weight": torch.empty(64, 32, dtype=torch.bfloat16, device="meta")}
+    >>> rplan = plan_reshard(meta, decoder_layout(meta, tp=2), decoder_layout(meta, dp=2))
+    >>> plan = colocated_plan(rplan, kv_cache_bytes=1024)
+    >>> plan.resident_bytes("train"), plan.resident_bytes("rollout")
+    (8192, 5120)
     """
     params = reshard_plan.src_bytes(rank)
     chunks = tuple((b.nbytes, b.transient_bytes, reshard_plan.src_bytes(rank, b.names)) for b in reshard_plan.buckets)
