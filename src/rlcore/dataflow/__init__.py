@@ -16,6 +16,9 @@ from rlcore.dataflow.reshard import (
     reshard,
     reshard_bucket,
 )
+from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, stage
+from rlcore.dataflow.scheduler import PipelineResult, StageTimeout, TaskRecord, run_pipeline
+from rlcore.dataflow.simulate import SimReport, critical_path_bound, simulate
 
 __all__: list[str] = [
     "PARTITION_METHODS",
@@ -46,4 +49,16 @@ __all__: list[str] = [
     "plan_reshard",
     "reshard",
     "reshard_bucket",
+    "PHASES",
+    "ROLES",
+    "PipelineResult",
+    "SimReport",
+    "Stage",
+    "StageGraph",
+    "StageTimeout",
+    "TaskRecord",
+    "critical_path_bound",
+    "run_pipeline",
+    "simulate",
+    "stage",
 ]

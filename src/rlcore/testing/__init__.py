@@ -9,6 +9,7 @@ from rlcore.testing import allocations, token_strategies
 from rlcore.testing import loss_strategies
 from rlcore.testing import dataflow_strategies
 from rlcore.testing import preference_strategies
+from rlcore.testing import pipeline_strategies
 from rlcore.testing.asserts import assert_close, assert_no_host_sync, tolerances
 from rlcore.testing.strategies import (
     float_tensors,
@@ -39,4 +40,5 @@ __all__ = [
     "allocations",
     "token_strategies",
     "preference_strategies",
+    "pipeline_strategies",
 ]

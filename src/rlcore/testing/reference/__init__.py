@@ -29,6 +29,7 @@ from rlcore.testing.reference.preference import (
     simpo_loss_ref,
 )
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
+from rlcore.testing.reference.pipeline import synchronous_loop_ref
 from rlcore.testing.reference.packing import (
     first_fit_decreasing_ref,
     min_bins_ref,
@@ -127,4 +128,5 @@ __all__ = [
     "simpo_loss_ref",
     "TransferDockRef",
     "balanced_partition_ref",
+    "synchronous_loop_ref",
 ]

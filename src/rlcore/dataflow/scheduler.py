@@ -1,0 +1,436 @@
+"""The async pipeline scheduler: stages pull ready rows from per-iteration Transfer Docks.
+
+MindSpeed-RL (Feng et al., 2025, arXiv:2507.19017) lets every stage of an RL iteration
+work on micro-batches as soon as their input columns are in the Transfer Dock, instead
+of each stage waiting for the whole batch, and lets the rollout of the next iterations
+overlap the update of the current one up to a staleness bound.
+
+The rules (shared by :func:`run_pipeline`, which runs stages on threads, and
+:func:`rlcore.dataflow.simulate`, which runs them on a virtual clock):
+
+* Iteration ``j`` gets its own :class:`~rlcore.dataflow.TransferDock`; the prompt
+  loader fills its ``sources`` columns when ``j`` is admitted, which happens once the
+  policy version ``v`` (update iterations finished) satisfies ``j - v <= staleness``.
+  Every row a rollout stage writes records ``policy_version = v`` at the time it was
+  generated, so its lag ``j - v`` never exceeds the bound (``staleness=0``: on-policy).
+* ``blocking=False``: a stage takes up to ``micro_batch`` rows whose inputs are ready
+  (``get`` with ``balance="fifo"``), as soon as there are that many (or all the rows
+  left). ``blocking=True``: a stage starts an iteration only when every stage it reads
+  from has finished it, and takes rows in index order -- the synchronous loop, micro-
+  batch for micro-batch (:func:`rlcore.testing.reference.synchronous_loop_ref`).
+* Each resource runs one call per slot at a time. A free slot takes the oldest
+  iteration's work first, in topological order, except that work in the resource's
+  current memory phase goes before work that would switch phase (co-located stages),
+  and a phase switch waits until no call of the other phase is running there.
+* Update stages run their iterations in order; the version goes up when every update
+  stage has finished an iteration (with no update stage, when every stage has).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from rlcore._checks import check_positive
+from rlcore.dataflow.dock import TransferDock
+from rlcore.dataflow.stages import Stage, StageGraph
+
+__all__ = ["PipelineResult", "StageTimeout", "TaskRecord", "run_pipeline"]
+
+_COLLECT = "__collect__"
+Loader = Callable[[int], Mapping[str, Any]]
+Switch = Callable[[str, "str | None", str], Any]
+
+
+class StageTimeout(TimeoutError):
+    """A stage call ran longer than the stage's ``timeout``; ``stage`` names it."""
+
+    def __init__(self, stage: str, iteration: int, seconds: float) -> None:
+        super().__init__(f"stage {stage!r} timed out after {seconds:g} s at iteration {iteration}")
+        self.stage = stage
+        self.iteration = iteration
+
+
+class TaskRecord(NamedTuple):
+    """One stage call: its rows of an iteration, the policy version then, and when it ran."""
+
+    stage: str
+    resource: str
+    iteration: int
+    rows: torch.Tensor
+    version: int
+    start: float
+    end: float
+
+
+class PipelineResult(NamedTuple):
+    """What a pipeline run did.
+
+    Fields:
+      tasks: a :class:`TaskRecord` per stage call, in completion order.
+      batches: per iteration, the ``collect`` columns of all rows in row order (the
+        dock's padded batch, ``policy_version`` included when a rollout stage exists).
+      switches: ``(resource, from phase, to phase)`` per memory-phase switch.
+      makespan: seconds from start to the last iteration's end.
+    """
+
+    tasks: list[TaskRecord]
+    batches: list[dict[str, torch.Tensor]]
+    switches: list[tuple[str, str, str]]
+    makespan: float
+
+
+@dataclasses.dataclass(eq=False)
+class _Task:
+    stage: Stage
+    iteration: int
+    rows: torch.Tensor
+    batch: dict[str, torch.Tensor]
+    version: int
+    switch: tuple[str | None, str] | None
+    start: float = 0.0
+
+
+def _note(err: BaseException, where: str) -> BaseException:
+    err.add_note(where)
+    return err
+
+
+class _Core:
+    """The scheduling state and rules, independent of how calls are executed or timed."""
+
+    def __init__(
+        self,
+        graph: StageGraph,
+        loader: Loader,
+        *,
+        num_prompts: int,
+        n_samples: int,
+        num_iterations: int,
+        staleness: int,
+        blocking: bool,
+        slots: Mapping[str, int] | None,
+        collect: Sequence[str],
+    ) -> None:
+        if not isinstance(graph, StageGraph):
+            raise ValueError(f"graph: got {type(graph).__name__}, expected a StageGraph")
+        if not callable(loader):
+            raise ValueError(f"loader: got {type(loader).__name__}, expected a callable iteration -> source columns")
+        for name, value, strict in (
+            ("num_prompts", num_prompts, True),
+            ("n_samples", n_samples, True),
+            ("num_iterations", num_iterations, True),
+            ("staleness", staleness, False),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name}: got {value!r}, expected an int")
+            check_positive(name, value, strict=strict)
+        rollouts = [s.name for s in graph.order if s.role == "rollout"]
+        if len(rollouts) > 1:
+            raise ValueError(f"graph: got rollout stages {rollouts}, expected at most one (it writes policy_version)")
+        for s in graph.order:
+            if s.by_group and s.micro_batch is not None and s.micro_batch % n_samples:
+                raise ValueError(f"stage {s.name!r}: micro_batch {s.micro_batch} with by_group, expected a multiple of n_samples={n_samples}")
+        slots = dict.fromkeys(graph.resources, 1) | dict(slots or {})
+        for res, n in slots.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"slots[{res!r}]: got {n!r}, expected a positive int")
+        known = set(graph.writer) | set(graph.sources) | {"policy_version"}
+        unknown = [c for c in collect if c not in known]
+        if unknown:
+            raise ValueError(f"collect: got unknown column(s) {unknown}, expected some of {sorted(known)}")
+        self.graph = graph
+        self.loader = loader
+        self.num_prompts, self.n_samples, self.capacity = num_prompts, n_samples, num_prompts * n_samples
+        self.num_iterations, self.staleness, self.blocking = num_iterations, staleness, blocking
+        self.slots = slots
+        self.collect = list(dict.fromkeys([*collect, *(["policy_version"] if rollouts else [])]))
+        self.columns = [*graph.sources, *graph.writer, *(["policy_version"] if rollouts else [])]
+        self.by_resource = {r: [s for s in graph.order if s.resource == r] for r in graph.resources}
+        self.updates = [s.name for s in graph.order if s.role == "update"] or list(graph.names)
+        self.version = 0
+        self.admitted = 0
+        self.docks: dict[int, TransferDock] = {}
+        self.taken: dict[tuple[str, int], int] = {}
+        self.left: dict[tuple[str, int], int] = {}
+        self.finished: dict[int, set[str]] = {}
+        self.running: dict[str, list[_Task]] = {r: [] for r in graph.resources}
+        self.phase: dict[str, str | None] = dict.fromkeys(graph.resources)
+        self.records: list[TaskRecord] = []
+        self.batches: list[dict[str, torch.Tensor]] = [{} for _ in range(num_iterations)]
+        self.switches: list[tuple[str, str, str]] = []
+        self.retired = 0
+        self.admit()
+
+    @property
+    def done(self) -> bool:
+        return self.retired == self.num_iterations
+
+    def busy(self) -> int:
+        return sum(len(t) for t in self.running.values())
+
+    def admit(self) -> None:
+        """Open every iteration the staleness bound allows and put its prompts."""
+        while self.admitted < self.num_iterations and self.admitted - self.version <= self.staleness:
+            j = self.admitted
+            columns = self.loader(j)
+            if not isinstance(columns, Mapping) or set(columns) != set(self.graph.sources):
+                got = sorted(columns) if isinstance(columns, Mapping) else type(columns).__name__
+                raise ValueError(f"loader({j}): got {got}, expected a dict with the source columns {list(self.graph.sources)}")
+            dock = TransferDock(
+                self.num_prompts, self.n_samples, columns=self.columns, consumers=[*self.graph.names, _COLLECT]
+            )
+            try:
+                dock.put(dict(columns), range(self.capacity))
+            except ValueError as err:
+                raise _note(err, f"in the rows the prompt loader gave for iteration {j}") from None
+            self.docks[j] = dock
+            self.finished[j] = set()
+            for name in self.graph.names:
+                self.taken[name, j] = 0
+                self.left[name, j] = self.capacity
+            self.admitted += 1
+
+    def pick(self, resource: str) -> _Task | None:
+        """The next call for a free slot of ``resource``, its rows already taken from the dock; None if none."""
+        running = {t.stage.phase for t in self.running[resource] if t.stage.phase is not None}
+        current = self.phase[resource]
+        candidates = []
+        for j in sorted(self.docks):
+            for rank, s in enumerate(self.by_resource[resource]):
+                if self.taken[s.name, j] == self.capacity:
+                    continue
+                if s.role == "update" and any(s.name not in self.finished[i] for i in self.docks if i < j):
+                    continue
+                if running and s.phase is not None and s.phase not in running:
+                    continue
+                switches = s.phase is not None and current is not None and s.phase != current
+                candidates.append(((switches, j, rank), s, j))
+        for _, s, j in sorted(candidates, key=lambda c: c[0]):
+            task = self._take(s, j)
+            if task is not None:
+                if s.phase is not None and s.phase != current:
+                    task.switch = (current, s.phase)
+                    if current is not None:
+                        self.switches.append((resource, current, s.phase))
+                    self.phase[resource] = s.phase
+                self.running[resource].append(task)
+                return task
+        return None
+
+    def _take(self, s: Stage, j: int) -> _Task | None:
+        dock = self.docks[j]
+        taken = self.taken[s.name, j]
+        left = self.capacity - taken
+        count = left if s.micro_batch is None else min(s.micro_batch, left)
+        if self.blocking:
+            if any(u not in self.finished[j] for u in self.graph.upstream[s.name]):
+                return None
+            batch, rows = dock.get(s.name, list(s.inputs), indexes=torch.arange(taken, taken + count), by_group=False)
+        else:
+            batch, rows = dock.get(s.name, list(s.inputs), count, by_group=s.by_group, balance="fifo")
+            if rows.numel() == 0:
+                return None
+        self.taken[s.name, j] = taken + rows.numel()
+        if s.role == "rollout":
+            batch["policy_version"] = torch.full((rows.numel(),), self.version, dtype=torch.int64)
+        return _Task(s, j, rows, batch, self.version, None)
+
+    def complete(self, task: _Task, out: Any) -> bool:
+        """Put a call's outputs into its iteration's dock; True when the stage has now done every row."""
+        s = task.stage
+        if not isinstance(out, Mapping) or set(out) != set(s.outputs):
+            got = sorted(out) if isinstance(out, Mapping) else type(out).__name__
+            raise ValueError(f"stage {s.name!r}: returned {got}, expected a dict with its outputs {list(s.outputs)}")
+        columns = dict(out)
+        if s.role == "rollout":
+            columns["policy_version"] = task.batch["policy_version"]
+        try:
+            self.docks[task.iteration].put(columns, task.rows)
+        except ValueError as err:
+            raise _note(err, f"in the output of stage {s.name!r} at iteration {task.iteration}") from None
+        self.left[s.name, task.iteration] -= task.rows.numel()
+        return self.left[s.name, task.iteration] == 0
+
+    def release(self, task: _Task, end: float, last: bool) -> None:
+        """Free the call's slot; when ``last``, the stage has finished the iteration: advance versions and retire."""
+        self.running[task.stage.resource].remove(task)
+        self.records.append(
+            TaskRecord(task.stage.name, task.stage.resource, task.iteration, task.rows, task.version, task.start, end)
+        )
+        if not last:
+            return
+        j = task.iteration
+        self.finished[j].add(task.stage.name)
+        while self.version < self.admitted and all(u in self.finished[self.version] for u in self.updates):
+            self.version += 1
+        if len(self.finished[j]) == len(self.graph.order) and min(self.docks) == j:
+            for i in sorted(self.docks):
+                if len(self.finished[i]) < len(self.graph.order):
+                    break
+                self._retire(i)
+        self.admit()
+
+    def _retire(self, j: int) -> None:
+        dock = self.docks.pop(j)
+        if self.collect:
+            self.batches[j], _ = dock.get(_COLLECT, self.collect, indexes=torch.arange(self.capacity), by_group=False)
+        self.retired += 1
+
+    def stalled(self) -> str:
+        """Why nothing can run although the pipeline is not done (for the error message)."""
+        waiting = [f"{n}@{j}" for (n, j), left in self.left.items() if left and j in self.docks]
+        return f"no stage can take rows and none is running; stages with rows left: {waiting}"
+
+    def result(self, makespan: float) -> PipelineResult:
+        return PipelineResult(self.records, self.batches, self.switches, makespan)
+
+
+def run_pipeline(
+    graph: StageGraph,
+    loader: Loader,
+    *,
+    num_prompts: int,
+    n_samples: int = 1,
+    num_iterations: int = 1,
+    staleness: int = 0,
+    blocking: bool = False,
+    slots: Mapping[str, int] | None = None,
+    collect: Sequence[str] = (),
+    switch: Switch | None = None,
+    join_timeout: float = 10.0,
+) -> PipelineResult:
+    """Run ``graph`` for ``num_iterations`` iterations, stages on threads pulling ready rows from the dock.
+
+    MindSpeed-RL's async pipeline (arXiv:2507.19017); the scheduling rules are in this
+    module's docstring. With ``blocking=True`` and ``staleness=0`` every stage sees the
+    same micro-batches, in the same order, with the same policy version as in the
+    synchronous loop, so deterministic stages give identical results.
+
+    Each resource gets ``slots[resource]`` worker threads (default 1). A stage that
+    raises stops the pipeline: the other workers finish their current call and exit,
+    and the error is re-raised here with a note naming the stage and iteration. A call
+    longer than its stage's ``timeout`` stops it with :class:`StageTimeout` (a thread
+    cannot be interrupted: the late call's daemon worker is left to finish and its
+    result is dropped).
+
+    Args:
+      graph: the :class:`~rlcore.dataflow.StageGraph`.
+      loader: ``loader(iteration) -> {source column: rows}``, ``num_prompts * n_samples``
+        rows each (row ``p * n_samples + i`` is sample ``i`` of prompt ``p``).
+      num_prompts: prompts per iteration.
+      n_samples: rows (responses) per prompt.
+      num_iterations: iterations to run.
+      staleness: bound ``k`` on ``iteration - policy_version`` of generated rows.
+      blocking: stages wait for the whole batch (the synchronous loop).
+      slots: concurrent calls per resource.
+      collect: columns to return per iteration in :attr:`PipelineResult.batches`.
+      switch: ``switch(resource, from_phase, to_phase)``, called on the worker before
+        the first call in a new memory phase (``from_phase`` None the first time);
+        see :func:`rlcore.dataflow.colocated_switch`.
+      join_timeout: seconds to wait for each worker thread at the end.
+
+    Returns:
+      A :class:`PipelineResult`.
+
+    >>> from rlcore.dataflow.stages import stage
+    >>> roll = stage(lambda b: {"responses": b["prompts"] + b["policy_version"]}, inputs=["prompts"],
+    ...              outputs=["responses"], name="rollout", role="rollout", micro_batch=2)
+    >>> upd = stage(lambda b: {"loss": b["responses"] * 0.5}, inputs=["responses"], outputs=["loss"],
+    ...             name="update", role="update", micro_batch=2)
+    >>> res = run_pipeline(StageGraph([roll, upd]), lambda j: {"prompts": torch.arange(4)},
+    ...                    num_prompts=4, num_iterations=3, staleness=1, collect=["loss"])
+    >>> [b["policy_version"].tolist() for b in res.batches]
+    [[0, 0, 0, 0], [0, 0, 0, 0], [2, 2, 2, 2]]
+    """
+    core = _Core(
+        graph, loader, num_prompts=num_prompts, n_samples=n_samples, num_iterations=num_iterations,
+        staleness=staleness, blocking=blocking, slots=slots, collect=collect,
+    )
+    cond = threading.Condition()
+    state: dict[str, Any] = {"error": None, "stop": False, "idle": 0, "epoch": 0}
+    workers = sum(core.slots[r] for r in graph.resources)
+    t0 = time.perf_counter()
+
+    def fail(err: BaseException) -> None:
+        if state["error"] is None:
+            state["error"] = err
+        state["stop"] = True
+        cond.notify_all()
+
+    def worker(resource: str) -> None:
+        while True:
+            with cond:
+                seen = -1
+                while True:
+                    if state["stop"] or core.done:
+                        return
+                    try:
+                        task = core.pick(resource)
+                    except BaseException as err:  # a loader or dock error while taking rows
+                        fail(err)
+                        return
+                    if task is not None:
+                        task.start = time.perf_counter() - t0
+                        break
+                    if seen != state["epoch"]:
+                        seen = state["epoch"]
+                        state["idle"] += 1
+                        if state["idle"] == workers and core.busy() == 0:
+                            fail(RuntimeError(f"pipeline stalled: {core.stalled()}"))
+                            return
+                    cond.wait()
+            s = task.stage
+            try:
+                if task.switch is not None and switch is not None:
+                    switch(resource, *task.switch)
+                out = s.fn(task.batch)
+                with cond:
+                    if state["stop"]:
+                        return
+                    last = core.complete(task, out)
+                if last and s.on_iteration_end is not None:
+                    s.on_iteration_end(task.iteration)
+            except BaseException as err:
+                with cond:
+                    fail(_note(err, f"in stage {s.name!r} at iteration {task.iteration}"))
+                return
+            with cond:
+                try:
+                    core.release(task, time.perf_counter() - t0, last)
+                except BaseException as err:  # the loader of a newly admitted iteration
+                    fail(err)
+                    return
+                state["epoch"] += 1
+                state["idle"] = 0
+                cond.notify_all()
+
+    threads = [
+        threading.Thread(target=worker, args=(r,), name=f"rlcore-{r}-{i}", daemon=True)
+        for r in graph.resources
+        for i in range(core.slots[r])
+    ]
+    for t in threads:
+        t.start()
+    with cond:
+        while not core.done and state["error"] is None:
+            now = time.perf_counter() - t0
+            for tasks in core.running.values():
+                for task in tasks:
+                    limit = task.stage.timeout
+                    if limit is not None and now - task.start > limit:
+                        fail(StageTimeout(task.stage.name, task.iteration, limit))
+            cond.wait(0.05)
+        state["stop"] = True
+        cond.notify_all()
+    makespan = time.perf_counter() - t0
+    for t in threads:
+        t.join(join_timeout)
+    if state["error"] is not None:
+        raise state["error"]
+    return core.result(makespan)
