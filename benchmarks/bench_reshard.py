@@ -74,7 +74,8 @@ def account(meta: dict, train: dict, infer: dict, bucket_bytes: int, kv_cache_by
               f" | AllGather-Swap {gib(peak_s)} (redundancy {gib(swap.redundancy_bytes)},"
               f" {swap.redundancy_bytes / bucket_bytes:.2f} bucket; target <= 1 bucket: {ok})")
     tr = {k: max((t[k] for _, t in rows), key=lambda x: x.redundancy_bytes) for k in rows[0][1]}
-    removed = 1 - tr[("train", "rollout", "swap")].redundancy_bytes / max(tr[("train", "rollout", "naive")].redundancy_bytes, 1)
+    naive, swap = tr[("train", "rollout", "naive")].redundancy_bytes, tr[("train", "rollout", "swap")].redundancy_bytes
+    removed = 1 - swap / max(naive, 1)
     print(f"  redundant bytes removed on train -> rollout: {removed:.1%}")
 
 

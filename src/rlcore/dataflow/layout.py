@@ -109,10 +109,11 @@ class Layout:
         for name, p in self.placements.items():
             if not isinstance(p, Placement):
                 raise ValueError(f"placements[{name!r}]: got {type(p).__name__}, expected a Placement")
-            if self.pp > 1 and p.stage is None:
-                raise ValueError(f"placements[{name!r}]: got stage None, expected a stage in [0, {self.pp}) as pp={self.pp}")
-            if p.stage is not None and p.stage >= self.pp:
-                raise ValueError(f"placements[{name!r}]: got stage {p.stage}, expected a stage in [0, {self.pp}) as pp={self.pp}")
+            bad_stage = (self.pp > 1 and p.stage is None) or (p.stage is not None and p.stage >= self.pp)
+            if bad_stage:
+                raise ValueError(
+                    f"placements[{name!r}]: got stage {p.stage}, expected a stage in [0, {self.pp}) as pp={self.pp}"
+                )
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

@@ -78,7 +78,7 @@ class ParamMove:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """Parameters of one dtype moved together; ``nbytes`` of inference weights, ``transient_bytes`` in flight at most."""
+    """Parameters of one dtype moved together: ``nbytes`` of inference weights, at most ``transient_bytes`` in flight."""
 
     dtype: torch.dtype
     names: tuple[str, ...]
@@ -255,7 +255,8 @@ def bucket_views(plan: ReshardPlan, index: int, buffer: torch.Tensor) -> dict[st
     want = sum(math.prod(plan.params[n].dst_shape) for n in bucket.names)
     if buffer.dim() != 1 or buffer.numel() != want or buffer.dtype != bucket.dtype:
         raise ValueError(
-            f"buffer: got shape {tuple(buffer.shape)} {buffer.dtype}, expected ({want},) {bucket.dtype} for bucket {index}"
+            f"buffer: got shape {tuple(buffer.shape)} {buffer.dtype}, "
+            f"expected ({want},) {bucket.dtype} for bucket {index}"
         )
     views, offset = {}, 0
     for n in bucket.names:
@@ -343,7 +344,9 @@ def reshard_bucket(
     return views
 
 
-def _fill(views: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor], plan: ReshardPlan, rank: int, mesh: Any) -> None:
+def _fill(
+    views: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor], plan: ReshardPlan, rank: int, mesh: Any
+) -> None:
     import torch.distributed as dist
 
     for name, view in views.items():

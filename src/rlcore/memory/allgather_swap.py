@@ -73,7 +73,13 @@ class AllGatherSwapPlan:
 
 
 def allgather_swap_plan(
-    reshard_plan: ReshardPlan, *, mesh: Any, device: torch.device | str, rank: int, kv_cache_bytes: int = 0, **sizes: int
+    reshard_plan: ReshardPlan,
+    *,
+    mesh: Any,
+    device: torch.device | str,
+    rank: int,
+    kv_cache_bytes: int = 0,
+    **sizes: int,
 ) -> AllGatherSwapPlan:
     """Bundle ``reshard_plan`` with :func:`~rlcore.memory.plan.colocated_plan` for ``rank``.
 
