@@ -5,9 +5,26 @@ arithmetic, so differential tests compare the vectorised code with an obviously
 correct one.
 """
 
-from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
-from rlcore.testing.reference.attention import packed_attention_ref
-from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
+from rlcore.testing.reference.advantages import (
+    batch_normalize_ref,
+    gae_ref,
+    gpg_advantages_ref,
+    grpo_advantages_ref,
+    opo_advantages_ref,
+    passk_advantages_ref,
+    reinforce_pp_advantages_ref,
+    reinforce_pp_baseline_advantages_ref,
+    remax_advantages_ref,
+    rloo_advantages_ref,
+)
+from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
+from rlcore.testing.reference.kl import adaptive_kl_coefs_ref, kl_in_reward_ref, kl_penalty_ref
+from rlcore.testing.reference.shaping import (
+    RunningNormalizerRef,
+    clip_rewards_ref,
+    overlong_penalty_ref,
+    scores_to_token_rewards_ref,
+)
 from rlcore.testing.reference.losses import (
     aggregate_ref,
     cispo_loss_ref,
@@ -30,6 +47,9 @@ from rlcore.testing.reference.preference import (
 )
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
 from rlcore.testing.reference.pipeline import synchronous_loop_ref
+from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
+from rlcore.testing.reference.attention import packed_attention_ref
+from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
 from rlcore.testing.reference.packing import (
     first_fit_decreasing_ref,
     min_bins_ref,
@@ -48,28 +68,24 @@ from rlcore.testing.reference.ops import (
     segment_std_ref,
     segment_sum_ref,
 )
-from rlcore.testing.reference.advantages import (
-    batch_normalize_ref,
-    gae_ref,
-    gpg_advantages_ref,
-    grpo_advantages_ref,
-    opo_advantages_ref,
-    passk_advantages_ref,
-    reinforce_pp_advantages_ref,
-    reinforce_pp_baseline_advantages_ref,
-    remax_advantages_ref,
-    rloo_advantages_ref,
-)
-from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
-from rlcore.testing.reference.kl import adaptive_kl_coefs_ref, kl_in_reward_ref, kl_penalty_ref
-from rlcore.testing.reference.shaping import (
-    RunningNormalizerRef,
-    clip_rewards_ref,
-    overlong_penalty_ref,
-    scores_to_token_rewards_ref,
+from rlcore.testing.reference.resharding import (
+    local_shard_ref,
+    swap_roundtrip_ref,
+    transition_peak_ref,
+    unshard_ref,
 )
 
 __all__ = [
+    "batch_normalize_ref",
+    "gae_ref",
+    "gpg_advantages_ref",
+    "grpo_advantages_ref",
+    "opo_advantages_ref",
+    "passk_advantages_ref",
+    "reinforce_pp_advantages_ref",
+    "reinforce_pp_baseline_advantages_ref",
+    "remax_advantages_ref",
+    "rloo_advantages_ref",
     "RunningNormalizerRef",
     "adaptive_kl_coefs_ref",
     "clip_rewards_ref",
@@ -88,16 +104,6 @@ __all__ = [
     "reinforce_loss_ref",
     "sapo_loss_ref",
     "value_loss_ref",
-    "batch_normalize_ref",
-    "gae_ref",
-    "gpg_advantages_ref",
-    "grpo_advantages_ref",
-    "opo_advantages_ref",
-    "passk_advantages_ref",
-    "reinforce_pp_advantages_ref",
-    "reinforce_pp_baseline_advantages_ref",
-    "remax_advantages_ref",
-    "rloo_advantages_ref",
     "length_reward_ref",
     "weighted_ref",
     "discounted_cumsum_ref",
@@ -126,6 +132,10 @@ __all__ = [
     "pair_logps_ref",
     "sequence_logps_ref",
     "simpo_loss_ref",
+    "local_shard_ref",
+    "swap_roundtrip_ref",
+    "transition_peak_ref",
+    "unshard_ref",
     "TransferDockRef",
     "balanced_partition_ref",
     "synchronous_loop_ref",
