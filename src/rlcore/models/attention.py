@@ -62,12 +62,21 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> list[int] | None:
 
 def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        # [1, heads, L, D]: SDPA's fused CPU (flash) kernel takes only 4-D inputs; 3-D
+        # ones fall back to the math path, ~4x slower with its backward.
+        return x.transpose(0, 1).unsqueeze(0)
+
+    # torch.split, not one slice per sequence: the backward of B slices would build B
+    # full-size zero gradients and add them up, O(B * N) work.
+    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     outs = [
         F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True, scale=scale, enable_gqa=gqa
-        ).transpose(0, 1)
-        for s, e in zip(bounds[:-1], bounds[1:])
-        if e > s
+            heads_first(qs), heads_first(ks), heads_first(vs), is_causal=True, scale=scale, enable_gqa=gqa
+        )[0].transpose(0, 1)
+        for qs, ks, vs in zip(q.split(sizes), k.split(sizes), v.split(sizes))
+        if qs.shape[0]
     ]
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
