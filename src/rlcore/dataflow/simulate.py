@@ -155,26 +155,35 @@ def critical_path_bound(
     num_prompts: int,
     n_samples: int = 1,
     num_iterations: int = 1,
+    staleness: int | None = None,
     slots: Mapping[str, int] | None = None,
 ) -> float:
     """A lower bound on the makespan of any schedule of ``graph``: the critical path through the bottleneck.
 
-    With ``W_s`` the total work of stage ``s`` over all iterations and ``d_s`` its
+    With ``W_s`` the work of stage ``s`` over all ``N`` iterations and ``d_s`` its
     shortest call (one micro-batch), no schedule beats
 
         max( max_r sum_{s on r} W_s / slots_r,
-             max_s head(s) + W_s / slots_{r(s)} + tail(s) )
+             max_s head(s) + W_s / slots_{r(s)} + tail(s),
+             ceil(N / (k + 1)) * T_1 )
 
-    where ``head(s)`` / ``tail(s)`` are the heaviest ``d``-paths into / out of ``s``:
-    before ``s`` can take a row, every stage on a path to it has finished at least one
-    call, and after its last call, every stage on a path from it has one more to do.
+    where ``head(s)`` / ``tail(s)`` are the heaviest ``d``-paths into / out of ``s``
+    (before ``s`` can take a row, every stage on a path to it has finished at least
+    one call; after its last call, every stage on a path from it has one more to do).
+    The last term is the staleness chain, used when ``staleness=k`` is given and the
+    graph has rollout and update stages: the rollout of iteration ``j + k + 1`` starts
+    after the update of ``j`` ends, and ``T_1`` -- the first two terms for one
+    iteration, over the stages between the rollout and the updates -- bounds each link.
     ``cost`` must be deterministic here (a dict, or a callable without randomness).
 
     >>> from rlcore.dataflow.stages import stage
     >>> roll = stage(print, inputs=["prompts"], outputs=["responses"], name="rollout", role="rollout", micro_batch=1, resource="gen")
     >>> upd = stage(print, inputs=["responses"], outputs=["loss"], name="update", role="update", micro_batch=1, resource="train")
-    >>> critical_path_bound(StageGraph([roll, upd]), {"rollout": 2.0, "update": 1.0}, num_prompts=4, num_iterations=2)
+    >>> graph, cost = StageGraph([roll, upd]), {"rollout": 2.0, "update": 1.0}
+    >>> critical_path_bound(graph, cost, num_prompts=4, num_iterations=2)
     17.0
+    >>> critical_path_bound(graph, cost, num_prompts=4, num_iterations=2, staleness=0)  # 2 * (4 * 2 + 1)
+    18.0
     """
     fn = _cost_fn(cost, graph)
     capacity = num_prompts * n_samples
@@ -183,9 +192,19 @@ def critical_path_bound(
     for s in graph.order:
         step = capacity if s.micro_batch is None else s.micro_batch
         sizes = [min(step, capacity - a) for a in range(0, capacity, step)]
-        work[s.name] = num_iterations * sum(_duration(fn, s, b) for b in sizes)
+        work[s.name] = sum(_duration(fn, s, b) for b in sizes)
         first[s.name] = min(_duration(fn, s, b) for b in sizes)
-    head, tail = graph.downstream_paths(first)
-    by_resource = max(sum(work[s.name] for s in graph.order if s.resource == r) / slots[r] for r in graph.resources)
-    by_path = max(head[n] + work[n] / slots[graph.stages[n].resource] + tail[n] for n in graph.names)
-    return max(by_resource, by_path)
+
+    def bound(names: list[str], iterations: int) -> float:
+        head, tail = graph.downstream_paths(first, within=names)
+        share = {n: iterations * work[n] / slots[graph.stages[n].resource] for n in names}
+        by_resource = max(sum(share[n] for n in names if graph.stages[n].resource == r) for r in graph.resources)
+        return max(by_resource, max(head[n] + share[n] + tail[n] for n in names))
+
+    lower = bound(list(graph.names), num_iterations)
+    rollout = [s.name for s in graph.order if s.role == "rollout"]
+    updates = [s.name for s in graph.order if s.role == "update"]
+    if staleness is not None and rollout and updates:
+        links = -(-num_iterations // (staleness + 1))
+        lower = max(lower, links * bound(graph.between(rollout, updates), 1))
+    return lower

@@ -248,13 +248,32 @@ class StageGraph:
         """The resources the stages run on, in order of first use."""
         return tuple(dict.fromkeys(s.resource for s in self.order))
 
-    def downstream_paths(self, weight: Mapping[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-        """Per stage, the heaviest path of ``weight`` ending just before it (head) and starting just after it (tail)."""
+    def downstream_paths(
+        self, weight: Mapping[str, float], *, within: Iterable[str] | None = None
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Per stage, the heaviest path of ``weight`` ending just before it (head) and starting just after it (tail).
+
+        ``within`` limits the paths to those stages (default: all).
+        """
+        keep = set(self.names if within is None else within)
+        up = {n: [u for u in self.upstream[n] if u in keep] for n in self.names if n in keep}
+        order = [n for n in self.names if n in keep]
         head: dict[str, float] = {}
-        for s in self.order:
-            head[s.name] = max((head[u] + weight[u] for u in self.upstream[s.name]), default=0.0)
+        for n in order:
+            head[n] = max((head[u] + weight[u] for u in up[n]), default=0.0)
         tail: dict[str, float] = {}
-        for s in reversed(self.order):
-            nxt = [n for n, ups in self.upstream.items() if s.name in ups]
-            tail[s.name] = max((tail[d] + weight[d] for d in nxt), default=0.0)
+        for n in reversed(order):
+            tail[n] = max((tail[d] + weight[d] for d in order if n in up[d]), default=0.0)
         return head, tail
+
+    def between(self, first: Iterable[str], last: Iterable[str]) -> list[str]:
+        """Stages on some path from a stage of ``first`` to a stage of ``last`` (both ends included), in order."""
+        below = set(first)
+        for s in self.order:
+            if any(u in below for u in self.upstream[s.name]):
+                below.add(s.name)
+        above = set(last)
+        for s in reversed(self.order):
+            if any(s.name in self.upstream[a] for a in above):
+                above.add(s.name)
+        return [n for n in self.names if n in below and n in above]
