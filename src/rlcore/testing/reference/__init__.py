@@ -49,6 +49,8 @@ from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_re
 from rlcore.testing.reference.pipeline import synchronous_loop_ref
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
 from rlcore.testing.reference.attention import packed_attention_ref
+from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
+from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
 from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
 from rlcore.testing.reference.packing import (
     first_fit_decreasing_ref,
@@ -104,6 +106,11 @@ __all__ = [
     "reinforce_loss_ref",
     "sapo_loss_ref",
     "value_loss_ref",
+    "length_reward_ref",
+    "weighted_ref",
+    "filter_logits_ref",
+    "greedy_ref",
+    "response_logprobs_ref",
     "length_reward_ref",
     "weighted_ref",
     "discounted_cumsum_ref",

@@ -1,0 +1,61 @@
+"""Loop references for the rollout: no KV cache, no padding, one row at a time."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["filter_logits_ref", "greedy_ref", "response_logprobs_ref"]
+
+
+def filter_logits_ref(logits, *, top_k=0, top_p=1.0):
+    """Top-k then top-p filtering of each row of a 2-D tensor by sorting Python lists."""
+    out = logits.clone()
+    for i, row in enumerate(logits.tolist()):
+        order = sorted(range(len(row)), key=lambda j: -row[j])
+        keep = set(range(len(row)))
+        if top_k > 0:
+            kth = row[order[min(top_k, len(row)) - 1]]
+            keep = {j for j in keep if row[j] >= kth}
+        if top_p < 1.0:
+            alive = [j for j in order if j in keep]
+            z = sum(torch.tensor(row[j]).exp().item() for j in alive)
+            mass, nucleus = 0.0, set()
+            for j in alive:
+                if mass >= top_p:
+                    break
+                nucleus.add(j)
+                mass += torch.tensor(row[j]).exp().item() / z
+            keep = nucleus
+        for j in range(len(row)):
+            if j not in keep:
+                out[i, j] = float("-inf")
+    return out
+
+
+@torch.no_grad()
+def greedy_ref(model, prompts, *, eos_token_id, max_new_tokens):
+    """Greedy decoding of each prompt (a list of ids) alone, re-running the whole sequence every step."""
+    responses = []
+    for prompt in prompts:
+        ids = list(prompt)
+        out = []
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if token == eos_token_id:
+                break
+        responses.append(out)
+    return responses
+
+
+@torch.no_grad()
+def response_logprobs_ref(model, prompt, response, *, temperature=1.0):
+    """``log softmax(logits / T)`` of each response token, from one unpadded forward of prompt + response."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    logits = model(input_ids=ids).logits[0].double() / temperature
+    out = []
+    for t, token in enumerate(response):
+        out.append(float(torch.log_softmax(logits[len(prompt) - 1 + t], -1)[token]))
+    return out

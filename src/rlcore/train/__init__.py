@@ -1,0 +1,40 @@
+"""The reference trainer: config, rollout, tasks, the training loop, checkpoints, metrics and the CLI.
+
+Read :mod:`rlcore.train.trainer` as the worked example of assembling your own loop
+from rlcore's primitives.
+"""
+
+from rlcore.train.checkpoint import load_checkpoint, save_checkpoint
+from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
+from rlcore.train.metrics import MetricsLog, plot_curves, read_metrics
+from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
+from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
+from rlcore.train.trainer import build_algorithm, build_model, train
+
+__all__ = [
+    "ALGOS",
+    "TASKS",
+    "Addition",
+    "CharTokenizer",
+    "Config",
+    "InferenceEngine",
+    "MetricsLog",
+    "Reversal",
+    "Rollout",
+    "TorchEngine",
+    "apply_overrides",
+    "build_algorithm",
+    "build_model",
+    "check_launch",
+    "filter_logits",
+    "generate",
+    "left_pad",
+    "load_checkpoint",
+    "load_config",
+    "make_task",
+    "parse_config",
+    "plot_curves",
+    "read_metrics",
+    "save_checkpoint",
+    "train",
+]

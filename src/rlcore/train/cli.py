@@ -1,0 +1,48 @@
+"""Command line: ``rlcore train --config FILE [--resume] [key=value ...]`` (also ``python -m rlcore.train``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlcore", description="rlcore reference trainer")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train with a YAML config (torchrun for data parallelism)")
+    train.add_argument("--config", required=True, help="YAML file: model / rl / parallel / deploy / data / trainer")
+    train.add_argument("--resume", action="store_true", help="continue from trainer.output_dir/checkpoint.pt")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rl.temperature=0.7")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rlcore`` script; returns the exit status.
+
+    Config errors and a stopped run (a non-finite loss) print one line naming the
+    cause and exit with status 2 and 3; Ctrl-C exits with 130, leaving the last
+    checkpoint loadable.
+    """
+    args = _parser().parse_args(argv)
+    from rlcore.train.config import load_config
+    from rlcore.train.trainer import train
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        records = train(cfg, resume=args.resume)
+    except ValueError as err:
+        print(f"rlcore: error: {err}", file=sys.stderr)
+        return 2
+    except FloatingPointError as err:
+        print(f"rlcore: stopped: {err}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("rlcore: interrupted; the last checkpoint is intact", file=sys.stderr)
+        return 130
+    if records and cfg.trainer.progress:
+        last = records[-1]
+        print(f"done: step {last['step']}, reward {last['reward']:.3f}, output in {cfg.trainer.output_dir}")
+    return 0

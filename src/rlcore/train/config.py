@@ -1,0 +1,284 @@
+"""The trainer's YAML config, in the schema of MindSpeed-RL's example (model / rl / parallel / deploy).
+
+``rl.batch_size`` and ``rl.mini_batch_size`` count prompts per data-parallel rank (one
+step samples ``batch_size * num_rollouts`` responses on each rank; each optimiser update
+takes ``mini_batch_size`` prompts' responses from every rank). Two sections are added
+for the reference trainer: ``data`` (the on-the-fly task) and
+``trainer`` (run length, output, checkpoints). Every key is validated: an unknown key,
+a wrong type or an impossible combination raises ``ValueError`` naming the key.
+``model.model_name_or_path`` is a local directory, or an inline mapping of a Hugging
+Face config (``model_type: qwen2``, ...) for a randomly initialised model; hub names
+are refused because nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import yaml
+
+__all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "parse_config"]
+
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo")
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_name_or_path: str | dict = dataclasses.field(default_factory=dict)
+    torch_dtype: Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"] = "fp32"
+    use_flash_attention: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo"] = "grpo"
+    batch_size: int = 8
+    mini_batch_size: int = 8
+    num_rollouts: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+    beta: float | None = None
+    lr: float = 1e-5
+    critic_lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    epochs: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployConfig:
+    mode: Literal["co-located", "disaggregated"] = "co-located"
+    async_infer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    task: Literal["addition", "reversal"] = "addition"
+    digits: int = 2
+    length: int = 4
+    min_length: int = 2
+    letters: str = "abcdefgh"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    steps: int = 100
+    seed: int = 0
+    warmup_steps: int = 0
+    warmup_lr: float = 1e-3
+    warmup_batch_size: int = 64
+    output_dir: str = "outputs/run"
+    save_every: int = 0
+    reward_workers: int = 1
+    progress: bool = True
+    plot: bool = True
+    threads: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    deploy: DeployConfig = dataclasses.field(default_factory=DeployConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """``value`` as type ``tp``, or a ValueError naming ``key``. An int is accepted for a float."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif isinstance(tp, types.UnionType) or origin is typing.Union:
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(key, value, option)
+            except ValueError:
+                continue
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # PyYAML follows YAML 1.1, which reads exponents without a dot (1e-4) as strings.
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise ValueError(f"config key {key!r}: got {type(value).__name__} {value!r}, expected {_type_name(tp)}")
+
+
+def _section(cls: type, key: str, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config key {key!r}: got {type(raw).__name__}, expected a mapping of keys")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in raw.items():
+        if name not in fields:
+            raise ValueError(f"config key '{key}.{name}': unknown, expected one of {', '.join(fields)}")
+        values[name] = _coerce(f"{key}.{name}", value, hints[name])
+    return cls(**values)
+
+
+def _positive(key: str, value: float, *, strict: bool = True) -> None:
+    if value < 0 or (strict and value == 0):
+        raise ValueError(f"config key {key!r}: got {value!r}, expected {'> 0' if strict else '>= 0'}")
+
+
+def _validate(cfg: Config) -> None:
+    rl, tr = cfg.rl, cfg.trainer
+    for key in ("batch_size", "mini_batch_size", "num_rollouts", "max_new_tokens", "lr", "epochs", "critic_lr"):
+        _positive(f"rl.{key}", getattr(rl, key))
+    for key in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+        _positive(f"parallel.{key}", getattr(cfg.parallel, key))
+    for key, value in (("rl.temperature", rl.temperature), ("rl.top_k", rl.top_k), ("rl.weight_decay", rl.weight_decay),
+                       ("rl.grad_clip", rl.grad_clip), ("trainer.warmup_steps", tr.warmup_steps),
+                       ("trainer.save_every", tr.save_every), ("trainer.reward_workers", tr.reward_workers),
+                       ("trainer.threads", tr.threads), ("trainer.steps", tr.steps)):
+        _positive(key, value, strict=False)
+    for key in ("warmup_lr", "warmup_batch_size"):
+        _positive(f"trainer.{key}", getattr(tr, key))
+    if not 0 < rl.top_p <= 1:
+        raise ValueError(f"config key 'rl.top_p': got {rl.top_p!r}, expected a value in (0, 1]")
+    if rl.beta is not None:
+        _positive("rl.beta", rl.beta, strict=rl.algo == "dpo")
+    if rl.batch_size % rl.mini_batch_size:
+        raise ValueError(
+            f"config key 'rl.mini_batch_size': got {rl.mini_batch_size}, expected a divisor of rl.batch_size={rl.batch_size}"
+        )
+    if rl.algo == "dpo" and rl.num_rollouts != 1:
+        raise ValueError(f"config key 'rl.num_rollouts': got {rl.num_rollouts}, expected 1 for dpo (one pair per prompt)")
+    path = cfg.model.model_name_or_path
+    if isinstance(path, dict):
+        if "model_type" not in path:
+            raise ValueError("config key 'model.model_name_or_path': an inline config needs a 'model_type' (e.g. qwen2)")
+    elif not os.path.isdir(path):
+        raise ValueError(
+            f"config key 'model.model_name_or_path': got {path!r}, expected a local model directory or an inline "
+            "config mapping (rlcore downloads nothing; save the model locally first)"
+        )
+
+
+def parse_config(raw: Mapping[str, Any]) -> Config:
+    """Validate a config mapping (as loaded from YAML) into a :class:`Config`.
+
+    >>> cfg = parse_config({"model": {"model_name_or_path": {"model_type": "qwen2"}}, "rl": {"algo": "grpo"}})
+    >>> cfg.rl.num_rollouts
+    8
+    >>> parse_config({"rl": {"bacth_size": 8}})
+    Traceback (most recent call last):
+    ...
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs
+    """
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    for name in raw:
+        if name not in sections:
+            raise ValueError(f"config key {name!r}: unknown section, expected one of {', '.join(sections)}")
+    cfg = Config(**{name: _section(factory().__class__, name, raw.get(name)) for name, factory in sections.items()})
+    _validate(cfg)
+    return cfg
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (values parsed as YAML) to a raw config mapping.
+
+    >>> apply_overrides({"rl": {"temperature": 1.0}}, ["rl.temperature=0.7", "trainer.steps=3"])
+    {'rl': {'temperature': 0.7}, 'trainer': {'steps': 3}}
+    """
+    out: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise ValueError(f"override {item!r}: expected section.key=value, e.g. rl.temperature=0.7")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {} if child is None else child
+                if not isinstance(child, dict):
+                    raise ValueError(f"override {item!r}: {part!r} is not a section")
+                node[part] = child
+            node = child
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    return out
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config file, apply ``key=value`` overrides and validate it."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as err:
+        raise ValueError(f"config: cannot read {str(path)!r}: {err.strerror}") from err
+    except yaml.YAMLError as err:
+        raise ValueError(f"config: {str(path)!r} is not valid YAML: {err}") from err
+    return parse_config(apply_overrides(raw, overrides))
+
+
+def check_launch(cfg: Config, world_size: int) -> None:
+    """Refuse a config this launch cannot run: parallel sizes against the world size, unsupported layouts.
+
+    Also refuses a group-baseline algorithm with one sample per prompt (the seed's example
+    sets ``num_rollouts: 1``, which loads but would give every advantage 0).
+    """
+    if cfg.parallel.data_parallel != world_size:
+        raise ValueError(
+            f"config key 'parallel.data_parallel': got {cfg.parallel.data_parallel}, expected the launched world size "
+            f"{world_size} (start with torchrun --nproc-per-node {cfg.parallel.data_parallel}, or override "
+            f"parallel.data_parallel={world_size})"
+        )
+    for key in ("tensor_parallel", "pipeline_parallel"):
+        if getattr(cfg.parallel, key) != 1:
+            raise ValueError(
+                f"config key 'parallel.{key}': got {getattr(cfg.parallel, key)}, expected 1 (the reference trainer "
+                "shards data only; use rlcore.dataflow layouts in your own loop for model parallelism)"
+            )
+    if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and cfg.rl.num_rollouts < 2:
+        raise ValueError(
+            f"config key 'rl.num_rollouts': got {cfg.rl.num_rollouts}, expected >= 2 for {cfg.rl.algo} "
+            "(group baselines need at least two samples per prompt)"
+        )
+    if cfg.deploy.mode == "disaggregated":
+        raise ValueError(
+            "config key 'deploy.mode': got 'disaggregated', expected 'co-located' for the built-in engine "
+            "(pass an InferenceEngine to rlcore.train.train for a separate inference fleet)"
+        )

@@ -1,0 +1,161 @@
+"""rlcore.train.config: the seed's schema, validation naming the key, overrides, launch checks."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlcore.train import apply_overrides, check_launch, load_config, parse_config
+
+SEED = Path("/work/shared/seeds/qwen2_5_7b_grpo.yaml")
+INLINE = {"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 16}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _seed_text() -> str:
+    if SEED.is_file():
+        return SEED.read_text()
+    # The seed's example config (section 4.1 of the MindSpeed-RL document), verbatim keys.
+    return """
+model:
+  model_name_or_path: Qwen/Qwen2.5-7B-Instruct
+  torch_dtype: bf16
+  use_flash_attention: true
+rl:
+  algo: grpo
+  batch_size: 8
+  mini_batch_size: 2
+  num_rollouts: 1
+  temperature: 0.8
+  beta: 0.05
+parallel:
+  tensor_parallel: 1
+  pipeline_parallel: 1
+  data_parallel: 8
+deploy:
+  mode: co-located
+  async_infer: true
+"""
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**INLINE)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def _write(tmp_path, raw) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw) if not isinstance(raw, str) else raw)
+    return path
+
+
+def test_seed_example_loads_with_a_local_model(tmp_path, tiny_model_dir):
+    text = _seed_text().replace("Qwen/Qwen2.5-7B-Instruct", str(tiny_model_dir))
+    cfg = load_config(_write(tmp_path, text))
+    assert cfg.model.model_name_or_path == str(tiny_model_dir)
+    assert (cfg.model.torch_dtype, cfg.model.use_flash_attention) == ("bf16", True)
+    assert (cfg.rl.algo, cfg.rl.batch_size, cfg.rl.mini_batch_size, cfg.rl.temperature, cfg.rl.beta) == ("grpo", 8, 2, 0.8, 0.05)
+    assert (cfg.parallel.data_parallel, cfg.deploy.mode, cfg.deploy.async_infer, cfg.rl.num_rollouts) == (8, "co-located", True, 1)
+    # One sample per prompt leaves GRPO without a group baseline: refused at launch, not at load.
+    with pytest.raises(ValueError, match=r"'rl.num_rollouts': got 1, expected >= 2 for grpo"):
+        check_launch(cfg, 8)
+    check_launch(load_config(_write(tmp_path, text), ["rl.num_rollouts=2"]), 8)
+    with pytest.raises(ValueError, match=r"'parallel.data_parallel': got 8, expected the launched world size 1"):
+        check_launch(cfg, 1)
+
+
+def test_seed_example_with_hub_name_is_refused():
+    raw = yaml.safe_load(_seed_text())
+    with pytest.raises(ValueError, match=r"'model.model_name_or_path': got 'Qwen/Qwen2.5-7B-Instruct', expected a local"):
+        parse_config(raw)
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(path)
+        check_launch(cfg, cfg.parallel.data_parallel)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"modle": {}}, r"config key 'modle': unknown section, expected one of model, rl, parallel, deploy, data, trainer"),
+        ({"rl": {"bacth_size": 8}}, r"config key 'rl.bacth_size': unknown, expected one of algo, batch_size"),
+        ({"rl": {"batch_size": "8"}}, r"config key 'rl.batch_size': got str '8', expected int"),
+        ({"rl": {"batch_size": 8.0}}, r"config key 'rl.batch_size': got float 8.0, expected int"),
+        ({"rl": {"batch_size": True}}, r"config key 'rl.batch_size': got bool True, expected int"),
+        ({"rl": {"temperature": "hot"}}, r"config key 'rl.temperature': got str 'hot', expected float"),
+        ({"rl": {"algo": "trpo"}}, r"config key 'rl.algo': got str 'trpo', expected one of 'grpo', 'dr_grpo'"),
+        ({"deploy": {"mode": "remote"}}, r"config key 'deploy.mode': got str 'remote', expected one of 'co-located', 'disaggregated'"),
+        ({"deploy": {"async_infer": "yes"}}, r"config key 'deploy.async_infer': got str 'yes', expected bool"),
+        ({"model": {"torch_dtype": "fp8"}}, r"config key 'model.torch_dtype': got str 'fp8', expected one of 'fp32'"),
+        ({"model": {"model_name_or_path": 3}}, r"config key 'model.model_name_or_path': got int 3, expected str or dict"),
+        ({"model": {"model_name_or_path": {"hidden_size": 8}}}, r"an inline config needs a 'model_type'"),
+        ({"rl": []}, r"config key 'rl': got list, expected a mapping"),
+        ({"rl": {"batch_size": 0}}, r"config key 'rl.batch_size': got 0, expected > 0"),
+        ({"rl": {"lr": -1.0}}, r"config key 'rl.lr': got -1.0, expected > 0"),
+        ({"rl": {"temperature": -0.5}}, r"config key 'rl.temperature': got -0.5, expected >= 0"),
+        ({"rl": {"top_p": 1.5}}, r"config key 'rl.top_p': got 1.5, expected a value in \(0, 1\]"),
+        ({"rl": {"batch_size": 8, "mini_batch_size": 3}}, r"'rl.mini_batch_size': got 3, expected a divisor of rl.batch_size=8"),
+        ({"rl": {"algo": "dpo", "num_rollouts": 4}}, r"'rl.num_rollouts': got 4, expected 1 for dpo"),
+        ({"rl": {"algo": "dpo", "num_rollouts": 1, "beta": 0.0}}, r"'rl.beta': got 0.0, expected > 0"),
+        ({"parallel": {"tensor_parallel": 0}}, r"'parallel.tensor_parallel': got 0, expected > 0"),
+        ({"trainer": {"steps": -1}}, r"'trainer.steps': got -1, expected >= 0"),
+        ([1, 2], r"config: got list, expected a mapping of sections"),
+    ],
+)
+def test_every_error_names_the_key(raw, message):
+    if isinstance(raw, dict):
+        raw = {"model": {"model_name_or_path": INLINE}, **raw} if "model" not in raw else raw
+    with pytest.raises(ValueError, match=message):
+        parse_config(raw)
+
+
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("parallel", "tensor_parallel", 2, r"'parallel.tensor_parallel': got 2, expected 1"),
+        ("parallel", "pipeline_parallel", 2, r"'parallel.pipeline_parallel': got 2, expected 1"),
+        ("deploy", "mode", "disaggregated", r"'deploy.mode': got 'disaggregated', expected 'co-located'"),
+    ],
+)
+def test_launch_refuses_what_the_reference_trainer_cannot_run(section, key, value, message):
+    cfg = parse_config({"model": {"model_name_or_path": INLINE}, section: {key: value}})
+    with pytest.raises(ValueError, match=message):
+        check_launch(cfg, 1)
+
+
+def test_overrides_parse_values_as_yaml_and_validate(tmp_path):
+    path = _write(tmp_path, {"model": {"model_name_or_path": INLINE}, "rl": {"temperature": 1.0}})
+    cfg = load_config(path, ["rl.temperature=0.7", "rl.top_k=5", "deploy.async_infer=true", "trainer.output_dir=out/x"])
+    assert (cfg.rl.temperature, cfg.rl.top_k, cfg.deploy.async_infer, cfg.trainer.output_dir) == (0.7, 5, True, "out/x")
+    assert load_config(path, ["rl.lr=1e-4"]).rl.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
+    assert load_config(path, ["model.model_name_or_path.hidden_size=32"]).model.model_name_or_path["hidden_size"] == 32
+    with pytest.raises(ValueError, match=r"config key 'rl.temprature': unknown"):
+        load_config(path, ["rl.temprature=0.7"])
+    with pytest.raises(ValueError, match=r"config key 'rl.batch_size': got str 'many', expected int"):
+        load_config(path, ["rl.batch_size=many"])
+    for bad in ("temperature=0.7", "rl.temperature", ".x=1"):
+        with pytest.raises(ValueError, match="expected section.key=value"):
+            apply_overrides({}, [bad])
+    with pytest.raises(ValueError, match=r"'rl' is not a section"):
+        apply_overrides({"rl": 3}, ["rl.temperature=1"])
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(ValueError, match=r"config: cannot read '.*missing.yaml'"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        load_config(_write(tmp_path, "rl: [unclosed"))
+
+
+def test_local_directory_model_path_and_copy(tmp_path, tiny_model_dir):
+    moved = shutil.copytree(tiny_model_dir, tmp_path / "copy")
+    cfg = parse_config({"model": {"model_name_or_path": str(moved)}})
+    assert cfg.model.model_name_or_path == str(moved)

@@ -1,0 +1,167 @@
+"""rlcore.train.rollout: KV-cached sampling against no-cache loop references; top-k / top-p; EOS; engines."""
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.train import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
+from rlcore.testing.reference import filter_logits_ref, greedy_ref, response_logprobs_ref
+
+EOS, PAD, VOCAB = 1, 0, 12
+
+
+def tiny_model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(
+        "qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+PROMPTS = [[2, 3, 4, 5], [6, 7], [8, 9, 10]]
+
+
+def test_left_pad():
+    ids, mask = left_pad(PROMPTS, PAD)
+    assert ids.tolist() == [[2, 3, 4, 5], [0, 0, 6, 7], [0, 8, 9, 10]]
+    assert mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]]
+
+
+def _unpadded(r: Rollout, i: int) -> tuple[list[int], list[int]]:
+    prompt = r.prompts[i][r.prompt_mask[i] == 1].tolist()
+    return prompt, r.responses[i][r.mask[i] == 1].tolist()
+
+
+def test_greedy_equals_no_cache_loop_reference(model):
+    ids, mask = left_pad(PROMPTS, PAD)
+    r = generate(model, ids, mask, eos_token_id=EOS, max_new_tokens=6, temperature=0.0)
+    expected = greedy_ref(model, PROMPTS, eos_token_id=EOS, max_new_tokens=6)
+    assert [_unpadded(r, i)[1] for i in range(3)] == expected
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_match_unpadded_forward(dtype, tol, temperature):
+    model = tiny_model(dtype)
+    ids, mask = left_pad(PROMPTS, PAD)
+    g = torch.Generator().manual_seed(3)
+    r = generate(model, ids, mask, eos_token_id=EOS, max_new_tokens=5, n=2, temperature=temperature, generator=g)
+    assert r.logp.dtype == torch.float32
+    for i in range(r.responses.shape[0]):
+        prompt, response = _unpadded(r, i)
+        assert prompt == PROMPTS[i // 2]  # sample j of prompt i sits in row i * n + j
+        expected = torch.tensor(response_logprobs_ref(model, prompt, response, temperature=temperature), dtype=torch.float32)
+        torch.testing.assert_close(r.logp[i][r.mask[i] == 1], expected, atol=tol, rtol=0)
+    assert bool((r.logp[r.mask == 0] == 0).all())
+
+
+def test_mask_stops_after_eos_and_padding_follows(model):
+    ids, mask = left_pad(PROMPTS, PAD)
+    r = generate(model, ids, mask, eos_token_id=EOS, max_new_tokens=8, n=4, generator=torch.Generator().manual_seed(0))
+    for row, m in zip(r.responses.tolist(), r.mask.tolist()):
+        n_real = sum(m)
+        assert m == [1] * n_real + [0] * (len(m) - n_real)
+        assert all(t == PAD for t in row[n_real:])
+        assert EOS not in row[: n_real - 1]  # only the last real token may be <eos>
+        if n_real < len(m):
+            assert row[n_real - 1] == EOS
+
+
+class AlwaysEos(torch.nn.Module):
+    """A model whose every next token is <eos>: the loop must stop after one step."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, **cache):
+        self.calls += 1
+        logits = torch.full((*input_ids.shape, VOCAB), -10.0)
+        logits[..., EOS] = 10.0
+        return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits, past_key_values=None)
+
+
+def test_stops_when_every_row_has_ended():
+    m = AlwaysEos()
+    ids, mask = left_pad(PROMPTS, PAD)
+    r = generate(m, ids, mask, eos_token_id=EOS, max_new_tokens=8, n=2, temperature=0)
+    assert m.calls == 1 and r.responses.tolist() == [[EOS]] * 6 and r.mask.tolist() == [[1]] * 6
+
+
+def test_seeded_generator_reproduces_and_top_k_1_is_greedy(model):
+    ids, mask = left_pad(PROMPTS, PAD)
+    a = generate(model, ids, mask, eos_token_id=EOS, n=3, generator=torch.Generator().manual_seed(5))
+    b = generate(model, ids, mask, eos_token_id=EOS, n=3, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.logp, b.logp)
+    greedy = generate(model, ids, mask, eos_token_id=EOS, temperature=0)
+    top1 = generate(model, ids, mask, eos_token_id=EOS, top_k=1, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(greedy.responses, top1.responses)
+
+
+@settings(max_examples=30)
+@given(
+    st.lists(st.lists(st.integers(-40, 40), min_size=5, max_size=5, unique=True), min_size=1, max_size=3),
+    st.integers(0, 6),
+    st.sampled_from([1.0, 0.9, 0.5, 0.2, 0.01]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_filter_logits_matches_reference(rows, top_k, top_p, dtype):
+    logits = (torch.tensor(rows, dtype=torch.float32) / 8).to(dtype)
+    got = filter_logits(logits, top_k=top_k, top_p=top_p)
+    expected = filter_logits_ref(logits.float(), top_k=top_k, top_p=top_p).to(dtype)
+    assert got.dtype == dtype
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])
+    assert bool(torch.isfinite(got).any(-1).all())  # the most likely token always survives
+
+
+def test_filter_logits_hand_values():
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.3, 0.2]]))
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[True, False, False, True]]
+    # The nucleus grows while the mass ranked above a token is below top_p: 0.4 + 0.3 < 0.75 keeps 0.2.
+    assert torch.isinf(filter_logits(logits, top_p=0.75)).tolist() == [[True, False, False, False]]
+    assert torch.isinf(filter_logits(logits, top_p=0.69)).tolist() == [[True, False, False, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.4)).tolist() == [[True, False, True, True]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens: got 0"),
+        ({"n": 0}, "n: got 0"),
+        ({"temperature": -1.0}, "temperature: got -1.0"),
+        ({"top_p": 0.0}, r"top_p: got 0.0, expected in \(0, 1\]"),
+        ({"top_k": -2}, "top_k: got -2"),
+    ],
+)
+def test_bad_sampling_options(model, kwargs, message):
+    ids, mask = left_pad(PROMPTS, PAD)
+    with pytest.raises(ValueError, match=message):
+        generate(model, ids, mask, eos_token_id=EOS, **kwargs)
+
+
+def test_bad_prompts(model):
+    ids, mask = left_pad(PROMPTS, PAD)
+    with pytest.raises(ValueError, match="prompts: got dtype torch.float32"):
+        generate(model, ids.float(), mask, eos_token_id=EOS)
+    with pytest.raises(ValueError, match="prompt_mask: got shape"):
+        generate(model, ids, mask[:, 1:], eos_token_id=EOS)
+
+
+def test_torch_engine_is_an_inference_engine_and_restores_training_mode(model):
+    model.train()
+    engine = TorchEngine(model, eos_token_id=EOS, max_new_tokens=3)
+    assert isinstance(engine, InferenceEngine)
+    ids, mask = left_pad(PROMPTS, PAD)
+    r = engine.generate(ids, mask, n=2, generator=torch.Generator().manual_seed(0))
+    assert r.responses.shape[0] == 6 and r.responses.shape[1] <= 3
+    assert model.training
+    model.eval()
