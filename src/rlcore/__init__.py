@@ -11,13 +11,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlcore import device, ops, pytree
+from rlcore import algos, dataflow, device, memory, ops, pytree
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "device", "ops", "pytree", "testing"]
+__all__ = ["__version__", "algos", "dataflow", "device", "memory", "models", "ops", "pytree", "testing"]
 
-_LAZY = {"testing"}
+# Imported on first use: they need optional extras (hypothesis for testing,
+# transformers for models).
+_LAZY = {"models", "testing"}
 
 
 def __getattr__(name: str) -> Any:
