@@ -19,6 +19,7 @@ from rlcore.dataflow.reshard import (
 from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, stage
 from rlcore.dataflow.scheduler import PipelineResult, StageTimeout, TaskRecord, run_pipeline
 from rlcore.dataflow.simulate import SimReport, critical_path_bound, simulate
+from rlcore.dataflow.deploy import ColocatedSwitch, RolloutWorker, colocate
 
 __all__: list[str] = [
     "PARTITION_METHODS",
@@ -61,4 +62,7 @@ __all__: list[str] = [
     "run_pipeline",
     "simulate",
     "stage",
+    "ColocatedSwitch",
+    "RolloutWorker",
+    "colocate",
 ]

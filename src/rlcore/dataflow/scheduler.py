@@ -332,7 +332,7 @@ def run_pipeline(
       collect: columns to return per iteration in :attr:`PipelineResult.batches`.
       switch: ``switch(resource, from_phase, to_phase)``, called on the worker before
         the first call in a new memory phase (``from_phase`` None the first time);
-        see :func:`rlcore.dataflow.colocated_switch`.
+        see :class:`rlcore.dataflow.ColocatedSwitch`.
       join_timeout: seconds to wait for each worker thread at the end.
 
     Returns:

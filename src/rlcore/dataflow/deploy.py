@@ -1,0 +1,229 @@
+"""Deployment modes of a pipeline: co-located stages sharing devices, or rollout disaggregated in its own process.
+
+MindSpeed-RL (Feng et al., 2025, arXiv:2507.19017) runs the same stage graph either way:
+
+* **Co-located** (:func:`colocate`, :class:`ColocatedSwitch`): every device stage runs on
+  one shared device group. The scheduler keeps working in the group's current memory
+  phase while it can and switches only when nothing of that phase is runnable (see
+  :mod:`rlcore.dataflow.scheduler`); each switch runs the memory plan's AllGather-Swap
+  transition (:func:`rlcore.memory.enter_rollout` / :func:`rlcore.memory.enter_train`).
+* **Disaggregated** (:class:`RolloutWorker`): the rollout runs in another process, fed
+  micro-batches by a proxy stage; the trainer publishes new weights after each update
+  and they travel to the worker asynchronously (shared-memory tensors through a queue,
+  the transport of a one-process-per-side resharding flow), while the rollout keeps
+  generating under the staleness bound with exactly the version the scheduler stamped
+  on its rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as std_mp
+import queue
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.multiprocessing as mp
+
+from rlcore.dataflow.stages import Stage, stage
+
+if TYPE_CHECKING:
+    from rlcore.memory import AllGatherSwapPlan, RolloutState, TrainState
+
+__all__ = ["ColocatedSwitch", "RolloutWorker", "colocate"]
+
+
+def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequence[str] = ("cpu",)) -> list[Stage]:
+    """Put every stage whose resource is not in ``keep`` on the one shared ``resource``.
+
+    Co-located deployment (MindSpeed-RL, arXiv:2507.19017): all models share the
+    devices, so their calls are serialised and the memory phase switches between
+    rollout and training. CPU pools listed in ``keep`` stay separate.
+
+    >>> from rlcore.dataflow.stages import stage
+    >>> a = stage(print, inputs=["prompts"], outputs=["responses"], name="rollout", resource="gen")
+    >>> b = stage(print, inputs=["responses"], outputs=["scores"], name="reward", resource="cpu")
+    >>> [s.resource for s in colocate([a, b])]
+    ['device', 'cpu']
+    """
+    return [s if s.resource in keep else dataclasses.replace(s, resource=resource) for s in stages]
+
+
+class ColocatedSwitch:
+    """The ``switch`` hook of a co-located pipeline: AllGather-Swap between training and rollout.
+
+    ``switch(resource, src, dst)`` moving to ``"rollout"`` calls
+    :func:`~rlcore.memory.enter_rollout` (training state swapped out, inference weights
+    built bucket by bucket); moving to ``"train"`` calls
+    :func:`~rlcore.memory.enter_train` (inference weights freed, training state reloaded
+    into its own tensors). Rollout stages read :attr:`weights`.
+
+    Args:
+      state: the rank's :class:`~rlcore.memory.TrainState`, resident (phase ``"train"``).
+      plan: the :class:`~rlcore.memory.AllGatherSwapPlan`.
+
+    Attributes:
+      phase: the current phase.
+      transitions: ``(src, dst)`` of every transition run.
+    """
+
+    def __init__(self, state: TrainState, plan: AllGatherSwapPlan) -> None:
+        self.state: TrainState | RolloutState = state
+        self.plan = plan
+        self.phase = "train"
+        self.transitions: list[tuple[str, str]] = []
+
+    def __call__(self, resource: str, src: str | None, dst: str) -> None:
+        # rlcore.memory builds on rlcore.dataflow.reshard: imported here, not at module top, to avoid a cycle.
+        from rlcore.memory import enter_rollout, enter_train
+
+        if dst == self.phase:
+            return
+        if dst == "rollout":
+            self.state = enter_rollout(self.state, self.plan)
+        elif dst == "train":
+            self.state = enter_train(self.state, self.plan)
+        else:
+            raise ValueError(f"switch: got phase {dst!r} on resource {resource!r}, expected 'rollout' or 'train'")
+        self.transitions.append((self.phase, dst))
+        self.phase = dst
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The inference weights (name -> this rank's shard), in the rollout phase."""
+        if self.phase != "rollout":
+            raise ValueError(f"weights: the switch is in phase {self.phase!r}, expected 'rollout'")
+        return self.state.weights
+
+
+def _worker_main(factory: Callable[..., Any], args: tuple, threads: int, jobs: Any, weights: Any, results: Any) -> None:
+    """The rollout process: build the generate function, then serve jobs with the requested weights version."""
+    torch.set_num_threads(threads)
+    try:
+        fn = factory(*args)
+    except BaseException as err:  # reported to the trainer, which raises it
+        results.put(("error", _picklable(err)))
+        return
+    version, params = -1, None
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        batch, want = job
+        try:
+            while version < want:  # weights of `want` were published before the scheduler could stamp it
+                version, params = weights.get()
+            results.put(("ok", fn(batch, params)))
+        except BaseException as err:
+            results.put(("error", _picklable(err)))
+
+
+def _picklable(err: BaseException) -> BaseException:
+    try:
+        std_mp.reduction.ForkingPickler.dumps(err)
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+class RolloutWorker:
+    """A rollout in its own process, driven by a proxy :class:`~rlcore.dataflow.Stage` of the trainer's pipeline.
+
+    Disaggregated deployment (MindSpeed-RL, arXiv:2507.19017): ``factory(*args)`` runs
+    in the worker process and returns ``generate(batch, params) -> {column: rows}``.
+    :meth:`stage` gives the proxy stage: its calls send the batch (with its
+    ``policy_version``) to the worker and wait for the rows; the worker first applies
+    every published weights version up to the stamped one, so each row is generated by
+    exactly the version it records. :meth:`publish` sends the trainer's weights after
+    an update without waiting for the worker (shared-memory copies through a queue).
+
+    The worker is a daemon process: :meth:`close` (or leaving the ``with`` block) stops
+    it, terminating it if it does not exit within ``join_timeout``.
+
+    Args:
+      factory: a picklable (module-level) function building ``generate``.
+      args: its arguments.
+      threads: torch intra-op threads in the worker.
+      start_method: ``"spawn"`` (default, safe with threads) or ``"fork"``.
+      join_timeout: seconds :meth:`close` waits before terminating the worker.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[..., Callable[[dict[str, torch.Tensor], Any], Mapping[str, Any]]],
+        *,
+        args: tuple = (),
+        threads: int = 1,
+        start_method: str = "spawn",
+        join_timeout: float = 10.0,
+    ) -> None:
+        if not callable(factory):
+            raise ValueError(f"factory: got {type(factory).__name__}, expected a module-level callable")
+        ctx = mp.get_context(start_method)
+        self._jobs, self._weights, self._results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.join_timeout = join_timeout
+        self.process = ctx.Process(
+            target=_worker_main, args=(factory, args, threads, self._jobs, self._weights, self._results), daemon=True
+        )
+        self.process.start()
+        self.published = -1
+
+    def publish(self, version: int, params: Mapping[str, torch.Tensor]) -> None:
+        """Send weights ``version`` (a copy of ``params``) to the worker; returns at once."""
+        if version <= self.published:
+            raise ValueError(f"version: got {version}, expected more than the last published {self.published}")
+        self._weights.put((version, {n: t.detach().clone() for n, t in params.items()}))
+        self.published = version
+
+    def _call(self, name: str, batch: dict[str, torch.Tensor]) -> Mapping[str, Any]:
+        versions = batch["policy_version"]
+        want = int(versions.max())
+        if want > self.published:
+            raise ValueError(f"stage {name!r}: rows stamped with policy version {want}, but only up to {self.published} was published")
+        self._jobs.put((batch, want))
+        while True:
+            try:
+                status, value = self._results.get(timeout=0.1)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"stage {name!r}: rollout worker process exited with code {self.process.exitcode}") from None
+                continue
+            if status == "error":
+                value.add_note(f"raised in the rollout worker process of stage {name!r}")
+                raise value
+            return value
+
+    def stage(
+        self,
+        *,
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        name: str = "rollout",
+        micro_batch: int | None = None,
+        resource: str = "rollout",
+        timeout: float | None = None,
+    ) -> Stage:
+        """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph."""
+        return stage(
+            lambda batch: self._call(name, batch), inputs=inputs, outputs=outputs, name=name,
+            micro_batch=micro_batch, resource=resource, role="rollout", timeout=timeout,
+        )
+
+    def close(self) -> None:
+        """Stop the worker process (terminate it if it does not exit in time)."""
+        if self.process.is_alive():
+            self._jobs.put(None)
+            self.process.join(self.join_timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(self.join_timeout)
+        for q in (self._jobs, self._weights, self._results):
+            q.cancel_join_thread()
+            q.close()
+
+    def __enter__(self) -> RolloutWorker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

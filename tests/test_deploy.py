@@ -1,0 +1,168 @@
+"""Deployment modes: co-located stages switching through AllGather-Swap; rollout disaggregated into a process."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlcore.dataflow import ColocatedSwitch, RolloutWorker, StageGraph, StageTimeout, colocate, run_pipeline, stage
+from rlcore.dataflow.layout import decoder_layout
+from rlcore.dataflow.reshard import plan_reshard
+from rlcore.memory import TrainState, allgather_swap_plan
+
+# --------------------------------------------------------------------------- co-located
+
+
+def _colocated_run(switching):
+    """Rollout with the inference weights, SGD update with the training params; both on one device group."""
+    w = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    w.grad = torch.zeros_like(w)
+    seen = {"rollout_resident": [], "train_resident": []}
+    if switching:
+        plan = allgather_swap_plan(plan_reshard({"lm_head.weight": w}, decoder_layout({"lm_head.weight": w}),
+                                                decoder_layout({"lm_head.weight": w})), mesh=None, device="cpu", rank=0)
+        switch = ColocatedSwitch(TrainState({"lm_head.weight": w}, grads=[w.grad], optimizer=opt.state), plan)
+    else:
+        switch = None
+
+    def rollout(b):
+        weights = switch.weights["lm_head.weight"] if switching else w.detach()
+        seen["rollout_resident"].append(w.untyped_storage().nbytes())
+        return {"responses": b["prompts"].double().unsqueeze(1) * weights.sum(0).double()}
+
+    def update(b):
+        seen["train_resident"].append(w.untyped_storage().nbytes())
+        loss = (w.double().sum(0) * b["responses"]).sum() * 1e-3
+        loss.backward()
+        return {"loss": loss.detach().expand(b["responses"].shape[0]).clone()}
+
+    def step(j):
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    stages = colocate([
+        stage(rollout, inputs=["prompts"], outputs=["responses"], role="rollout", micro_batch=2, resource="gen"),
+        stage(lambda b: {"scores": b["responses"].sum(1)}, inputs=["responses"], outputs=["scores"], name="reward",
+              micro_batch=1, resource="cpu"),
+        stage(update, inputs=["responses", "scores"], outputs=["loss"], role="update", micro_batch=2,
+              resource="train", on_iteration_end=step),
+    ])
+    res = run_pipeline(StageGraph(stages), lambda j: {"prompts": torch.arange(4) + j}, num_prompts=4,
+                       num_iterations=3, collect=["responses", "loss"], switch=switch)
+    return res, switch, seen, w.detach().clone()
+
+
+def test_colocated_switches_through_allgather_swap_and_matches_the_unswitched_run():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        res, switch, seen, w = _colocated_run(True)
+    finally:
+        dist.destroy_process_group()
+    plain, _, plain_seen, plain_w = _colocated_run(False)
+    assert [s.resource for s in StageGraph(colocate([stage(print, inputs=["prompts"], outputs=["x"], name="a")])).order] == ["device"]
+    # the training state is swapped out during every rollout call and resident during every update call
+    assert set(seen["rollout_resident"]) == {0} and 0 not in seen["train_resident"]
+    assert set(plain_seen["rollout_resident"]) == {16}
+    assert switch.transitions == [("train", "rollout"), ("rollout", "train")] * 3
+    assert res.switches == [("device", "rollout", "train"), ("device", "train", "rollout")] * 2 + [("device", "rollout", "train")]
+    torch.testing.assert_close(w, plain_w, rtol=0, atol=0)
+    for a, b in zip(res.batches, plain.batches):
+        torch.testing.assert_close(a["responses"], b["responses"], rtol=0, atol=0)
+        torch.testing.assert_close(a["loss"], b["loss"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="weights: the switch is in phase 'train', expected 'rollout'"):
+        switch.weights
+    with pytest.raises(ValueError, match="got phase 'ref' on resource 'device'"):
+        switch("device", "train", "ref")
+
+
+# --------------------------------------------------------------------------- disaggregated
+
+
+def make_generate(mode):
+    """Runs in the worker process: responses = prompts * w + 0.5, failing or hanging on request."""
+
+    def generate(batch, params):
+        if mode == "raise" and int(batch["policy_version"].max()) >= 1:
+            raise ValueError("boom in generate")
+        if mode == "hang":
+            time.sleep(30)
+        if mode == "exit":
+            os._exit(3)
+        return {"responses": batch["prompts"].double() * params["w"] + 0.5}
+
+    return generate
+
+
+def _disaggregated(worker, *, staleness=1, timeout=None, iterations=4):
+    w = torch.tensor(1.0, dtype=torch.float64)
+    worker.publish(0, {"w": w})
+
+    def update(b):
+        time.sleep(0.01)
+        return {"loss": b["responses"] * 2}
+
+    def step(j):
+        w.add_(1.0)
+        worker.publish(j + 1, {"w": w})
+
+    graph = StageGraph([
+        worker.stage(inputs=["prompts"], outputs=["responses"], micro_batch=2, timeout=timeout),
+        stage(update, inputs=["responses"], outputs=["loss"], role="update", micro_batch=2, resource="train",
+              on_iteration_end=step),
+    ])
+    return run_pipeline(graph, lambda j: {"prompts": torch.arange(6) + 10 * j}, num_prompts=6,
+                        num_iterations=iterations, staleness=staleness, collect=["prompts", "responses"], join_timeout=2.0)
+
+
+def test_disaggregated_rollout_generates_each_row_with_the_version_it_records():
+    with RolloutWorker(make_generate, args=("ok",)) as worker:
+        res = _disaggregated(worker)
+        with pytest.raises(ValueError, match="expected more than the last published 4"):
+            worker.publish(4, {"w": torch.tensor(0.0)})
+    assert not worker.process.is_alive()
+    for j, b in enumerate(res.batches):
+        v = b["policy_version"]
+        assert bool(((j - v >= 0) & (j - v <= 1)).all())
+        # version v means weights w = 1 + v, so the rows prove which weights generated them
+        torch.testing.assert_close(b["responses"], b["prompts"].double() * (1 + v) + 0.5, rtol=0, atol=0)
+    assert any(int(b["policy_version"][0]) < j for j, b in enumerate(res.batches))  # some rows were off-policy
+
+
+def _no_worker_threads():
+    end = time.monotonic() + 5
+    while time.monotonic() < end and [t for t in threading.enumerate() if t.name.startswith("rlcore-")]:
+        time.sleep(0.01)
+    return not [t for t in threading.enumerate() if t.name.startswith("rlcore-")]
+
+
+@pytest.mark.parametrize(
+    "mode, error, match",
+    [
+        ("raise", ValueError, "boom in generate"),
+        ("exit", RuntimeError, "stage 'rollout': rollout worker process exited with code 3"),
+        ("hang", StageTimeout, "stage 'rollout' timed out after 0.5 s"),
+    ],
+)
+def test_disaggregated_faults_stop_the_pipeline_and_leave_no_process_or_thread(mode, error, match):
+    worker = RolloutWorker(make_generate, args=(mode,), join_timeout=2.0)
+    try:
+        with pytest.raises(error, match=match) as info:
+            _disaggregated(worker, timeout=0.5 if mode == "hang" else None)
+    finally:
+        worker.close()
+    assert not worker.process.is_alive()
+    assert _no_worker_threads()
+    if mode == "raise":
+        assert any(n.startswith("in stage 'rollout' at iteration ") for n in info.value.__notes__)
+        assert any("rollout worker process" in n for n in info.value.__notes__)
+
+
+def test_worker_rejects_rows_stamped_with_an_unpublished_version():
+    with RolloutWorker(make_generate, args=("ok",), start_method="fork") as worker:
+        graph = StageGraph([worker.stage(inputs=["prompts"], outputs=["responses"])])
+        with pytest.raises(ValueError, match="policy version 0, but only up to -1 was published"):
+            run_pipeline(graph, lambda j: {"prompts": torch.arange(2)}, num_prompts=2)
