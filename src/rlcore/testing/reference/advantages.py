@@ -112,6 +112,7 @@ def reinforce_pp_advantages_ref(
 def reinforce_pp_baseline_advantages_ref(
     scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8
 ) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.reinforce_pp_baseline_advantages`, written for clarity."""
     s = scores.double().tolist()
     centred = [0.0] * len(s)
     for idx in _members(group_ids).values():
@@ -125,6 +126,7 @@ def reinforce_pp_baseline_advantages_ref(
 def grpo_advantages_ref(
     scores: torch.Tensor, group_ids: torch.Tensor, *, scale: str = "group", eps: float = 1e-6
 ) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.grpo_advantages`, written for clarity."""
     s = scores.double().tolist()
     batch_std = _std(s)
     out = [0.0] * len(s)
@@ -152,6 +154,7 @@ def rloo_advantages_ref(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.
 def gpg_advantages_ref(
     scores: torch.Tensor, group_ids: torch.Tensor, *, f_norm: float = 1.0, alpha: float | str = 1.0
 ) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.gpg_advantages`, written for clarity."""
     s = scores.double().tolist()
     groups = _members(group_ids)
     if alpha == "auto":
@@ -168,6 +171,7 @@ def gpg_advantages_ref(
 
 
 def opo_advantages_ref(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.opo_advantages`, written for clarity."""
     s = scores.double().tolist()
     ln = lengths.double().tolist()
     out = [0.0] * len(s)
@@ -183,6 +187,7 @@ def opo_advantages_ref(scores: torch.Tensor, group_ids: torch.Tensor, lengths: t
 
 
 def remax_advantages_ref(scores: torch.Tensor, baseline_scores: torch.Tensor) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.remax_advantages`, written for clarity."""
     return torch.tensor(
         [float(Fraction(a) - Fraction(b)) for a, b in zip(scores.double().tolist(), baseline_scores.double().tolist())],
         dtype=torch.float64,

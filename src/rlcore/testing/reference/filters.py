@@ -10,6 +10,7 @@ __all__ = ["dynamic_sampling_mask_ref", "rejection_mask_ref", "truncated_is_weig
 
 
 def dynamic_sampling_mask_ref(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.dynamic_sampling_mask`, written for clarity."""
     s, ids = scores.double().tolist(), group_ids.tolist()
     distinct: dict[int, set[float]] = {}
     for v, g in zip(s, ids):
@@ -48,6 +49,7 @@ def rejection_mask_ref(
     low: float | None = None,
     veto: float | None = None,
 ) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.rejection_mask`, written for clarity."""
     lo = 1.0 / high if low is None else low
     out = []
     for logs, m in _rows(logp, rollout_logp, mask):

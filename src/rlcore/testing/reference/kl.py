@@ -37,6 +37,7 @@ def kl_in_reward_ref(
     kl_coef: float,
     estimator: str = "k1",
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loop reference of :func:`rlcore.algos.kl_in_reward`, written for clarity."""
     kl = kl_penalty_ref(logp, ref_logp, estimator=estimator).tolist()
     r, m = rewards.double().tolist(), mask.bool().tolist()
     shaped, seq_kls, tokens = [], [], []

@@ -55,16 +55,19 @@ def _var(xs: list[float], ms: list[float], unbiased: bool) -> tuple[Fraction, Fr
 
 
 def masked_sum_ref(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.ops.masked_sum`, written for clarity."""
     rows, ms, shape = _rows(x, mask, dim)
     return torch.tensor([float(_stats(r, m)[1]) for r, m in zip(rows, ms)], dtype=torch.float64).reshape(shape)
 
 
 def masked_mean_ref(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.ops.masked_mean`, written for clarity."""
     rows, ms, shape = _rows(x, mask, dim)
     return torch.tensor([float(_stats(r, m)[2]) for r, m in zip(rows, ms)], dtype=torch.float64).reshape(shape)
 
 
 def masked_var_ref(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, *, unbiased: bool = True) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.ops.masked_var`, written for clarity."""
     rows, ms, shape = _rows(x, mask, dim)
     return torch.tensor([float(_var(r, m, unbiased)[0]) for r, m in zip(rows, ms)], dtype=torch.float64).reshape(shape)
 
@@ -114,16 +117,19 @@ def _segment(x: torch.Tensor, group_ids: torch.Tensor, num_segments: int | None,
 
 
 def segment_sum_ref(x: torch.Tensor, group_ids: torch.Tensor, *, num_segments: int | None = None) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.ops.segment_sum`, written for clarity."""
     return _segment(x, group_ids, num_segments, lambda v: sum((Fraction(a) for a in v), Fraction(0)))
 
 
 def segment_mean_ref(x: torch.Tensor, group_ids: torch.Tensor, *, num_segments: int | None = None) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.ops.segment_mean`, written for clarity."""
     return _segment(x, group_ids, num_segments, lambda v: _stats(v, [1.0] * len(v))[2])
 
 
 def segment_std_ref(
     x: torch.Tensor, group_ids: torch.Tensor, *, num_segments: int | None = None, unbiased: bool = True
 ) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.ops.segment_std`, written for clarity."""
     return _segment(x, group_ids, num_segments, lambda v: math.sqrt(float(_var(v, [1.0] * len(v), unbiased)[0])))
 
 
@@ -145,4 +151,5 @@ def reverse_linear_scan_ref(x: torch.Tensor, factors: torch.Tensor | float) -> t
 
 
 def discounted_cumsum_ref(x: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.ops.discounted_cumsum`, written for clarity."""
     return reverse_linear_scan_ref(x, gamma)

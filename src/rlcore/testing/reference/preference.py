@@ -44,6 +44,7 @@ def _t(values: list[float]) -> torch.Tensor:
 
 
 def sequence_logps_ref(logp: torch.Tensor, mask: torch.Tensor, *, reduce: str = "sum") -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.sequence_logps`, written for clarity."""
     out = []
     for row, m in zip(logp.double().tolist(), mask.double().tolist()):
         picked = [v for v, w in zip(row, m) if w != 0]
@@ -137,6 +138,7 @@ def simpo_loss_ref(
     pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, *, beta: float = 2.0, gamma: float = 0.5,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.simpo_loss`, written for clarity."""
     pw, pl = _floats(pi_chosen, pi_rejected)
     return _t([_cdpo(beta * w - beta * l - gamma, label_smoothing) for w, l in zip(pw, pl)])
 
@@ -145,6 +147,7 @@ def cpo_loss_ref(
     pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, chosen_nll: torch.Tensor, *, beta: float = 0.1,
     alpha: float = 1.0, label_smoothing: float = 0.0,
 ) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.cpo_loss`, written for clarity."""
     pw, pl, nll = _floats(pi_chosen, pi_rejected, chosen_nll)
     return _t([_cdpo(beta * (w - l), label_smoothing) + alpha * n for w, l, n in zip(pw, pl, nll)])
 

@@ -28,11 +28,13 @@ def overlong_penalty_ref(
 
 
 def clip_rewards_ref(rewards: torch.Tensor, *, low: float = -10.0, high: float = 10.0) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.clip_rewards`, written for clarity."""
     vals = [min(max(v, low), high) for v in rewards.double().flatten().tolist()]
     return torch.tensor(vals, dtype=torch.float64).reshape(rewards.shape)
 
 
 def scores_to_token_rewards_ref(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Loop reference of :func:`rlcore.algos.scores_to_token_rewards`, written for clarity."""
     out = []
     for s, row in zip(scores.double().tolist(), mask.bool().tolist()):
         rew = [0.0] * len(row)
