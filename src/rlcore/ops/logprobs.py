@@ -305,7 +305,9 @@ def entropy_from_logits(
 
         H_t = logsumexp(x_t) - sum_v softmax(x_t)[v] x_t[v],   x_t = logits_t / T.
 
-    ``-inf`` logits contribute 0. The backward recomputes each chunk's softmax.
+    ``-inf`` logits (a masked vocabulary) contribute 0; the same formula written as
+    ``logsumexp(x) - (softmax(x) * x).sum()`` (``entropy_from_logits`` in TRL and verl) returns
+    NaN there, from ``0 * -inf``. The backward recomputes each chunk's softmax.
 
     Args:
       logits: ``[..., V]`` floating point.
