@@ -166,3 +166,18 @@ def test_worker_rejects_rows_stamped_with_an_unpublished_version():
         graph = StageGraph([worker.stage(inputs=["prompts"], outputs=["responses"])])
         with pytest.raises(ValueError, match="policy version 0, but only up to -1 was published"):
             run_pipeline(graph, lambda j: {"prompts": torch.arange(2)}, num_prompts=2)
+
+
+def make_broken():
+    raise OSError("no model here")
+
+
+def test_wait_ready_raises_the_factory_error_and_returns_once_built():
+    with RolloutWorker(make_broken, start_method="fork") as worker:
+        with pytest.raises(OSError, match="no model here") as info:
+            worker.wait_ready(timeout=30)
+    assert any("rollout worker process" in n for n in info.value.__notes__)
+    with RolloutWorker(make_generate, args=("ok",), start_method="fork") as worker:
+        worker.wait_ready(timeout=30)
+        worker.wait_ready(timeout=30)  # already ready: returns at once
+        assert worker.process.is_alive()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as std_mp
 import queue
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,7 @@ def _worker_main(factory: Callable[..., Any], args: tuple, threads: int, jobs: A
     except BaseException as err:  # reported to the trainer, which raises it
         results.put(("error", _picklable(err)))
         return
+    results.put(("ready", None))
     version, params = -1, None
     while True:
         job = jobs.get()
@@ -168,6 +170,7 @@ class RolloutWorker:
         )
         self.process.start()
         self.published = -1
+        self._ready = False
 
     def publish(self, version: int, params: Mapping[str, torch.Tensor]) -> None:
         """Send weights ``version`` (a copy of ``params``) to the worker; returns at once."""
@@ -182,17 +185,34 @@ class RolloutWorker:
         if want > self.published:
             raise ValueError(f"stage {name!r}: rows stamped with policy version {want}, but only up to {self.published} was published")
         self._jobs.put((batch, want))
+        return self._receive(name, None)
+
+    def _receive(self, name: str, timeout: float | None) -> Any:
+        """The worker's next result, skipping its ready message; raises its errors, its death or the timeout."""
+        end = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
                 status, value = self._results.get(timeout=0.1)
             except queue.Empty:
                 if not self.process.is_alive():
                     raise RuntimeError(f"stage {name!r}: rollout worker process exited with code {self.process.exitcode}") from None
+                if end is not None and time.monotonic() > end:
+                    raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
                 continue
             if status == "error":
                 value.add_note(f"raised in the rollout worker process of stage {name!r}")
                 raise value
+            if status == "ready":
+                self._ready = True
+                if timeout is not None:
+                    return None
+                continue
             return value
+
+    def wait_ready(self, timeout: float = 120.0, *, name: str = "rollout") -> None:
+        """Block until the worker has built its generate function (to keep start-up out of a timing)."""
+        if not self._ready:
+            self._receive(name, timeout)
 
     def stage(
         self,
