@@ -7,9 +7,9 @@ import transformers
 from rlcore.dataflow import pack
 from rlcore.models import from_hf, load_causal_lm, packed_causal_attention, token_logprobs
 from rlcore.models.attention import _flex_document
-from rlcore.testing.allocations import record_allocations  # noqa: E402
-from rlcore.testing.reference import packed_attention_ref  # noqa: E402
-from rlcore.testing.token_strategies import ragged_token_batches, token_lengths  # noqa: E402
+from rlcore.testing.allocations import record_allocations
+from rlcore.testing.reference import packed_attention_ref
+from rlcore.testing.token_strategies import ragged_token_batches, token_lengths
 
 VOCAB = 61
 TINY = {
