@@ -1,0 +1,68 @@
+"""The example notebooks: stored without outputs, and each one runs top to bottom without an error."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="the notebooks need the test extra")
+nbclient = pytest.importorskip("nbclient", reason="the notebooks need the test extra")
+pytest.importorskip("ipykernel", reason="the notebooks need the test extra")
+pytest.importorskip("matplotlib", reason="the notebooks need the test extra")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
+# Seconds for a whole notebook; each takes well under a minute on one core.
+TIMEOUT = 240
+
+# Appended to the executed copy only: keep the figures open (the inline backend closes
+# them once shown), then check that every plot says what it shows.
+_KEEP_FIGURES = "%config InlineBackend.close_figures = False"
+_CHECK_FIGURES = """
+import matplotlib.pyplot as _plt
+_problems = []
+for _num in _plt.get_fignums():
+    _fig = _plt.figure(_num)
+    _axes = [a for a in _fig.axes if a.has_data()]
+    if not _axes:
+        _problems.append(f"figure {_num} plots nothing")
+    if any(not a.get_title() for a in _axes) and not _fig.get_suptitle():
+        _problems.append(f"figure {_num}: an axes without a title")
+    if not any(a.get_xlabel() for a in _axes) or not any(a.get_ylabel() for a in _axes):
+        _problems.append(f"figure {_num}: axes not labelled")
+assert _plt.get_fignums(), "no figure"
+assert not _problems, _problems
+"""
+
+
+def test_the_four_notebooks_exist() -> None:
+    names = {p.name for p in NOTEBOOKS}
+    assert {"01_custom_algorithm.ipynb", "02_preference.ipynb", "03_dataflow.ipynb", "04_memory.ipynb"} <= names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_stored_without_outputs(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: cell {i} has outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(_KEEP_FIGURES))
+    nb.cells.append(nbformat.v4.new_code_cell(_CHECK_FIGURES))
+    deadline = time.monotonic() + TIMEOUT
+    client = nbclient.NotebookClient(
+        nb,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(EXAMPLES)}},
+        # Each cell may use what is left of the notebook's budget.
+        timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
+    )
+    # Raises CellExecutionError, with the failing cell and its traceback, on any error.
+    client.execute()
