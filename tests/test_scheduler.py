@@ -63,7 +63,7 @@ def _no_worker_threads(deadline=5.0):
 
 
 @settings(max_examples=20)
-@given(pipeline_specs(), )
+@given(pipeline_specs())
 def test_every_row_once_per_stage_and_staleness_bound(spec):
     graph, res = _run(spec, blocking=False)
     cap = spec["num_prompts"] * spec["n_samples"]
@@ -114,7 +114,8 @@ def _two_stage(delay_roll, delay_upd, *, resources=("gen", "train"), timeout=Non
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_rollout_overlaps_the_update_only_under_staleness(staleness):
-    res = run_pipeline(_two_stage(0.01, 0.01), lambda j: {"prompts": torch.arange(4)}, num_prompts=4,
+    # the update is 10x slower than the rollout, so scheduling jitter cannot hide the overlap
+    res = run_pipeline(_two_stage(0.005, 0.05), lambda j: {"prompts": torch.arange(4)}, num_prompts=4,
                        num_iterations=3, staleness=staleness)
     start = {j: min(t.start for t in res.tasks if t.stage == "rollout" and t.iteration == j) for j in range(3)}
     end = {j: max(t.end for t in res.tasks if t.stage == "update" and t.iteration == j) for j in range(3)}
@@ -208,3 +209,12 @@ def test_columns_keep_their_dtype_through_the_pipeline(dtype):
     assert batch["logp"].dtype == batch["seq"].dtype == dtype
     want = torch.tensor([-0.5 * i * (i % 3 + 1) for i in range(5)], dtype=torch.float64)
     torch.testing.assert_close(batch["seq"].double(), want, rtol=0, atol=0)
+
+
+def test_a_stall_is_an_error_not_a_hang(monkeypatch):
+    from rlcore.dataflow import scheduler
+
+    monkeypatch.setattr(scheduler._Core, "pick", lambda self, resource: None)
+    with pytest.raises(RuntimeError, match=r"pipeline stalled: no stage can take rows and none is running; stages with rows left: \['rollout@0', 'update@0'\]"):
+        run_pipeline(_two_stage(0.0, 0.0), lambda j: {"prompts": torch.arange(4)}, num_prompts=4)
+    assert _no_worker_threads()

@@ -133,3 +133,11 @@ def test_cost_errors_name_the_stage():
         simulate(graph, lambda s, rows: -1.0, num_prompts=4)
     with pytest.raises(ValueError, match="cost: got int"):
         simulate(graph, 3, num_prompts=4)
+
+
+def test_a_stalled_simulation_is_an_error(monkeypatch):
+    from rlcore.dataflow import scheduler
+
+    monkeypatch.setattr(scheduler._Core, "pick", lambda self, resource: None)
+    with pytest.raises(RuntimeError, match="simulation stalled: no stage can take rows"):
+        simulate(_seven(4), {n: 1.0 for n in _seven(4).names}, num_prompts=4)
