@@ -188,6 +188,10 @@ def test_output_and_loader_errors_name_the_culprit():
         run_pipeline(ok, lambda j: {"ids": torch.arange(2)}, num_prompts=2)
     with pytest.raises(ValueError, match="staleness: got -1"):
         run_pipeline(ok, lambda j: {"prompts": torch.arange(2)}, num_prompts=2, staleness=-1)
+    with pytest.raises(ValueError, match=r"slots: got resource\(s\) \['gpu'\] no stage runs on"):
+        run_pipeline(ok, lambda j: {"prompts": torch.arange(2)}, num_prompts=2, slots={"gpu": 2})
+    with pytest.raises(ValueError, match=r"slots\['device'\]: got 0"):
+        run_pipeline(ok, lambda j: {"prompts": torch.arange(2)}, num_prompts=2, slots={"device": 0})
     with pytest.raises(ValueError, match="collect: got unknown column"):
         run_pipeline(ok, lambda j: {"prompts": torch.arange(2)}, num_prompts=2, collect=["y"])
     group = StageGraph([stage(lambda b: {"x": b["prompts"]}, inputs=["prompts"], outputs=["x"], name="adv",

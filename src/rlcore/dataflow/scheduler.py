@@ -136,6 +136,9 @@ class _Core:
         for s in graph.order:
             if s.by_group and s.micro_batch is not None and s.micro_batch % n_samples:
                 raise ValueError(f"stage {s.name!r}: micro_batch {s.micro_batch} with by_group, expected a multiple of n_samples={n_samples}")
+        unknown = sorted(set(slots or {}) - set(graph.resources))
+        if unknown:
+            raise ValueError(f"slots: got resource(s) {unknown} no stage runs on, expected some of {list(graph.resources)}")
         slots = dict.fromkeys(graph.resources, 1) | dict(slots or {})
         for res, n in slots.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
