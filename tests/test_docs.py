@@ -99,6 +99,16 @@ def test_doctest_fencing_extension() -> None:
     text = "Summary.\n\n>>> f([1])\n[(1, 0), (0, 1)]\n\nMore text.\n\n```\n>>> fenced already\n```"
     out = mod.fence_doctests(text).splitlines()
     assert out == [
-        "Summary.", "", "```pycon", ">>> f([1])", "[(1, 0), (0, 1)]", "```", "", "More text.", "",
-        "```", ">>> fenced already", "```",
+        "Summary.",
+        "",
+        "```pycon",
+        ">>> f([1])",
+        "[(1, 0), (0, 1)]",
+        "```",
+        "",
+        "More text.",
+        "",
+        "```",
+        ">>> fenced already",
+        "```",
     ]
