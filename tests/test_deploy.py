@@ -121,8 +121,10 @@ def _disaggregated(worker, *, staleness=1, timeout=None, iterations=4):
 def test_disaggregated_rollout_generates_each_row_with_the_version_it_records():
     with RolloutWorker(make_generate, args=("ok",)) as worker:
         res = _disaggregated(worker)
-        with pytest.raises(ValueError, match="expected more than the last published 4"):
+        with pytest.raises(ValueError, match=r"version: got 4, expected 5 \(the next version after 4\)"):
             worker.publish(4, {"w": torch.tensor(0.0)})
+        with pytest.raises(ValueError, match="version: got 7, expected 5"):
+            worker.publish(7, {"w": torch.tensor(0.0)})
     assert not worker.process.is_alive()
     for j, b in enumerate(res.batches):
         v = b["policy_version"]

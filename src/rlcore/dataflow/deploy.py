@@ -173,9 +173,13 @@ class RolloutWorker:
         self._ready = False
 
     def publish(self, version: int, params: Mapping[str, torch.Tensor]) -> None:
-        """Send weights ``version`` (a copy of ``params``) to the worker; returns at once."""
-        if version <= self.published:
-            raise ValueError(f"version: got {version}, expected more than the last published {self.published}")
+        """Send weights ``version`` (a copy of ``params``) to the worker; returns at once.
+
+        Versions go 0, 1, 2, ... with none skipped, so the worker can stop at exactly the
+        version a row is stamped with.
+        """
+        if version != self.published + 1:
+            raise ValueError(f"version: got {version}, expected {self.published + 1} (the next version after {self.published})")
         self._weights.put((version, {n: t.detach().clone() for n, t in params.items()}))
         self.published = version
 
