@@ -9,7 +9,7 @@ from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, lo
 from rlcore.train.metrics import MetricsLog, plot_curves, read_metrics
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
-from rlcore.train.trainer import build_algorithm, build_model, train
+from rlcore.train.trainer import Run, build_algorithm, build_model, train
 
 __all__ = [
     "ALGOS",
@@ -21,6 +21,7 @@ __all__ = [
     "MetricsLog",
     "Reversal",
     "Rollout",
+    "Run",
     "TorchEngine",
     "apply_overrides",
     "build_algorithm",

@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        records = train(cfg, resume=args.resume)
+        records = train(cfg, resume=args.resume).records
     except ValueError as err:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ import warnings
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,10 +42,18 @@ from rlcore.train.metrics import MetricsLog, plot_curves, read_metrics
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, left_pad
 from rlcore.train.tasks import make_task
 
-__all__ = ["build_algorithm", "build_model", "train"]
+__all__ = ["Run", "build_algorithm", "build_model", "train"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
+
+
+class Run(NamedTuple):
+    """What :func:`train` returns: the per-step metrics records and this rank's trained models."""
+
+    records: list[dict[str, Any]]
+    policy: torch.nn.Module
+    critic: torch.nn.Module | None
 
 
 def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.nn.Module:
@@ -236,7 +244,8 @@ def _rl_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> di
         ref_logp, _ = _logprobs(state["reference"], rollout, rl.temperature)
         extra = {"old_values": _values(state["critic"], rollout)} if state["critic"] is not None else {}
     mask = rollout.mask.float()
-    batch = {"scores": scores.result().to(device), "group_ids": torch.arange(local_prompts, device=device).repeat_interleave(n),
+    raw_scores = scores.result().to(device)
+    batch = {"scores": raw_scores, "group_ids": torch.arange(local_prompts, device=device).repeat_interleave(n),
              "mask": mask, "old_logp": old_logp, "ref_logp": ref_logp, **extra}
     batch = state["algo"].advantages(batch)
     rows = local_prompts * n
@@ -258,7 +267,7 @@ def _rl_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> di
     lengths = rollout.mask.sum(-1).float()
     return {
         **sums,
-        "reward": batch["scores"].mean() if "scores" in batch else scores.result().mean(),
+        "reward": raw_scores.mean(),  # the task reward, before any shaping
         # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot.
         "kl": masked_mean(algos.kl_penalty(old_logp, ref_logp, estimator="k3"), mask),
         "entropy": masked_mean(entropy, mask),
@@ -285,6 +294,10 @@ def _dpo_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> d
     for side, answers in (("chosen", [s["answer"] for s in samples]), ("rejected", rejected)):
         seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], answers, device)
         pairs.update({f"{side}_{k}": v for k, v in seq.items()})
+    mask = rollout.mask.float()
+    with torch.no_grad():
+        old_logp, entropy = _logprobs(state["policy"], rollout, rl.temperature)
+        ref_logp, _ = _logprobs(state["reference"], rollout, rl.temperature)
     model = lambda m: (lambda ids, am: _forward(m, ids, am))  # noqa: E731 -- the DPO recipe's model callable
     sums: dict[str, torch.Tensor] = {}
     per_update = rl.mini_batch_size
@@ -294,10 +307,6 @@ def _dpo_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> d
         _optimise(loss, step, state["params"], state["opts"], world, rl.grad_clip)
         for k, v in {"loss": loss.detach(), **metrics}.items():
             sums[k] = sums.get(k, 0) + v.float() / (local_prompts // per_update)
-    mask = rollout.mask.float()
-    with torch.no_grad():
-        old_logp, entropy = _logprobs(state["policy"], rollout, rl.temperature)
-        ref_logp, _ = _logprobs(state["reference"], rollout, rl.temperature)
     return {
         **sums,
         "reward": scores.to(device).mean(),
@@ -315,8 +324,8 @@ def train(
     engine: InferenceEngine | None = None,
     algo: algos.Algorithm | None = None,
     reward: Any = None,
-) -> list[dict[str, Any]]:
-    """Run the config's training job; returns the metrics records (rank 0 also writes them, the plot and checkpoints).
+) -> Run:
+    """Run the config's training job; rank 0 writes metrics JSONL, checkpoints and the plot to ``trainer.output_dir``.
 
     Args:
       cfg: a validated :class:`rlcore.train.config.Config`.
@@ -401,7 +410,7 @@ def train(
             log.close()
     if leader and tr.plot:
         plot_curves(read_metrics(out / "metrics.jsonl"), out / "curves.png")
-    return records
+    return Run(records, policy, critic)
 
 
 def _task_options(cfg: Config) -> dict[str, Any]:

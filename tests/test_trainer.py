@@ -1,0 +1,191 @@
+"""rlcore.train.trainer: shipped configs run, resume is exact, DP keeps ranks identical, faults stop cleanly."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcore import algos
+from rlcore.rewards import RewardError
+from rlcore.train import TorchEngine, build_model, load_checkpoint, make_task, load_config, read_metrics, save_checkpoint, train
+from rlcore.train.checkpoint import CHECKPOINT_NAME
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.model_name_or_path.hidden_size=32",
+    "model.model_name_or_path.intermediate_size=64",
+    "model.model_name_or_path.num_hidden_layers=1",
+    "rl.batch_size=4",
+    "rl.mini_batch_size=2",
+    "rl.num_rollouts=4",
+    "rl.max_new_tokens=6",
+    "trainer.warmup_steps=2",
+    "trainer.warmup_batch_size=8",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "deploy.async_infer=false",
+]
+TIME_KEYS = {"step_time_s", "tokens_per_s_device"}
+
+
+def tiny(name: str, out: Path, *extra: str):
+    overrides = list(TINY) + [f"trainer.output_dir={out}", *extra]
+    if name == "dpo_tiny":
+        overrides = [o for o in overrides if not o.startswith("rl.num_rollouts")]
+    return load_config(ROOT / "configs" / f"{name}.yaml", overrides)
+
+
+def _curve(records):
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in records]
+
+
+@pytest.mark.parametrize("name", ["grpo_tiny", "ppo_tiny", "dapo_tiny", "dpo_tiny"])
+def test_shipped_config_runs_a_few_steps(name, tmp_path):
+    run = train(tiny(name, tmp_path, "trainer.steps=2", "trainer.save_every=1"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1] and _curve(records) == _curve(run.records)
+    for r in records:
+        for key in ("reward", "kl", "entropy", "response_length", "tokens_per_s_device", "loss"):
+            assert torch.isfinite(torch.tensor(r[key])), (key, r)
+        assert 0 <= r["reward"] <= 1 and 1 <= r["response_length"] <= 6
+    assert records[0]["kl"] == pytest.approx(0, abs=1e-6)  # the first rollout is the reference policy
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    state = load_checkpoint(tmp_path)
+    assert state["step"] == 1
+    assert (state["critic"] is not None) == (name == "ppo_tiny")
+    assert all(torch.equal(v, run.policy.state_dict()[k]) for k, v in state["policy"].items())
+
+
+def test_rewards_in_a_worker_process(tmp_path):
+    run = train(tiny("grpo_tiny", tmp_path, "trainer.steps=1", "deploy.async_infer=true", "trainer.plot=false"))
+    assert len(run.records) == 1 and 0 <= run.records[0]["reward"] <= 1
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    whole = train(tiny("grpo_tiny", tmp_path / "a", "trainer.steps=4", "trainer.plot=false"))
+    train(tiny("grpo_tiny", tmp_path / "b", "trainer.steps=2", "trainer.plot=false"))
+    resumed = train(tiny("grpo_tiny", tmp_path / "b", "trainer.steps=4", "trainer.plot=false"), resume=True)
+    assert [r["step"] for r in resumed.records] == [2, 3]
+    assert _curve(read_metrics(tmp_path / "b" / "metrics.jsonl")) == _curve(whole.records)
+    for (k, a), b in zip(whole.policy.state_dict().items(), resumed.policy.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="resume: no checkpoint at"):
+        train(tiny("grpo_tiny", tmp_path, "trainer.steps=1"), resume=True)
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path):
+    base = algos.grpo()
+    calls = []
+
+    def poisoned(logp, old_logp, advantages, mask):
+        calls.append(1)
+        loss_t, metrics = base.policy_loss(logp, old_logp, advantages, mask)
+        return (loss_t * float("nan") if len(calls) > 4 else loss_t), metrics
+
+    cfg = tiny("grpo_tiny", tmp_path, "trainer.steps=5", "trainer.save_every=1", "trainer.plot=false")
+    # 2 updates per step: updates 5+ are poisoned, i.e. step 2 fails and steps 0-1 are saved.
+    with pytest.raises(FloatingPointError, match=r"step 2: the loss is not finite \(nan\)"):
+        train(cfg, algo=base._replace(policy_loss=poisoned))
+    state = load_checkpoint(tmp_path)
+    assert state["step"] == 1
+    assert all(torch.isfinite(v).all() for v in state["policy"].values())
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+
+
+def test_interrupted_save_leaves_the_last_checkpoint_loadable(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, {"step": 3, "w": torch.ones(2)})
+
+    def interrupted(obj, f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, {"step": 4})
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path)["step"] == 3
+    assert (tmp_path / CHECKPOINT_NAME).is_file()
+
+
+class Explodes:
+    name = "explodes"
+
+    def __call__(self, prompts, responses, **columns):
+        raise RuntimeError("verifier crashed")
+
+
+class BaseReward:
+    def forward(self, prompts, responses, **kwargs):
+        raise NotImplementedError
+
+
+class NonEmpty(BaseReward):
+    """The seed's style: a forward returning booleans."""
+
+    def forward(self, prompts, responses, **kwargs):
+        return [len(r) > 0 for r in responses]
+
+
+def test_failing_reward_names_the_reward_and_the_step(tmp_path):
+    with pytest.raises(RewardError, match=r"reward 'explodes' on batch 0 of 16 responses raised RuntimeError: verifier crashed"):
+        train(tiny("grpo_tiny", tmp_path, "trainer.steps=1"), reward=Explodes())
+
+
+def test_seed_style_reward_and_external_engine(tmp_path):
+    class CountingEngine(TorchEngine):
+        loads = 0
+
+        def load_weights(self, params):
+            CountingEngine.loads += 1
+
+    cfg = tiny("grpo_tiny", tmp_path, "trainer.steps=2", "deploy.mode=disaggregated", "trainer.plot=false")
+    probe = train(tiny("grpo_tiny", tmp_path / "probe", "trainer.steps=0", "trainer.plot=false", "trainer.warmup_steps=0"))
+    engine = CountingEngine(probe.policy, eos_token_id=1, max_new_tokens=6)
+    run = train(cfg, reward=NonEmpty(), engine=engine)
+    assert CountingEngine.loads == 2
+    assert all(0 <= r["reward"] <= 1 for r in run.records)
+
+
+def test_world_size_mismatch_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"'parallel.data_parallel': got 2, expected the launched world size 1"):
+        train(tiny("grpo_tiny", tmp_path, "parallel.data_parallel=2"))
+
+
+WORKER = """
+import sys, torch
+from rlcore.train import load_config, train
+cfg = load_config(sys.argv[1], sys.argv[3:])
+run = train(cfg)
+import torch.distributed as dist
+torch.save({"rank": dist.get_rank(), "policy": run.policy.state_dict(), "records": run.records},
+           f"{sys.argv[2]}/rank{dist.get_rank()}.pt")
+"""
+
+
+def test_torchrun_two_ranks_keep_identical_parameters(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    overrides = [o for o in TINY] + [f"trainer.output_dir={tmp_path / 'out'}", "trainer.steps=2", "parallel.data_parallel=2",
+                                     "trainer.plot=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531", str(script),
+           str(ROOT / "configs" / "grpo_tiny.yaml"), str(tmp_path), *overrides]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1))
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    for k, v in r0["policy"].items():
+        assert torch.equal(v, r1["policy"][k]), k
+    assert _curve(r0["records"]) == _curve(r1["records"])  # metrics are averaged over the ranks
+    cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", TINY)
+    torch.manual_seed(cfg.trainer.seed)
+    init = build_model(cfg, make_task(cfg.data.task, length=cfg.data.length, min_length=cfg.data.min_length,
+                                      letters=cfg.data.letters).tokenizer.vocab_size)
+    moved = [not torch.equal(v, r0["policy"][k]) for k, v in init.state_dict().items()]
+    assert all(moved)
