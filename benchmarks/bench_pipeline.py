@@ -1,6 +1,6 @@
 """Async pipeline vs the synchronous loop: a small GRPO workload on a tiny random-init causal LM.
 
-Run: python benchmarks/bench_pipeline.py [--iterations 6] [--repeats 3]
+Run: python benchmarks/bench_pipeline.py [--iterations 10] [--repeats 5]
 
 Per iteration: 16 prompts x 4 samples, 48 sampled tokens each (rlcore.train.rollout's
 KV-cached sampler, which also returns the behaviour log-probs), a rule reward,
@@ -10,9 +10,11 @@ group-normalised GRPO advantages, and a PPO-clip update over micro-batches of 8 
 * synchronous: one process generates the whole batch, then computes rewards,
   advantages and the update -- the loop of verl / TRL / OpenRLHF without overlap --
   with ``torch.set_num_threads(2)`` (both cores, as specified) and, as a control, with
-  1 thread: on a loaded machine two OpenMP threads can be far slower than one, and a
-  ratio against that alone would flatter the pipeline. The headline ratio is against
-  the faster of the two.
+  1 thread: for a model this small two intra-op threads can be slower than one, and a
+  ratio against them alone would flatter the pipeline. The headline ratio is against
+  the faster of the two. ``OMP_WAIT_POLICY=PASSIVE`` (unless set) keeps OpenMP threads
+  from spin-waiting, which on a machine shared with other jobs slows the 2-thread loop
+  by up to 10x.
 * pipeline: disaggregated; a :class:`rlcore.dataflow.RolloutWorker` process generates
   (1 thread), this process trains (1 thread); staleness 1, so iteration ``j + 1`` is
   generated while iteration ``j`` trains; weights go to the worker after every step.
@@ -30,12 +32,16 @@ import os
 import statistics
 import time
 
-import torch
+# OpenMP threads that spin-wait steal the cores they wait for when other processes run:
+# waiting passively keeps the 2-thread baseline from collapsing on a busy machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from rlcore.algos import grpo
-from rlcore.dataflow import RolloutWorker, StageGraph, run_pipeline, stage
-from rlcore.models import from_hf, load_causal_lm, token_logprobs
-from rlcore.train.rollout import generate
+import torch  # noqa: E402 - after the OpenMP setting
+
+from rlcore.algos import grpo  # noqa: E402
+from rlcore.dataflow import RolloutWorker, StageGraph, run_pipeline, stage  # noqa: E402
+from rlcore.models import from_hf, load_causal_lm, token_logprobs  # noqa: E402
+from rlcore.train.rollout import generate  # noqa: E402
 
 CONFIG = {
     "model_type": "qwen2",
@@ -167,8 +173,8 @@ def pipelined(iterations: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     rows = args.iterations * ROWS
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores", flush=True)
