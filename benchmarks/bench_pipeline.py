@@ -36,12 +36,12 @@ import time
 # waiting passively keeps the 2-thread baseline from collapsing on a busy machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402 - after the OpenMP setting
+import torch
 
-from rlcore.algos import grpo  # noqa: E402
-from rlcore.dataflow import RolloutWorker, StageGraph, run_pipeline, stage  # noqa: E402
-from rlcore.models import from_hf, load_causal_lm, token_logprobs  # noqa: E402
-from rlcore.train.rollout import generate  # noqa: E402
+from rlcore.algos import grpo
+from rlcore.dataflow import RolloutWorker, StageGraph, run_pipeline, stage
+from rlcore.models import from_hf, load_causal_lm, token_logprobs
+from rlcore.train.rollout import generate
 
 CONFIG = {
     "model_type": "qwen2",

@@ -74,7 +74,7 @@ def test_colocated_switches_through_allgather_swap_and_matches_the_unswitched_ru
         torch.testing.assert_close(a["responses"], b["responses"], rtol=0, atol=0)
         torch.testing.assert_close(a["loss"], b["loss"], rtol=0, atol=0)
     with pytest.raises(ValueError, match="weights: the switch is in phase 'train', expected 'rollout'"):
-        switch.weights
+        _ = switch.weights
     with pytest.raises(ValueError, match="got phase 'ref' on resource 'device'"):
         switch("device", "train", "ref")
 
@@ -175,9 +175,8 @@ def make_broken():
 
 
 def test_wait_ready_raises_the_factory_error_and_returns_once_built():
-    with RolloutWorker(make_broken, start_method="fork") as worker:
-        with pytest.raises(OSError, match="no model here") as info:
-            worker.wait_ready(timeout=30)
+    with RolloutWorker(make_broken, start_method="fork") as worker, pytest.raises(OSError, match="no model here") as info:
+        worker.wait_ready(timeout=30)
     assert any("rollout worker process" in n for n in info.value.__notes__)
     with RolloutWorker(make_generate, args=("ok",), start_method="fork") as worker:
         worker.wait_ready(timeout=30)

@@ -103,7 +103,7 @@ def test_simulation_takes_the_same_decisions_as_the_threaded_scheduler(spec):
 
 def test_switch_cost_is_paid_per_phase_switch_on_a_shared_resource():
     graph = _seven(8, shared=True)
-    costs = {n: 1.0 for n in graph.names}
+    costs = dict.fromkeys(graph.names, 1.0)
     kw = dict(num_prompts=4, n_samples=4, num_iterations=3, staleness=0)
     base = simulate(graph, costs, **kw)
     paid = simulate(graph, costs, switch_cost=5.0, **kw)
@@ -140,4 +140,4 @@ def test_a_stalled_simulation_is_an_error(monkeypatch):
 
     monkeypatch.setattr(scheduler._Core, "pick", lambda self, resource: None)
     with pytest.raises(RuntimeError, match="simulation stalled: no stage can take rows"):
-        simulate(_seven(4), {n: 1.0 for n in _seven(4).names}, num_prompts=4)
+        simulate(_seven(4), dict.fromkeys(_seven(4).names, 1.0), num_prompts=4)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.multiprocessing as mp
 
+from rlcore.dataflow.scheduler import _note
 from rlcore.dataflow.stages import Stage, stage
 
 if TYPE_CHECKING:
@@ -204,8 +205,7 @@ class RolloutWorker:
                     raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
                 continue
             if status == "error":
-                value.add_note(f"raised in the rollout worker process of stage {name!r}")
-                raise value
+                raise _note(value, f"raised in the rollout worker process of stage {name!r}")
             if status == "ready":
                 self._ready = True
                 if timeout is not None:

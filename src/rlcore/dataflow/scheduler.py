@@ -97,7 +97,11 @@ class _Task:
 
 
 def _note(err: BaseException, where: str) -> BaseException:
-    err.add_note(where)
+    """Add a PEP 678 note saying where ``err`` happened (``add_note`` is Python 3.11+)."""
+    if hasattr(err, "add_note"):
+        err.add_note(where)
+    else:
+        err.__notes__ = [*getattr(err, "__notes__", ()), where]
     return err
 
 
