@@ -4,7 +4,7 @@ Read :mod:`rlcore.train.trainer` as the worked example of assembling your own lo
 from rlcore's primitives.
 """
 
-from rlcore.train.checkpoint import load_checkpoint, save_checkpoint
+from rlcore.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
 from rlcore.train.metrics import MetricsLog, plot_curves, read_metrics
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
@@ -13,6 +13,7 @@ from rlcore.train.trainer import Run, build_algorithm, build_model, train
 
 __all__ = [
     "ALGOS",
+    "CHECKPOINT_NAME",
     "TASKS",
     "Addition",
     "CharTokenizer",

@@ -43,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("rlcore: interrupted; the last checkpoint is intact", file=sys.stderr)
         return 130
     if records and cfg.trainer.progress:
-        last = records[-1]
-        print(f"done: step {last['step']}, reward {last['reward']:.3f}, output in {cfg.trainer.output_dir}")
+        k = max(1, len(records) // 10)
+        first, last = (sum(r["reward"] for r in part) / len(part) for part in (records[:k], records[-k:]))
+        print(
+            f"done: step {records[-1]['step']}; mean reward of the first {k} steps {first:.3f}, "
+            f"of the last {k} steps {last:.3f}; metrics, curves.png and checkpoint in {cfg.trainer.output_dir}"
+        )
     return 0
