@@ -165,3 +165,53 @@ def test_torch_engine_is_an_inference_engine_and_restores_training_mode(model):
     assert r.responses.shape[0] == 6 and r.responses.shape[1] <= 3
     assert model.training
     model.eval()
+
+
+# The on-the-fly tasks that feed the rollouts.
+from rlcore.train import Addition, CharTokenizer, Reversal, make_task  # noqa: E402
+
+
+@given(st.text("0123456789+=", max_size=12), st.lists(st.integers(0, 13), max_size=6))
+def test_char_tokenizer_round_trip(text, tail):
+    tok = CharTokenizer("0123456789+=")
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids + [tok.eos_token_id] + tail) == text  # decoding stops at <eos>
+    assert tok.decode([tok.pad_token_id] + ids) == text
+    assert all(2 <= i < tok.vocab_size for i in ids)
+
+
+def test_tokenizer_errors():
+    with pytest.raises(ValueError, match=r"text: got characters \['x'\] outside the alphabet"):
+        CharTokenizer("ab").encode("axb")
+    with pytest.raises(ValueError, match="alphabet: got 'aa', expected distinct"):
+        CharTokenizer("aa")
+
+
+@pytest.mark.parametrize("task", [Addition(digits=3), Reversal(length=5, min_length=1, letters="xyz")])
+def test_tasks_are_verifiable_and_seeded(task):
+    a = task.sample(64, torch.Generator().manual_seed(7))
+    assert a == task.sample(64, torch.Generator().manual_seed(7))
+    assert a != task.sample(64, torch.Generator().manual_seed(8))
+    prompts, answers = [s["prompt"] for s in a], [s["answer"] for s in a]
+    assert task.reward(prompts, answers, answers=answers).tolist() == [1.0] * 64
+    wrong = [x + "1" if isinstance(task, Addition) else x[::-1] + "z" for x in answers]
+    assert task.reward(prompts, wrong, answers=answers).tolist() == [0.0] * 64
+    for s in a:
+        task.tokenizer.encode(s["prompt"] + s["answer"])
+        assert len(s["answer"]) <= task.max_answer_length
+        if isinstance(task, Addition):
+            x, y = s["prompt"][:-1].split("+")
+            assert int(s["answer"]) == int(x) + int(y) and max(len(x), len(y)) <= 3
+        else:
+            assert s["answer"] == s["prompt"][:-1][::-1] and 1 <= len(s["answer"]) <= 5
+
+
+def test_make_task_names_the_choices():
+    assert isinstance(make_task("reversal", length=3), Reversal)
+    with pytest.raises(ValueError, match="task: got 'sorting', expected one of 'addition', 'reversal'"):
+        make_task("sorting")
+    with pytest.raises(ValueError, match="digits: got 0"):
+        Addition(digits=0)
+    with pytest.raises(ValueError, match="min_length, length: got 3, 2"):
+        Reversal(length=2, min_length=3)

@@ -189,3 +189,9 @@ def test_torchrun_two_ranks_keep_identical_parameters(tmp_path):
                                       letters=cfg.data.letters).tokenizer.vocab_size)
     moved = [not torch.equal(v, r0["policy"][k]) for k, v in init.state_dict().items()]
     assert all(moved)
+
+
+def test_bfloat16_model_trains(tmp_path):
+    run = train(tiny("grpo_tiny", tmp_path, "trainer.steps=2", "model.torch_dtype=bf16", "trainer.plot=false"))
+    assert next(run.policy.parameters()).dtype == torch.bfloat16
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["kl"], r["entropy"]])).all() for r in run.records)

@@ -398,7 +398,7 @@ def train(
             records.append(record)
             if leader:
                 log.write(record)
-                if tr.save_every and (step + 1) % tr.save_every == 0 or step + 1 == tr.steps:
+                if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
                     save_checkpoint(out, {
                         "step": step, "policy": policy.state_dict(), "reference": reference.state_dict(),
                         "critic": critic.state_dict() if critic is not None else None,
