@@ -1,8 +1,8 @@
 """Async pipeline vs the synchronous loop: a small GRPO workload on a tiny random-init causal LM.
 
-Run: python benchmarks/bench_pipeline.py [--iterations 10] [--repeats 5]
+Run: python benchmarks/bench_pipeline.py [--iterations 16] [--repeats 5]
 
-Per iteration: 16 prompts x 4 samples, 48 sampled tokens each (rlcore.train.rollout's
+Per iteration: 8 prompts x 4 samples, 64 sampled tokens each (rlcore.train.rollout's
 KV-cached sampler, which also returns the behaviour log-probs), a rule reward,
 group-normalised GRPO advantages, and a PPO-clip update over micro-batches of 8 rows
 (one AdamW step per iteration; GRPO without the KL term).
@@ -54,7 +54,7 @@ CONFIG = {
     "max_position_embeddings": 128,
     "tie_word_embeddings": False,
 }
-PROMPTS, SAMPLES, PROMPT_LEN, RESPONSE_LEN, MICRO_BATCH = 16, 4, 8, 48, 8
+PROMPTS, SAMPLES, PROMPT_LEN, RESPONSE_LEN, MICRO_BATCH = 8, 4, 8, 64, 8
 ROWS = PROMPTS * SAMPLES
 # The sampler's per-step cost hardly grows with the rows, so the worker generates a whole batch per call.
 ROLLOUT_MICRO_BATCH = ROWS
@@ -173,7 +173,7 @@ def pipelined(iterations: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--iterations", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     rows = args.iterations * ROWS

@@ -240,6 +240,10 @@ class _Core:
                 return None
             batch, rows = dock.get(s.name, list(s.inputs), indexes=torch.arange(taken, taken + count), by_group=False)
         else:
+            # Rows ready for s are at most what its slowest upstream stage has finished: skip the dock when short.
+            done = min((self.capacity - self.left[u, j] for u in self.graph.upstream[s.name]), default=self.capacity)
+            if done - taken < count:
+                return None
             batch, rows = dock.get(s.name, list(s.inputs), count, by_group=s.by_group, balance="fifo")
             if rows.numel() == 0:
                 return None
