@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.dataflow import StageGraph, critical_path_bound, run_pipeline, simulate, stage
+from rlcore.dataflow import StageGraph, critical_path_bound, fit_costs, run_pipeline, simulate, stage
 from rlcore.testing.pipeline_strategies import pipeline_specs, spec_stages, stage_costs
 
 
@@ -141,3 +141,33 @@ def test_a_stalled_simulation_is_an_error(monkeypatch):
     monkeypatch.setattr(scheduler._Core, "pick", lambda self, resource: None)
     with pytest.raises(RuntimeError, match="simulation stalled: no stage can take rows"):
         simulate(_seven(4), dict.fromkeys(_seven(4).names, 1.0), num_prompts=4)
+
+
+def _rec(stage_name, rows, seconds):
+    from rlcore.dataflow import TaskRecord
+
+    return TaskRecord(stage_name, "r", 0, torch.arange(rows), 0, 1.0, 1.0 + seconds)
+
+
+def test_fit_costs_by_hand():
+    # t = 0.5 + 0.25 * rows exactly; one size only: all per-row; a negative intercept refits through 0;
+    # a negative slope keeps the mean as a fixed cost
+    tasks = [_rec("a", 2, 1.0), _rec("a", 6, 2.0), _rec("b", 4, 2.0), _rec("b", 4, 2.0),
+             _rec("c", 1, 0.0), _rec("c", 3, 4.0), _rec("d", 1, 3.0), _rec("d", 3, 1.0)]
+    cost = fit_costs(tasks)
+    assert cost.fixed["a"] == pytest.approx(0.5) and cost.per_row["a"] == pytest.approx(0.25)
+    assert cost.fixed["b"] == 0 and cost.per_row["b"] == pytest.approx(0.5)
+    assert cost.fixed["c"] == 0 and cost.per_row["c"] == pytest.approx(12 / 10)
+    assert cost.fixed["d"] == pytest.approx(2.0) and cost.per_row["d"] == 0
+    assert cost(stage(print, inputs=["x"], outputs=["y"], name="a"), 10) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="tasks: got no calls"):
+        fit_costs([])
+
+
+def test_simulating_fitted_costs_reproduces_the_fitted_run():
+    graph = _seven(4)
+    truth = {n: 0.1 * (i + 1) for i, n in enumerate(graph.names)}
+    kw = dict(num_prompts=8, n_samples=2, num_iterations=2, staleness=1)
+    rep = simulate(graph, truth, **kw)
+    again = simulate(graph, fit_costs(rep.tasks), **kw)
+    assert again.makespan == pytest.approx(rep.makespan)

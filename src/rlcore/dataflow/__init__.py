@@ -18,7 +18,7 @@ from rlcore.dataflow.reshard import (
 )
 from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, stage
 from rlcore.dataflow.scheduler import PipelineResult, StageTimeout, TaskRecord, run_pipeline
-from rlcore.dataflow.simulate import SimReport, critical_path_bound, simulate
+from rlcore.dataflow.simulate import LinearCost, SimReport, critical_path_bound, fit_costs, simulate
 from rlcore.dataflow.deploy import ColocatedSwitch, RolloutWorker, colocate
 
 __all__: list[str] = [
@@ -59,6 +59,8 @@ __all__: list[str] = [
     "StageTimeout",
     "TaskRecord",
     "critical_path_bound",
+    "fit_costs",
+    "LinearCost",
     "run_pipeline",
     "simulate",
     "stage",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from rlcore.dataflow.scheduler import TaskRecord, _Core
 from rlcore.dataflow.stages import Stage, StageGraph
 
-__all__ = ["SimReport", "critical_path_bound", "simulate"]
+__all__ = ["LinearCost", "SimReport", "critical_path_bound", "fit_costs", "simulate"]
 
 Cost = Callable[[Stage, int], float] | Mapping[str, float]
 
@@ -208,3 +208,48 @@ def critical_path_bound(
         links = -(-num_iterations // (staleness + 1))
         lower = max(lower, links * bound(graph.between(rollout, updates), 1))
     return lower
+
+
+class LinearCost(NamedTuple):
+    """A cost model ``cost(stage, rows) = fixed[stage] + per_row[stage] * rows`` (seconds)."""
+
+    fixed: dict[str, float]
+    per_row: dict[str, float]
+
+    def __call__(self, stage: Stage, rows: int) -> float:
+        return self.fixed[stage.name] + self.per_row[stage.name] * rows
+
+
+def fit_costs(tasks: Sequence[TaskRecord]) -> LinearCost:
+    """Fit ``duration = fixed + per_row * rows`` per stage to measured calls, for :func:`simulate`.
+
+    Least squares per stage over its calls (``tasks`` of a
+    :class:`~rlcore.dataflow.PipelineResult`), constrained to non-negative
+    coefficients: with one call size only, the time is all per-row; a negative
+    intercept refits through the origin, a negative slope keeps the mean as fixed cost.
+
+        per_row = cov(rows, t) / var(rows),   fixed = mean(t) - per_row * mean(rows)
+
+    >>> from rlcore.dataflow.scheduler import TaskRecord
+    >>> rec = lambda rows, t: TaskRecord("reward", "cpu", 0, torch.arange(rows), 0, 0.0, t)
+    >>> fit_costs([rec(2, 3.0), rec(4, 5.0)])
+    LinearCost(fixed={'reward': 1.0}, per_row={'reward': 1.0})
+    """
+    by_stage: dict[str, list[tuple[float, float]]] = {}
+    for t in tasks:
+        by_stage.setdefault(t.stage, []).append((float(t.rows.numel()), t.end - t.start))
+    if not by_stage:
+        raise ValueError("tasks: got no calls, expected the TaskRecords of a run")
+    fixed, per_row = {}, {}
+    for name, calls in by_stage.items():
+        x = torch.tensor([c[0] for c in calls], dtype=torch.float64)
+        y = torch.tensor([c[1] for c in calls], dtype=torch.float64)
+        var = ((x - x.mean()) ** 2).mean()
+        b = float(((x - x.mean()) * (y - y.mean())).mean() / var) if var > 0 else float(y.mean() / x.mean())
+        a = float(y.mean()) - b * float(x.mean())
+        if a < 0:
+            a, b = 0.0, float((x * y).sum() / (x * x).sum())
+        if b < 0:
+            a, b = float(y.mean()), 0.0
+        fixed[name], per_row[name] = a, b
+    return LinearCost(fixed, per_row)
