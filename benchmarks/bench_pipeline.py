@@ -20,7 +20,10 @@ group-normalised GRPO advantages, and a PPO-clip update over micro-batches of 8 
   generated while iteration ``j`` trains; weights go to the worker after every step.
 
 Prints the load average, per repeat and as medians the rows/s of each, the ratios
-(target >= 1.4x) and the mean policy lag of the pipeline's rows. Each timed run covers the whole pipeline,
+(target >= 1.4x) and the mean policy lag of the pipeline's rows; then, labelled as a
+simulation, what :func:`rlcore.dataflow.simulate` predicts for both layouts on two idle
+cores from stage costs fitted to a synchronous run (the machine this runs on is shared,
+and the measured pipeline needs two free cores). Each timed run covers the whole pipeline,
 fill and drain included; the worker's start-up (process spawn, model build) is not
 timed, the trainer side is warmed by one synchronous iteration.
 """
@@ -31,6 +34,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 # OpenMP threads that spin-wait steal the cores they wait for when other processes run:
 # waiting passively keeps the 2-thread baseline from collapsing on a busy machine.
@@ -39,7 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from rlcore.algos import grpo
-from rlcore.dataflow import RolloutWorker, StageGraph, run_pipeline, stage
+from rlcore.dataflow import RolloutWorker, StageGraph, fit_costs, run_pipeline, simulate, stage
 from rlcore.models import from_hf, load_causal_lm, token_logprobs
 from rlcore.train.rollout import generate
 
@@ -142,6 +146,18 @@ def synchronous(iterations: int, *, threads: int) -> float:
     return time.perf_counter() - start
 
 
+def trainer_stages(trainer: Trainer, step: Callable[[int], None], *, resource: str) -> list:
+    """Reward, advantages (whole groups) and the update, streaming micro-batches."""
+    return [
+        stage(trainer.reward, inputs=["responses"], outputs=["scores"], name="reward", micro_batch=MICRO_BATCH,
+              resource=resource),
+        stage(trainer.advantages, inputs=["scores", "group_ids"], outputs=["advantages"], name="advantages",
+              micro_batch=MICRO_BATCH, by_group=True, resource=resource),
+        stage(trainer.update, inputs=["prompts", "responses", "old_logp", "advantages"], outputs=["loss"],
+              name="update", role="update", micro_batch=MICRO_BATCH, resource=resource, on_iteration_end=step),
+    ]
+
+
 def pipelined(iterations: int) -> tuple[float, float]:
     """The disaggregated pipeline, one thread per side, staleness 1; returns (seconds, mean policy lag)."""
     torch.set_num_threads(1)
@@ -155,13 +171,9 @@ def pipelined(iterations: int) -> tuple[float, float]:
             worker.publish(j + 1, trainer.params)
 
         graph = StageGraph([
-            worker.stage(inputs=["prompts"], outputs=["responses", "old_logp"], micro_batch=ROLLOUT_MICRO_BATCH, resource="rollout"),
-            stage(trainer.reward, inputs=["responses"], outputs=["scores"], name="reward", micro_batch=MICRO_BATCH,
-                  resource="train"),
-            stage(trainer.advantages, inputs=["scores", "group_ids"], outputs=["advantages"], name="advantages",
-                  micro_batch=MICRO_BATCH, by_group=True, resource="train"),
-            stage(trainer.update, inputs=["prompts", "responses", "old_logp", "advantages"], outputs=["loss"],
-                  name="update", role="update", micro_batch=MICRO_BATCH, resource="train", on_iteration_end=step),
+            worker.stage(inputs=["prompts"], outputs=["responses", "old_logp"], micro_batch=ROLLOUT_MICRO_BATCH,
+                         resource="rollout"),
+            *trainer_stages(trainer, step, resource="train"),
         ], sources=["prompts", "group_ids"])
         start = time.perf_counter()
         res = run_pipeline(graph, load_prompts, num_prompts=PROMPTS, n_samples=SAMPLES, num_iterations=iterations,
@@ -169,6 +181,32 @@ def pipelined(iterations: int) -> tuple[float, float]:
         seconds = time.perf_counter() - start
     lag = torch.cat([j - b["policy_version"] for j, b in enumerate(res.batches)]).double().mean().item()
     return seconds, lag
+
+
+def projected(iterations: int) -> tuple[float, float]:
+    """Simulated seconds (synchronous, pipeline) on two otherwise idle cores, from stage costs measured here.
+
+    The synchronous loop runs as a blocking one-thread pipeline (the same calls, timed per
+    stage); :func:`rlcore.dataflow.fit_costs` turns its calls into a cost model that
+    :func:`rlcore.dataflow.simulate` replays for both layouts. Process and IPC overheads
+    of the real pipeline are not in the model.
+    """
+    torch.set_num_threads(1)
+    trainer = Trainer()
+    generator = torch.Generator().manual_seed(1)
+
+    def rollout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return sample(trainer.model.eval(), batch["prompts"], generator)
+
+    def roll(resource: str):
+        return stage(rollout, inputs=["prompts"], outputs=["responses", "old_logp"], role="rollout",
+                     micro_batch=ROLLOUT_MICRO_BATCH, resource=resource)
+
+    one = StageGraph([roll("device"), *trainer_stages(trainer, trainer.step, resource="device")], sources=["prompts", "group_ids"])
+    two = StageGraph([roll("rollout"), *trainer_stages(trainer, trainer.step, resource="train")], sources=["prompts", "group_ids"])
+    kw = dict(num_prompts=PROMPTS, n_samples=SAMPLES, num_iterations=iterations)
+    cost = fit_costs(run_pipeline(one, load_prompts, blocking=True, **kw).tasks)
+    return simulate(one, cost, blocking=True, **kw).makespan, simulate(two, cost, staleness=1, **kw).makespan
 
 
 def main() -> None:
@@ -200,6 +238,9 @@ def main() -> None:
     ratio = med["pipe"] / best
     print(f"  ratio vs the faster synchronous loop {ratio:.2f}x (target >= 1.4x: {'met' if ratio >= 1.4 else 'NOT met'})   "
           f"mean policy lag {statistics.median(lags):.3f} iterations")
+    sim_sync, sim_pipe = projected(args.iterations)
+    print(f"  simulated, not measured (stage costs fitted to a 1-thread synchronous run, no IPC):  synchronous "
+          f"{rows / sim_sync:7.1f} rows/s   pipeline {rows / sim_pipe:7.1f} rows/s   ratio {sim_sync / sim_pipe:.2f}x")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
