@@ -260,7 +260,7 @@ class _Core:
             raise ValueError(f"stage {s.name!r}: returned {got}, expected a dict with its outputs {list(s.outputs)}")
         columns = dict(out)
         if s.role == "rollout":
-            columns["policy_version"] = task.batch["policy_version"]
+            columns["policy_version"] = torch.full((task.rows.numel(),), task.version, dtype=torch.int64)
         try:
             self.docks[task.iteration].put(columns, task.rows)
         except ValueError as err:
