@@ -171,3 +171,24 @@ def test_simulating_fitted_costs_reproduces_the_fitted_run():
     rep = simulate(graph, truth, **kw)
     again = simulate(graph, fit_costs(rep.tasks), **kw)
     assert again.makespan == pytest.approx(rep.makespan)
+
+
+@settings(max_examples=30)
+@given(
+    durations=st.lists(st.floats(0.1, 5.0), min_size=2, max_size=7),
+    mb=st.integers(1, 4),
+    calls=st.integers(1, 4),
+    num_iterations=st.integers(1, 3),
+)
+def test_chain_pipeline_matches_the_flow_shop_recurrence(durations, mb, calls, num_iterations):
+    from rlcore.testing.reference import flow_shop_makespan_ref
+
+    names = [f"s{i}" for i in range(len(durations))]
+    cols = ["prompts", *[f"c{i}" for i in range(len(durations))]]
+    roles = ["rollout", *["compute"] * (len(durations) - 2), "update"]
+    graph = StageGraph([_s(n, [cols[i]], [cols[i + 1]], role=roles[i], micro_batch=mb, resource=n) for i, n in enumerate(names)])
+    # each call costs the stage's duration, whatever its size, so every job is alike
+    cost = lambda s, rows: durations[names.index(s.name)]  # noqa: E731
+    rep = simulate(graph, cost, num_prompts=mb * calls, num_iterations=num_iterations, staleness=num_iterations)
+    jobs = num_iterations * calls
+    assert rep.makespan == pytest.approx(flow_shop_makespan_ref(durations, jobs))

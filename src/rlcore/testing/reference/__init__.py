@@ -46,7 +46,7 @@ from rlcore.testing.reference.preference import (
     simpo_loss_ref,
 )
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
-from rlcore.testing.reference.pipeline import synchronous_loop_ref
+from rlcore.testing.reference.pipeline import flow_shop_makespan_ref, synchronous_loop_ref
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
 from rlcore.testing.reference.attention import packed_attention_ref
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
@@ -145,5 +145,6 @@ __all__ = [
     "unshard_ref",
     "TransferDockRef",
     "balanced_partition_ref",
+    "flow_shop_makespan_ref",
     "synchronous_loop_ref",
 ]

@@ -1,4 +1,4 @@
-"""The synchronous RL loop, written as plain loops: the reference for the pipeline scheduler."""
+"""The synchronous RL loop and the flow-shop recurrence, as plain loops: references for the pipeline scheduler."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["synchronous_loop_ref"]
+__all__ = ["flow_shop_makespan_ref", "synchronous_loop_ref"]
 
 
 def _rows(value: Any) -> list[torch.Tensor]:
@@ -29,7 +29,12 @@ def _padded(column: str, rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def synchronous_loop_ref(
-    graph: Any, loader: Callable[[int], Mapping[str, Any]], *, num_prompts: int, n_samples: int = 1, num_iterations: int = 1
+    graph: Any,
+    loader: Callable[[int], Mapping[str, Any]],
+    *,
+    num_prompts: int,
+    n_samples: int = 1,
+    num_iterations: int = 1,
 ) -> list[dict[str, list[torch.Tensor]]]:
     """Every iteration: load the prompts, run each stage in topological order over its micro-batches, in row order.
 
@@ -63,3 +68,19 @@ def synchronous_loop_ref(
                 s.on_iteration_end(j)
         out.append(table)
     return out
+
+
+def flow_shop_makespan_ref(durations: list[float], num_jobs: int) -> float:
+    """Makespan of ``num_jobs`` identical jobs through a chain of one-machine stages, in order.
+
+    The permutation flow-shop recurrence ``C[i][s] = max(C[i-1][s], C[i][s-1]) + d[s]``
+    (job ``i`` leaves stage ``s`` once it left stage ``s-1`` and the previous job left
+    stage ``s``): the schedule of a chain pipeline whose micro-batches all flow in order.
+    """
+    finish = [0.0] * len(durations)
+    for _ in range(num_jobs):
+        prev = 0.0
+        for s, d in enumerate(durations):
+            finish[s] = max(finish[s], prev) + d
+            prev = finish[s]
+    return finish[-1]
