@@ -150,7 +150,10 @@ def grpo_loss_peer(logp, old_logp, ref_logp, scores, index, mask, clip=0.2, kl_c
     pg2 = -adv * torch.clamp(ratio, 1 - clip, 1 + clip)
     pg = torch.maximum(pg1, pg2)
     with torch.no_grad():
-        metrics = {"ppo_kl": (-neg_kl * m).sum() / m.sum(), "clipfrac": (torch.gt(pg2, pg1).float() * m).sum() / m.sum()}
+        metrics = {
+            "ppo_kl": (-neg_kl * m).sum() / m.sum(),
+            "clipfrac": (torch.gt(pg2, pg1).float() * m).sum() / m.sum(),
+        }
     kl = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)
     kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10.0, max=10.0)
     return seq_mean_token_mean(pg) + kl_coef * seq_mean_token_mean(kld), metrics

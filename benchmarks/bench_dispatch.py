@@ -17,9 +17,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import median_time  # noqa: E402
-
-from rlcore.dataflow import balanced_partition  # noqa: E402
+from _timing import median_time
+from rlcore.dataflow import balanced_partition
 
 BATCH, RANKS, GROUP, SEEDS = 1024, 8, 8, 7
 
@@ -43,14 +42,20 @@ def main() -> None:
         "balanced, Karmarkar-Karp": lambda x: imbalance(balanced_partition(x, RANKS), x),
         "balanced, LPT": lambda x: imbalance(balanced_partition(x, RANKS, method="lpt"), x),
         "balanced KK, equal counts": lambda x: imbalance(balanced_partition(x, RANKS, equal_size=True), x),
-        f"balanced KK, groups of {GROUP} whole": lambda x: imbalance(balanced_partition(x, RANKS, group_ids=group_ids), x),
+        f"balanced KK, groups of {GROUP} whole": lambda x: imbalance(
+            balanced_partition(x, RANKS, group_ids=group_ids), x
+        ),
     }
     data = [heavy_tailed(seed) for seed in range(SEEDS)]
     print(f"{BATCH} sequences, {RANKS} ranks, median over {SEEDS} seeds of max/mean token load")
     baseline = statistics.median(rows["contiguous split (baseline)"](x) for x in data)
     for name, fn in rows.items():
         value = statistics.median(fn(x) for x in data)
-        goal = "" if "baseline" in name else f"   {baseline / value:5.2f}x better than contiguous   (target <= 1.02: {'met' if value <= 1.02 else 'NOT met'})"
+        goal = (
+            ""
+            if "baseline" in name
+            else f"   {baseline / value:5.2f}x better than contiguous   (target <= 1.02: {'met' if value <= 1.02 else 'NOT met'})"
+        )
         print(f"  {name:<34} max/mean {value:7.4f}{goal}", flush=True)
     for method in ("kk", "lpt"):
         seconds = median_time(lambda: balanced_partition(data[0], RANKS, method=method), repeats=7)

@@ -54,7 +54,10 @@ class ScanDock:
             groups = [
                 g
                 for g in range(self.capacity // self.n)
-                if all(not taken[r] and all(store[r] is not None for store in stores) for r in range(g * self.n, (g + 1) * self.n))
+                if all(
+                    not taken[r] and all(store[r] is not None for store in stores)
+                    for r in range(g * self.n, (g + 1) * self.n)
+                )
             ]
             if len(groups) * self.n < count:
                 return {}, torch.empty(0, dtype=torch.int64)
@@ -139,7 +142,9 @@ def main() -> None:
             return RayTransferDock(*a, hosts=hosts, **kw)
 
         backends["ray"] = make_ray
-    print(f"{'backend':<14} {'put+get rows/s (4P/4C)':>24} {'get(256) @1,024':>17} {'get(256) @65,536':>18} {'ratio':>7}")
+    print(
+        f"{'backend':<14} {'put+get rows/s (4P/4C)':>24} {'get(256) @1,024':>17} {'get(256) @65,536':>18} {'ratio':>7}"
+    )
     for name, make in backends.items():
         rate = statistics.median(throughput(make, 8192) for _ in range(3))
         small, large = get_latencies(make, (1024, 65536))

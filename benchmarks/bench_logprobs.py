@@ -105,33 +105,54 @@ def main() -> None:
     logits_bytes = n * vocab * 4
     wgrad_bytes = vocab * h * 4
     gib = 1 << 30
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; N={n}, V={vocab}, H={h}, float32, "
-          f"fwd+bwd of log-probs and entropy, median of {args.repeats} passes ({args.hidden_repeats} from hidden states)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; N={n}, V={vocab}, H={h}, float32, "
+        f"fwd+bwd of log-probs and entropy, median of {args.repeats} passes ({args.hidden_repeats} from hidden states)"
+    )
     print(f"logits tensor: {logits_bytes / gib:.2f} GiB; weight gradient: {wgrad_bytes / gib:.2f} GiB")
     res = {}
     for name in VARIANTS:
         repeats = args.repeats if name in ("naive", "chunked") else args.hidden_repeats
-        cmd = [sys.executable, __file__, "--variant", name, "--tokens", str(n), "--vocab", str(vocab),
-               "--hidden", str(h), "--repeats", str(repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            name,
+            "--tokens",
+            str(n),
+            "--vocab",
+            str(vocab),
+            "--hidden",
+            str(h),
+            "--repeats",
+            str(repeats),
+        ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         res[name] = json.loads(out.strip().splitlines()[-1])
         r = res[name]
-        print(f"  {name:<8} extra peak {r['extra_peak'] / gib:6.2f} GiB = {r['extra_peak'] / logits_bytes:5.2f}x logits"
-              f"   time {r['time'] * 1e3:9.1f} ms", flush=True)
+        print(
+            f"  {name:<8} extra peak {r['extra_peak'] / gib:6.2f} GiB = {r['extra_peak'] / logits_bytes:5.2f}x logits"
+            f"   time {r['time'] * 1e3:9.1f} ms",
+            flush=True,
+        )
 
     chunk_mem = res["chunked"]["extra_peak"] / logits_bytes
     chunk_time = res["chunked"]["time"] / res["naive"]["time"]
     naive_mem = res["naive"]["extra_peak"] / logits_bytes
     print(f"naive path: extra peak {naive_mem:.2f}x logits")
-    print(f"chunked: extra peak {chunk_mem:.2f}x logits (target <= 1.5x: {'met' if chunk_mem <= 1.5 else 'NOT met'}); "
-          f"time {chunk_time:.2f}x naive (target <= 1x: {'met' if chunk_time <= 1.0 else 'NOT met'})")
+    print(
+        f"chunked: extra peak {chunk_mem:.2f}x logits (target <= 1.5x: {'met' if chunk_mem <= 1.5 else 'NOT met'}); "
+        f"time {chunk_time:.2f}x naive (target <= 1x: {'met' if chunk_time <= 1.0 else 'NOT met'})"
+    )
     fused_mem = (res["fused"]["extra_peak"] - wgrad_bytes) / logits_bytes
     plain_mem = (res["plain"]["extra_peak"] - wgrad_bytes) / logits_bytes
     fused_time = res["fused"]["time"] / res["plain"]["time"]
     print(f"plain from hidden: extra peak beyond the weight gradient {plain_mem:.2f}x logits")
-    print(f"fused: extra peak beyond the weight gradient {fused_mem:.2f}x logits "
-          f"(target <= 0.25x: {'met' if fused_mem <= 0.25 else 'NOT met'}); "
-          f"time {fused_time:.2f}x plain (target <= 1.3x: {'met' if fused_time <= 1.3 else 'NOT met'})")
+    print(
+        f"fused: extra peak beyond the weight gradient {fused_mem:.2f}x logits "
+        f"(target <= 0.25x: {'met' if fused_mem <= 0.25 else 'NOT met'}); "
+        f"time {fused_time:.2f}x plain (target <= 1.3x: {'met' if fused_time <= 1.3 else 'NOT met'})"
+    )
 
 
 if __name__ == "__main__":

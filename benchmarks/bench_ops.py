@@ -13,9 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import median_time, report  # noqa: E402
-
-from rlcore.ops import reverse_linear_scan, segment_mean_std  # noqa: E402
+from _timing import median_time, report
+from rlcore.ops import reverse_linear_scan, segment_mean_std
 
 
 def bench_segments(batch: int = 16384, group: int = 16) -> None:
@@ -34,7 +33,12 @@ def bench_segments(batch: int = 16384, group: int = 16) -> None:
             sel.mean()
             sel.std()
 
-    report(f"segment mean+std, B={batch}, groups of {group}", median_time(ours, repeats=51), median_time(loop, repeats=5), target=100)
+    report(
+        f"segment mean+std, B={batch}, groups of {group}",
+        median_time(ours, repeats=51),
+        median_time(loop, repeats=5),
+        target=100,
+    )
 
 
 def bench_scan(batch: int = 64, length: int = 4096) -> None:
@@ -51,7 +55,12 @@ def bench_scan(batch: int = 64, length: int = 4096) -> None:
         return out
 
     torch.testing.assert_close(reverse_linear_scan(x, c), loop(), rtol=1e-4, atol=1e-4)
-    report(f"reverse_linear_scan [{batch}, {length}]", median_time(lambda: reverse_linear_scan(x, c), repeats=51), median_time(loop, repeats=5), target=10)
+    report(
+        f"reverse_linear_scan [{batch}, {length}]",
+        median_time(lambda: reverse_linear_scan(x, c), repeats=51),
+        median_time(loop, repeats=5),
+        target=10,
+    )
 
 
 if __name__ == "__main__":

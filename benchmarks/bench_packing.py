@@ -25,10 +25,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import median_time  # noqa: E402
-
-from rlcore.models import from_hf, load_causal_lm, token_logprobs  # noqa: E402
-from rlcore.ops import linear_logprobs  # noqa: E402
+from _timing import median_time
+from rlcore.models import from_hf, load_causal_lm, token_logprobs
+from rlcore.ops import linear_logprobs
 
 CONFIG = {
     "model_type": "qwen2",
@@ -44,7 +43,9 @@ CONFIG = {
 
 def lengths_lognormal(n: int, median: float, max_len: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.exp(torch.randn(n, generator=g, dtype=torch.float64) + torch.log(torch.tensor(median, dtype=torch.float64)))
+    raw = torch.exp(
+        torch.randn(n, generator=g, dtype=torch.float64) + torch.log(torch.tensor(median, dtype=torch.float64))
+    )
     return raw.round().clamp(8, max_len).long().tolist()
 
 
@@ -62,10 +63,14 @@ def main() -> None:
     ids = torch.randint(0, CONFIG["vocab_size"], (b, t), generator=g)
     mask = (torch.arange(t) < torch.tensor(lengths)[:, None]).long()
     real = sum(lengths)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; tiny Qwen2 {CONFIG['hidden_size']}d x "
-          f"{CONFIG['num_hidden_layers']} layers, vocab {CONFIG['vocab_size']}")
-    print(f"{b} sequences, lengths log-normal: median {sorted(lengths)[b // 2]}, max {t}, {real} real tokens; "
-          f"padded [{b}, {t}] = {b * t} positions: packing removes {1 - real / (b * t):.1%} of them")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; tiny Qwen2 {CONFIG['hidden_size']}d x "
+        f"{CONFIG['num_hidden_layers']} layers, vocab {CONFIG['vocab_size']}"
+    )
+    print(
+        f"{b} sequences, lengths log-normal: median {sorted(lengths)[b // 2]}, max {t}, {real} real tokens; "
+        f"padded [{b}, {t}] = {b * t} positions: packing removes {1 - real / (b * t):.1%} of them"
+    )
 
     model = load_causal_lm(CONFIG, seed=0)
     model.set_attn_implementation("sdpa")

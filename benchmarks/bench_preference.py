@@ -22,11 +22,10 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import report  # noqa: E402
-
-from rlcore.algos import concatenated_logps, dpo, dpo_loss, sequence_logps  # noqa: E402
-from rlcore.device import get_device  # noqa: E402
-from rlcore.ops import logprobs_from_logits  # noqa: E402
+from _timing import report
+from rlcore.algos import concatenated_logps, dpo, dpo_loss, sequence_logps
+from rlcore.device import get_device
+from rlcore.ops import logprobs_from_logits
 
 
 def tiny_qwen2(device: torch.device) -> torch.nn.Module:

@@ -29,21 +29,26 @@ GIB = 1 << 30
 
 def tinyllama_meta(dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     hidden, inter, vocab, layers, kv = 2048, 5632, 32000, 22, 256
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     return {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
 
 
@@ -57,10 +62,20 @@ def account(meta: dict, train: dict, infer: dict, bucket_bytes: int, kv_cache_by
     rows = []
     for rank in range(src.world_size):
         mem = colocated_plan(plan, rank=rank, kv_cache_bytes=kv_cache_bytes)
-        rows.append((mem, {(a, b, o): mem.transition(a, b, order=o)
-                           for a, b in (("train", "rollout"), ("rollout", "train")) for o in ("naive", "swap")}))
-    print(f"\n{src.describe()}  ->  {dst.describe()}   ({len(plan.buckets)} buckets of <= {gib(bucket_bytes)},"
-          f" KV cache {gib(kv_cache_bytes)})")
+        rows.append(
+            (
+                mem,
+                {
+                    (a, b, o): mem.transition(a, b, order=o)
+                    for a, b in (("train", "rollout"), ("rollout", "train"))
+                    for o in ("naive", "swap")
+                },
+            )
+        )
+    print(
+        f"\n{src.describe()}  ->  {dst.describe()}   ({len(plan.buckets)} buckets of <= {gib(bucket_bytes)},"
+        f" KV cache {gib(kv_cache_bytes)})"
+    )
     for phase in ("train", "rollout"):
         res = [m.resident_bytes(phase) for m, _ in rows]
         print(f"  resident in {phase:<7} per rank: {gib(min(res))} .. {gib(max(res))}")
@@ -70,9 +85,11 @@ def account(meta: dict, train: dict, infer: dict, bucket_bytes: int, kv_cache_by
         peak_n = max(t[(a, b, "naive")].peak_bytes for _, t in rows)
         peak_s = max(t[(a, b, "swap")].peak_bytes for _, t in rows)
         ok = "met" if swap.redundancy_bytes <= bucket_bytes else "NOT met"
-        print(f"  {a:>7} -> {b:<7} max over ranks: peak naive {gib(peak_n)} (redundancy {gib(naive.redundancy_bytes)})"
-              f" | AllGather-Swap {gib(peak_s)} (redundancy {gib(swap.redundancy_bytes)},"
-              f" {swap.redundancy_bytes / bucket_bytes:.2f} bucket; target <= 1 bucket: {ok})")
+        print(
+            f"  {a:>7} -> {b:<7} max over ranks: peak naive {gib(peak_n)} (redundancy {gib(naive.redundancy_bytes)})"
+            f" | AllGather-Swap {gib(peak_s)} (redundancy {gib(swap.redundancy_bytes)},"
+            f" {swap.redundancy_bytes / bucket_bytes:.2f} bucket; target <= 1 bucket: {ok})"
+        )
     tr = {k: max((t[k] for _, t in rows), key=lambda x: x.redundancy_bytes) for k in rows[0][1]}
     naive, swap = tr[("train", "rollout", "naive")].redundancy_bytes, tr[("train", "rollout", "swap")].redundancy_bytes
     removed = 1 - swap / max(naive, 1)

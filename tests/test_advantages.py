@@ -66,8 +66,9 @@ def test_gae_hand_computed():
     torch.testing.assert_close(ret, torch.tensor([[1.375, 0.5, 2.0]]))
     # An observation token in the middle: its reward (5) and value (7) are ignored and it
     # costs no discount step.
-    adv, ret = gae(torch.tensor([[1.0, 5.0, 2.0]]), torch.tensor([[0.5, 7.0, 0.0]]), torch.tensor([[1, 0, 1]]),
-                   gamma=0.5, lam=0.5)
+    adv, ret = gae(
+        torch.tensor([[1.0, 5.0, 2.0]]), torch.tensor([[0.5, 7.0, 0.0]]), torch.tensor([[1, 0, 1]]), gamma=0.5, lam=0.5
+    )
     torch.testing.assert_close(adv, torch.tensor([[1.0, 0.0, 2.0]]))
     torch.testing.assert_close(ret, torch.tensor([[1.5, 0.0, 2.0]]))
 
@@ -120,8 +121,9 @@ def test_gae_observation_tokens_are_not_time_steps(batch, gamma, lam):
         if not keep.any():
             assert torch.equal(adv[i], torch.zeros_like(adv[i]))
             continue
-        dense, _ = gae(r[i, keep][None], v[i, keep][None], torch.ones(1, int(keep.sum()), dtype=torch.bool),
-                       gamma=gamma, lam=lam)
+        dense, _ = gae(
+            r[i, keep][None], v[i, keep][None], torch.ones(1, int(keep.sum()), dtype=torch.bool), gamma=gamma, lam=lam
+        )
         assert_close(adv[i, keep], dense[0], scale=_magnitude(r) * r.shape[1] + _magnitude(v))
 
 
@@ -268,8 +270,9 @@ def test_grpo_invariant_to_per_group_shift(scale, scores_ids, data):
 def test_grpo_group_scale_invariant_to_positive_per_group_scale(scores_ids, data):
     scores, ids = scores_ids
     n = int(ids.max()) + 1
-    factor = torch.tensor(data.draw(st.lists(st.sampled_from([0.25, 0.5, 2.0, 3.0, 10.0]), min_size=n, max_size=n)),
-                          dtype=torch.float64)
+    factor = torch.tensor(
+        data.draw(st.lists(st.sampled_from([0.25, 0.5, 2.0, 3.0, 10.0]), min_size=n, max_size=n)), dtype=torch.float64
+    )
     got = grpo_advantages(scores * factor[ids], ids, scale="group", eps=0.0)
     assert_close(got, grpo_advantages(scores, ids, scale="group", eps=0.0), scale=10.0)
 
@@ -290,10 +293,13 @@ def test_grpo_hand_computed():
     s = (1.0 / 3.0) ** 0.5
     want = torch.tensor([(2 / 3) / s, (-1 / 3) / s, (-1 / 3) / s, 0.0, 0.0, 0.0])
     torch.testing.assert_close(grpo_advantages(scores, ids, eps=0.0), want)
-    torch.testing.assert_close(grpo_advantages(scores, ids, scale="none"), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0, 0, 0]))
+    torch.testing.assert_close(
+        grpo_advantages(scores, ids, scale="none"), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
+    )
     batch_std = float(scores.std())
-    torch.testing.assert_close(grpo_advantages(scores, ids, scale="batch", eps=0.0),
-                               torch.tensor([2 / 3, -1 / 3, -1 / 3, 0, 0, 0]) / batch_std)
+    torch.testing.assert_close(
+        grpo_advantages(scores, ids, scale="batch", eps=0.0), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0, 0, 0]) / batch_std
+    )
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from rlcore.dataflow import balanced_partition, shard_samples
 from rlcore.testing.dataflow_strategies import token_lengths
@@ -55,7 +54,9 @@ def test_within_the_approximation_bound_of_the_exhaustive_optimum(lengths, k, me
 
 @given(lengths=token_lengths(max_size=24), k=st.integers(1, 6), method=st.sampled_from(["kk", "lpt"]), data=st.data())
 def test_groups_stay_whole_and_equal_size_holds(lengths, k, method, data):
-    group_ids = torch.tensor(data.draw(st.lists(st.integers(0, 5), min_size=lengths.numel(), max_size=lengths.numel())), dtype=torch.int64)
+    group_ids = torch.tensor(
+        data.draw(st.lists(st.integers(0, 5), min_size=lengths.numel(), max_size=lengths.numel())), dtype=torch.int64
+    )
     parts = balanced_partition(lengths, k, group_ids=group_ids, method=method)
     owners = [set(group_ids[p].tolist()) for p in parts]
     assert all(not (a & b) for i, a in enumerate(owners) for b in owners[i + 1 :])
@@ -175,7 +176,10 @@ def test_shard_samples_on_gloo(tmp_path, world):
     balanced, contiguous = max(per_rank(outs[0]["tokens"])) / mean, max(per_rank(outs[0]["contiguous"])) / mean
     assert balanced <= contiguous and balanced <= 1.1
     # contiguous: rank r computed the r-th contiguous piece.
-    assert torch.equal(outs[0]["contiguous"]["rank"], torch.cat([torch.full((p.numel(),), r) for r, p in enumerate(torch.arange(64).tensor_split(world))]))
+    assert torch.equal(
+        outs[0]["contiguous"]["rank"],
+        torch.cat([torch.full((p.numel(),), r) for r, p in enumerate(torch.arange(64).tensor_split(world))]),
+    )
     # group_key: every group was computed on one rank.
     grouped = outs[0]["groups"]
     for gid in grouped["group_ids"].unique():

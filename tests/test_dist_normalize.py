@@ -54,8 +54,9 @@ def _check_batch_normalize(rank: int, pg) -> None:  # type: ignore[no-untyped-de
         torch.testing.assert_close(got.double(), local_full.double(), rtol=tol, atol=tol)
         torch.testing.assert_close(got.double(), ref.batch_normalize_ref(x, m)[rows], rtol=tol, atol=tol)
         scaled = batch_normalize(x[rows], m[rows], shift_mean=False, process_group=pg)
-        torch.testing.assert_close(scaled.double(), batch_normalize(x, m, shift_mean=False)[rows].double(),
-                                   rtol=tol, atol=tol * 10)
+        torch.testing.assert_close(
+            scaled.double(), batch_normalize(x, m, shift_mean=False)[rows].double(), rtol=tol, atol=tol * 10
+        )
 
     # values far from 0 keep their float32 resolution across ranks
     x, m = _data(3, dtype=torch.float64)
@@ -111,8 +112,10 @@ def _check_estimators(rank: int, pg, mesh) -> None:  # type: ignore[no-untyped-d
 
     x, m = _data(8, b=8, dtype=torch.float32)
     r = torch.where(m, x, 0.0)
-    torch.testing.assert_close(reinforce_pp_advantages(r[rows], m[rows], gamma=0.9, process_group=pg),
-                               reinforce_pp_advantages(r, m, gamma=0.9)[rows])
+    torch.testing.assert_close(
+        reinforce_pp_advantages(r[rows], m[rows], gamma=0.9, process_group=pg),
+        reinforce_pp_advantages(r, m, gamma=0.9)[rows],
+    )
     torch.testing.assert_close(
         reinforce_pp_baseline_advantages(scores[rows], ids[rows], m[rows], process_group=pg),
         reinforce_pp_baseline_advantages(scores, ids, m)[rows],

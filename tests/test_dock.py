@@ -110,7 +110,12 @@ def test_values_round_trip_padded_with_masks(make_dock, dtype):
 def test_packed_batches(make_dock):
     dock = make_dock(2, 2, consumers=["train", "other"], num_warehouses=2)
     responses = [tokens(5, 6, 7), tokens(8), tokens(9, 10), tokens(11, 12, 13, 14)]
-    logp = [torch.tensor([0.5, -1.5, 2.25]), torch.tensor([0.125]), torch.tensor([-0.25, 4.0]), torch.tensor([1.0, 2.0, 3.0, 4.0])]
+    logp = [
+        torch.tensor([0.5, -1.5, 2.25]),
+        torch.tensor([0.125]),
+        torch.tensor([-0.25, 4.0]),
+        torch.tensor([1.0, 2.0, 3.0, 4.0]),
+    ]
     dock.put({"responses": responses, "logp": logp, "scores": torch.tensor([1.0, 0.0, 0.5, -2.0])}, [0, 1, 2, 3])
     batch, idx = dock.get("train", ["responses", "logp", "scores"], 4, balance="fifo", packed=True)
     assert idx.tolist() == [0, 1, 2, 3]
@@ -131,7 +136,7 @@ def test_packed_batches(make_dock):
 def test_groups_come_whole_and_only_when_all_columns_are_ready(make_dock):
     dock = make_dock(3, 2, consumers=["reward", "ref"])
     dock.put({"responses": [tokens(1)] * 3}, [0, 1, 2])  # group 0 whole, group 1 half
-    batch, idx = dock.get("reward", ["responses"], 2)
+    _batch, idx = dock.get("reward", ["responses"], 2)
     assert idx.tolist() == [0, 1]
     assert dock.get("reward", ["responses"], 2)[1].numel() == 0  # row 2 alone is not a group
     dock.put({"responses": [tokens(2)]}, [3])
@@ -209,7 +214,7 @@ def test_timeout_waits_for_enough_rows(make_dock):
     timer = threading.Timer(0.3, lambda: dock.put({"x": torch.ones(2)}, [1, 2]))
     timer.start()
     start = time.monotonic()
-    batch, idx = dock.get("c", ["x"], 3, timeout=10, balance="fifo")
+    _batch, idx = dock.get("c", ["x"], 3, timeout=10, balance="fifo")
     timer.join()
     assert idx.tolist() == [0, 1, 2] and 0.25 <= time.monotonic() - start < 10
     # Nothing left to come: empty after the timeout, having slept rather than spun.
@@ -259,9 +264,18 @@ BAD_CALLS = {
     "put index out of range": (lambda d: d.put({"x": torch.zeros(2)}, [3, 8]), "indexes"),
     "put negative index": (lambda d: d.put({"x": torch.zeros(1)}, [-1]), "indexes"),
     "put repeated index": (lambda d: d.put({"x": torch.zeros(2)}, [1, 1]), "indexes"),
-    "put column of wrong length": (lambda d: d.put({"x": torch.zeros(2), "y": torch.zeros(3)}, [4, 5]), "columns\\['y'\\]"),
-    "put column of wrong dtype": (lambda d: d.put({"x": torch.zeros(2, dtype=torch.int32)}, [4, 5]), "columns\\['x'\\]"),
-    "put rows of mixed dtype": (lambda d: d.put({"z": [torch.zeros(2), torch.zeros(2, dtype=torch.int64)]}, [4, 5]), "columns\\['z'\\]"),
+    "put column of wrong length": (
+        lambda d: d.put({"x": torch.zeros(2), "y": torch.zeros(3)}, [4, 5]),
+        "columns\\['y'\\]",
+    ),
+    "put column of wrong dtype": (
+        lambda d: d.put({"x": torch.zeros(2, dtype=torch.int32)}, [4, 5]),
+        "columns\\['x'\\]",
+    ),
+    "put rows of mixed dtype": (
+        lambda d: d.put({"z": [torch.zeros(2), torch.zeros(2, dtype=torch.int64)]}, [4, 5]),
+        "columns\\['z'\\]",
+    ),
     "put non-tensor row": (lambda d: d.put({"z": [torch.zeros(2), [1.0]]}, [4, 5]), "columns\\['z'\\]"),
     "put float indexes": (lambda d: d.put({"x": torch.zeros(1)}, torch.tensor([1.0])), "indexes"),
     "get undeclared column": (lambda d: d.get("c", ["x", "nope"], 2), "columns"),
@@ -323,7 +337,7 @@ def test_warehouses_hold_disjoint_ranges():
     for house in dock.warehouses:
         stored = house._data["x"]
         assert len(stored) == house.stop - house.start and all(v is not None for v in stored)
-    batch, idx = dock.get("c", ["x"], 10)
+    batch, _idx = dock.get("c", ["x"], 10)
     assert sorted(batch["x"].tolist()) == [float(i) for i in range(10)]
 
 
@@ -421,7 +435,12 @@ def _exactly_once(dock, case) -> None:
             while not dock.all_consumed(consumer):
                 # A short timeout: when the rows left are fewer than count, give up on them.
                 batch, idx = dock.get(
-                    consumer, ["responses", "row"], count, by_group=case["by_group"], balance=case["balance"], timeout=0.05
+                    consumer,
+                    ["responses", "row"],
+                    count,
+                    by_group=case["by_group"],
+                    balance=case["balance"],
+                    timeout=0.05,
                 )
                 if idx.numel() == 0:
                     if producers_done.is_set() and capacity - len(received[consumer]) < count:
@@ -435,8 +454,13 @@ def _exactly_once(dock, case) -> None:
             errors.append(err)
 
     producers_done = threading.Event()
-    producers = [threading.Thread(target=produce, args=(case["chunks"][k :: case["producers"]],)) for k in range(case["producers"])]
-    workers = [threading.Thread(target=consume, args=(c,)) for c in consumers for _ in range(case["threads_per_consumer"])]
+    producers = [
+        threading.Thread(target=produce, args=(case["chunks"][k :: case["producers"]],))
+        for k in range(case["producers"])
+    ]
+    workers = [
+        threading.Thread(target=consume, args=(c,)) for c in consumers for _ in range(case["threads_per_consumer"])
+    ]
     for thread in workers + producers:
         thread.start()
     for thread in producers:
@@ -458,10 +482,24 @@ def _exactly_once(dock, case) -> None:
 @given(case=dock_interleavings())
 @settings(max_examples=25)
 def test_threads_deliver_each_row_exactly_once_embedded(case):
-    _exactly_once(TransferDock(case["num_prompts"], case["n_samples"], columns=["responses", "row"], consumers=["reward", "update"], seed=case["seed"]), case)
+    _exactly_once(
+        TransferDock(
+            case["num_prompts"],
+            case["n_samples"],
+            columns=["responses", "row"],
+            consumers=["reward", "update"],
+            seed=case["seed"],
+        ),
+        case,
+    )
 
 
 @given(case=dock_interleavings())
 @settings(max_examples=10)
 def test_threads_deliver_each_row_exactly_once_ray(ray_docks, case):
-    _exactly_once(ray_docks.make(case["num_prompts"], case["n_samples"], columns=["responses", "row"], consumers=["reward", "update"]), case)
+    _exactly_once(
+        ray_docks.make(
+            case["num_prompts"], case["n_samples"], columns=["responses", "row"], consumers=["reward", "update"]
+        ),
+        case,
+    )

@@ -110,13 +110,20 @@ def test_label_shift_by_hand():
     wrong = torch.tensor([[0, 1, 0, 3]])
     one = torch.ones_like(ids)
     scored = torch.tensor([[0, 1, 1, 1]])
-    batch = {"chosen_input_ids": ids, "chosen_attention_mask": one, "chosen_mask": scored,
-             "rejected_input_ids": wrong, "rejected_attention_mask": one, "rejected_mask": scored}
+    batch = {
+        "chosen_input_ids": ids,
+        "chosen_attention_mask": one,
+        "chosen_mask": scored,
+        "rejected_input_ids": wrong,
+        "rejected_attention_mask": one,
+        "rejected_mask": scored,
+    }
     chosen, rejected = concatenated_logps(model, batch)
     expected_miss = -20.0 - math.log(1 + 3 * math.exp(-20.0))
     assert_close(chosen, torch.tensor([-3 * math.log(1 + 3 * math.exp(-20.0))]), dtype=torch.float32)
-    assert_close(rejected, torch.tensor([expected_miss - 2 * math.log(1 + 3 * math.exp(-20.0))]), dtype=torch.float32,
-                 scale=20.0)
+    assert_close(
+        rejected, torch.tensor([expected_miss - 2 * math.log(1 + 3 * math.exp(-20.0))]), dtype=torch.float32, scale=20.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -130,7 +137,9 @@ def test_step_matches_reference_with_model_or_columns(loss_type, reduce, batch, 
     loss, metrics = step(policy, batch, reference)
     want = dpo_step_ref(policy, batch, reference, beta=0.5, loss_type=loss_type, reduce=reduce)
     assert loss.shape == () and loss.requires_grad
-    assert_close(loss.detach(), torch.tensor(want, dtype=torch.float64), dtype=torch.float32, scale=10 * max(1, abs(want)))
+    assert_close(
+        loss.detach(), torch.tensor(want, dtype=torch.float64), dtype=torch.float32, scale=10 * max(1, abs(want))
+    )
     ref_c, ref_r = concatenated_logps(reference, batch, reduce=reduce)
     columns = dict(batch, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r)
     from_columns, m2 = step(policy, columns)
@@ -197,8 +206,13 @@ def test_tiny_qwen2_one_forward_matches_separate_sequences():
     import transformers  # in the test extra: missing is a failure, not a skip
 
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     lm = transformers.Qwen2ForCausalLM(config).eval()
@@ -234,9 +248,15 @@ def test_bad_input():
     with pytest.raises(ValueError, match="batch: missing rejected_mask"):
         concatenated_logps(policy, {k: v for k, v in batch.items() if k != "rejected_mask"})
     with pytest.raises(ValueError, match="rejected_input_ids: got shape \\(2, 5\\), expected \\(3, \\*\\)"):
-        concatenated_logps(policy, dict(batch, rejected_input_ids=batch["rejected_input_ids"][:2],
-                                        rejected_attention_mask=batch["rejected_attention_mask"][:2],
-                                        rejected_mask=batch["rejected_mask"][:2]))
+        concatenated_logps(
+            policy,
+            dict(
+                batch,
+                rejected_input_ids=batch["rejected_input_ids"][:2],
+                rejected_attention_mask=batch["rejected_attention_mask"][:2],
+                rejected_mask=batch["rejected_mask"][:2],
+            ),
+        )
     with pytest.raises(ValueError, match="chosen_mask: got shape"):
         concatenated_logps(policy, dict(batch, chosen_mask=batch["chosen_mask"][:, :3]))
     with pytest.raises(ValueError, match="chosen_input_ids.*integer"):

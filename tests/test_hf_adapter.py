@@ -2,7 +2,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import transformers
 
 from rlcore.dataflow import pack
 from rlcore.models import from_hf, load_causal_lm, packed_causal_attention, token_logprobs
@@ -81,7 +80,9 @@ def test_token_logprobs_values_and_gradients_match_plain_path(family, dtype, tol
     mask[3, 1:] = 0
     batch = {"input_ids": ids, "attention_mask": mask}
     weights = torch.randn(4, 12, generator=g)
-    lp, ent = token_logprobs(apply, params, batch, temperature=0.8, chunk_size=5, vocab_chunk_size=16, with_entropy=True)
+    lp, ent = token_logprobs(
+        apply, params, batch, temperature=0.8, chunk_size=5, vocab_chunk_size=16, with_entropy=True
+    )
     assert lp.shape == ids.shape and lp.dtype == dtype
     (lp.float() * weights).sum().add(ent.float().sum()).backward()
     ours = {n: p.grad.clone() for n, p in params.items()}
@@ -137,7 +138,11 @@ def test_no_tokens_by_tokens_tensor_on_a_long_pack():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@given(lengths=token_lengths(max_len=7, max_batch=4), heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]), seed=st.integers(0, 2**16))
+@given(
+    lengths=token_lengths(max_len=7, max_batch=4),
+    heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+    seed=st.integers(0, 2**16),
+)
 def test_packed_causal_attention_matches_loop_reference(dtype, lengths, heads, seed):
     hq, hkv = heads
     n, d = sum(lengths), 4
@@ -162,7 +167,9 @@ def test_flex_document_mask_matches_per_segment():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(40, h, 8, generator=g) for h in (4, 2, 2))
     cu = torch.tensor([0, 10, 10, 25, 40], dtype=torch.int32)
-    torch.testing.assert_close(_flex_document(q, k, v, cu, 0.3), packed_causal_attention(q, k, v, cu, scale=0.3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _flex_document(q, k, v, cu, 0.3), packed_causal_attention(q, k, v, cu, scale=0.3), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_load_causal_lm_from_config_and_local_path(tmp_path):
@@ -179,10 +186,16 @@ def test_load_causal_lm_from_config_and_local_path(tmp_path):
     ("call", "match"),
     [
         (lambda: load_causal_lm("Qwen/Qwen2-0.5B"), r"source: got 'Qwen/Qwen2-0.5B', expected a local model directory"),
-        (lambda: load_causal_lm({"hidden_size": 8}), r"source: got config keys \['hidden_size'\], expected a 'model_type'"),
+        (
+            lambda: load_causal_lm({"hidden_size": 8}),
+            r"source: got config keys \['hidden_size'\], expected a 'model_type'",
+        ),
         (lambda: load_causal_lm(3), r"source: got int, expected a PretrainedConfig"),
         (lambda: from_hf(torch.nn.Linear(2, 2)), r"model: got Linear, expected a transformers causal LM"),
-        (lambda: token_logprobs(lambda *a, **k: None, {}, [torch.tensor([1, 2])]), r"apply: got function without an output_weight"),
+        (
+            lambda: token_logprobs(lambda *a, **k: None, {}, [torch.tensor([1, 2])]),
+            r"apply: got function without an output_weight",
+        ),
     ],
 )
 def test_bad_input_raises_value_error(call, match):

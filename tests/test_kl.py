@@ -158,7 +158,9 @@ def test_kl_penalty_bad_input():
 def test_kl_in_reward_matches_reference(estimator, dtype, batch, coef, data):
     m = batch["mask"]
     seed = data.draw(st.integers(0, 2**20))
-    rewards = torch.where(m, torch.randn(m.shape, generator=torch.Generator().manual_seed(seed)), float("nan")).to(dtype)
+    rewards = torch.where(m, torch.randn(m.shape, generator=torch.Generator().manual_seed(seed)), float("nan")).to(
+        dtype
+    )
     lp, rp = batch["logp"].to(dtype), batch["ref_logp"].to(dtype)
     got, metrics = kl_in_reward(rewards, lp, rp, m, kl_coef=coef, estimator=estimator)
     want, want_metrics = ref.kl_in_reward_ref(rewards, lp, rp, m, kl_coef=coef, estimator=estimator)

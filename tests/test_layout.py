@@ -78,7 +78,7 @@ def test_shards_of_one_group_tile_the_full_tensor(sizes):
         if not index:
             assert all(torch.equal(s, t) for s in shards)
             continue
-        (tdim, (_, n)), = index.items()
+        ((tdim, (_, n)),) = index.items()
         mesh_dim = "tp" if lay.placements[name].tp is not None else "ep"
         pieces = {lay.coords(r)[mesh_dim]: s for r, s in enumerate(shards)}
         assert torch.equal(torch.cat([pieces[c] for c in range(n)], dim=tdim), t)
@@ -111,8 +111,11 @@ def test_layout_rejects_bad_sizes_and_stages():
 
 
 def test_validate_names_parameter_and_sizes():
-    with pytest.raises(ValueError, match=r"layout: parameter 'model.embed_tokens.weight' of shape \(32, 8\) "
-                                         r"has 32 on dim 0, expected a multiple of tp=3"):
+    with pytest.raises(
+        ValueError,
+        match=r"layout: parameter 'model.embed_tokens.weight' of shape \(32, 8\) "
+        r"has 32 on dim 0, expected a multiple of tp=3",
+    ):
         decoder_layout(META, tp=3)
     with pytest.raises(ValueError, match=r"layout: got no placement for \['b'\]"):
         Layout({"a": Placement()}).validate({"a": META["model.norm.weight"], "b": META["model.norm.weight"]})

@@ -76,7 +76,9 @@ def test_gradcheck_float64(data, chunk, vchunk):
     h, w = hidden.requires_grad_(), weight.requires_grad_()
 
     def fn(a, b):
-        return linear_logprobs(a, b, labels, temperature=0.8, chunk_size=chunk, vocab_chunk_size=vchunk, with_entropy=True)
+        return linear_logprobs(
+            a, b, labels, temperature=0.8, chunk_size=chunk, vocab_chunk_size=vchunk, with_entropy=True
+        )
 
     assert torch.autograd.gradcheck(fn, (h, w))
 
@@ -175,12 +177,21 @@ def test_out_of_range_label_is_nan_when_compiled():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda h, w, y: linear_logprobs(h, w[:, :3], y), r"weight: got shape \(5, 3\), expected \(V, 4\) \(the hidden size of hidden"),
+        (
+            lambda h, w, y: linear_logprobs(h, w[:, :3], y),
+            r"weight: got shape \(5, 3\), expected \(V, 4\) \(the hidden size of hidden",
+        ),
         (lambda h, w, y: linear_logprobs(h, w.double(), y), r"weight: got dtype torch.float64, expected torch.float32"),
         (lambda h, w, y: linear_logprobs(h, w[0], y), r"weight: got shape \(4\) \(1-D\), expected 2-D"),
-        (lambda h, w, y: linear_logprobs(h, w, torch.tensor([0, 5, 1])), r"labels: got values in \[0, 5\], expected token ids in \[0, 4\]"),
+        (
+            lambda h, w, y: linear_logprobs(h, w, torch.tensor([0, 5, 1])),
+            r"labels: got values in \[0, 5\], expected token ids in \[0, 4\]",
+        ),
         (lambda h, w, y: linear_logprobs(h, w, y[:2]), r"labels: got shape \(2,\), expected \(3,\)"),
-        (lambda h, w, y: linear_logprobs(h, w, y, vocab_chunk_size=0), r"vocab_chunk_size: got 0, expected a positive int"),
+        (
+            lambda h, w, y: linear_logprobs(h, w, y, vocab_chunk_size=0),
+            r"vocab_chunk_size: got 0, expected a positive int",
+        ),
         (lambda h, w, y: linear_logprobs(h, w, y, temperature=-1.0), r"temperature: got -1.0"),
         (lambda h, w, y: linear_logprobs(h.long(), w, y), r"hidden: got dtype torch.int64"),
     ],

@@ -48,7 +48,11 @@ def test_values_match_loop_reference(dtype, data, chunk, temperature):
     _close(logp, want_logp, dtype)
     _close(ent, want_ent, dtype)
     _close(logprobs_from_logits(logits, labels, temperature=temperature, chunk_size=chunk), want_logp, dtype)
-    _close(entropy_from_logits(logits, temperature=temperature, chunk_size=chunk), entropy_ref(logits, temperature=temperature), dtype)
+    _close(
+        entropy_from_logits(logits, temperature=temperature, chunk_size=chunk),
+        entropy_ref(logits, temperature=temperature),
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,7 +109,9 @@ def test_hand_computed_values():
     assert_close(e, torch.tensor([h], dtype=torch.float64))
 
 
-@given(data=lm_logits_and_labels(max_lead=1, max_tokens=12, max_vocab=20), chunk=chunk_sizes(), temperature=temperatures)
+@given(
+    data=lm_logits_and_labels(max_lead=1, max_tokens=12, max_vocab=20), chunk=chunk_sizes(), temperature=temperatures
+)
 def test_distribution_properties(data, chunk, temperature):
     logits, labels = data
     n, vocab = logits.shape
@@ -118,7 +124,9 @@ def test_distribution_properties(data, chunk, temperature):
     torch.testing.assert_close(all_logp.double().exp().sum(-1), torch.ones(n, dtype=torch.float64), rtol=0, atol=1e-5)
     # Invariant to a per-token shift of the logits; temperature is division of the logits.
     shift = torch.randn(n, 1) * 5
-    logp_s, ent_s = logprobs_from_logits(logits + shift, labels, temperature=temperature, chunk_size=chunk, with_entropy=True)
+    logp_s, ent_s = logprobs_from_logits(
+        logits + shift, labels, temperature=temperature, chunk_size=chunk, with_entropy=True
+    )
     assert_close(logp_s, logp.double(), scale=50)
     assert_close(ent_s, ent.double(), scale=50)
     assert_close(logprobs_from_logits(logits / temperature, labels), logp.double(), scale=10)
@@ -224,7 +232,10 @@ def test_out_of_range_label_is_nan_without_sync_when_compiled():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda x, y: logprobs_from_logits(x, torch.tensor([0, 1, 6])), r"labels: got values in \[0, 6\], expected token ids in \[0, 5\]"),
+        (
+            lambda x, y: logprobs_from_logits(x, torch.tensor([0, 1, 6])),
+            r"labels: got values in \[0, 6\], expected token ids in \[0, 5\]",
+        ),
         (lambda x, y: logprobs_from_logits(x, torch.tensor([0, -1, 2])), r"labels: got values in \[-1, 2\]"),
         (lambda x, y: logprobs_from_logits(x, y[:2]), r"labels: got shape \(2,\), expected \(3,\)"),
         (lambda x, y: logprobs_from_logits(x, y.float()), r"labels: got dtype torch.float32, expected an integer"),

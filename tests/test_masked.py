@@ -33,7 +33,10 @@ def test_sum_mean_var_match_reference(dtype, dim, data):
     assert_close(masked_mean(x, m, dim), masked_mean_ref(x, m, dim), dtype=dtype, scale=scale)
     assert_close(masked_var(x, m, dim), masked_var_ref(x, m, dim), dtype=dtype, scale=scale * scale * 4)
     assert_close(
-        masked_var(x, m, dim, unbiased=False), masked_var_ref(x, m, dim, unbiased=False), dtype=dtype, scale=scale**2 * 4
+        masked_var(x, m, dim, unbiased=False),
+        masked_var_ref(x, m, dim, unbiased=False),
+        dtype=dtype,
+        scale=scale**2 * 4,
     )
 
 

@@ -3,7 +3,6 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reshard import assert_ok, shared_group, tiny_decoder
 
 from rlcore import device as rdevice
 from rlcore.dataflow.layout import decoder_layout, param_meta
@@ -19,13 +18,19 @@ from rlcore.memory import (
     enter_train,
 )
 from rlcore.testing.reference.resharding import local_shard_ref, transition_peak_ref, unshard_ref
+from test_reshard import assert_ok, shared_group, tiny_decoder
 
 # --------------------------------------------------------------------------- plan arithmetic
 
 
 def _train_rollout(params=100, grads=100, optimizer=400, weights=200, kv=300, chunks=()):
-    groups = (StateGroup("params", params), StateGroup("grads", grads), StateGroup("optimizer", optimizer),
-              StateGroup("weights", weights, source="params", chunks=chunks), StateGroup("kv", kv))
+    groups = (
+        StateGroup("params", params),
+        StateGroup("grads", grads),
+        StateGroup("optimizer", optimizer),
+        StateGroup("weights", weights, source="params", chunks=chunks),
+        StateGroup("kv", kv),
+    )
     t, r = {"train": "device", "rollout": "host"}, {"train": "none", "rollout": "device"}
     return MemoryPlan(groups, {"params": t, "grads": t, "optimizer": t, "weights": r, "kv": r})
 
@@ -37,8 +42,11 @@ def test_hand_computed_peaks_train_to_rollout():
     # offload grads (500), optimizer (100); build bucket 1: 100 + 100 + 10 -> 210, keep 200 - 50 = 150;
     # bucket 2: 150 + 100 + 10 = 260, end 200; allocate kv: 500.
     assert [(s.action, s.group, s.device_bytes, s.peak_bytes) for s in swap.steps] == [
-        ("offload", "grads", 500, 600), ("offload", "optimizer", 100, 500),
-        ("build", "weights", 200, 260), ("alloc", "kv", 500, 500)]
+        ("offload", "grads", 500, 600),
+        ("offload", "optimizer", 100, 500),
+        ("build", "weights", 200, 260),
+        ("alloc", "kv", 500, 500),
+    ]
     assert swap.peak_bytes == 600 and swap.redundancy_bytes == 0
     naive = plan.transition("train", "rollout", order="naive")
     # build with everything resident: 600 + 100 + 10, then 700 + 100 + 10 = 810; kv: 1100.
@@ -58,8 +66,13 @@ def memory_plans(draw):
     n = draw(st.integers(1, 4))
     sizes = [draw(st.integers(0, 1000)) for _ in range(n)]
     groups = [StateGroup(f"g{i}", s) for i, s in enumerate(sizes)]
-    residency = {g.name: {"a": draw(st.sampled_from(("device", "host", "none"))),
-                          "b": draw(st.sampled_from(("device", "host", "none")))} for g in groups}
+    residency = {
+        g.name: {
+            "a": draw(st.sampled_from(("device", "host", "none"))),
+            "b": draw(st.sampled_from(("device", "host", "none"))),
+        }
+        for g in groups
+    }
     if draw(st.booleans()):
         k = draw(st.integers(1, 3))
         built = [draw(st.integers(0, 300)) for _ in range(k)]
@@ -94,8 +107,10 @@ def test_colocated_plan_counts_the_rank_bytes():
     rplan = plan_reshard(meta, decoder_layout(meta, tp=2, dp=2), decoder_layout(meta, dp=4), bucket_bytes=16 << 10)
     plan = colocated_plan(rplan, rank=1, kv_cache_bytes=1000)
     params = sum(t.numel() * t.element_size() for t in meta.values())
-    sharded = sum(local_shard_ref(torch.zeros(t.shape, dtype=t.dtype), rplan.src, n, 1).numel() * t.element_size()
-                  for n, t in meta.items())
+    sharded = sum(
+        local_shard_ref(torch.zeros(t.shape, dtype=t.dtype), rplan.src, n, 1).numel() * t.element_size()
+        for n, t in meta.items()
+    )
     assert plan.group("params").nbytes == plan.group("grads").nbytes == sharded
     assert plan.group("optimizer").nbytes == 2 * sharded
     assert plan.group("inference_weights").nbytes == params
@@ -107,7 +122,9 @@ def test_colocated_plan_counts_the_rank_bytes():
 
 def test_plan_validation_names_what_is_wrong():
     g = (StateGroup("p", 1), StateGroup("w", 1, source="p"))
-    with pytest.raises(ValueError, match=r"residency\['p'\]\['train'\]: got 'gpu', expected one of 'device', 'host', 'none'"):
+    with pytest.raises(
+        ValueError, match=r"residency\['p'\]\['train'\]: got 'gpu', expected one of 'device', 'host', 'none'"
+    ):
         MemoryPlan(g, {"p": {"train": "gpu"}, "w": {"train": "none"}})
     with pytest.raises(ValueError, match=r"residency: got groups \['p'\], expected \['p', 'w'\]"):
         MemoryPlan(g, {"p": {"train": "device"}})
@@ -131,7 +148,9 @@ def test_enter_rollout_rejects_bad_params_before_moving_anything():
     optimizer = [torch.ones(3)]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match=r"params\['lm_head.weight'\]: got shape \(2, 4\) torch.float32, expected \(4, 2\)"):
+        with pytest.raises(
+            ValueError, match=r"params\['lm_head.weight'\]: got shape \(2, 4\) torch.float32, expected \(4, 2\)"
+        ):
             enter_rollout(TrainState({"lm_head.weight": torch.ones(2, 4)}, optimizer=optimizer), _one_rank_plan())
     finally:
         dist.destroy_process_group()
@@ -145,9 +164,13 @@ def test_enter_rollout_rejects_steps_it_cannot_run():
     grads = [torch.ones(2)]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="plan: got step 'free' of 'grads' in train -> rollout, expected only: offload of"):
-            enter_rollout(TrainState({"lm_head.weight": torch.ones(4, 2)}, grads=grads),
-                          _one_rank_plan(MemoryPlan(base.groups, residency)))
+        with pytest.raises(
+            ValueError, match="plan: got step 'free' of 'grads' in train -> rollout, expected only: offload of"
+        ):
+            enter_rollout(
+                TrainState({"lm_head.weight": torch.ones(4, 2)}, grads=grads),
+                _one_rank_plan(MemoryPlan(base.groups, residency)),
+            )
     finally:
         dist.destroy_process_group()
     assert grads[0].untyped_storage().nbytes() == 8
@@ -157,9 +180,11 @@ def test_enter_rollout_rejects_steps_it_cannot_run():
 
 
 def _snapshot(params, opt):
-    return ({n: p.detach().clone() for n, p in params.items()},
-            {n: p.grad.clone() for n, p in params.items()},
-            {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params.items()})
+    return (
+        {n: p.detach().clone() for n, p in params.items()},
+        {n: p.grad.clone() for n, p in params.items()},
+        {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params.items()},
+    )
 
 
 def _train(rank, src, dst, rplan, mesh, steps, switch):
@@ -169,10 +194,12 @@ def _train(rank, src, dst, rplan, mesh, steps, switch):
     plan = allgather_swap_plan(rplan, mesh=mesh, device="cpu", rank=rank)
     g = torch.Generator().manual_seed(7)
     losses = []
-    for step in range(steps):
+    for _step in range(steps):
         targets = {n: torch.randn(t.shape, generator=g).to(t.dtype) for n, t in full.items()}
         opt.zero_grad(set_to_none=False)
-        local = sum(((p.float() - local_shard_ref(targets[n], src, n, rank).float()) ** 2).sum() for n, p in params.items())
+        local = sum(
+            ((p.float() - local_shard_ref(targets[n], src, n, rank).float()) ** 2).sum() for n, p in params.items()
+        )
         local.backward()
         opt.step()
         loss = local.detach().clone()
@@ -246,8 +273,11 @@ def test_predicted_peak_matches_measured_peak(tmp_path):
         sum((p.float() ** 2).sum() for p in params.values()).backward()
         opt.step()
         plan = allgather_swap_plan(rplan, mesh=mesh, device=dev, rank=0)
-        for name, t in (("params", params.values()), ("grads", [p.grad for p in params.values()]),
-                        ("optimizer", [v for s in opt.state.values() for v in s.values() if v.device == dev])):
+        for name, t in (
+            ("params", params.values()),
+            ("grads", [p.grad for p in params.values()]),
+            ("optimizer", [v for s in opt.state.values() for v in s.values() if v.device == dev]),
+        ):
             assert plan.memory.group(name).nbytes == sum(x.numel() * x.element_size() for x in t), name
         rdevice.synchronize(dev)
         base = rdevice.memory_stats(dev).allocated - plan.memory.resident_bytes("train")

@@ -148,13 +148,28 @@ def test_pack_on_int32_inputs(batch):
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: pack({"input_ids": torch.zeros(2, 3, dtype=torch.long)}), r"batch: got keys \['input_ids'\], expected 'input_ids' and 'attention_mask'"),
-        (lambda: pack({"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 4)}), r"attention_mask: got shape \(2, 4\), expected \(2, 3\)"),
-        (lambda: pack({"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3)}), r"input_ids: got dtype torch.float32, expected an integer"),
+        (
+            lambda: pack({"input_ids": torch.zeros(2, 3, dtype=torch.long)}),
+            r"batch: got keys \['input_ids'\], expected 'input_ids' and 'attention_mask'",
+        ),
+        (
+            lambda: pack({"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 4)}),
+            r"attention_mask: got shape \(2, 4\), expected \(2, 3\)",
+        ),
+        (
+            lambda: pack({"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3)}),
+            r"input_ids: got dtype torch.float32, expected an integer",
+        ),
         (lambda: pack([]), r"batch: got list, expected a mapping"),
         (lambda: pack([torch.zeros(2, 2, dtype=torch.long)]), r"batch\[0\]: got shape \(2, 2\) \(2-D\), expected 1-D"),
-        (lambda: unpack(torch.zeros(3), pack([torch.tensor([1, 2])])), r"values: got shape \(3,\), expected \(2, \.\.\.\)"),
-        (lambda: unpack(torch.zeros(2), {"input_ids": torch.zeros(2)}), r"packed: got dict, expected an rlcore.dataflow.Packed"),
+        (
+            lambda: unpack(torch.zeros(3), pack([torch.tensor([1, 2])])),
+            r"values: got shape \(3,\), expected \(2, \.\.\.\)",
+        ),
+        (
+            lambda: unpack(torch.zeros(2), {"input_ids": torch.zeros(2)}),
+            r"packed: got dict, expected an rlcore.dataflow.Packed",
+        ),
         (lambda: pack_to_budget([3, 9], max_tokens=8), r"lengths: got 9 at index 1, expected token counts in \[0, 8\]"),
         (lambda: pack_to_budget([3], max_tokens=0), r"max_tokens: got 0, expected a positive int"),
         (lambda: pack_to_budget(torch.tensor([1.0]), max_tokens=4), r"lengths: got dtype torch.float32"),

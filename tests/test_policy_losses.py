@@ -19,8 +19,12 @@ HYPER = {
             "dual_clip": st.sampled_from([None, 3.0]),
         }
     ),
-    "gspo": st.fixed_dictionaries({"clip_low": st.sampled_from([3e-4, 0.05]), "clip_high": st.sampled_from([4e-4, 0.1])}),
-    "cispo": st.fixed_dictionaries({"clip_low": st.sampled_from([None, 0.5]), "clip_high": st.sampled_from([0.28, 1.0])}),
+    "gspo": st.fixed_dictionaries(
+        {"clip_low": st.sampled_from([3e-4, 0.05]), "clip_high": st.sampled_from([4e-4, 0.1])}
+    ),
+    "cispo": st.fixed_dictionaries(
+        {"clip_low": st.sampled_from([None, 0.5]), "clip_high": st.sampled_from([0.28, 1.0])}
+    ),
     "reinforce": st.just({}),
     "sapo": st.fixed_dictionaries({"tau_pos": st.sampled_from([1.0, 2.0]), "tau_neg": st.sampled_from([1.05, 3.0])}),
     "gmpo": st.fixed_dictionaries({"clip_low": st.sampled_from([0.4, 0.1]), "clip_high": st.sampled_from([0.4, 0.2])}),
@@ -176,8 +180,9 @@ def test_gspo_hand_computed_and_sequence_level_gradient():
     assert float(m["clip_frac_high"]) == pytest.approx(0.4)
 
     def objective(lp):
-        return algos.aggregate(algos.gspo_loss(lp, old, adv, mask, clip_low=0.1, clip_high=0.1)[0], mask,
-                               mode="seq-mean-token-mean")
+        return algos.aggregate(
+            algos.gspo_loss(lp, old, adv, mask, clip_low=0.1, clip_high=0.1)[0], mask, mode="seq-mean-token-mean"
+        )
 
     # With sequence advantages the GSPO-token loss, averaged per sequence, is the
     # paper's sequence objective: its autograd gradient matches finite differences.
@@ -209,8 +214,9 @@ def test_cispo_keeps_gradient_of_clipped_tokens():
 def test_sapo_hand_computed_gate():
     # r = 2, A = 1, tau = 1: loss = -4 * sigmoid(1); gradient -4 s (1 - s) * 2.
     logp = torch.tensor([[math.log(2.0)]], dtype=torch.float64, requires_grad=True)
-    loss, _ = algos.sapo_loss(logp, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
-                              torch.ones(1, 1))
+    loss, _ = algos.sapo_loss(
+        logp, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1)
+    )
     loss.sum().backward()
     s = 1 / (1 + math.exp(-1.0))
     assert math.isclose(float(loss.detach()), -4 * s, rel_tol=1e-12)

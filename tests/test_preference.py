@@ -170,7 +170,7 @@ def test_dpo_hand_computed_values():
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 @given(p=preference_pairs(patterns=("equal",)), beta=st.floats(0.01, 10.0))
 def test_sigmoid_dpo_is_log2_when_policy_equals_reference(divergence, p, beta):
-    pi_c, pi_r, ref_c, ref_r = _args(p)
+    _pi_c, _pi_r, ref_c, ref_r = _args(p)
     loss, _ = dpo_loss(ref_c, ref_r, ref_c, ref_r, beta=beta, divergence=divergence)
     assert torch.equal(loss, torch.full_like(loss, LOG2))
 
@@ -324,8 +324,9 @@ def test_extreme_margins_give_finite_losses_and_gradients(loss_type, dtype):
     for divergence in divergences:
         for beta in (0.1, 1.0):
             pc, pr, rc, rr = _extreme_grid(dtype)
-            loss, _ = dpo_loss(pc, pr, rc, rr, loss_type=loss_type, divergence=divergence, beta=beta,
-                               label_smoothing=eps)
+            loss, _ = dpo_loss(
+                pc, pr, rc, rr, loss_type=loss_type, divergence=divergence, beta=beta, label_smoothing=eps
+            )
             gc, gr = torch.autograd.grad(loss.float().sum(), (pc, pr))
             assert torch.isfinite(loss).all(), (divergence, beta)
             assert torch.isfinite(gc).all() and torch.isfinite(gr).all(), (divergence, beta)
@@ -355,6 +356,7 @@ def test_dpo_gradcheck(loss_type):
     # BCO's default shift is a detached batch statistic, which finite differences would see.
     extra = {"bco_delta": 0.3} if loss_type == "bco_pair" else {}
     for divergence in divergences:
+
         def fn(*a, divergence=divergence):
             return dpo_loss(*a, beta=0.5, loss_type=loss_type, divergence=divergence, label_smoothing=eps, **extra)[0]
 
@@ -394,8 +396,12 @@ def test_dpo_bad_input_names_argument_and_allowed_values():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@given(p=preference_pairs(scale=1.0), beta=st.sampled_from([0.1, 2.0, 2.5]), gamma=st.sampled_from([0.0, 0.5, 1.4]),
-       eps=st.sampled_from([0.0, 0.2]))
+@given(
+    p=preference_pairs(scale=1.0),
+    beta=st.sampled_from([0.1, 2.0, 2.5]),
+    gamma=st.sampled_from([0.0, 0.5, 1.4]),
+    eps=st.sampled_from([0.0, 0.2]),
+)
 def test_simpo_matches_reference(dtype, p, beta, gamma, eps):
     # Length-normalised log-probs are O(1): use the per-sequence values / 50.
     pc, pr = (p["pi_chosen"].double() / 50).to(dtype), (p["pi_rejected"].double() / 50).to(dtype)
@@ -440,7 +446,7 @@ def test_orpo_matches_reference(dtype, data, lam):
     want, ratio = orpo_loss_ref(pw, pl, nll, lam=lam)
     assert_close(loss, want, dtype=dtype, scale=10.0)
     assert_close(m["log_odds_ratio"], ratio, dtype=dtype, scale=10.0)
-    swapped, s = orpo_loss(pl, pw, nll, lam=lam)
+    _swapped, s = orpo_loss(pl, pw, nll, lam=lam)
     assert torch.equal(s["log_odds_ratio"], -m["log_odds_ratio"])
 
 
@@ -509,8 +515,9 @@ def test_kto_hand_computed_and_reference_point():
     logp, ref = torch.tensor([-4.0, -9.0, -7.0]), torch.tensor([-5.0, -8.0, -7.0])
     desirable = torch.tensor([True, False, True])
     # KL estimate 2 (> 0): z = 2, r = (1, -1, 0), beta = 1.
-    loss, m = kto_loss(logp, ref, desirable, torch.tensor([-1.0, -3.0]), torch.tensor([-3.0, -5.0]), beta=1.0,
-                       desirable_weight=2.0)
+    loss, m = kto_loss(
+        logp, ref, desirable, torch.tensor([-1.0, -3.0]), torch.tensor([-3.0, -5.0]), beta=1.0, desirable_weight=2.0
+    )
     want = [2 / (1 + math.exp(1 - 2)), 1 / (1 + math.exp(2 + 1)), 2 / (1 + math.exp(0 - 2))]  # w (1 - sigmoid(u))
     assert_close(loss, torch.tensor(want), dtype=torch.float32)
     assert m["kl"].tolist() == 2.0
@@ -530,8 +537,13 @@ def test_kto_gradients_follow_the_labels_and_skip_the_reference_point():
     assert g_logp[0] < 0 < g_logp[1]  # descent raises the desirable, lowers the undesirable
     assert g_kl is None
     assert torch.autograd.gradcheck(
-        lambda a: kto_loss(a, torch.tensor([-5.0, -8.0], dtype=torch.float64), torch.tensor([True, False]),
-                           torch.tensor([-1.0], dtype=torch.float64), torch.tensor([-3.0], dtype=torch.float64))[0],
+        lambda a: kto_loss(
+            a,
+            torch.tensor([-5.0, -8.0], dtype=torch.float64),
+            torch.tensor([True, False]),
+            torch.tensor([-1.0], dtype=torch.float64),
+            torch.tensor([-3.0], dtype=torch.float64),
+        )[0],
         (logp.detach().double().requires_grad_(),),
     )
 
@@ -540,8 +552,13 @@ def test_kto_gradients_follow_the_labels_and_skip_the_reference_point():
 def test_kto_finite_at_extremes(dtype):
     logp = torch.tensor([1e4, -1e4, 1e4, -1e4], dtype=dtype, requires_grad=True)
     ref = torch.zeros(4, dtype=dtype)
-    loss, _ = kto_loss(logp, ref, torch.tensor([True, True, False, False]), torch.tensor([5e3], dtype=dtype),
-                       torch.zeros(1, dtype=dtype))
+    loss, _ = kto_loss(
+        logp,
+        ref,
+        torch.tensor([True, True, False, False]),
+        torch.tensor([5e3], dtype=dtype),
+        torch.zeros(1, dtype=dtype),
+    )
     (g,) = torch.autograd.grad(loss.float().sum(), logp)
     assert torch.isfinite(loss).all() and torch.isfinite(g).all()
 

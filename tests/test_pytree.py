@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -36,7 +38,7 @@ def test_static_field_is_metadata_not_leaf():
 
 def test_containers_are_frozen():
     r = Rollout(torch.ones(1), torch.ones(1))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.tokens = torch.zeros(1)  # type: ignore[misc]
 
 
@@ -78,7 +80,9 @@ def test_empty_sequences_rejected():
 
 def test_batch_size_names_the_bad_leaf():
     bad = {"a": torch.zeros(4, 2), "meta": {"ids": torch.zeros(3)}}
-    with pytest.raises(ValueError, match=r"leaf \['meta'\]\['ids'\] has leading dimension 3, expected 4 \(that of leaf \['a'\]\)"):
+    with pytest.raises(
+        ValueError, match=r"leaf \['meta'\]\['ids'\] has leading dimension 3, expected 4 \(that of leaf \['a'\]\)"
+    ):
         pt.batch_size(bad)
     with pytest.raises(ValueError, match="0-d"):
         pt.batch_size({"s": torch.tensor(1.0)})

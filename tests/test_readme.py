@@ -20,5 +20,5 @@ def test_readme_example_runs(index):
 
 def test_custom_algorithm_example_is_short():
     custom = next(b for b in BLOCKS if "_replace(" in b)
-    replace_call = custom[custom.index("algo = "):custom.index("batch = algo.advantages")]
+    replace_call = custom[custom.index("algo = ") : custom.index("batch = algo.advantages")]
     assert len([line for line in replace_call.splitlines() if line.strip()]) < 20

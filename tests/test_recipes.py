@@ -245,8 +245,9 @@ def test_entropy_bonus_and_is_weights():
     }
     algo = Algorithm(advantage_estimator=None, policy_loss=algos.ppo_clip_loss, entropy_coef=0.1)
     loss, metrics = algo.loss(batch)
-    pg, _ = algos.ppo_clip_loss(batch["logp"], batch["old_logp"], batch["advantages"], mask,
-                                is_weights=batch["is_weights"])
+    pg, _ = algos.ppo_clip_loss(
+        batch["logp"], batch["old_logp"], batch["advantages"], mask, is_weights=batch["is_weights"]
+    )
     want = algos.aggregate(pg - 0.1 * torch.where(mask, batch["entropy"], 0.0), mask)
     torch.testing.assert_close(loss, want)
     assert_close(metrics["entropy"], batch["entropy"][mask].double().mean())

@@ -18,26 +18,33 @@ from rlcore.testing.reference.resharding import local_shard_ref
 def tiny_decoder(layers=2, hidden=16, vocab=64, experts=4, dtype=torch.bfloat16):
     """Full (unsharded) weights of a small MoE decoder, identical on every rank (seeded)."""
     g = torch.Generator().manual_seed(1234)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (hidden // 2, hidden),
-            p + "self_attn.v_proj.weight": (hidden // 2, hidden),
-            p + "self_attn.q_proj.bias": (hidden,),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (2 * hidden, hidden),
-            p + "mlp.up_proj.weight": (2 * hidden, hidden),
-            p + "mlp.down_proj.weight": (hidden, 2 * hidden),
-            p + "mlp.gate.weight": (experts, hidden),
-            p + "mlp.experts.gate_up_proj": (experts, hidden, 4 * hidden),
-            p + "mlp.experts.down_proj": (experts, 2 * hidden, hidden),
-        })
-    return {n: torch.randn(s, generator=g).to(torch.float32 if n.endswith("norm.weight") else dtype)
-            for n, s in shapes.items()}
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (hidden // 2, hidden),
+                p + "self_attn.v_proj.weight": (hidden // 2, hidden),
+                p + "self_attn.q_proj.bias": (hidden,),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "mlp.gate_proj.weight": (2 * hidden, hidden),
+                p + "mlp.up_proj.weight": (2 * hidden, hidden),
+                p + "mlp.down_proj.weight": (hidden, 2 * hidden),
+                p + "mlp.gate.weight": (experts, hidden),
+                p + "mlp.experts.gate_up_proj": (experts, hidden, 4 * hidden),
+                p + "mlp.experts.down_proj": (experts, 2 * hidden, hidden),
+            }
+        )
+    return {
+        n: torch.randn(s, generator=g).to(torch.float32 if n.endswith("norm.weight") else dtype)
+        for n, s in shapes.items()
+    }
 
 
 RESHARD_CASES = {
@@ -81,8 +88,9 @@ def check_reshard(rank, src_kw, dst_kw):
 
 def _worker(rank, world, tmp, checks):
     # A check that fails on one rank leaves its peers in a collective: time out instead of hanging.
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     torch.set_num_threads(1)
     results = {}
     for name, (fn, args) in checks.items():
@@ -167,18 +175,34 @@ def _index_set(layout, name, rank):
     return set(shard.reshape(-1).tolist())
 
 
-SIZES = st.sampled_from([dict(tp=4), dict(tp=2, dp=2), dict(dp=4), dict(ep=4), dict(ep=2, dp=2),
-                         dict(ep=2, tp=2), dict(pp=2, tp=2), dict(pp=2, dp=2), dict(pp=2, ep=2)])
+SIZES = st.sampled_from(
+    [
+        dict(tp=4),
+        dict(tp=2, dp=2),
+        dict(dp=4),
+        dict(ep=4),
+        dict(ep=2, dp=2),
+        dict(ep=2, tp=2),
+        dict(pp=2, tp=2),
+        dict(pp=2, dp=2),
+        dict(pp=2, ep=2),
+    ]
+)
 
 
 def _after_broadcast(src):
     """The layout the ranks hold once the pipeline broadcast is done: same dp/ep/tp coordinates, no stages."""
-    return Layout({n: Placement(tp=p.tp, ep=p.ep) for n, p in src.placements.items()},
-                  dp=src.dp * src.pp, ep=src.ep, tp=src.tp)
+    return Layout(
+        {n: Placement(tp=p.tp, ep=p.ep) for n, p in src.placements.items()}, dp=src.dp * src.pp, ep=src.ep, tp=src.tp
+    )
 
 
-PROBED = ["model.embed_tokens.weight", "model.layers.1.self_attn.o_proj.weight",
-          "model.layers.0.mlp.experts.down_proj", "model.norm.weight"]
+PROBED = [
+    "model.embed_tokens.weight",
+    "model.layers.1.self_attn.o_proj.weight",
+    "model.layers.0.mlp.experts.down_proj",
+    "model.norm.weight",
+]
 
 
 @settings(max_examples=25)
@@ -251,19 +275,26 @@ def test_sizes_that_do_not_divide_are_rejected():
     meta = {"w": torch.empty(12, 12, device="meta")}
     src = Layout({"w": Placement(tp=0)}, tp=2, dp=3)
     dst = Layout({"w": Placement(tp=0)}, tp=3, dp=2)
-    with pytest.raises(ValueError, match="tp: got 2 in src_layout and 3 in dst_layout, expected one to divide the other"):
+    with pytest.raises(
+        ValueError, match="tp: got 2 in src_layout and 3 in dst_layout, expected one to divide the other"
+    ):
         plan_reshard(meta, src, dst)
 
 
 def test_placement_on_a_missing_dimension_is_rejected():
     meta = {"norm.weight": torch.empty(16, device="meta")}
     src = Layout({"norm.weight": Placement(tp=1)}, tp=2)
-    with pytest.raises(ValueError, match=r"src_layout: parameter 'norm.weight' of shape \(16,\) is split over tp on dim 1, expected a dim < 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"src_layout: parameter 'norm.weight' of shape \(16,\) is split over tp on dim 1, expected a dim < 1",
+    ):
         plan_reshard(meta, src, Layout({"norm.weight": Placement(tp=1)}, dp=2))
 
 
 def test_bucket_smaller_than_a_parameter_is_rejected():
-    with pytest.raises(ValueError, match=r"bucket_bytes: got 1024, expected at least \d+: parameter 'model.embed_tokens.weight'"):
+    with pytest.raises(
+        ValueError, match=r"bucket_bytes: got 1024, expected at least \d+: parameter 'model.embed_tokens.weight'"
+    ):
         plan_reshard(META, decoder_layout(META, tp=2, dp=2), decoder_layout(META, dp=4), bucket_bytes=1024)
 
 
@@ -280,6 +311,7 @@ def test_changed_split_dim_is_rejected():
 
 def test_reshard_rejects_missing_parameters_before_any_collective():
     from rlcore.dataflow.reshard import reshard_bucket
+
     meta = {"w": torch.empty(4, 4, device="meta")}
     lay = Layout({"w": Placement()})
     plan = plan_reshard(meta, lay, lay)

@@ -71,7 +71,10 @@ def test_gamma_one_is_reverse_cumsum_and_linear(t, gamma):
     x, y = torch.randn(3, t, generator=g), torch.randn(3, t, generator=g)
     torch.testing.assert_close(discounted_cumsum(x, 1.0), x.flip(-1).cumsum(-1).flip(-1), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(
-        discounted_cumsum(2 * x + y, gamma), 2 * discounted_cumsum(x, gamma) + discounted_cumsum(y, gamma), rtol=1e-5, atol=1e-4
+        discounted_cumsum(2 * x + y, gamma),
+        2 * discounted_cumsum(x, gamma) + discounted_cumsum(y, gamma),
+        rtol=1e-5,
+        atol=1e-4,
     )
 
 

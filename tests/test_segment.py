@@ -116,6 +116,10 @@ def test_no_host_sync_with_num_segments():
     x = torch.randn(12)
     ids = torch.arange(12) % 5
     assert_no_host_sync(
-        lambda a: (segment_sum(a, ids, num_segments=5), segment_mean(a, ids, num_segments=5), segment_std(a, ids, num_segments=5)),
+        lambda a: (
+            segment_sum(a, ids, num_segments=5),
+            segment_mean(a, ids, num_segments=5),
+            segment_std(a, ids, num_segments=5),
+        ),
         x,
     )

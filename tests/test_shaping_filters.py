@@ -120,7 +120,7 @@ def test_running_normalizer_matches_exact_history(shift_mean, data, steps, maske
 
 def test_running_normalizer_hand_computed_and_bfloat16():
     norm = running_reward_normalizer()
-    out1, s = norm.update(torch.tensor([1.0, 3.0]), norm.init())
+    _out1, s = norm.update(torch.tensor([1.0, 3.0]), norm.init())
     out2, s = norm.update(torch.tensor([5.0], dtype=torch.bfloat16), s)
     # after both batches: {1, 3, 5}, mean 3, unbiased var 4
     torch.testing.assert_close(out2, torch.tensor([1.0], dtype=torch.bfloat16))
@@ -132,7 +132,7 @@ def test_running_normalizer_hand_computed_and_bfloat16():
 def test_running_normalizer_no_host_sync():
     norm = running_reward_normalizer()
     state = norm.init()
-    out, new = assert_no_host_sync(lambda x, st_: norm.update(x, st_), torch.randn(8), state)
+    _out, new = assert_no_host_sync(lambda x, st_: norm.update(x, st_), torch.randn(8), state)
     assert int(new.count) == 8 and int(state.count) == 0
 
 

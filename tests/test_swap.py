@@ -62,8 +62,11 @@ def _train(model, opt, xs, swap_between):
         opt.step()
         losses.append(loss.detach().clone())
         if swap_between:
-            state = {"params": list(model.parameters()), "grads": [p.grad for p in model.parameters()],
-                     "optimizer": list(opt.state.values())}
+            state = {
+                "params": list(model.parameters()),
+                "grads": [p.grad for p in model.parameters()],
+                "optimizer": list(opt.state.values()),
+            }
             handle = offload(state)
             assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
             reload(handle)
@@ -123,6 +126,7 @@ def test_reloading_twice_is_rejected():
 
 def test_non_resizable_storage_is_rejected_before_anything_moves():
     import numpy as np  # a runtime dependency of rlcore
+
     ok = torch.ones(3)
     with pytest.raises(ValueError, match="cannot be resized"):
         offload([ok, torch.from_numpy(np.ones(2))])

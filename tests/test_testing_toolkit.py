@@ -13,7 +13,7 @@ def test_masks_are_right_padded(m):
     lengths = m.sum(1)
     assert torch.all(lengths >= 1)
     for row, n in zip(m, lengths):
-        assert row[: int(n)].all() and not row[int(n):].any()
+        assert row[: int(n)].all() and not row[int(n) :].any()
 
 
 @given(token_batches(min_len=6, max_len=12))

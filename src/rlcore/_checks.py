@@ -54,9 +54,7 @@ def check_shape(name: str, x: torch.Tensor, shape: Sequence[int | None], *, what
 def check_same_shape(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     check_tensor(name, x)
     if x.shape != ref.shape:
-        raise ValueError(
-            f"{name}: got shape {_fmt(x.shape)}, expected {_fmt(ref.shape)} (the shape of {ref_name})"
-        )
+        raise ValueError(f"{name}: got shape {_fmt(x.shape)}, expected {_fmt(ref.shape)} (the shape of {ref_name})")
 
 
 def check_integer(name: str, x: torch.Tensor) -> None:

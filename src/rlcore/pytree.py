@@ -42,7 +42,9 @@ T = TypeVar("T")
 PyTree = Any
 
 
-def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> PyTree:
+def tree_map(
+    fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None
+) -> PyTree:
     """Apply ``fn`` to every leaf (and the matching leaves of ``rest``).
 
     >>> tree_map(lambda x: x * 2, {"a": 1, "b": (2, 3)})
@@ -156,7 +158,7 @@ def tree_split(tree: PyTree, sizes: int | Sequence[int]) -> list[PyTree]:
         sizes = [int(s) for s in sizes]
         if any(s < 0 for s in sizes) or sum(sizes) != n:
             raise ValueError(f"sizes: got {sizes} (sum {sum(sizes)}), expected non-negative sizes summing to {n}")
-    names, leaves, spec = _tensor_leaves_with_path(tree, "tree")
+    _, leaves, spec = _tensor_leaves_with_path(tree, "tree")
     pieces = [torch.split(leaf, sizes, dim=0) for leaf in leaves]
     return [optree.tree_unflatten(spec, [p[i] for p in pieces]) for i in range(len(pieces[0]))]
 

@@ -1,10 +1,11 @@
 """Data movement: sequence packing, the Transfer Dock, dispatch, resharding, pipelines."""
 
+from rlcore.dataflow.deploy import ColocatedSwitch, RolloutWorker, colocate
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, shard_samples
-from rlcore.dataflow.packing import Packed, pack, pack_to_budget, shift_labels, unpack
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse
-from rlcore.dataflow.ray_dock import DockHost, RayTransferDock
 from rlcore.dataflow.layout import MESH_DIMS, Layout, Placement, decoder_layout, param_meta
+from rlcore.dataflow.packing import Packed, pack, pack_to_budget, shift_labels, unpack
+from rlcore.dataflow.ray_dock import DockHost, RayTransferDock
 from rlcore.dataflow.reshard import (
     Bucket,
     Move,
@@ -16,55 +17,54 @@ from rlcore.dataflow.reshard import (
     reshard,
     reshard_bucket,
 )
-from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, stage
 from rlcore.dataflow.scheduler import PipelineResult, StageTimeout, TaskRecord, run_pipeline
 from rlcore.dataflow.simulate import LinearCost, SimReport, critical_path_bound, fit_costs, simulate
-from rlcore.dataflow.deploy import ColocatedSwitch, RolloutWorker, colocate
+from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, stage
 
 __all__: list[str] = [
-    "PARTITION_METHODS",
-    "balanced_partition",
-    "shard_samples",
-    "Packed",
-    "pack",
-    "pack_to_budget",
-    "shift_labels",
-    "unpack",
     "BALANCE_MODES",
-    "DockController",
-    "DockHost",
-    "RayTransferDock",
-    "TransferDock",
-    "Warehouse",
     "MESH_DIMS",
-    "Bucket",
-    "Layout",
-    "Move",
-    "ParamMove",
-    "Placement",
-    "ReshardPlan",
-    "allocate_buckets",
-    "bucket_views",
-    "decoder_layout",
-    "param_meta",
-    "plan_reshard",
-    "reshard",
-    "reshard_bucket",
+    "PARTITION_METHODS",
     "PHASES",
     "ROLES",
+    "Bucket",
+    "ColocatedSwitch",
+    "DockController",
+    "DockHost",
+    "Layout",
+    "LinearCost",
+    "Move",
+    "Packed",
+    "ParamMove",
     "PipelineResult",
+    "Placement",
+    "RayTransferDock",
+    "ReshardPlan",
+    "RolloutWorker",
     "SimReport",
     "Stage",
     "StageGraph",
     "StageTimeout",
     "TaskRecord",
+    "TransferDock",
+    "Warehouse",
+    "allocate_buckets",
+    "balanced_partition",
+    "bucket_views",
+    "colocate",
     "critical_path_bound",
+    "decoder_layout",
     "fit_costs",
-    "LinearCost",
+    "pack",
+    "pack_to_budget",
+    "param_meta",
+    "plan_reshard",
+    "reshard",
+    "reshard_bucket",
     "run_pipeline",
+    "shard_samples",
+    "shift_labels",
     "simulate",
     "stage",
-    "ColocatedSwitch",
-    "RolloutWorker",
-    "colocate",
+    "unpack",
 ]

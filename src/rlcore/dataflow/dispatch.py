@@ -112,7 +112,9 @@ def balanced_partition(
         check_same_shape("group_ids", group_ids, "lengths", lengths)
         check_integer("group_ids", group_ids)
         _, units = torch.unique(group_ids.detach().cpu(), return_inverse=True)
-        weights = torch.zeros(int(units.max()) + 1 if units.numel() else 0, dtype=torch.int64).index_add_(0, units, lengths)
+        weights = torch.zeros(int(units.max()) + 1 if units.numel() else 0, dtype=torch.int64).index_add_(
+            0, units, lengths
+        )
     n = weights.numel()
     if equal_size and n % k:
         what = "groups" if group_ids is not None else "samples"
@@ -201,7 +203,9 @@ def shard_samples(
             size = batch_size(batch)
             if balance == "tokens":
                 groups = None if group_key is None else batch[group_key]
-                parts = balanced_partition(measure(batch), world, group_ids=groups, method=method, equal_size=equal_size)
+                parts = balanced_partition(
+                    measure(batch), world, group_ids=groups, method=method, equal_size=equal_size
+                )
             else:
                 parts = list(torch.arange(size).tensor_split(world))
             shards = [tree_index(batch, part) for part in parts]

@@ -262,14 +262,18 @@ class DockController:
     def _unit_view(self, x: torch.Tensor, by_group: bool) -> torch.Tensor:
         return x.view(self.num_prompts, self.n_samples) if by_group else x.view(-1, 1)
 
-    def _select(self, consumer: str, columns: Sequence[str], need: int, by_group: bool, balance: str) -> torch.Tensor | None:
+    def _select(
+        self, consumer: str, columns: Sequence[str], need: int, by_group: bool, balance: str
+    ) -> torch.Tensor | None:
         """``need`` eligible units in priority order as row indexes, or None when fewer are eligible."""
         if by_group:
             ready = [self._group_ready[c] for c in columns]
             full = (ready[0] if len(columns) == 1 else torch.stack(ready).amin(0)) == self.n_samples
             eligible = full & (self._group_taken[consumer] == 0)
         else:
-            ready = self._ready[columns[0]] if len(columns) == 1 else torch.stack([self._ready[c] for c in columns]).all(0)
+            ready = (
+                self._ready[columns[0]] if len(columns) == 1 else torch.stack([self._ready[c] for c in columns]).all(0)
+            )
             eligible = ready & ~self._consumed[consumer]
         if int(eligible.sum()) < need:
             return None
@@ -327,7 +331,9 @@ class DockController:
             if by_group and indexes.numel():
                 per_group = torch.bincount(indexes // self.n_samples, minlength=self.num_prompts)
                 if bool(((per_group != 0) & (per_group != self.n_samples)).any()):
-                    raise ValueError(f"indexes: got partial groups, expected whole groups of {self.n_samples} rows (by_group=True)")
+                    raise ValueError(
+                        f"indexes: got partial groups, expected whole groups of {self.n_samples} rows (by_group=True)"
+                    )
             return self._wait_for(cond, consumer, columns, indexes, timeout)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise ValueError(f"count: got {count!r}, expected a positive int")
@@ -355,7 +361,9 @@ class DockController:
         with cond:
             if bool(self._consumed[consumer][indexes].any()):
                 taken = indexes[self._consumed[consumer][indexes]][:5].tolist()
-                raise ValueError(f"indexes: got row(s) {taken} already taken by {consumer!r}, expected rows it has not taken")
+                raise ValueError(
+                    f"indexes: got row(s) {taken} already taken by {consumer!r}, expected rows it has not taken"
+                )
             while not bool(torch.stack([self._ready[c][indexes] for c in columns]).all()):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -542,7 +550,9 @@ def _collate(
             continue
         if packed:
             rows = _rows_in_order(column, size, pieces)
-            if first.dim() == 1 and not (first.dtype.is_floating_point or first.dtype.is_complex or first.dtype == torch.bool):
+            if first.dim() == 1 and not (
+                first.dtype.is_floating_point or first.dtype.is_complex or first.dtype == torch.bool
+            ):
                 batch[column] = pack(rows)
                 continue
             _check_free(columns, column, f"{column}_cu_seqlens")
@@ -623,7 +633,9 @@ class TransferDock:
     def _call_all(self, calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
         return [getattr(target, method)(*args) for target, method, args in calls]
 
-    def _put_call(self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor) -> tuple[Any, str, tuple[Any, ...]]:
+    def _put_call(
+        self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor
+    ) -> tuple[Any, str, tuple[Any, ...]]:
         # In process, the warehouse keeps the caller's row tensors as they are.
         return self.warehouses[w], "put", (rows, indexes)
 
@@ -668,7 +680,12 @@ class TransferDock:
         if idx.numel() == 0:
             return
         self._call(self.controller, "check_put", {c: _row_spec(c, v) for c, v in rows.items()}, idx)
-        self._call_all([self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel]) for w, sel in self._by_warehouse(idx)])
+        self._call_all(
+            [
+                self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel])
+                for w, sel in self._by_warehouse(idx)
+            ]
+        )
         self._call(self.controller, "commit_put", {c: _row_lengths(v) for c, v in rows.items()}, idx)
 
     def get(
@@ -714,8 +731,15 @@ class TransferDock:
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise ValueError(f"columns: got {columns!r}, expected a list of column names")
         rows = self._call(
-            self.controller, "sample", consumer, list(columns), count,
-            by_group=by_group, balance=balance, indexes=idx, timeout=timeout,
+            self.controller,
+            "sample",
+            consumer,
+            list(columns),
+            count,
+            by_group=by_group,
+            balance=balance,
+            indexes=idx,
+            timeout=timeout,
         )
         if rows.numel() == 0:
             return {}, rows

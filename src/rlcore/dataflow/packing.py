@@ -157,9 +157,7 @@ def unpack(values: torch.Tensor, packed: Packed, *, fill: float = 0.0) -> torch.
     check_tensor("values", values)
     n = packed.input_ids.shape[0]
     if values.dim() == 0 or values.shape[0] != n:
-        raise ValueError(
-            f"values: got shape {tuple(values.shape)}, expected ({n}, ...) (one row per packed token)"
-        )
+        raise ValueError(f"values: got shape {tuple(values.shape)}, expected ({n}, ...) (one row per packed token)")
     b, t = packed.padded_shape
     out = values.new_full((b * t, *values.shape[1:]), fill)
     return out.index_copy(0, packed.indices, values).reshape(b, t, *values.shape[1:])
@@ -208,9 +206,7 @@ def _first_fit_decreasing(order: list[int], lengths: list[int], max_tokens: int)
     return bins
 
 
-def pack_to_budget(
-    lengths: Sequence[int] | torch.Tensor, max_tokens: int, *, method: str = "kk"
-) -> list[list[int]]:
+def pack_to_budget(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *, method: str = "kk") -> list[list[int]]:
     """Group sequences into micro-batches of at most ``max_tokens`` tokens each, with balanced loads.
 
     Dynamic batch size for packed training (as verl's ``use_dynamic_bsz``): the number

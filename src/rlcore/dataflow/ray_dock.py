@@ -64,12 +64,13 @@ class RayTransferDock(TransferDock):
     initialised (``ray.init``) first. The client object is picklable, so Ray tasks and
     actors of other stages can take it as an argument and put / get directly.
 
-    >>> import ray  # doctest: +SKIP
-    >>> ray.init(num_cpus=2)  # doctest: +SKIP
-    >>> dock = RayTransferDock(4, 2, consumers=["reward"], num_warehouses=2)  # doctest: +SKIP
-    >>> dock.put({"responses": [torch.arange(3)] * 8}, range(8))  # doctest: +SKIP
-    >>> dock.get("reward", ["responses"], 4)[1].numel()  # doctest: +SKIP
+    >>> import ray
+    >>> _ = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    >>> dock = RayTransferDock(4, 2, consumers=["reward"], num_warehouses=2)
+    >>> dock.put({"responses": [torch.arange(3)] * 8}, range(8))
+    >>> dock.get("reward", ["responses"], 4)[1].numel()
     4
+    >>> ray.shutdown()
     """
 
     def __init__(
@@ -99,8 +100,14 @@ class RayTransferDock(TransferDock):
         self.warehouses = [(others[w % len(others)], f"{key}/warehouse{w}") for w in range(num_warehouses)]
         created = [
             self.controller[0].create.remote(
-                self.controller[1], "controller", num_prompts, n_samples,
-                columns=list(columns), consumers=list(consumers), num_warehouses=num_warehouses, seed=seed,
+                self.controller[1],
+                "controller",
+                num_prompts,
+                n_samples,
+                columns=list(columns),
+                consumers=list(consumers),
+                num_warehouses=num_warehouses,
+                seed=seed,
             )
         ]
         for (host, name), a, b in zip(self.warehouses, bounds[:-1], bounds[1:]):
@@ -118,7 +125,9 @@ class RayTransferDock(TransferDock):
         )
         return [host.remote() for _ in range(count)]
 
-    def _put_call(self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor) -> tuple[Any, str, tuple[Any, ...]]:
+    def _put_call(
+        self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor
+    ) -> tuple[Any, str, tuple[Any, ...]]:
         # Across processes, send one flat tensor per column rather than one per row.
         return self.warehouses[w], "put_flat", ({c: _flatten_rows(v) for c, v in rows.items()}, indexes)
 

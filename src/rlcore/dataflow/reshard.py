@@ -201,17 +201,19 @@ def plan_reshard(
     """
     check_positive("bucket_bytes", bucket_bytes)
     _check_pair(param_meta, src_layout, dst_layout)
-    params = {
-        n: _moves(n, _shape(m), m.dtype, src_layout, dst_layout) for n, m in param_meta.items()
-    }
+    params = {n: _moves(n, _shape(m), m.dtype, src_layout, dst_layout) for n, m in param_meta.items()}
     buckets: list[Bucket] = []
     cur: list[ParamMove] = []
 
     def close() -> None:
         if cur:
             buckets.append(
-                Bucket(cur[0].dtype, tuple(p.name for p in cur), sum(p.dst_bytes for p in cur),
-                       max(p.transient_bytes for p in cur))
+                Bucket(
+                    cur[0].dtype,
+                    tuple(p.name for p in cur),
+                    sum(p.dst_bytes for p in cur),
+                    max(p.transient_bytes for p in cur),
+                )
             )
             cur.clear()
 

@@ -180,9 +180,7 @@ def enter_train(state: RolloutState, plan: AllGatherSwapPlan) -> TrainState:
       The original :class:`TrainState`, its tensors holding their data again.
     """
     steps = plan.memory.transition("rollout", "train").steps
-    _check_steps(
-        steps, {"free": ("inference_weights", *_ENGINE_GROUPS), "reload": _TRAIN_GROUPS}, "rollout -> train"
-    )
+    _check_steps(steps, {"free": ("inference_weights", *_ENGINE_GROUPS), "reload": _TRAIN_GROUPS}, "rollout -> train")
     for step in steps:
         if step.action == "free" and step.group == "inference_weights":
             for buf in state.buffers:

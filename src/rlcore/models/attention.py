@@ -88,7 +88,9 @@ def _compiled_flex_attention() -> Any:
     return torch.compile(flex_attention)
 
 
-def _flex_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+def _flex_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """FlexAttention with a causal document mask: block-sparse, never a dense ``[N, N]``."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -110,14 +112,25 @@ def _flex_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     return out[0].transpose(0, 1)
 
 
-def _cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+def _cuda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
     # CUDA only; not run by the CPU test suite.
     if q.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu_seqlens.to(torch.int32)
         return varlen_attn(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1]
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            scale=scale,
+            window_size=(-1, 0),
+            enable_gqa=q.shape[1] != k.shape[1],
         )
     return _flex_document(q, k, v, cu_seqlens, scale)
 
@@ -130,8 +143,17 @@ def _npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], s
     mask = torch.triu(torch.ones(_NPU_MASK_SIZE, _NPU_MASK_SIZE, dtype=torch.bool, device=q.device), diagonal=1)
     ends = tuple(bounds[1:])
     return torch_npu.npu_fusion_attention(
-        q, k, v, q.shape[1], "TND", atten_mask=mask, scale=scale, keep_prob=1.0,
-        actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=3,
+        q,
+        k,
+        v,
+        q.shape[1],
+        "TND",
+        atten_mask=mask,
+        scale=scale,
+        keep_prob=1.0,
+        actual_seq_qlen=ends,
+        actual_seq_kvlen=ends,
+        sparse_mode=3,
     )[0]
 
 

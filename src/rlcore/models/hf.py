@@ -55,7 +55,15 @@ def _hf_attention(
         raise ValueError(f"dropout: got {dropout}, expected 0.0 (packed attention applies no attention dropout)")
     cu_seqlens, max_seqlen, bounds = packing
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = _attend(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seqlens, max_seqlen, bounds, scale)
+    out = _attend(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_seqlens,
+        max_seqlen,
+        bounds,
+        scale,
+    )
     return out.unsqueeze(0), None
 
 
@@ -146,7 +154,9 @@ def from_hf(model: nn.Module) -> tuple[HFCausalLM, dict[str, torch.Tensor]]:
     _register_attention()
     prefix = getattr(model, "base_model_prefix", "")
     if not isinstance(model, nn.Module) or not prefix or not hasattr(model, prefix):
-        raise ValueError(f"model: got {type(model).__name__}, expected a transformers causal LM with a base_model_prefix backbone")
+        raise ValueError(
+            f"model: got {type(model).__name__}, expected a transformers causal LM with a base_model_prefix backbone"
+        )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ValueError(f"model: got output embeddings {head!r}, expected a bias-free nn.Linear lm_head")

@@ -21,7 +21,6 @@ from rlcore.ops.logprobs import (
     _check_labels,
     _check_temperature,
     _chunks,
-    _label_index,
     _poison_invalid,
 )
 

@@ -55,7 +55,9 @@ def _check_labels(labels: torch.Tensor, vocab: int, *, lead: torch.Size, lead_na
     if labels.device.type == "cpu" and not torch.compiler.is_compiling() and labels.numel():
         lo, hi = int(labels.min()), int(labels.max())  # sync-ok: CPU tensor in eager mode, nothing to stall
         if lo < 0 or hi >= vocab:
-            raise ValueError(f"labels: got values in [{lo}, {hi}], expected token ids in [0, {vocab - 1}] (vocabulary {vocab})")
+            raise ValueError(
+                f"labels: got values in [{lo}, {hi}], expected token ids in [0, {vocab - 1}] (vocabulary {vocab})"
+            )
 
 
 def _label_index(labels: torch.Tensor, vocab: int) -> torch.Tensor:

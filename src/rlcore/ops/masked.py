@@ -40,7 +40,9 @@ def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return num / torch.where(den > 0, den, torch.ones_like(den))
 
 
-def _shifted(x: torch.Tensor, mask: torch.Tensor, dim: Dim) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _shifted(
+    x: torch.Tensor, mask: torch.Tensor, dim: Dim
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d, m, pivot, count)``: values shifted by a per-slice pivot, the weights, the pivot, the count.
 
     The pivot is the smallest counted value of the slice (0 where nothing counts).

@@ -4,12 +4,18 @@ Users import these for their own property tests, e.g.
 ``from rlcore.testing import strategies as rst`` and ``from rlcore.testing import reference``.
 """
 
-from rlcore.testing import asserts, reference, strategies
-from rlcore.testing import allocations, token_strategies
-from rlcore.testing import loss_strategies
-from rlcore.testing import dataflow_strategies
-from rlcore.testing import preference_strategies
-from rlcore.testing import pipeline_strategies
+from rlcore.testing import (
+    algo_strategies,
+    allocations,
+    asserts,
+    dataflow_strategies,
+    loss_strategies,
+    pipeline_strategies,
+    preference_strategies,
+    reference,
+    strategies,
+    token_strategies,
+)
 from rlcore.testing.asserts import assert_close, assert_no_host_sync, tolerances
 from rlcore.testing.strategies import (
     float_tensors,
@@ -19,26 +25,25 @@ from rlcore.testing.strategies import (
     masks,
     token_batches,
 )
-from rlcore.testing import algo_strategies
 
 __all__ = [
     "algo_strategies",
+    "allocations",
     "assert_close",
     "assert_no_host_sync",
     "asserts",
     "dataflow_strategies",
-    "loss_strategies",
     "float_tensors",
     "group_ids",
     "grouped_scores",
     "logits_and_labels",
+    "loss_strategies",
     "masks",
+    "pipeline_strategies",
+    "preference_strategies",
     "reference",
     "strategies",
     "token_batches",
-    "tolerances",
-    "allocations",
     "token_strategies",
-    "preference_strategies",
-    "pipeline_strategies",
+    "tolerances",
 ]

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["record_allocations"]
 
+
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()

@@ -35,7 +35,13 @@ def dock_programs(*, rows: int = 12, n_samples: int = 3, max_ops: int = 25) -> s
     row_lists = lambda size: st.lists(st.integers(0, rows - 1), min_size=1, max_size=size, unique=True)  # noqa: E731
     op = st.one_of(
         st.tuples(st.just("put"), st.sampled_from(["a", "b"]), row_lists(6)),
-        st.tuples(st.just("get"), st.sampled_from(["c0", "c1"]), st.sampled_from([("a",), ("a", "b")]), st.integers(1, 3), st.booleans()),
+        st.tuples(
+            st.just("get"),
+            st.sampled_from(["c0", "c1"]),
+            st.sampled_from([("a",), ("a", "b")]),
+            st.integers(1, 3),
+            st.booleans(),
+        ),
         st.tuples(st.just("incomplete"), row_lists(4)),
         st.tuples(st.just("reset"), st.sampled_from([(), ("a",)])),
     )

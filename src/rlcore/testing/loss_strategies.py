@@ -85,7 +85,9 @@ def microbatch_splits(draw: st.DrawFn, batch: int, *, max_parts: int = 4) -> lis
     """
     order = draw(st.permutations(list(range(batch))))
     parts = draw(st.integers(1, max(1, min(max_parts, batch))))
-    cuts = sorted(draw(st.lists(st.integers(1, max(1, batch - 1)), min_size=parts - 1, max_size=parts - 1, unique=True)))
+    cuts = sorted(
+        draw(st.lists(st.integers(1, max(1, batch - 1)), min_size=parts - 1, max_size=parts - 1, unique=True))
+    )
     bounds = [0, *cuts, batch]
     return [torch.tensor(order[lo:hi], dtype=torch.long) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 

@@ -83,7 +83,9 @@ def hidden_weight_labels(
     return hidden.to(dtype), weight.to(dtype), labels
 
 
-def token_lengths(*, min_len: int = 0, max_len: int = 12, min_batch: int = 1, max_batch: int = 6) -> st.SearchStrategy[list[int]]:
+def token_lengths(
+    *, min_len: int = 0, max_len: int = 12, min_batch: int = 1, max_batch: int = 6
+) -> st.SearchStrategy[list[int]]:
     """Per-sequence token counts (zero allowed by default: an empty sequence)."""
     return st.lists(st.integers(min_len, max_len), min_size=min_batch, max_size=max_batch)
 

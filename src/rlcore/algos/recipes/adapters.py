@@ -53,7 +53,9 @@ def token_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor]) ->
 
     E.g. ``partial(reinforce_pp_advantages, gamma=1.0)``.
     """
-    return {"advantages": estimator(_get(batch, "rewards", "token rewards [B, T]"), _get(batch, "mask", "the token mask"))}
+    return {
+        "advantages": estimator(_get(batch, "rewards", "token rewards [B, T]"), _get(batch, "mask", "the token mask"))
+    }
 
 
 def gae_advantages(batch: Batch, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True) -> Batch:

@@ -17,14 +17,11 @@ from rlcore.testing.reference.advantages import (
     remax_advantages_ref,
     rloo_advantages_ref,
 )
+from rlcore.testing.reference.attention import packed_attention_ref
+from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
 from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
 from rlcore.testing.reference.kl import adaptive_kl_coefs_ref, kl_in_reward_ref, kl_penalty_ref
-from rlcore.testing.reference.shaping import (
-    RunningNormalizerRef,
-    clip_rewards_ref,
-    overlong_penalty_ref,
-    scores_to_token_rewards_ref,
-)
+from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
 from rlcore.testing.reference.losses import (
     aggregate_ref,
     cispo_loss_ref,
@@ -34,30 +31,6 @@ from rlcore.testing.reference.losses import (
     reinforce_loss_ref,
     sapo_loss_ref,
     value_loss_ref,
-)
-from rlcore.testing.reference.preference import (
-    cpo_loss_ref,
-    dpo_loss_ref,
-    dpo_step_ref,
-    kto_loss_ref,
-    orpo_loss_ref,
-    pair_logps_ref,
-    sequence_logps_ref,
-    simpo_loss_ref,
-)
-from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
-from rlcore.testing.reference.pipeline import flow_shop_makespan_ref, synchronous_loop_ref
-from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
-from rlcore.testing.reference.attention import packed_attention_ref
-from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
-from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
-from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
-from rlcore.testing.reference.packing import (
-    first_fit_decreasing_ref,
-    min_bins_ref,
-    pack_ref,
-    shift_labels_ref,
-    unpack_ref,
 )
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
@@ -70,81 +43,105 @@ from rlcore.testing.reference.ops import (
     segment_std_ref,
     segment_sum_ref,
 )
+from rlcore.testing.reference.packing import (
+    first_fit_decreasing_ref,
+    min_bins_ref,
+    pack_ref,
+    shift_labels_ref,
+    unpack_ref,
+)
+from rlcore.testing.reference.pipeline import flow_shop_makespan_ref, synchronous_loop_ref
+from rlcore.testing.reference.preference import (
+    cpo_loss_ref,
+    dpo_loss_ref,
+    dpo_step_ref,
+    kto_loss_ref,
+    orpo_loss_ref,
+    pair_logps_ref,
+    sequence_logps_ref,
+    simpo_loss_ref,
+)
 from rlcore.testing.reference.resharding import (
     local_shard_ref,
     swap_roundtrip_ref,
     transition_peak_ref,
     unshard_ref,
 )
+from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
+from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
+from rlcore.testing.reference.shaping import (
+    RunningNormalizerRef,
+    clip_rewards_ref,
+    overlong_penalty_ref,
+    scores_to_token_rewards_ref,
+)
 
 __all__ = [
-    "batch_normalize_ref",
-    "gae_ref",
-    "gpg_advantages_ref",
-    "grpo_advantages_ref",
-    "opo_advantages_ref",
-    "passk_advantages_ref",
-    "reinforce_pp_advantages_ref",
-    "reinforce_pp_baseline_advantages_ref",
-    "remax_advantages_ref",
-    "rloo_advantages_ref",
     "RunningNormalizerRef",
+    "TransferDockRef",
     "adaptive_kl_coefs_ref",
+    "aggregate_ref",
+    "balanced_partition_ref",
+    "batch_normalize_ref",
+    "cispo_loss_ref",
     "clip_rewards_ref",
+    "cpo_loss_ref",
+    "discounted_cumsum_ref",
+    "dpo_loss_ref",
+    "dpo_step_ref",
     "dynamic_sampling_mask_ref",
+    "entropy_ref",
+    "filter_logits_ref",
+    "first_fit_decreasing_ref",
+    "flow_shop_makespan_ref",
+    "gae_ref",
+    "gmpo_loss_ref",
+    "gpg_advantages_ref",
+    "greedy_ref",
+    "grpo_advantages_ref",
+    "gspo_loss_ref",
     "kl_in_reward_ref",
     "kl_penalty_ref",
-    "overlong_penalty_ref",
-    "rejection_mask_ref",
-    "scores_to_token_rewards_ref",
-    "truncated_is_weights_ref",
-    "aggregate_ref",
-    "cispo_loss_ref",
-    "gmpo_loss_ref",
-    "gspo_loss_ref",
-    "ppo_clip_loss_ref",
-    "reinforce_loss_ref",
-    "sapo_loss_ref",
-    "value_loss_ref",
+    "kto_loss_ref",
     "length_reward_ref",
-    "weighted_ref",
-    "filter_logits_ref",
-    "greedy_ref",
-    "response_logprobs_ref",
-    "length_reward_ref",
-    "weighted_ref",
-    "discounted_cumsum_ref",
-    "entropy_ref",
     "linear_logprobs_ref",
+    "local_shard_ref",
     "logprobs_ref",
-    "first_fit_decreasing_ref",
-    "min_bins_ref",
-    "pack_ref",
-    "shift_labels_ref",
-    "unpack_ref",
-    "packed_attention_ref",
     "masked_mean_ref",
     "masked_sum_ref",
     "masked_var_ref",
     "masked_whiten_ref",
+    "min_bins_ref",
+    "opo_advantages_ref",
+    "orpo_loss_ref",
+    "overlong_penalty_ref",
+    "pack_ref",
+    "packed_attention_ref",
+    "pair_logps_ref",
+    "passk_advantages_ref",
+    "ppo_clip_loss_ref",
+    "reinforce_loss_ref",
+    "reinforce_pp_advantages_ref",
+    "reinforce_pp_baseline_advantages_ref",
+    "rejection_mask_ref",
+    "remax_advantages_ref",
+    "response_logprobs_ref",
     "reverse_linear_scan_ref",
+    "rloo_advantages_ref",
+    "sapo_loss_ref",
+    "scores_to_token_rewards_ref",
     "segment_mean_ref",
     "segment_std_ref",
     "segment_sum_ref",
-    "cpo_loss_ref",
-    "dpo_loss_ref",
-    "kto_loss_ref",
-    "orpo_loss_ref",
-    "dpo_step_ref",
-    "pair_logps_ref",
     "sequence_logps_ref",
+    "shift_labels_ref",
     "simpo_loss_ref",
-    "local_shard_ref",
     "swap_roundtrip_ref",
-    "transition_peak_ref",
-    "unshard_ref",
-    "TransferDockRef",
-    "balanced_partition_ref",
-    "flow_shop_makespan_ref",
     "synchronous_loop_ref",
+    "transition_peak_ref",
+    "truncated_is_weights_ref",
+    "unpack_ref",
+    "unshard_ref",
+    "value_loss_ref",
+    "weighted_ref",
 ]

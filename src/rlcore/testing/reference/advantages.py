@@ -67,7 +67,9 @@ def gae_ref(
         adv_out.append(adv)
         ret_out.append(ret)
     shape = rewards.shape
-    return torch.tensor(adv_out, dtype=torch.float64).reshape(shape), torch.tensor(ret_out, dtype=torch.float64).reshape(shape)
+    return torch.tensor(adv_out, dtype=torch.float64).reshape(shape), torch.tensor(
+        ret_out, dtype=torch.float64
+    ).reshape(shape)
 
 
 def batch_normalize_ref(

@@ -63,7 +63,7 @@ class TransferDockRef:
             self.completed[i] = bool(c)
 
     def reset(self, keep: Sequence[str] = ()) -> None:
-        for (row, column) in list(self.cells):
+        for row, column in list(self.cells):
             if self.completed[row] or column not in keep:
                 del self.cells[(row, column)]
         for taken in self.taken.values():

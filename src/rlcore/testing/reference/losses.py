@@ -330,7 +330,7 @@ def aggregate_ref(
     ls, ms = _rows(loss_t, mask)
     seq_sums, seq_means, weights = [], [], []
     for lrow, mrow in zip(ls, ms):
-        terms = [l * m for l, m in zip(lrow, mrow) if m != 0]
+        terms = [v * m for v, m in zip(lrow, mrow) if m != 0]
         w = math.fsum(m for m in mrow if m != 0)
         weights.append(w)
         seq_sums.append(math.fsum(terms))

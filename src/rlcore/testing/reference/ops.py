@@ -66,7 +66,9 @@ def masked_mean_ref(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
     return torch.tensor([float(_stats(r, m)[2]) for r, m in zip(rows, ms)], dtype=torch.float64).reshape(shape)
 
 
-def masked_var_ref(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, *, unbiased: bool = True) -> torch.Tensor:
+def masked_var_ref(
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, *, unbiased: bool = True
+) -> torch.Tensor:
     """Loop reference of :func:`rlcore.ops.masked_var`, written for clarity."""
     rows, ms, shape = _rows(x, mask, dim)
     return torch.tensor([float(_var(r, m, unbiased)[0]) for r, m in zip(rows, ms)], dtype=torch.float64).reshape(shape)

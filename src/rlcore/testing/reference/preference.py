@@ -18,8 +18,8 @@ import torch
 __all__ = [
     "cpo_loss_ref",
     "dpo_loss_ref",
-    "kto_loss_ref",
     "dpo_step_ref",
+    "kto_loss_ref",
     "orpo_loss_ref",
     "pair_logps_ref",
     "sequence_logps_ref",
@@ -99,9 +99,7 @@ def dpo_loss_ref(
     return _t(losses), _t([beta * s for s in sc]), _t([beta * s for s in sr])
 
 
-def _pair_ref(
-    loss_type: str, sc: float, sr: float, beta: float, eps: float, tau: float, delta: float | None
-) -> float:
+def _pair_ref(loss_type: str, sc: float, sr: float, beta: float, eps: float, tau: float, delta: float | None) -> float:
     h = sc - sr
     x = beta * h
     if loss_type == "sigmoid":  # DPO eq. 7; cDPO for eps > 0
@@ -135,21 +133,30 @@ def _pair_ref(
 
 
 def simpo_loss_ref(
-    pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, *, beta: float = 2.0, gamma: float = 0.5,
+    pi_chosen: torch.Tensor,
+    pi_rejected: torch.Tensor,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Loop reference of :func:`rlcore.algos.simpo_loss`, written for clarity."""
     pw, pl = _floats(pi_chosen, pi_rejected)
-    return _t([_cdpo(beta * w - beta * l - gamma, label_smoothing) for w, l in zip(pw, pl)])
+    return _t([_cdpo(beta * w - beta * r - gamma, label_smoothing) for w, r in zip(pw, pl)])
 
 
 def cpo_loss_ref(
-    pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, chosen_nll: torch.Tensor, *, beta: float = 0.1,
-    alpha: float = 1.0, label_smoothing: float = 0.0,
+    pi_chosen: torch.Tensor,
+    pi_rejected: torch.Tensor,
+    chosen_nll: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    alpha: float = 1.0,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Loop reference of :func:`rlcore.algos.cpo_loss`, written for clarity."""
     pw, pl, nll = _floats(pi_chosen, pi_rejected, chosen_nll)
-    return _t([_cdpo(beta * (w - l), label_smoothing) + alpha * n for w, l, n in zip(pw, pl, nll)])
+    return _t([_cdpo(beta * (w - r), label_smoothing) + alpha * n for w, r, n in zip(pw, pl, nll)])
 
 
 def orpo_loss_ref(
@@ -158,9 +165,9 @@ def orpo_loss_ref(
     """``(loss [B], log_odds_ratio [B])``: odds = P / (1 - P) with P = exp(mean log-prob)."""
     pw, pl, nll = _floats(pi_chosen, pi_rejected, chosen_nll)
     losses, ratios = [], []
-    for w, l, n in zip(pw, pl, nll):
+    for w, r, n in zip(pw, pl, nll):
         odds_w = math.exp(w) / (1.0 - math.exp(w))
-        odds_l = math.exp(l) / (1.0 - math.exp(l))
+        odds_l = math.exp(r) / (1.0 - math.exp(r))
         ratio = math.log(odds_w / odds_l)
         ratios.append(ratio)
         losses.append(n - lam * math.log(_sigmoid(ratio)))
@@ -192,7 +199,11 @@ def kto_loss_ref(
 
 
 def pair_logps_ref(
-    model, batch: dict, *, reduce: str = "sum", temperature: float = 1.0  # type: ignore[no-untyped-def]
+    model,
+    batch: dict,
+    *,
+    reduce: str = "sum",
+    temperature: float = 1.0,  # type: ignore[no-untyped-def]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(chosen [B], rejected [B])`` float64 sequence log-probs, one unpadded sequence per forward.
 
@@ -215,8 +226,14 @@ def pair_logps_ref(
 
 
 def dpo_step_ref(
-    policy, batch: dict, reference=None, *, reduce: str = "sum", temperature: float = 1.0,  # type: ignore[no-untyped-def]
-    num_pairs: int | None = None, **loss_options,  # type: ignore[no-untyped-def]
+    policy,
+    batch: dict,
+    reference=None,
+    *,
+    reduce: str = "sum",
+    temperature: float = 1.0,  # type: ignore[no-untyped-def]
+    num_pairs: int | None = None,
+    **loss_options,  # type: ignore[no-untyped-def]
 ) -> float:
     """The recipe's loss: per-sequence log-probs, the scalar DPO-family loss, summed over ``num_pairs``."""
     with torch.no_grad():
