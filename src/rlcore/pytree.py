@@ -11,8 +11,8 @@ and ``torch.compile`` see through them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -243,8 +243,9 @@ def _register(cls: type) -> None:
     def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
         return tuple(getattr(obj, n) for n in children), tuple(getattr(obj, n) for n in statics), children
 
-    def unflatten(meta: tuple[Any, ...], values: Any) -> Any:
-        return cls(**dict(zip(children, values)), **dict(zip(statics, meta)))
+    def unflatten(meta: Hashable | None, values: Any) -> Any:
+        # optree types metadata as Hashable | None; it is the statics tuple flatten returned.
+        return cls(**dict(zip(children, values)), **dict(zip(statics, cast(tuple[Any, ...], meta))))
 
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
 

@@ -44,8 +44,8 @@ class TransferDockRef:
         units = []
         for u in range(self.capacity // size):
             rows = list(range(u * size, (u + 1) * size))
-            stamps = [self._ready_at(r, columns) for r in rows]
-            if any(s is None for s in stamps) or any(r in self.taken[consumer] for r in rows):
+            stamps = [s for s in (self._ready_at(r, columns) for r in rows) if s is not None]
+            if len(stamps) < len(rows) or any(r in self.taken[consumer] for r in rows):
                 continue
             units.append((-max(self.age[r] for r in rows), max(stamps), u, rows))
         if len(units) * size < count:

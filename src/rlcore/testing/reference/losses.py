@@ -191,7 +191,8 @@ def reinforce_loss_ref(
 ) -> Result:
     """REINFORCE per token: ``-A * logp``; gradient ``-A``."""
     lps, olps, advs, ms = _rows(logp, old_logp, advantages, mask)
-    loss, grad, lrs = [], [], []
+    loss, grad = [], []
+    lrs: list[float] = []
     for i, row in enumerate(ms):
         loss.append([-advs[i][t] * lps[i][t] if m != 0 else 0.0 for t, m in enumerate(row)])
         grad.append([-advs[i][t] if m != 0 else 0.0 for t, m in enumerate(row)])

@@ -93,7 +93,8 @@ def unshard_ref(shards: dict[int, torch.Tensor], layout: Any, name: str, shape: 
 
     Every holding rank writes its shard at its chunk offsets; replicas must agree.
     """
-    out, seen = None, {}
+    out: torch.Tensor | None = None
+    seen: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
     for rank, shard in shards.items():
         if not layout.holds(name, rank):
             continue
@@ -108,4 +109,6 @@ def unshard_ref(shards: dict[int, torch.Tensor], layout: Any, name: str, shape: 
             raise AssertionError(f"{name}: replicas of chunk {key} differ (rank {rank})")
         seen[key] = shard
         out[tuple(index)].copy_(shard)
+    if out is None:
+        raise AssertionError(f"{name}: no rank in {sorted(shards)} holds it")
     return out
