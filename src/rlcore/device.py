@@ -109,6 +109,7 @@ def collective_backend(device: torch.device | str | None = None) -> str:
     >>> collective_backend("cpu")
     'gloo'
     """
+    kind: str
     if device is None:
         kind = device_kind()
     else:
@@ -131,6 +132,7 @@ class MemoryStats:
     def __str__(self) -> str:
         if not self.tracked:
             return f"{self.device}: not tracked"
+        assert self.allocated is not None and self.reserved is not None and self.peak_allocated is not None
         mib = 1 << 20
         return (
             f"{self.device}: allocated {self.allocated / mib:.1f} MiB, reserved {self.reserved / mib:.1f} MiB, "

@@ -182,6 +182,7 @@ class MemoryPlan:
         def build(name: str, stream: bool) -> None:
             nonlocal cur
             g = self.group(name)
+            assert g.source is not None, "only derived groups get a build move"
             peak = cur
             for built, transient, consumed in g.chunks or ((g.nbytes, 0, self.group(g.source).nbytes),):
                 peak = max(peak, cur + built + transient)

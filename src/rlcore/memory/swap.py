@@ -55,7 +55,7 @@ class SwapHandle:
 
 
 def _flat_view(storage: torch.UntypedStorage, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, (numel,))
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, (numel,), (1,))
 
 
 def _pin() -> bool:
