@@ -24,6 +24,9 @@ __all__ = ["PARTITION_METHODS", "balanced_partition", "shard_samples"]
 
 PARTITION_METHODS = ("kk", "lpt")
 
+# One part of a partial partition: (load, item indices).
+_Part = tuple[int, list[int]]
+
 
 def _karmarkar_karp(weights: list[int], k: int, equal_size: bool) -> list[list[int]]:
     """k-way largest differencing: merge the two most spread partial partitions, heaviest part with lightest."""
@@ -33,10 +36,10 @@ def _karmarkar_karp(weights: list[int], k: int, equal_size: bool) -> list[list[i
         seeds = [order[j : j + k] for j in range(0, len(order), k)]
     else:
         seeds = [[i] for i in order]
-    heap = []
+    heap: list[tuple[int, int, list[_Part]]] = []
     for n, seed in enumerate(seeds):
-        parts = sorted(([weights[i], [i]] for i in seed), key=lambda p: -p[0])
-        parts += [[0, []] for _ in range(k - len(parts))]
+        parts: list[_Part] = sorted(((weights[i], [i]) for i in seed), key=lambda p: -p[0])
+        parts += [(0, []) for _ in range(k - len(parts))]
         heap.append((-(parts[0][0] - parts[-1][0]), n, parts))
     heapq.heapify(heap)
     counter = len(heap)
@@ -45,7 +48,7 @@ def _karmarkar_karp(weights: list[int], k: int, equal_size: bool) -> list[list[i
         _, _, b = heapq.heappop(heap)
         a = sorted(a, key=lambda p: -p[0])
         b = sorted(b, key=lambda p: p[0])
-        merged = sorted(([pa[0] + pb[0], pa[1] + pb[1]] for pa, pb in zip(a, b)), key=lambda p: -p[0])
+        merged = sorted(((pa[0] + pb[0], pa[1] + pb[1]) for pa, pb in zip(a, b)), key=lambda p: -p[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), counter, merged))
         counter += 1
     return [items for _, items in heap[0][2]]
@@ -54,7 +57,8 @@ def _karmarkar_karp(weights: list[int], k: int, equal_size: bool) -> list[list[i
 def _lpt(weights: list[int], k: int, equal_size: bool) -> list[list[int]]:
     """Longest processing time first: each item, heaviest first, to the least loaded part with room."""
     cap = len(weights) // k if equal_size else len(weights)
-    loads, parts = [0] * k, [[] for _ in range(k)]
+    loads = [0] * k
+    parts: list[list[int]] = [[] for _ in range(k)]
     for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
         part = min((p for p in range(k) if len(parts[p]) < cap), key=lambda p: (loads[p], p))
         loads[part] += weights[i]
@@ -216,6 +220,7 @@ def shard_samples(
         dist.gather_object(out, results, group=group, group_dst=src)
         if rank != src:
             return None
+        assert results is not None, "the source rank gathers the results"
         order = torch.cat(parts)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
