@@ -174,7 +174,7 @@ def test_torchrun_two_ranks_keep_identical_parameters(tmp_path):
     overrides = [o for o in TINY] + [f"trainer.output_dir={tmp_path / 'out'}", "trainer.steps=2", "parallel.data_parallel=2",
                                      "trainer.plot=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531", str(script),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
            str(ROOT / "configs" / "grpo_tiny.yaml"), str(tmp_path), *overrides]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

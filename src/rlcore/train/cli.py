@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -42,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rlcore: interrupted; the last checkpoint is intact", file=sys.stderr)
         return 130
-    if records and cfg.trainer.progress:
+    if records and cfg.trainer.progress and os.environ.get("RANK", "0") == "0":
         k = max(1, len(records) // 10)
         first, last = (sum(r["reward"] for r in part) / len(part) for part in (records[:k], records[-k:]))
         print(
