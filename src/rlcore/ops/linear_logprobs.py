@@ -96,6 +96,7 @@ def _forward_block(
     d = (m - m_old) / temperature
     a = torch.exp(-d)
     if want_entropy:
+        assert pz is not None and pz_old is not None, "want_entropy: every block folds sum e^y y"
         pz = a * (pz_old - d * total_old) + pz
     return m, a * total_old + total, pz, torch.where(inside, z_y, z_label)
 
@@ -118,14 +119,16 @@ def _forward(
     ent = hidden.new_empty(n, dtype=acc) if want_entropy else None
     for s, e in _chunks(n, chunk_size):
         h = _operand(hidden[s:e], acc)
-        state = None
+        state: _State | None = None
         for v0, v1 in _chunks(vocab, vocab_chunk_size):
             state = _forward_block(h, _operand(weight[v0:v1], acc), labels[s:e], v0, state, temperature, want_entropy)
+        assert state is not None, "the vocabulary is checked non-empty"
         m, total, pz, z_label = state
         lse_c = total.log()
         rowmax[s:e], lse[s:e] = m, lse_c
         logp[s:e] = ((z_label - m) / temperature - lse_c).squeeze(-1)
         if ent is not None:
+            assert pz is not None, "want_entropy: the blocks folded sum e^y y"
             ent[s:e] = (lse_c - pz / total).squeeze(-1)
     return rowmax, lse, logp, ent
 
@@ -166,7 +169,10 @@ class _LinearLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         if (g_logp is None and g_ent is None) or not (need_h or need_w):
             return (None,) * 7
-        gh, gw = _backward(hidden, weight, labels, rowmax, lse, ent, g_logp, g_ent, *ctx.opts, need_h, need_w)
+        temperature, chunk, vocab_chunk = ctx.opts
+        gh, gw = _backward(
+            hidden, weight, labels, rowmax, lse, ent, g_logp, g_ent, temperature, chunk, vocab_chunk, need_h, need_w
+        )
         return (gh, gw) + (None,) * 5
 
 
@@ -189,8 +195,10 @@ def _backward_block(
         lp.div_(temperature)
     lp.sub_(lse)
     if g2 is None:
+        assert g1 is not None, "the backward runs only with a gradient for logp or the entropy"
         dz = lp.exp_().mul_(-g1)
     else:
+        assert ent is not None, "an entropy gradient implies the forward saved the entropy"
         p = torch.exp(lp)
         dz = lp.add_(ent).mul_(g2)
         if g1 is not None:

@@ -129,8 +129,10 @@ def _forward(
         m_c, lse_c, logp_c, ent_c = _forward_chunk(logits[s:e], lab, temperature, want_entropy)
         rowmax[s:e], lse[s:e] = m_c, lse_c
         if logp is not None:
+            assert logp_c is not None, "labels given: the chunk computed logp"
             logp[s:e] = logp_c
         if ent is not None:
+            assert ent_c is not None, "want_entropy: the chunk computed the entropy"
             ent[s:e] = ent_c
     return rowmax, lse, logp, ent
 
@@ -185,14 +187,17 @@ def _backward_chunk(
     """One chunk's gradient, built in ``buf`` (``g1``, ``g2`` already divided by ``T``)."""
     lp = _shifted(chunk, rowmax, temperature, buf).sub_(lse)
     if g2 is None:
+        assert g1 is not None, "the backward runs only with a gradient for logp or the entropy"
         out = lp.exp_().mul_(-g1)
     else:
+        assert ent is not None, "an entropy gradient implies the forward saved the entropy"
         p = torch.exp(lp)
         out = _finite_or_zero_(lp).add_(ent.unsqueeze(-1)).mul_(g2)
         if g1 is not None:
             out.add_(g1)
         out.mul_(p).neg_()
     if g1 is not None:
+        assert labels is not None, "a logp gradient implies labels"
         out.scatter_add_(-1, _label_index(labels, chunk.shape[-1]).unsqueeze(-1), g1)
     return out
 
