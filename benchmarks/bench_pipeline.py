@@ -69,13 +69,18 @@ ALGO = grpo(kl_coef=0.0)
 def load_prompts(j: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(j)
     prompts = torch.randint(1, CONFIG["vocab_size"], (PROMPTS, PROMPT_LEN), generator=g)
-    return {"prompts": prompts.repeat_interleave(SAMPLES, 0), "group_ids": torch.arange(PROMPTS).repeat_interleave(SAMPLES)}
+    return {
+        "prompts": prompts.repeat_interleave(SAMPLES, 0),
+        "group_ids": torch.arange(PROMPTS).repeat_interleave(SAMPLES),
+    }
 
 
 def sample(model: torch.nn.Module, prompts: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Responses and their behaviour log-probs; eos -1 never matches, so every response has RESPONSE_LEN tokens."""
     with torch.no_grad():
-        r = generate(model, prompts, torch.ones_like(prompts), eos_token_id=-1, max_new_tokens=RESPONSE_LEN, generator=generator)
+        r = generate(
+            model, prompts, torch.ones_like(prompts), eos_token_id=-1, max_new_tokens=RESPONSE_LEN, generator=generator
+        )
     return {"responses": r.responses, "old_logp": r.logp}
 
 
@@ -112,13 +117,19 @@ class Trainer:
     def advantages(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         mask = torch.ones(batch["scores"].shape[0], RESPONSE_LEN)
         groups = torch.unique(batch["group_ids"], return_inverse=True)[1]  # numbered 0.. within the micro-batch
-        return {"advantages": ALGO.advantages({"scores": batch["scores"], "group_ids": groups, "mask": mask})["advantages"]}
+        return {
+            "advantages": ALGO.advantages({"scores": batch["scores"], "group_ids": groups, "mask": mask})["advantages"]
+        }
 
     def update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seq = torch.cat([batch["prompts"], batch["responses"]], 1)
         logp = token_logprobs(self.apply, self.params, {"input_ids": seq, "attention_mask": torch.ones_like(seq)})
-        mb = {"logp": logp[:, PROMPT_LEN:], "old_logp": batch["old_logp"], "advantages": batch["advantages"],
-              "mask": torch.ones_like(batch["old_logp"])}
+        mb = {
+            "logp": logp[:, PROMPT_LEN:],
+            "old_logp": batch["old_logp"],
+            "advantages": batch["advantages"],
+            "mask": torch.ones_like(batch["old_logp"]),
+        }
         loss, _ = ALGO.loss(mb, num_seqs=ROWS)
         loss.backward()
         return {"loss": loss.detach().expand(seq.shape[0]).clone()}
@@ -141,7 +152,7 @@ def synchronous(iterations: int, *, threads: int) -> float:
         batch.update(trainer.reward(batch))
         batch.update(trainer.advantages(batch))
         for a in range(0, ROWS, MICRO_BATCH):
-            trainer.update({k: v[a:a + MICRO_BATCH] for k, v in batch.items()})
+            trainer.update({k: v[a : a + MICRO_BATCH] for k, v in batch.items()})
         trainer.step(j)
     return time.perf_counter() - start
 
@@ -149,12 +160,33 @@ def synchronous(iterations: int, *, threads: int) -> float:
 def trainer_stages(trainer: Trainer, step: Callable[[int], None], *, resource: str) -> list:
     """Reward, advantages (whole groups) and the update, streaming micro-batches."""
     return [
-        stage(trainer.reward, inputs=["responses"], outputs=["scores"], name="reward", micro_batch=MICRO_BATCH,
-              resource=resource),
-        stage(trainer.advantages, inputs=["scores", "group_ids"], outputs=["advantages"], name="advantages",
-              micro_batch=MICRO_BATCH, by_group=True, resource=resource),
-        stage(trainer.update, inputs=["prompts", "responses", "old_logp", "advantages"], outputs=["loss"],
-              name="update", role="update", micro_batch=MICRO_BATCH, resource=resource, on_iteration_end=step),
+        stage(
+            trainer.reward,
+            inputs=["responses"],
+            outputs=["scores"],
+            name="reward",
+            micro_batch=MICRO_BATCH,
+            resource=resource,
+        ),
+        stage(
+            trainer.advantages,
+            inputs=["scores", "group_ids"],
+            outputs=["advantages"],
+            name="advantages",
+            micro_batch=MICRO_BATCH,
+            by_group=True,
+            resource=resource,
+        ),
+        stage(
+            trainer.update,
+            inputs=["prompts", "responses", "old_logp", "advantages"],
+            outputs=["loss"],
+            name="update",
+            role="update",
+            micro_batch=MICRO_BATCH,
+            resource=resource,
+            on_iteration_end=step,
+        ),
     ]
 
 
@@ -170,14 +202,22 @@ def pipelined(iterations: int) -> tuple[float, float]:
             trainer.step(j)
             worker.publish(j + 1, trainer.params)
 
-        graph = StageGraph([
-            worker.stage(inputs=["prompts"], outputs=["responses", "old_logp"], micro_batch=ROLLOUT_MICRO_BATCH,
-                         resource="rollout"),
-            *trainer_stages(trainer, step, resource="train"),
-        ], sources=["prompts", "group_ids"])
+        graph = StageGraph(
+            [
+                worker.stage(
+                    inputs=["prompts"],
+                    outputs=["responses", "old_logp"],
+                    micro_batch=ROLLOUT_MICRO_BATCH,
+                    resource="rollout",
+                ),
+                *trainer_stages(trainer, step, resource="train"),
+            ],
+            sources=["prompts", "group_ids"],
+        )
         start = time.perf_counter()
-        res = run_pipeline(graph, load_prompts, num_prompts=PROMPTS, n_samples=SAMPLES, num_iterations=iterations,
-                           staleness=1)
+        res = run_pipeline(
+            graph, load_prompts, num_prompts=PROMPTS, n_samples=SAMPLES, num_iterations=iterations, staleness=1
+        )
         seconds = time.perf_counter() - start
     lag = torch.cat([j - b["policy_version"] for j, b in enumerate(res.batches)]).double().mean().item()
     return seconds, lag
@@ -199,11 +239,21 @@ def projected(iterations: int) -> tuple[float, float]:
         return sample(trainer.model.eval(), batch["prompts"], generator)
 
     def roll(resource: str):
-        return stage(rollout, inputs=["prompts"], outputs=["responses", "old_logp"], role="rollout",
-                     micro_batch=ROLLOUT_MICRO_BATCH, resource=resource)
+        return stage(
+            rollout,
+            inputs=["prompts"],
+            outputs=["responses", "old_logp"],
+            role="rollout",
+            micro_batch=ROLLOUT_MICRO_BATCH,
+            resource=resource,
+        )
 
-    one = StageGraph([roll("device"), *trainer_stages(trainer, trainer.step, resource="device")], sources=["prompts", "group_ids"])
-    two = StageGraph([roll("rollout"), *trainer_stages(trainer, trainer.step, resource="train")], sources=["prompts", "group_ids"])
+    one = StageGraph(
+        [roll("device"), *trainer_stages(trainer, trainer.step, resource="device")], sources=["prompts", "group_ids"]
+    )
+    two = StageGraph(
+        [roll("rollout"), *trainer_stages(trainer, trainer.step, resource="train")], sources=["prompts", "group_ids"]
+    )
     kw = dict(num_prompts=PROMPTS, n_samples=SAMPLES, num_iterations=iterations)
     cost = fit_costs(run_pipeline(one, load_prompts, blocking=True, **kw).tasks)
     return simulate(one, cost, blocking=True, **kw).makespan, simulate(two, cost, staleness=1, **kw).makespan
@@ -226,21 +276,31 @@ def main() -> None:
         for key, seconds in (("sync2", sync2), ("sync1", sync1), ("pipe", pipe)):
             rates[key].append(rows / seconds)
         lags.append(lag)
-        print(f"repeat {r}: synchronous 2 threads {rows / sync2:7.1f} rows/s ({sync2:.2f} s)   1 thread {rows / sync1:7.1f} "
-              f"rows/s ({sync1:.2f} s)   pipeline {rows / pipe:7.1f} rows/s ({pipe:.2f} s)   mean policy lag {lag:.3f}",
-              flush=True)
+        print(
+            f"repeat {r}: synchronous 2 threads {rows / sync2:7.1f} rows/s ({sync2:.2f} s)   1 thread {rows / sync1:7.1f} "
+            f"rows/s ({sync1:.2f} s)   pipeline {rows / pipe:7.1f} rows/s ({pipe:.2f} s)   mean policy lag {lag:.3f}",
+            flush=True,
+        )
     med = {k: statistics.median(v) for k, v in rates.items()}
     best = max(med["sync2"], med["sync1"])
     print(f"median over {args.repeats} repeats, {args.iterations} iterations x {ROWS} rows each:")
-    print(f"  synchronous loop, 2 threads         {med['sync2']:7.1f} rows/s   (ratio {med['pipe'] / med['sync2']:.2f}x)")
-    print(f"  synchronous loop, 1 thread          {med['sync1']:7.1f} rows/s   (ratio {med['pipe'] / med['sync1']:.2f}x)")
+    print(
+        f"  synchronous loop, 2 threads         {med['sync2']:7.1f} rows/s   (ratio {med['pipe'] / med['sync2']:.2f}x)"
+    )
+    print(
+        f"  synchronous loop, 1 thread          {med['sync1']:7.1f} rows/s   (ratio {med['pipe'] / med['sync1']:.2f}x)"
+    )
     print(f"  disaggregated pipeline (1+1, k=1)   {med['pipe']:7.1f} rows/s")
     ratio = med["pipe"] / best
-    print(f"  ratio vs the faster synchronous loop {ratio:.2f}x (target >= 1.4x: {'met' if ratio >= 1.4 else 'NOT met'})   "
-          f"mean policy lag {statistics.median(lags):.3f} iterations")
+    print(
+        f"  ratio vs the faster synchronous loop {ratio:.2f}x (target >= 1.4x: {'met' if ratio >= 1.4 else 'NOT met'})   "
+        f"mean policy lag {statistics.median(lags):.3f} iterations"
+    )
     sim_sync, sim_pipe = projected(args.iterations)
-    print(f"  simulated, not measured (stage costs fitted to a 1-thread synchronous run, no IPC):  synchronous "
-          f"{rows / sim_sync:7.1f} rows/s   pipeline {rows / sim_pipe:7.1f} rows/s   ratio {sim_sync / sim_pipe:.2f}x")
+    print(
+        f"  simulated, not measured (stage costs fitted to a 1-thread synchronous run, no IPC):  synchronous "
+        f"{rows / sim_sync:7.1f} rows/s   pipeline {rows / sim_pipe:7.1f} rows/s   ratio {sim_sync / sim_pipe:.2f}x"
+    )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

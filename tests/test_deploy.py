@@ -23,8 +23,14 @@ def _colocated_run(switching):
     w.grad = torch.zeros_like(w)
     seen = {"rollout_resident": [], "train_resident": []}
     if switching:
-        plan = allgather_swap_plan(plan_reshard({"lm_head.weight": w}, decoder_layout({"lm_head.weight": w}),
-                                                decoder_layout({"lm_head.weight": w})), mesh=None, device="cpu", rank=0)
+        plan = allgather_swap_plan(
+            plan_reshard(
+                {"lm_head.weight": w}, decoder_layout({"lm_head.weight": w}), decoder_layout({"lm_head.weight": w})
+            ),
+            mesh=None,
+            device="cpu",
+            rank=0,
+        )
         switch = ColocatedSwitch(TrainState({"lm_head.weight": w}, grads=[w.grad], optimizer=opt.state), plan)
     else:
         switch = None
@@ -44,15 +50,36 @@ def _colocated_run(switching):
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    stages = colocate([
-        stage(rollout, inputs=["prompts"], outputs=["responses"], role="rollout", micro_batch=2, resource="gen"),
-        stage(lambda b: {"scores": b["responses"].sum(1)}, inputs=["responses"], outputs=["scores"], name="reward",
-              micro_batch=1, resource="cpu"),
-        stage(update, inputs=["responses", "scores"], outputs=["loss"], role="update", micro_batch=2,
-              resource="train", on_iteration_end=step),
-    ])
-    res = run_pipeline(StageGraph(stages), lambda j: {"prompts": torch.arange(4) + j}, num_prompts=4,
-                       num_iterations=3, collect=["responses", "loss"], switch=switch)
+    stages = colocate(
+        [
+            stage(rollout, inputs=["prompts"], outputs=["responses"], role="rollout", micro_batch=2, resource="gen"),
+            stage(
+                lambda b: {"scores": b["responses"].sum(1)},
+                inputs=["responses"],
+                outputs=["scores"],
+                name="reward",
+                micro_batch=1,
+                resource="cpu",
+            ),
+            stage(
+                update,
+                inputs=["responses", "scores"],
+                outputs=["loss"],
+                role="update",
+                micro_batch=2,
+                resource="train",
+                on_iteration_end=step,
+            ),
+        ]
+    )
+    res = run_pipeline(
+        StageGraph(stages),
+        lambda j: {"prompts": torch.arange(4) + j},
+        num_prompts=4,
+        num_iterations=3,
+        collect=["responses", "loss"],
+        switch=switch,
+    )
     return res, switch, seen, w.detach().clone()
 
 
@@ -63,12 +90,16 @@ def test_colocated_switches_through_allgather_swap_and_matches_the_unswitched_ru
     finally:
         dist.destroy_process_group()
     plain, _, plain_seen, plain_w = _colocated_run(False)
-    assert [s.resource for s in StageGraph(colocate([stage(print, inputs=["prompts"], outputs=["x"], name="a")])).order] == ["device"]
+    assert [
+        s.resource for s in StageGraph(colocate([stage(print, inputs=["prompts"], outputs=["x"], name="a")])).order
+    ] == ["device"]
     # the training state is swapped out during every rollout call and resident during every update call
     assert set(seen["rollout_resident"]) == {0} and 0 not in seen["train_resident"]
     assert set(plain_seen["rollout_resident"]) == {16}
     assert switch.transitions == [("train", "rollout"), ("rollout", "train")] * 3
-    assert res.switches == [("device", "rollout", "train"), ("device", "train", "rollout")] * 2 + [("device", "rollout", "train")]
+    assert res.switches == [("device", "rollout", "train"), ("device", "train", "rollout")] * 2 + [
+        ("device", "rollout", "train")
+    ]
     torch.testing.assert_close(w, plain_w, rtol=0, atol=0)
     for a, b in zip(res.batches, plain.batches):
         torch.testing.assert_close(a["responses"], b["responses"], rtol=0, atol=0)
@@ -109,13 +140,29 @@ def _disaggregated(worker, *, staleness=1, timeout=None, iterations=4):
         w.add_(1.0)
         worker.publish(j + 1, {"w": w})
 
-    graph = StageGraph([
-        worker.stage(inputs=["prompts"], outputs=["responses"], micro_batch=2, timeout=timeout),
-        stage(update, inputs=["responses"], outputs=["loss"], role="update", micro_batch=2, resource="train",
-              on_iteration_end=step),
-    ])
-    return run_pipeline(graph, lambda j: {"prompts": torch.arange(6) + 10 * j}, num_prompts=6,
-                        num_iterations=iterations, staleness=staleness, collect=["prompts", "responses"], join_timeout=2.0)
+    graph = StageGraph(
+        [
+            worker.stage(inputs=["prompts"], outputs=["responses"], micro_batch=2, timeout=timeout),
+            stage(
+                update,
+                inputs=["responses"],
+                outputs=["loss"],
+                role="update",
+                micro_batch=2,
+                resource="train",
+                on_iteration_end=step,
+            ),
+        ]
+    )
+    return run_pipeline(
+        graph,
+        lambda j: {"prompts": torch.arange(6) + 10 * j},
+        num_prompts=6,
+        num_iterations=iterations,
+        staleness=staleness,
+        collect=["prompts", "responses"],
+        join_timeout=2.0,
+    )
 
 
 def test_disaggregated_rollout_generates_each_row_with_the_version_it_records():
@@ -175,7 +222,10 @@ def make_broken():
 
 
 def test_wait_ready_raises_the_factory_error_and_returns_once_built():
-    with RolloutWorker(make_broken, start_method="fork") as worker, pytest.raises(OSError, match="no model here") as info:
+    with (
+        RolloutWorker(make_broken, start_method="fork") as worker,
+        pytest.raises(OSError, match="no model here") as info,
+    ):
         worker.wait_ready(timeout=30)
     assert any("rollout worker process" in n for n in info.value.__notes__)
     with RolloutWorker(make_generate, args=("ok",), start_method="fork") as worker:

@@ -22,8 +22,13 @@ def _run(spec, **kw):
     columns = [s["output"] for s in spec["stages"]]
     kw.setdefault("staleness", spec["staleness"])
     res = run_pipeline(
-        graph, _loader(spec), num_prompts=spec["num_prompts"], n_samples=spec["n_samples"],
-        num_iterations=spec["num_iterations"], collect=columns, **kw,
+        graph,
+        _loader(spec),
+        num_prompts=spec["num_prompts"],
+        n_samples=spec["n_samples"],
+        num_iterations=spec["num_iterations"],
+        collect=columns,
+        **kw,
     )
     return graph, res
 
@@ -31,7 +36,10 @@ def _run(spec, **kw):
 def _ref(spec):
     graph = StageGraph(spec_stages(spec, sleep=False))
     return synchronous_loop_ref(
-        graph, _loader(spec), num_prompts=spec["num_prompts"], n_samples=spec["n_samples"],
+        graph,
+        _loader(spec),
+        num_prompts=spec["num_prompts"],
+        n_samples=spec["n_samples"],
         num_iterations=spec["num_iterations"],
     )
 
@@ -106,17 +114,34 @@ def _two_stage(delay_roll, delay_upd, *, resources=("gen", "train"), timeout=Non
         time.sleep(delay_upd)
         return {"loss": b["responses"] * 2}
 
-    return StageGraph([
-        stage(rollout, inputs=["prompts"], outputs=["responses"], role="rollout", micro_batch=2, resource=resources[0]),
-        stage(update, inputs=["responses"], outputs=["loss"], role="update", micro_batch=2, resource=resources[1], timeout=timeout),
-    ])
+    return StageGraph(
+        [
+            stage(
+                rollout, inputs=["prompts"], outputs=["responses"], role="rollout", micro_batch=2, resource=resources[0]
+            ),
+            stage(
+                update,
+                inputs=["responses"],
+                outputs=["loss"],
+                role="update",
+                micro_batch=2,
+                resource=resources[1],
+                timeout=timeout,
+            ),
+        ]
+    )
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_rollout_overlaps_the_update_only_under_staleness(staleness):
     # the update is 10x slower than the rollout, so scheduling jitter cannot hide the overlap
-    res = run_pipeline(_two_stage(0.005, 0.05), lambda j: {"prompts": torch.arange(4)}, num_prompts=4,
-                       num_iterations=3, staleness=staleness)
+    res = run_pipeline(
+        _two_stage(0.005, 0.05),
+        lambda j: {"prompts": torch.arange(4)},
+        num_prompts=4,
+        num_iterations=3,
+        staleness=staleness,
+    )
     start = {j: min(t.start for t in res.tasks if t.stage == "rollout" and t.iteration == j) for j in range(3)}
     end = {j: max(t.end for t in res.tasks if t.stage == "update" and t.iteration == j) for j in range(3)}
     if staleness == 0:
@@ -129,18 +154,51 @@ def test_rollout_overlaps_the_update_only_under_staleness(staleness):
 
 def test_colocated_resource_switches_phase_once_per_direction_per_iteration():
     calls = []
-    graph = StageGraph([
-        stage(lambda b: {"responses": b["prompts"] * 1.0}, inputs=["prompts"], outputs=["responses"], name="rollout",
-              role="rollout", micro_batch=1),
-        stage(lambda b: {"scores": b["responses"] + 1}, inputs=["responses"], outputs=["scores"], name="reward", micro_batch=1),
-        stage(lambda b: {"old_logp": b["responses"] - 1}, inputs=["responses"], outputs=["old_logp"], name="old",
-              micro_batch=1, phase="train"),
-        stage(lambda b: {"loss": b["scores"] * b["old_logp"]}, inputs=["scores", "old_logp"], outputs=["loss"],
-              name="update", role="update", micro_batch=1),
-    ])
-    res = run_pipeline(graph, lambda j: {"prompts": torch.arange(4)}, num_prompts=4, num_iterations=3,
-                       switch=lambda r, a, b: calls.append((r, a, b)))
-    assert res.switches == [("device", "rollout", "train"), ("device", "train", "rollout")] * 2 + [("device", "rollout", "train")]
+    graph = StageGraph(
+        [
+            stage(
+                lambda b: {"responses": b["prompts"] * 1.0},
+                inputs=["prompts"],
+                outputs=["responses"],
+                name="rollout",
+                role="rollout",
+                micro_batch=1,
+            ),
+            stage(
+                lambda b: {"scores": b["responses"] + 1},
+                inputs=["responses"],
+                outputs=["scores"],
+                name="reward",
+                micro_batch=1,
+            ),
+            stage(
+                lambda b: {"old_logp": b["responses"] - 1},
+                inputs=["responses"],
+                outputs=["old_logp"],
+                name="old",
+                micro_batch=1,
+                phase="train",
+            ),
+            stage(
+                lambda b: {"loss": b["scores"] * b["old_logp"]},
+                inputs=["scores", "old_logp"],
+                outputs=["loss"],
+                name="update",
+                role="update",
+                micro_batch=1,
+            ),
+        ]
+    )
+    res = run_pipeline(
+        graph,
+        lambda j: {"prompts": torch.arange(4)},
+        num_prompts=4,
+        num_iterations=3,
+        switch=lambda r, a, b: calls.append((r, a, b)),
+    )
+    assert res.switches == [("device", "rollout", "train"), ("device", "train", "rollout")] * 2 + [
+        ("device", "rollout", "train")
+    ]
     assert calls == [("device", None, "rollout"), *res.switches]
     # a micro-batch-by-micro-batch interleaving would switch on every row: 2 * 4 per iteration
     assert len(res.switches) == 2 * 3 - 1
@@ -152,13 +210,28 @@ def test_a_raising_stage_stops_the_pipeline_with_its_error_and_no_threads_left()
             raise ZeroDivisionError("bad reward")
         return {"scores": b["responses"]}
 
-    graph = StageGraph([
-        stage(lambda b: {"responses": b["prompts"] * 1.0}, inputs=["prompts"], outputs=["responses"], name="rollout",
-              role="rollout", micro_batch=1, resource="gen"),
-        stage(reward, inputs=["responses"], outputs=["scores"], micro_batch=1, resource="cpu"),
-        stage(lambda b: {"loss": b["scores"]}, inputs=["scores"], outputs=["loss"], name="update", role="update",
-              resource="train"),
-    ])
+    graph = StageGraph(
+        [
+            stage(
+                lambda b: {"responses": b["prompts"] * 1.0},
+                inputs=["prompts"],
+                outputs=["responses"],
+                name="rollout",
+                role="rollout",
+                micro_batch=1,
+                resource="gen",
+            ),
+            stage(reward, inputs=["responses"], outputs=["scores"], micro_batch=1, resource="cpu"),
+            stage(
+                lambda b: {"loss": b["scores"]},
+                inputs=["scores"],
+                outputs=["loss"],
+                name="update",
+                role="update",
+                resource="train",
+            ),
+        ]
+    )
     with pytest.raises(ZeroDivisionError, match="bad reward") as info:
         run_pipeline(graph, lambda j: {"prompts": torch.arange(8)}, num_prompts=8, num_iterations=2)
     assert any("in stage 'reward' at iteration 0" in n for n in info.value.__notes__)
@@ -177,14 +250,18 @@ def test_a_stage_timeout_is_reported_with_its_name():
 
 def test_output_and_loader_errors_name_the_culprit():
     bad = StageGraph([stage(lambda b: {"wrong": b["prompts"]}, inputs=["prompts"], outputs=["x"], name="roll")])
-    with pytest.raises(ValueError, match=r"stage 'roll': returned \['wrong'\], expected a dict with its outputs \['x'\]"):
+    with pytest.raises(
+        ValueError, match=r"stage 'roll': returned \['wrong'\], expected a dict with its outputs \['x'\]"
+    ):
         run_pipeline(bad, lambda j: {"prompts": torch.arange(2)}, num_prompts=2)
     short = StageGraph([stage(lambda b: {"x": b["prompts"][:1]}, inputs=["prompts"], outputs=["x"], name="roll")])
     with pytest.raises(ValueError, match="got 1 rows, expected 2") as info:
         run_pipeline(short, lambda j: {"prompts": torch.arange(2)}, num_prompts=2)
     assert any("output of stage 'roll'" in n for n in info.value.__notes__)
     ok = StageGraph([stage(lambda b: {"x": b["prompts"]}, inputs=["prompts"], outputs=["x"], name="roll")])
-    with pytest.raises(ValueError, match=r"loader\(0\): got \['ids'\], expected a dict with the source columns \['prompts'\]"):
+    with pytest.raises(
+        ValueError, match=r"loader\(0\): got \['ids'\], expected a dict with the source columns \['prompts'\]"
+    ):
         run_pipeline(ok, lambda j: {"ids": torch.arange(2)}, num_prompts=2)
     with pytest.raises(ValueError, match="staleness: got -1"):
         run_pipeline(ok, lambda j: {"prompts": torch.arange(2)}, num_prompts=2, staleness=-1)
@@ -194,20 +271,45 @@ def test_output_and_loader_errors_name_the_culprit():
         run_pipeline(ok, lambda j: {"prompts": torch.arange(2)}, num_prompts=2, slots={"device": 0})
     with pytest.raises(ValueError, match="collect: got unknown column"):
         run_pipeline(ok, lambda j: {"prompts": torch.arange(2)}, num_prompts=2, collect=["y"])
-    group = StageGraph([stage(lambda b: {"x": b["prompts"]}, inputs=["prompts"], outputs=["x"], name="adv",
-                              by_group=True, micro_batch=3)])
-    with pytest.raises(ValueError, match="stage 'adv': micro_batch 3 with by_group, expected a multiple of n_samples=2"):
+    group = StageGraph(
+        [
+            stage(
+                lambda b: {"x": b["prompts"]},
+                inputs=["prompts"],
+                outputs=["x"],
+                name="adv",
+                by_group=True,
+                micro_batch=3,
+            )
+        ]
+    )
+    with pytest.raises(
+        ValueError, match="stage 'adv': micro_batch 3 with by_group, expected a multiple of n_samples=2"
+    ):
         run_pipeline(group, lambda j: {"prompts": torch.arange(4)}, num_prompts=2, n_samples=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_columns_keep_their_dtype_through_the_pipeline(dtype):
-    graph = StageGraph([
-        stage(lambda b: {"logp": [torch.full((i % 3 + 1,), -0.5 * i, dtype=dtype) for i in b["prompts"].tolist()]},
-              inputs=["prompts"], outputs=["logp"], name="rollout", role="rollout", micro_batch=2),
-        stage(lambda b: {"seq": (b["logp"] * b["logp_mask"]).sum(1)}, inputs=["logp"], outputs=["seq"], name="sum",
-              micro_batch=3),
-    ])
+    graph = StageGraph(
+        [
+            stage(
+                lambda b: {"logp": [torch.full((i % 3 + 1,), -0.5 * i, dtype=dtype) for i in b["prompts"].tolist()]},
+                inputs=["prompts"],
+                outputs=["logp"],
+                name="rollout",
+                role="rollout",
+                micro_batch=2,
+            ),
+            stage(
+                lambda b: {"seq": (b["logp"] * b["logp_mask"]).sum(1)},
+                inputs=["logp"],
+                outputs=["seq"],
+                name="sum",
+                micro_batch=3,
+            ),
+        ]
+    )
     res = run_pipeline(graph, lambda j: {"prompts": torch.arange(5)}, num_prompts=5, collect=["logp", "seq"])
     batch = res.batches[0]
     assert batch["logp"].dtype == batch["seq"].dtype == dtype
@@ -219,6 +321,9 @@ def test_a_stall_is_an_error_not_a_hang(monkeypatch):
     from rlcore.dataflow import scheduler
 
     monkeypatch.setattr(scheduler._Core, "pick", lambda self, resource: None)
-    with pytest.raises(RuntimeError, match=r"pipeline stalled: no stage can take rows and none is running; stages with rows left: \['rollout@0', 'update@0'\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"pipeline stalled: no stage can take rows and none is running; stages with rows left: \['rollout@0', 'update@0'\]",
+    ):
         run_pipeline(_two_stage(0.0, 0.0), lambda j: {"prompts": torch.arange(4)}, num_prompts=4)
     assert _no_worker_threads()

@@ -18,22 +18,33 @@ def _s(name, inputs, outputs, **kw):
 def _seven(mb, *, by_group=False, shared=False):
     """Rollout, four scorers, advantages, update: the seven models of an RL iteration."""
     res = (lambda i: "device") if shared else (lambda i: f"r{i}")
-    return StageGraph([
-        _s("rollout", ["prompts"], ["responses"], role="rollout", micro_batch=mb, resource=res(0)),
-        _s("reward", ["responses"], ["scores"], micro_batch=mb, resource=res(1)),
-        _s("ref", ["responses"], ["ref_logp"], micro_batch=mb, resource=res(2)),
-        _s("old", ["responses"], ["old_logp"], micro_batch=mb, resource=res(3)),
-        _s("values", ["responses"], ["values"], micro_batch=mb, resource=res(4)),
-        _s("adv", ["scores", "values"], ["advantages"], micro_batch=mb, by_group=by_group, resource=res(5)),
-        _s("update", ["advantages", "old_logp", "ref_logp"], ["loss"], role="update", micro_batch=mb, resource=res(6)),
-    ])
+    return StageGraph(
+        [
+            _s("rollout", ["prompts"], ["responses"], role="rollout", micro_batch=mb, resource=res(0)),
+            _s("reward", ["responses"], ["scores"], micro_batch=mb, resource=res(1)),
+            _s("ref", ["responses"], ["ref_logp"], micro_batch=mb, resource=res(2)),
+            _s("old", ["responses"], ["old_logp"], micro_batch=mb, resource=res(3)),
+            _s("values", ["responses"], ["values"], micro_batch=mb, resource=res(4)),
+            _s("adv", ["scores", "values"], ["advantages"], micro_batch=mb, by_group=by_group, resource=res(5)),
+            _s(
+                "update",
+                ["advantages", "old_logp", "ref_logp"],
+                ["loss"],
+                role="update",
+                micro_batch=mb,
+                resource=res(6),
+            ),
+        ]
+    )
 
 
 def test_hand_computed_two_stage_pipeline():
-    graph = StageGraph([
-        _s("rollout", ["prompts"], ["responses"], role="rollout", micro_batch=1, resource="gen"),
-        _s("update", ["responses"], ["loss"], role="update", micro_batch=1, resource="train"),
-    ])
+    graph = StageGraph(
+        [
+            _s("rollout", ["prompts"], ["responses"], role="rollout", micro_batch=1, resource="gen"),
+            _s("update", ["responses"], ["loss"], role="update", micro_batch=1, resource="train"),
+        ]
+    )
     cost = {"rollout": 2.0, "update": 1.0}
     # k=1: rollout runs back to back (8 rows * 2 s), the update trails by its last row: 17 s.
     rep = simulate(graph, cost, num_prompts=4, num_iterations=2, staleness=1)
@@ -71,7 +82,9 @@ def test_the_bound_is_a_lower_bound_and_reports_are_consistent(spec, data):
     costs = data.draw(stage_costs(list(graph.names)))
     slots = {r: data.draw(st.integers(1, 3)) for r in graph.resources}
     blocking = data.draw(st.booleans())
-    kw = dict(num_prompts=spec["num_prompts"], n_samples=spec["n_samples"], num_iterations=spec["num_iterations"], slots=slots)
+    kw = dict(
+        num_prompts=spec["num_prompts"], n_samples=spec["n_samples"], num_iterations=spec["num_iterations"], slots=slots
+    )
     rep = simulate(graph, costs, staleness=spec["staleness"], blocking=blocking, **kw)
     assert rep.makespan >= critical_path_bound(graph, costs, staleness=spec["staleness"], **kw) * (1 - 1e-9)
     busy = {n: sum(t.end - t.start for t in rep.tasks if t.stage == n) for n in graph.names}
@@ -90,11 +103,16 @@ def test_the_bound_is_a_lower_bound_and_reports_are_consistent(spec, data):
 @settings(max_examples=15)
 @given(pipeline_specs(resources=("device",), max_delay=0.0))
 def test_simulation_takes_the_same_decisions_as_the_threaded_scheduler(spec):
-    kw = dict(num_prompts=spec["num_prompts"], n_samples=spec["n_samples"], num_iterations=spec["num_iterations"],
-              staleness=spec["staleness"])
+    kw = dict(
+        num_prompts=spec["num_prompts"],
+        n_samples=spec["n_samples"],
+        num_iterations=spec["num_iterations"],
+        staleness=spec["staleness"],
+    )
     cap = spec["num_prompts"] * spec["n_samples"]
-    real = run_pipeline(StageGraph(spec_stages(spec, sleep=False)),
-                        lambda j: {"prompts": torch.arange(cap) // spec["n_samples"]}, **kw)
+    real = run_pipeline(
+        StageGraph(spec_stages(spec, sleep=False)), lambda j: {"prompts": torch.arange(cap) // spec["n_samples"]}, **kw
+    )
     sim = simulate(StageGraph(spec_stages(spec, sleep=False)), lambda s, rows: 1.0, **kw)
     key = lambda res: [(t.stage, t.iteration, t.rows.tolist(), t.version) for t in res.tasks]  # noqa: E731
     assert key(real) == key(sim)
@@ -152,8 +170,16 @@ def _rec(stage_name, rows, seconds):
 def test_fit_costs_by_hand():
     # t = 0.5 + 0.25 * rows exactly; one size only: all per-row; a negative intercept refits through 0;
     # a negative slope keeps the mean as a fixed cost
-    tasks = [_rec("a", 2, 1.0), _rec("a", 6, 2.0), _rec("b", 4, 2.0), _rec("b", 4, 2.0),
-             _rec("c", 1, 0.0), _rec("c", 3, 4.0), _rec("d", 1, 3.0), _rec("d", 3, 1.0)]
+    tasks = [
+        _rec("a", 2, 1.0),
+        _rec("a", 6, 2.0),
+        _rec("b", 4, 2.0),
+        _rec("b", 4, 2.0),
+        _rec("c", 1, 0.0),
+        _rec("c", 3, 4.0),
+        _rec("d", 1, 3.0),
+        _rec("d", 3, 1.0),
+    ]
     cost = fit_costs(tasks)
     assert cost.fixed["a"] == pytest.approx(0.5) and cost.per_row["a"] == pytest.approx(0.25)
     assert cost.fixed["b"] == 0 and cost.per_row["b"] == pytest.approx(0.5)
@@ -186,7 +212,9 @@ def test_chain_pipeline_matches_the_flow_shop_recurrence(durations, mb, calls, n
     names = [f"s{i}" for i in range(len(durations))]
     cols = ["prompts", *[f"c{i}" for i in range(len(durations))]]
     roles = ["rollout", *["compute"] * (len(durations) - 2), "update"]
-    graph = StageGraph([_s(n, [cols[i]], [cols[i + 1]], role=roles[i], micro_batch=mb, resource=n) for i, n in enumerate(names)])
+    graph = StageGraph(
+        [_s(n, [cols[i]], [cols[i + 1]], role=roles[i], micro_batch=mb, resource=n) for i, n in enumerate(names)]
+    )
     # each call costs the stage's duration, whatever its size, so every job is alike
     cost = lambda s, rows: durations[names.index(s.name)]  # noqa: E731
     rep = simulate(graph, cost, num_prompts=mb * calls, num_iterations=num_iterations, staleness=num_iterations)

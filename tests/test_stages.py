@@ -34,9 +34,7 @@ def test_topological_order_respects_every_edge_and_keeps_declaration_order_for_t
     for s in graph.order:
         for u in graph.upstream[s.name]:
             assert pos[u] < pos[s.name], (u, s.name)
-    assert graph.names == (
-        "rollout", "reward", "ref", "old", "values", "advantages", "actor_update", "critic_update"
-    )
+    assert graph.names == ("rollout", "reward", "ref", "old", "values", "advantages", "actor_update", "critic_update")
     assert graph.resources == ("device", "cpu")
     assert graph.writer["scores"] == "reward"
 
@@ -50,7 +48,9 @@ def test_roles_set_the_default_phase():
 
 
 def test_head_and_tail_paths_by_hand():
-    graph = StageGraph([_s("a", ["prompts"], ["x"]), _s("b", ["x"], ["y"]), _s("c", ["x"], ["z"]), _s("d", ["y", "z"], ["w"])])
+    graph = StageGraph(
+        [_s("a", ["prompts"], ["x"]), _s("b", ["x"], ["y"]), _s("c", ["x"], ["z"]), _s("d", ["y", "z"], ["w"])]
+    )
     head, tail = graph.downstream_paths({"a": 1.0, "b": 5.0, "c": 2.0, "d": 3.0})
     assert head == {"a": 0.0, "b": 1.0, "c": 1.0, "d": 6.0}
     assert tail == {"a": 8.0, "b": 3.0, "c": 3.0, "d": 0.0}
@@ -60,9 +60,15 @@ def test_head_and_tail_paths_by_hand():
     "stages, match",
     [
         ([_s("a", ["prompts"], ["x"]), _s("a", ["x"], ["y"])], "two stages named 'a'"),
-        ([_s("a", ["prompts"], ["x"]), _s("b", ["prompts"], ["x"])], "stage 'b': column 'x' is already written by stage 'a'"),
+        (
+            [_s("a", ["prompts"], ["x"]), _s("b", ["prompts"], ["x"])],
+            "stage 'b': column 'x' is already written by stage 'a'",
+        ),
         ([_s("a", ["x"], ["prompts"])], "column 'prompts' is already written by the prompt loader"),
-        ([_s("a", ["prompts"], ["x"]), _s("b", ["nope"], ["y"])], "stage 'b': input column 'nope' is produced by no stage"),
+        (
+            [_s("a", ["prompts"], ["x"]), _s("b", ["nope"], ["y"])],
+            "stage 'b': input column 'nope' is produced by no stage",
+        ),
         (
             [_s("a", ["prompts", "z"], ["x"]), _s("b", ["x"], ["y"]), _s("c", ["y"], ["z"]), _s("d", ["x"], ["w"])],
             r"cycle within an iteration among stages \['a', 'b', 'c'\]",
@@ -97,7 +103,10 @@ def test_custom_sources():
         ({"inputs": ["prompts"], "outputs": ["policy_version"]}, "policy_version"),
         ({"inputs": ["prompts"], "outputs": ["x"], "micro_batch": 0}, "micro_batch"),
         ({"inputs": ["prompts"], "outputs": ["x"], "micro_batch": 2.0}, "micro_batch got 2.0"),
-        ({"inputs": ["prompts"], "outputs": ["x"], "role": "actor"}, "role: got 'actor', expected one of 'rollout', 'compute', 'update'"),
+        (
+            {"inputs": ["prompts"], "outputs": ["x"], "role": "actor"},
+            "role: got 'actor', expected one of 'rollout', 'compute', 'update'",
+        ),
         ({"inputs": ["prompts"], "outputs": ["x"], "timeout": -1}, "timeout"),
         ({"inputs": ["prompts"], "outputs": ["x"], "resource": ""}, "resource"),
     ],

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import types
 from typing import Literal
 
 import torch
@@ -38,7 +39,7 @@ _BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
 # --- NPU-only: the single place that imports torch_npu ----------------------------
 @functools.cache
-def _import_torch_npu() -> tuple[object | None, str | None]:
+def _import_torch_npu() -> tuple[types.ModuleType | None, str | None]:
     """Import torch_npu once. Returns ``(module, None)`` or ``(None, reason)``."""
     if importlib.util.find_spec("torch_npu") is None:
         return None, "torch-npu is not installed (pip install 'rlcore[npu]' with the torch-npu matching your torch)"

@@ -180,7 +180,9 @@ class RolloutWorker:
         version a row is stamped with.
         """
         if version != self.published + 1:
-            raise ValueError(f"version: got {version}, expected {self.published + 1} (the next version after {self.published})")
+            raise ValueError(
+                f"version: got {version}, expected {self.published + 1} (the next version after {self.published})"
+            )
         self._weights.put((version, {n: t.detach().clone() for n, t in params.items()}))
         self.published = version
 
@@ -188,7 +190,9 @@ class RolloutWorker:
         versions = batch["policy_version"]
         want = int(versions.max())
         if want > self.published:
-            raise ValueError(f"stage {name!r}: rows stamped with policy version {want}, but only up to {self.published} was published")
+            raise ValueError(
+                f"stage {name!r}: rows stamped with policy version {want}, but only up to {self.published} was published"
+            )
         self._jobs.put((batch, want))
         return self._receive(name, None)
 
@@ -200,7 +204,9 @@ class RolloutWorker:
                 status, value = self._results.get(timeout=0.1)
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise RuntimeError(f"stage {name!r}: rollout worker process exited with code {self.process.exitcode}") from None
+                    raise RuntimeError(
+                        f"stage {name!r}: rollout worker process exited with code {self.process.exitcode}"
+                    ) from None
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
                 continue
@@ -230,8 +236,14 @@ class RolloutWorker:
     ) -> Stage:
         """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph."""
         return stage(
-            lambda batch: self._call(name, batch), inputs=inputs, outputs=outputs, name=name,
-            micro_batch=micro_batch, resource=resource, role="rollout", timeout=timeout,
+            lambda batch: self._call(name, batch),
+            inputs=inputs,
+            outputs=outputs,
+            name=name,
+            micro_batch=micro_batch,
+            resource=resource,
+            role="rollout",
+            timeout=timeout,
         )
 
     def close(self) -> None:

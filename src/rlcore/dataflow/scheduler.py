@@ -139,10 +139,14 @@ class _Core:
             raise ValueError(f"graph: got rollout stages {rollouts}, expected at most one (it writes policy_version)")
         for s in graph.order:
             if s.by_group and s.micro_batch is not None and s.micro_batch % n_samples:
-                raise ValueError(f"stage {s.name!r}: micro_batch {s.micro_batch} with by_group, expected a multiple of n_samples={n_samples}")
+                raise ValueError(
+                    f"stage {s.name!r}: micro_batch {s.micro_batch} with by_group, expected a multiple of n_samples={n_samples}"
+                )
         unknown = sorted(set(slots or {}) - set(graph.resources))
         if unknown:
-            raise ValueError(f"slots: got resource(s) {unknown} no stage runs on, expected some of {list(graph.resources)}")
+            raise ValueError(
+                f"slots: got resource(s) {unknown} no stage runs on, expected some of {list(graph.resources)}"
+            )
         slots = dict.fromkeys(graph.resources, 1) | dict(slots or {})
         for res, n in slots.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -188,7 +192,9 @@ class _Core:
             columns = self.loader(j)
             if not isinstance(columns, Mapping) or set(columns) != set(self.graph.sources):
                 got = sorted(columns) if isinstance(columns, Mapping) else type(columns).__name__
-                raise ValueError(f"loader({j}): got {got}, expected a dict with the source columns {list(self.graph.sources)}")
+                raise ValueError(
+                    f"loader({j}): got {got}, expected a dict with the source columns {list(self.graph.sources)}"
+                )
             dock = TransferDock(
                 self.num_prompts, self.n_samples, columns=self.columns, consumers=[*self.graph.names, _COLLECT]
             )
@@ -360,8 +366,15 @@ def run_pipeline(
     [[0, 0, 0, 0], [0, 0, 0, 0], [2, 2, 2, 2]]
     """
     core = _Core(
-        graph, loader, num_prompts=num_prompts, n_samples=n_samples, num_iterations=num_iterations,
-        staleness=staleness, blocking=blocking, slots=slots, collect=collect,
+        graph,
+        loader,
+        num_prompts=num_prompts,
+        n_samples=n_samples,
+        num_iterations=num_iterations,
+        staleness=staleness,
+        blocking=blocking,
+        slots=slots,
+        collect=collect,
     )
     cond = threading.Condition()
     state: dict[str, Any] = {"error": None, "stop": False, "idle": 0, "epoch": 0}

@@ -54,7 +54,9 @@ def _cost_fn(cost: Cost, graph: StageGraph) -> Callable[[Stage, int], float]:
         if missing:
             raise ValueError(f"cost: got no per-row cost for stage(s) {missing}, expected one per stage")
         return lambda s, rows: float(cost[s.name]) * rows
-    raise ValueError(f"cost: got {type(cost).__name__}, expected a callable (stage, rows) -> seconds or a dict of per-row seconds")
+    raise ValueError(
+        f"cost: got {type(cost).__name__}, expected a callable (stage, rows) -> seconds or a dict of per-row seconds"
+    )
 
 
 def _duration(fn: Callable[[Stage, int], float], s: Stage, rows: int) -> float:
@@ -107,8 +109,15 @@ def simulate(
     fn = _cost_fn(cost, graph)
     zeros = {c: torch.zeros(num_prompts * n_samples) for c in graph.sources}
     core = _Core(
-        graph, lambda j: zeros, num_prompts=num_prompts, n_samples=n_samples, num_iterations=num_iterations,
-        staleness=staleness, blocking=blocking, slots=slots, collect=(),
+        graph,
+        lambda j: zeros,
+        num_prompts=num_prompts,
+        n_samples=n_samples,
+        num_iterations=num_iterations,
+        staleness=staleness,
+        blocking=blocking,
+        slots=slots,
+        collect=(),
     )
     free = dict(core.slots)
     busy = dict.fromkeys(graph.names, 0.0)

@@ -135,7 +135,9 @@ def stage(
     if not ins or not outs:
         raise ValueError(f"{name}: got inputs {ins} and outputs {outs}, expected at least one of each")
     if set(ins) & set(outs):
-        raise ValueError(f"{name}: columns {sorted(set(ins) & set(outs))} are both input and output, expected disjoint sets")
+        raise ValueError(
+            f"{name}: columns {sorted(set(ins) & set(outs))} are both input and output, expected disjoint sets"
+        )
     if "policy_version" in outs:
         raise ValueError(f"{name}: outputs include 'policy_version', which the scheduler writes for rollout stages")
     if micro_batch is not None:
@@ -194,7 +196,9 @@ class StageGraph:
             for c in s.outputs:
                 if c in writer:
                     by = "the prompt loader" if writer[c] is None else f"stage {writer[c]!r}"
-                    raise ValueError(f"stage {s.name!r}: column {c!r} is already written by {by}, expected one writer per column")
+                    raise ValueError(
+                        f"stage {s.name!r}: column {c!r} is already written by {by}, expected one writer per column"
+                    )
                 writer[c] = s.name
         for s in stages:
             for c in s.inputs:

@@ -20,7 +20,7 @@ checks the FlexAttention document mask with a CPU forward.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -120,17 +120,21 @@ def _cuda(
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu_seqlens.to(torch.int32)
-        return varlen_attn(
-            q,
-            k,
-            v,
-            cu,
-            cu,
-            max_seqlen,
-            max_seqlen,
-            scale=scale,
-            window_size=(-1, 0),
-            enable_gqa=q.shape[1] != k.shape[1],
+        # Without return_aux it returns the output alone; torch annotates both forms.
+        return cast(
+            torch.Tensor,
+            varlen_attn(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                max_seqlen,
+                max_seqlen,
+                scale=scale,
+                window_size=(-1, 0),
+                enable_gqa=q.shape[1] != k.shape[1],
+            ),
         )
     return _flex_document(q, k, v, cu_seqlens, scale)
 

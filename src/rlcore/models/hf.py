@@ -157,7 +157,8 @@ def from_hf(model: nn.Module) -> tuple[HFCausalLM, dict[str, torch.Tensor]]:
         raise ValueError(
             f"model: got {type(model).__name__}, expected a transformers causal LM with a base_model_prefix backbone"
         )
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if get_output_embeddings is not None else None
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ValueError(f"model: got output embeddings {head!r}, expected a bias-free nn.Linear lm_head")
     names = {id(p): n for n, p in model.named_parameters()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -11,6 +11,45 @@ from rlcore.dataflow.packing import pack, shift_labels, unpack
 from rlcore.ops.linear_logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
 
 __all__ = ["token_logprobs"]
+
+
+@overload
+def token_logprobs(
+    apply: Callable[..., torch.Tensor],
+    params: Any,
+    batch: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    vocab_chunk_size: int = ...,
+    with_entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(
+    apply: Callable[..., torch.Tensor],
+    params: Any,
+    batch: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    vocab_chunk_size: int = ...,
+    with_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def token_logprobs(
+    apply: Callable[..., torch.Tensor],
+    params: Any,
+    batch: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    vocab_chunk_size: int = ...,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def token_logprobs(
@@ -51,7 +90,8 @@ def token_logprobs(
       ``logp [B, T]`` (or ``(logp, entropy)``), aligned with the tokens they score: 0 at
       the first real token of each sequence and at padding. Differentiable in ``params``.
     """
-    if not callable(getattr(apply, "output_weight", None)):
+    output_weight = getattr(apply, "output_weight", None)
+    if not callable(output_weight):
         raise ValueError(
             f"apply: got {type(apply).__name__} without an output_weight(params) method, "
             "expected a model function such as rlcore.models.from_hf(model)[0]"
@@ -67,7 +107,7 @@ def token_logprobs(
     labels, _ = shift_labels(packed)
     out = linear_logprobs(
         hidden,
-        apply.output_weight(params),
+        output_weight(params),
         labels,
         temperature=temperature,
         chunk_size=chunk_size,
@@ -78,5 +118,7 @@ def token_logprobs(
     # value rolled onto a sequence's first token came from the previous sequence's
     # last (label-less) position and is dropped.
     first = packed.position_ids == 0
-    aligned = [unpack(torch.where(first, 0.0, torch.roll(v, 1)), packed) for v in (out if with_entropy else (out,))]
-    return tuple(aligned) if with_entropy else aligned[0]
+    aligned = [
+        unpack(torch.where(first, 0.0, torch.roll(v, 1)), packed) for v in (out if isinstance(out, tuple) else (out,))
+    ]
+    return (aligned[0], aligned[1]) if with_entropy else aligned[0]

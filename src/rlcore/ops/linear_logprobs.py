@@ -12,6 +12,8 @@ chunks alone would have to hold (or re-read) the whole ``[chunk, V]`` logits.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from rlcore._checks import check_floating, check_ndim, check_tensor
@@ -260,6 +262,45 @@ def _backward(
         grad_h.to(hidden.dtype) if grad_h is not None else None,
         grad_w.to(weight.dtype) if grad_w is not None else None,
     )
+
+
+@overload
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    vocab_chunk_size: int = ...,
+    with_entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    vocab_chunk_size: int = ...,
+    with_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    vocab_chunk_size: int = ...,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def linear_logprobs(

@@ -16,6 +16,8 @@ entropy, where ``sum(p * logits)`` would give ``0 * -inf = nan``.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from rlcore._checks import check_floating, check_integer, check_positive, check_tensor
@@ -243,6 +245,39 @@ def _flatten_logits(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits: got shape {tuple(logits.shape)}, expected [..., V] with V >= 1")
     return logits.reshape(-1, logits.shape[-1])
+
+
+@overload
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    with_entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    with_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = ...,
+    chunk_size: int = ...,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def logprobs_from_logits(
