@@ -81,7 +81,7 @@ class _Tokens(NamedTuple):
 
     keep: torch.Tensor  # bool: the token counts
     weights: torch.Tensor  # the mask as weights (bool or float), for the metrics' sums
-    count: torch.Tensor  # total weight, replaced by 1 when 0 (empty masks give 0 metrics)
+    total: torch.Tensor  # total weight, replaced by 1 when 0 (empty masks give 0 metrics)
     log_ratio: torch.Tensor  # logp - old_logp, clamped to +-20
     in_range: torch.Tensor  # bool: the clamp let the gradient through
     neg_adv: torch.Tensor  # -advantages: every loss is linear in it, and +0 at mask 0 stays +0
@@ -108,7 +108,7 @@ def _mean(x: torch.Tensor, tok: _Tokens) -> torch.Tensor:
     finite at mask-0 positions and a weighted sum is the masked sum; it skips the
     ``nan`` guard of :func:`rlcore.ops.masked_sum`, which costs several passes per metric.
     """
-    return ((x * tok.weights).sum() / tok.count).float()
+    return ((x * tok.weights).sum() / tok.total).float()
 
 
 def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, tok: _Tokens) -> Metrics:

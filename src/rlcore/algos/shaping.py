@@ -128,7 +128,8 @@ def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.T
 class RunningMomentsState(NamedTuple):
     """Running statistics of every reward seen: count, mean and sum of squared deviations (float64 scalars)."""
 
-    count: torch.Tensor
+    # A public field name that shadows tuple.count, which mypy rejects in a NamedTuple.
+    count: torch.Tensor  # type: ignore[assignment]
     mean: torch.Tensor
     m2: torch.Tensor
 

@@ -156,7 +156,7 @@ def gpg_advantages(
         check_positive("alpha", alpha)
     s = scores.to(acc_dtype(scores.dtype))
     centred = group_centred(s, group_ids, n)
-    if alpha == "auto":
+    if isinstance(alpha, str):  # "auto", the one name check_choice lets through
         valid = dynamic_sampling_mask(s, group_ids, num_groups=n).to(s.dtype).sum()
         return (s.shape[0] / torch.clamp(valid, min=1) * centred / f_norm).to(scores.dtype)
     return (alpha * centred / f_norm).to(scores.dtype)
