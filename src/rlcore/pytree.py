@@ -11,12 +11,18 @@ and ``torch.compile`` see through them.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar, cast
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # torch depends on typing_extensions, so it is always installed
+    from typing_extensions import dataclass_transform
 
 __all__ = [
     "NAMESPACE",
@@ -214,6 +220,7 @@ def static_field(**kwargs: Any) -> Any:
     return dataclasses.field(metadata=metadata, **kwargs)
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, static_field))
 def dataclass(cls: type[T] | None = None, /, **kwargs: Any) -> Any:
     """Make ``cls`` a frozen dataclass registered with rlcore's optree namespace and torch's pytree.
 

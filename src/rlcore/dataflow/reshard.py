@@ -279,6 +279,7 @@ def _all_to_all(x: torch.Tensor, mesh: Any, move: Move, plan: ReshardPlan, rank:
     import torch.distributed as dist
 
     dim, tdim, k = move.mesh_dim, move.tensor_dim, move.dst_size // move.src_size
+    assert tdim is not None, "only a broadcast has no tensor dim"
     group = mesh.get_group()
     members = dist.get_process_group_ranks(group)
     mine = plan.src.coords(rank)[dim]
@@ -353,14 +354,16 @@ def _fill(
 
     for name, view in views.items():
         pm = plan.params[name]
-        held = name in params
         x = params.get(name)
         for move in pm.moves:
             if move.collective == "broadcast":
-                buf = x.contiguous() if held else view.new_empty(pm.src_shape)
+                buf = x.contiguous() if x is not None else view.new_empty(pm.src_shape)
                 dist.broadcast(buf, group=mesh["pp"].get_group(), group_src=plan.src.placements[name].stage)
                 x = buf
-            elif move.collective == "all_gather":
+                continue
+            # A rank that does not hold the parameter receives it by the broadcast, always the first move.
+            assert x is not None and move.tensor_dim is not None, "only a broadcast has no tensor dim"
+            if move.collective == "all_gather":
                 full = _gather(x.contiguous(), mesh[move.mesh_dim], move.tensor_dim)
                 c = plan.dst.coords(rank)[move.mesh_dim]
                 x = full.chunk(move.dst_size, dim=move.tensor_dim)[c]
@@ -370,6 +373,7 @@ def _fill(
                 c = plan.dst.coords(rank)[move.mesh_dim]
                 k = move.dst_size // move.src_size
                 x = x.chunk(k, dim=move.tensor_dim)[c % k]
+        assert x is not None, "a rank holds or receives every parameter of its buckets"
         view.copy_(x)
 
 
