@@ -267,8 +267,8 @@ class DockController:
     ) -> torch.Tensor | None:
         """``need`` eligible units in priority order as row indexes, or None when fewer are eligible."""
         if by_group:
-            ready = [self._group_ready[c] for c in columns]
-            full = (ready[0] if len(columns) == 1 else torch.stack(ready).amin(0)) == self.n_samples
+            counts = [self._group_ready[c] for c in columns]
+            full = (counts[0] if len(columns) == 1 else torch.stack(counts).amin(0)) == self.n_samples
             eligible = full & (self._group_taken[consumer] == 0)
         else:
             ready = (
@@ -618,11 +618,13 @@ class TransferDock:
         pad_value: float = 0,
         seed: int = 0,
     ) -> None:
-        self.controller = DockController(
+        controller = DockController(
             num_prompts, n_samples, columns=columns, consumers=consumers, num_warehouses=num_warehouses, seed=seed
         )
-        bounds = self.controller.bounds.tolist()
-        self.warehouses = [Warehouse(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        bounds = controller.bounds.tolist()
+        # Handles that _call reaches: the parts themselves here, (actor, key) pairs on Ray.
+        self.controller: Any = controller
+        self.warehouses: list[Any] = [Warehouse(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
         self.pad_value = pad_value
         self._layout()
 
