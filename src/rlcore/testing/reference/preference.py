@@ -12,6 +12,8 @@ vectorised code is tested separately at the extremes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -199,11 +201,11 @@ def kto_loss_ref(
 
 
 def pair_logps_ref(
-    model,
+    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     batch: dict,
     *,
     reduce: str = "sum",
-    temperature: float = 1.0,  # type: ignore[no-untyped-def]
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(chosen [B], rejected [B])`` float64 sequence log-probs, one unpadded sequence per forward.
 
@@ -226,14 +228,14 @@ def pair_logps_ref(
 
 
 def dpo_step_ref(
-    policy,
+    policy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     batch: dict,
-    reference=None,
+    reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     *,
     reduce: str = "sum",
-    temperature: float = 1.0,  # type: ignore[no-untyped-def]
+    temperature: float = 1.0,
     num_pairs: int | None = None,
-    **loss_options,  # type: ignore[no-untyped-def]
+    **loss_options: Any,
 ) -> float:
     """The recipe's loss: per-sequence log-probs, the scalar DPO-family loss, summed over ``num_pairs``."""
     with torch.no_grad():

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = ["length_reward_ref", "weighted_ref"]
 
 
-def length_reward_ref(responses, *, min_length=0, max_length=None, slack=0):
+def length_reward_ref(
+    responses: Sequence[str], *, min_length: int = 0, max_length: int | None = None, slack: int = 0
+) -> list[float]:
     """Score each response's character count against the window, one at a time."""
-    out = []
+    out: list[float] = []
     for r in responses:
         n = len(r)
         if n < min_length:
@@ -25,7 +29,7 @@ def length_reward_ref(responses, *, min_length=0, max_length=None, slack=0):
     return out
 
 
-def weighted_ref(component_scores, weights):
+def weighted_ref(component_scores: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
     """``sum_k w_k s_k[i]`` for each sample ``i``, as nested loops over plain lists."""
     n = len(component_scores[0])
     return [sum(w * s[i] for w, s in zip(weights, component_scores)) for i in range(n)]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
 __all__ = ["filter_logits_ref", "greedy_ref", "response_logprobs_ref"]
 
 
-def filter_logits_ref(logits, *, top_k=0, top_p=1.0):
+def filter_logits_ref(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Top-k then top-p filtering of each row of a 2-D tensor by sorting Python lists."""
     out = logits.clone()
     for i, row in enumerate(logits.tolist()):
@@ -33,7 +36,9 @@ def filter_logits_ref(logits, *, top_k=0, top_p=1.0):
 
 
 @torch.no_grad()
-def greedy_ref(model, prompts, *, eos_token_id, max_new_tokens):
+def greedy_ref(
+    model: Callable[..., Any], prompts: Sequence[Sequence[int]], *, eos_token_id: int, max_new_tokens: int
+) -> list[list[int]]:
     """Greedy decoding of each prompt (a list of ids) alone, re-running the whole sequence every step."""
     responses = []
     for prompt in prompts:
@@ -51,7 +56,9 @@ def greedy_ref(model, prompts, *, eos_token_id, max_new_tokens):
 
 
 @torch.no_grad()
-def response_logprobs_ref(model, prompt, response, *, temperature=1.0):
+def response_logprobs_ref(
+    model: Callable[..., Any], prompt: Sequence[int], response: Sequence[int], *, temperature: float = 1.0
+) -> list[float]:
     """``log softmax(logits / T)`` of each response token, from one unpadded forward of prompt + response."""
     ids = torch.tensor([list(prompt) + list(response)])
     logits = model(input_ids=ids).logits[0].double() / temperature
