@@ -78,13 +78,15 @@ class ColocatedSwitch:
 
     def __call__(self, resource: str, src: str | None, dst: str) -> None:
         # rlcore.memory builds on rlcore.dataflow.reshard: imported here, not at module top, to avoid a cycle.
-        from rlcore.memory import enter_rollout, enter_train
+        from rlcore.memory import RolloutState, TrainState, enter_rollout, enter_train
 
         if dst == self.phase:
             return
         if dst == "rollout":
+            assert isinstance(self.state, TrainState)
             self.state = enter_rollout(self.state, self.plan)
         elif dst == "train":
+            assert isinstance(self.state, RolloutState)
             self.state = enter_train(self.state, self.plan)
         else:
             raise ValueError(f"switch: got phase {dst!r} on resource {resource!r}, expected 'rollout' or 'train'")
@@ -96,6 +98,9 @@ class ColocatedSwitch:
         """The inference weights (name -> this rank's shard), in the rollout phase."""
         if self.phase != "rollout":
             raise ValueError(f"weights: the switch is in phase {self.phase!r}, expected 'rollout'")
+        from rlcore.memory import RolloutState
+
+        assert isinstance(self.state, RolloutState)
         return self.state.weights
 
 
@@ -166,7 +171,7 @@ class RolloutWorker:
         ctx = mp.get_context(start_method)
         self._jobs, self._weights, self._results = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.join_timeout = join_timeout
-        self.process = ctx.Process(
+        self.process = ctx.Process(  # type: ignore[attr-defined]  # get_context() returns a concrete context
             target=_worker_main, args=(factory, args, threads, self._jobs, self._weights, self._results), daemon=True
         )
         self.process.start()

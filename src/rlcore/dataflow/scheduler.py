@@ -101,7 +101,7 @@ def _note(err: BaseException, where: str) -> BaseException:
     if hasattr(err, "add_note"):
         err.add_note(where)
     else:
-        err.__notes__ = [*getattr(err, "__notes__", ()), where]
+        err.__notes__ = [*getattr(err, "__notes__", ()), where]  # type: ignore[attr-defined]  # PEP 678 on 3.10
     return err
 
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlcore.dataflow.scheduler import TaskRecord, _Core
+from rlcore.dataflow.scheduler import TaskRecord, _Core, _Task
 from rlcore.dataflow.stages import Stage, StageGraph
 
 __all__ = ["LinearCost", "SimReport", "critical_path_bound", "fit_costs", "simulate"]
@@ -121,7 +121,7 @@ def simulate(
     )
     free = dict(core.slots)
     busy = dict.fromkeys(graph.names, 0.0)
-    events: list[tuple[float, int, object]] = []
+    events: list[tuple[float, int, _Task]] = []
     seq = itertools.count()
     now = 0.0
     while not core.done:

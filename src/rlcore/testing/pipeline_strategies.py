@@ -117,7 +117,7 @@ def spec_stages(spec: dict[str, Any], *, sleep: bool = True) -> list[Stage]:
             value = float(i) + sum(_row_sum(batch, c) for c in desc["inputs"])
             if desc["role"] == "update":
                 value = value + state["total"]
-                state["total"] += float(value.sum())
+                state["total"] += float(torch.as_tensor(value).sum())
             return {desc["output"]: value}
 
         fn.__name__ = desc["name"]

@@ -28,6 +28,11 @@ def _padded(column: str, rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {column: out, f"{column}_mask": mask}
 
 
+def _ready(value: torch.Tensor | None) -> torch.Tensor:
+    assert value is not None, "a stage read a cell no earlier stage wrote"
+    return value
+
+
 def synchronous_loop_ref(
     graph: Any,
     loader: Callable[[int], Mapping[str, Any]],
@@ -45,14 +50,14 @@ def synchronous_loop_ref(
     capacity = num_prompts * n_samples
     out = []
     for j in range(num_iterations):
-        table = {c: _rows(v) for c, v in loader(j).items()}
+        table: dict[str, list[torch.Tensor | None]] = {c: list(_rows(v)) for c, v in loader(j).items()}
         for s in graph.order:
             step = capacity if s.micro_batch is None else s.micro_batch
             for a in range(0, capacity, step):
                 rows = range(a, min(a + step, capacity))
                 batch: dict[str, torch.Tensor] = {}
                 for c in s.inputs:
-                    batch.update(_padded(c, [table[c][i] for i in rows]))
+                    batch.update(_padded(c, [_ready(table[c][i]) for i in rows]))
                 if s.role == "rollout":
                     batch["policy_version"] = torch.full((len(rows),), j, dtype=torch.int64)
                     table.setdefault("policy_version", [None] * capacity)
@@ -66,7 +71,7 @@ def synchronous_loop_ref(
                         table[c][i] = values[k]
             if s.on_iteration_end is not None:
                 s.on_iteration_end(j)
-        out.append(table)
+        out.append({c: [_ready(v) for v in vs] for c, vs in table.items()})
     return out
 
 
