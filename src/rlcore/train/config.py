@@ -9,6 +9,17 @@ a wrong type or an impossible combination raises ``ValueError`` naming the key.
 ``model.model_name_or_path`` is a local directory, or an inline mapping of a Hugging
 Face config (``model_type: qwen2``, ...) for a randomly initialised model; hub names
 are refused because nothing is downloaded at run time.
+
+Keys beyond the seed's (defaults in the dataclasses below)::
+
+    rl.top_p, rl.top_k, rl.max_new_tokens    sampling controls of the rollout
+    rl.beta                                  KL coefficient (DPO's beta for algo dpo); unset: the recipe's
+    rl.lr, rl.critic_lr, rl.weight_decay, rl.grad_clip, rl.epochs    optimisation (AdamW)
+    deploy.async_infer                       score rewards in worker processes while the forward passes run
+    data.task (addition | reversal), data.digits, data.length, data.min_length, data.letters
+    trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
+    trainer.progress, trainer.plot, trainer.threads (torch threads; 0 leaves torch's default)
+    trainer.warmup_steps, trainer.warmup_lr, trainer.warmup_batch_size   supervised warm-up first
 """
 
 from __future__ import annotations
