@@ -64,3 +64,23 @@ def test_python_dash_m_entry_point(tmp_path):
     script = shutil.which("rlcore") or pytest.skip("the rlcore console script is not installed (pip install -e .)")
     bad = subprocess.run([script, "train", "--config", CONFIG, "rl.algo=trpo"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "config key 'rl.algo': got str 'trpo'" in bad.stderr
+
+
+def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
+    import signal
+    import time
+
+    from rlcore.train import load_checkpoint
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rlcore.train", "--config", CONFIG, *TINY, "trainer.steps=100000", "trainer.save_every=1",
+           f"trainer.output_dir={out}", "trainer.progress=false", "deploy.async_infer=true"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 90
+    metrics = out / "metrics.jsonl"
+    while time.time() < deadline and (not metrics.is_file() or metrics.read_text().count("\n") < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
+    assert load_checkpoint(out)["step"] >= 1

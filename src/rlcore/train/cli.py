@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -20,14 +21,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    # SIGTERM (kill, a scheduler, torchrun tearing down) unwinds like Ctrl-C, so the
+    # reward workers are shut down and no checkpoint is left half-written.
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlcore`` script; returns the exit status.
 
     Config errors and a stopped run (a non-finite loss) print one line naming the
     cause and exit with status 2 and 3; Ctrl-C exits with 130, leaving the last
-    checkpoint loadable.
+    checkpoint loadable (SIGTERM is treated as Ctrl-C).
     """
     args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     from rlcore.train.config import load_config
     from rlcore.train.trainer import train
 
