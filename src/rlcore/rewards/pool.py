@@ -66,6 +66,9 @@ class RewardPool:
         outer: Future = Future()
 
         def convert(f: Future) -> None:
+            if f.cancelled():
+                outer.cancel()
+                return
             err = f.exception()
             if err is not None:
                 outer.set_exception(err)
