@@ -56,13 +56,25 @@ def test_train_then_resume_in_process(tmp_path, capsys):
 
 def test_python_dash_m_entry_point(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlcore.train", "--config", CONFIG, *TINY, "trainer.steps=1", f"trainer.output_dir={out}",
-           "trainer.progress=false", "trainer.plot=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlcore.train",
+        "--config",
+        CONFIG,
+        *TINY,
+        "trainer.steps=1",
+        f"trainer.output_dir={out}",
+        "trainer.progress=false",
+        "trainer.plot=false",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(read_metrics(out / "metrics.jsonl")) == 1
     script = shutil.which("rlcore") or pytest.skip("the rlcore console script is not installed (pip install -e .)")
-    bad = subprocess.run([script, "train", "--config", CONFIG, "rl.algo=trpo"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [script, "train", "--config", CONFIG, "rl.algo=trpo"], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "config key 'rl.algo': got str 'trpo'" in bad.stderr
 
 
@@ -73,8 +85,19 @@ def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
     from rlcore.train import load_checkpoint
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlcore.train", "--config", CONFIG, *TINY, "trainer.steps=100000", "trainer.save_every=1",
-           f"trainer.output_dir={out}", "trainer.progress=false", "deploy.async_infer=true"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlcore.train",
+        "--config",
+        CONFIG,
+        *TINY,
+        "trainer.steps=100000",
+        "trainer.save_every=1",
+        f"trainer.output_dir={out}",
+        "trainer.progress=false",
+        "deploy.async_infer=true",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 90
     metrics = out / "metrics.jsonl"

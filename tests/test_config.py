@@ -9,8 +9,15 @@ import yaml
 from rlcore.train import apply_overrides, check_launch, load_config, parse_config
 
 SEED = Path("/work/shared/seeds/qwen2_5_7b_grpo.yaml")
-INLINE = {"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-          "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 16}
+INLINE = {
+    "model_type": "qwen2",
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 16,
+}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,8 +67,19 @@ def test_seed_example_loads_with_a_local_model(tmp_path, tiny_model_dir):
     cfg = load_config(_write(tmp_path, text))
     assert cfg.model.model_name_or_path == str(tiny_model_dir)
     assert (cfg.model.torch_dtype, cfg.model.use_flash_attention) == ("bf16", True)
-    assert (cfg.rl.algo, cfg.rl.batch_size, cfg.rl.mini_batch_size, cfg.rl.temperature, cfg.rl.beta) == ("grpo", 8, 2, 0.8, 0.05)
-    assert (cfg.parallel.data_parallel, cfg.deploy.mode, cfg.deploy.async_infer, cfg.rl.num_rollouts) == (8, "co-located", True, 1)
+    assert (cfg.rl.algo, cfg.rl.batch_size, cfg.rl.mini_batch_size, cfg.rl.temperature, cfg.rl.beta) == (
+        "grpo",
+        8,
+        2,
+        0.8,
+        0.05,
+    )
+    assert (cfg.parallel.data_parallel, cfg.deploy.mode, cfg.deploy.async_infer, cfg.rl.num_rollouts) == (
+        8,
+        "co-located",
+        True,
+        1,
+    )
     # One sample per prompt leaves GRPO without a group baseline: refused at launch, not at load.
     with pytest.raises(ValueError, match=r"'rl.num_rollouts': got 1, expected >= 2 for grpo"):
         check_launch(cfg, 8)
@@ -72,7 +90,9 @@ def test_seed_example_loads_with_a_local_model(tmp_path, tiny_model_dir):
 
 def test_seed_example_with_hub_name_is_refused():
     raw = yaml.safe_load(_seed_text())
-    with pytest.raises(ValueError, match=r"'model.model_name_or_path': got 'Qwen/Qwen2.5-7B-Instruct', expected a local"):
+    with pytest.raises(
+        ValueError, match=r"'model.model_name_or_path': got 'Qwen/Qwen2.5-7B-Instruct', expected a local"
+    ):
         parse_config(raw)
 
 
@@ -85,24 +105,36 @@ def test_shipped_configs_load():
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"modle": {}}, r"config key 'modle': unknown section, expected one of model, rl, parallel, deploy, data, trainer"),
+        (
+            {"modle": {}},
+            r"config key 'modle': unknown section, expected one of model, rl, parallel, deploy, data, trainer",
+        ),
         ({"rl": {"bacth_size": 8}}, r"config key 'rl.bacth_size': unknown, expected one of algo, batch_size"),
         ({"rl": {"batch_size": "8"}}, r"config key 'rl.batch_size': got str '8', expected int"),
         ({"rl": {"batch_size": 8.0}}, r"config key 'rl.batch_size': got float 8.0, expected int"),
         ({"rl": {"batch_size": True}}, r"config key 'rl.batch_size': got bool True, expected int"),
         ({"rl": {"temperature": "hot"}}, r"config key 'rl.temperature': got str 'hot', expected float"),
         ({"rl": {"algo": "trpo"}}, r"config key 'rl.algo': got str 'trpo', expected one of 'grpo', 'dr_grpo'"),
-        ({"deploy": {"mode": "remote"}}, r"config key 'deploy.mode': got str 'remote', expected one of 'co-located', 'disaggregated'"),
+        (
+            {"deploy": {"mode": "remote"}},
+            r"config key 'deploy.mode': got str 'remote', expected one of 'co-located', 'disaggregated'",
+        ),
         ({"deploy": {"async_infer": "yes"}}, r"config key 'deploy.async_infer': got str 'yes', expected bool"),
         ({"model": {"torch_dtype": "fp8"}}, r"config key 'model.torch_dtype': got str 'fp8', expected one of 'fp32'"),
-        ({"model": {"model_name_or_path": 3}}, r"config key 'model.model_name_or_path': got int 3, expected str or dict"),
+        (
+            {"model": {"model_name_or_path": 3}},
+            r"config key 'model.model_name_or_path': got int 3, expected str or dict",
+        ),
         ({"model": {"model_name_or_path": {"hidden_size": 8}}}, r"an inline config needs a 'model_type'"),
         ({"rl": []}, r"config key 'rl': got list, expected a mapping"),
         ({"rl": {"batch_size": 0}}, r"config key 'rl.batch_size': got 0, expected > 0"),
         ({"rl": {"lr": -1.0}}, r"config key 'rl.lr': got -1.0, expected > 0"),
         ({"rl": {"temperature": -0.5}}, r"config key 'rl.temperature': got -0.5, expected >= 0"),
         ({"rl": {"top_p": 1.5}}, r"config key 'rl.top_p': got 1.5, expected a value in \(0, 1\]"),
-        ({"rl": {"batch_size": 8, "mini_batch_size": 3}}, r"'rl.mini_batch_size': got 3, expected a divisor of rl.batch_size=8"),
+        (
+            {"rl": {"batch_size": 8, "mini_batch_size": 3}},
+            r"'rl.mini_batch_size': got 3, expected a divisor of rl.batch_size=8",
+        ),
         ({"rl": {"algo": "dpo", "num_rollouts": 4}}, r"'rl.num_rollouts': got 4, expected 1 for dpo"),
         ({"rl": {"algo": "dpo", "num_rollouts": 1, "beta": 0.0}}, r"'rl.beta': got 0.0, expected > 0"),
         ({"parallel": {"tensor_parallel": 0}}, r"'parallel.tensor_parallel': got 0, expected > 0"),

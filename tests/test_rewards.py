@@ -53,18 +53,27 @@ def test_seed_base_reward_style_works_unchanged():
 
 
 def test_reward_that_raises_names_reward_and_batch():
-    with pytest.raises(RewardError, match=r"reward 'explodes' on batch 7 of 2 responses raised ZeroDivisionError: boom"):
+    with pytest.raises(
+        RewardError, match=r"reward 'explodes' on batch 7 of 2 responses raised ZeroDivisionError: boom"
+    ):
         evaluate(Explodes(), ["p", "q"], ["a", "b"], batch=7)
 
 
 def test_wrong_length_names_reward_and_batch():
-    with pytest.raises(RewardError, match=r"reward 'short_list' on batch 3: got scores of shape \(2,\), expected \(3,\)"):
+    with pytest.raises(
+        RewardError, match=r"reward 'short_list' on batch 3: got scores of shape \(2,\), expected \(3,\)"
+    ):
         evaluate(short_list, ["p"] * 3, ["a"] * 3, batch=3)
 
 
 @pytest.mark.parametrize(
     "out, message",
-    [("abc", "got str"), ([1.0, "x"], "got str at index 1"), ([1.0, float("nan")], "non-finite score"), (None, "got NoneType")],
+    [
+        ("abc", "got str"),
+        ([1.0, "x"], "got str at index 1"),
+        ([1.0, float("nan")], "non-finite score"),
+        (None, "got NoneType"),
+    ],
 )
 def test_bad_outputs_are_errors(out, message):
     with pytest.raises(RewardError, match=message):
@@ -79,14 +88,16 @@ def test_mismatched_prompts_and_responses():
 def test_process_pool_scores_and_propagates_errors():
     with RewardPool(Weighted([(1.0, count_a), (2.0, LongReward())]), num_workers=1) as pool:
         first = pool.submit(["p"] * 3, ["aa", "a" * 101, "b"], batch=0)
-        bad = RewardPool.submit(pool, ["p"], ["a", "b"], batch=1)
+        bad = pool.submit(["p"], ["a", "b"], batch=1)
         assert first.result().tolist() == [2.0, 103.0, 0.0]
         assert first.result().dtype == torch.float32
         with pytest.raises(ValueError, match="responses: got 2, expected 1"):
             bad.result()
-    with RewardPool(Explodes(), num_workers=1) as pool:
-        with pytest.raises(RewardError, match="reward 'explodes' on batch 5"):
-            pool(["p"], ["a"], batch=5)
+    with (
+        RewardPool(Explodes(), num_workers=1) as pool,
+        pytest.raises(RewardError, match="reward 'explodes' on batch 5"),
+    ):
+        pool(["p"], ["a"], batch=5)
 
 
 def test_pool_rejects_unpicklable_reward_by_name():
@@ -154,7 +165,9 @@ def test_length_reward_matches_reference(responses, lo, extra, slack):
 
 
 def test_length_reward_hand_values_and_bad_bounds():
-    assert LengthReward(min_length=3, slack=3)(["q"] * 3, ["a", "abc", "abcdefgh"]).tolist() == pytest.approx([1 / 3, 1, 1])
+    assert LengthReward(min_length=3, slack=3)(["q"] * 3, ["a", "abc", "abcdefgh"]).tolist() == pytest.approx(
+        [1 / 3, 1, 1]
+    )
     with pytest.raises(ValueError, match="min_length, max_length, slack"):
         LengthReward(min_length=4, max_length=2)
 

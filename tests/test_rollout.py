@@ -6,8 +6,8 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.train import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
 from rlcore.testing.reference import filter_logits_ref, greedy_ref, response_logprobs_ref
+from rlcore.train import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
 
 EOS, PAD, VOCAB = 1, 0, 12
 
@@ -15,8 +15,14 @@ EOS, PAD, VOCAB = 1, 0, 12
 def tiny_model(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model(
-        "qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        "qwen2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
@@ -58,7 +64,9 @@ def test_sampled_logprobs_match_unpadded_forward(dtype, tol, temperature):
     for i in range(r.responses.shape[0]):
         prompt, response = _unpadded(r, i)
         assert prompt == PROMPTS[i // 2]  # sample j of prompt i sits in row i * n + j
-        expected = torch.tensor(response_logprobs_ref(model, prompt, response, temperature=temperature), dtype=torch.float32)
+        expected = torch.tensor(
+            response_logprobs_ref(model, prompt, response, temperature=temperature), dtype=torch.float32
+        )
         torch.testing.assert_close(r.logp[i][r.mask[i] == 1], expected, atol=tol, rtol=0)
     assert bool((r.logp[r.mask == 0] == 0).all())
 

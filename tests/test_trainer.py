@@ -10,7 +10,16 @@ import torch
 
 from rlcore import algos
 from rlcore.rewards import RewardError
-from rlcore.train import TorchEngine, build_model, load_checkpoint, make_task, load_config, read_metrics, save_checkpoint, train
+from rlcore.train import (
+    TorchEngine,
+    build_model,
+    load_checkpoint,
+    load_config,
+    make_task,
+    read_metrics,
+    save_checkpoint,
+    train,
+)
 from rlcore.train.checkpoint import CHECKPOINT_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +142,9 @@ class NonEmpty(BaseReward):
 
 
 def test_failing_reward_names_the_reward_and_the_step(tmp_path):
-    with pytest.raises(RewardError, match=r"reward 'explodes' on batch 0 of 16 responses raised RuntimeError: verifier crashed"):
+    with pytest.raises(
+        RewardError, match=r"reward 'explodes' on batch 0 of 16 responses raised RuntimeError: verifier crashed"
+    ):
         train(tiny("grpo_tiny", tmp_path, "trainer.steps=1"), reward=Explodes())
 
 
@@ -145,7 +156,9 @@ def test_seed_style_reward_and_external_engine(tmp_path):
             CountingEngine.loads += 1
 
     cfg = tiny("grpo_tiny", tmp_path, "trainer.steps=2", "deploy.mode=disaggregated", "trainer.plot=false")
-    probe = train(tiny("grpo_tiny", tmp_path / "probe", "trainer.steps=0", "trainer.plot=false", "trainer.warmup_steps=0"))
+    probe = train(
+        tiny("grpo_tiny", tmp_path / "probe", "trainer.steps=0", "trainer.plot=false", "trainer.warmup_steps=0")
+    )
     engine = CountingEngine(probe.policy, eos_token_id=1, max_new_tokens=6)
     run = train(cfg, reward=NonEmpty(), engine=engine)
     assert CountingEngine.loads == 2
@@ -171,11 +184,25 @@ torch.save({"rank": dist.get_rank(), "policy": run.policy.state_dict(), "records
 def test_torchrun_two_ranks_keep_identical_parameters(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    overrides = [o for o in TINY] + [f"trainer.output_dir={tmp_path / 'out'}", "trainer.steps=2", "parallel.data_parallel=2",
-                                     "trainer.plot=false"]
+    overrides = list(TINY) + [
+        f"trainer.output_dir={tmp_path / 'out'}",
+        "trainer.steps=2",
+        "parallel.data_parallel=2",
+        "trainer.plot=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           str(ROOT / "configs" / "grpo_tiny.yaml"), str(tmp_path), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(ROOT / "configs" / "grpo_tiny.yaml"),
+        str(tmp_path),
+        *overrides,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1))
@@ -185,8 +212,12 @@ def test_torchrun_two_ranks_keep_identical_parameters(tmp_path):
     assert _curve(r0["records"]) == _curve(r1["records"])  # metrics are averaged over the ranks
     cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", TINY)
     torch.manual_seed(cfg.trainer.seed)
-    init = build_model(cfg, make_task(cfg.data.task, length=cfg.data.length, min_length=cfg.data.min_length,
-                                      letters=cfg.data.letters).tokenizer.vocab_size)
+    init = build_model(
+        cfg,
+        make_task(
+            cfg.data.task, length=cfg.data.length, min_length=cfg.data.min_length, letters=cfg.data.letters
+        ).tokenizer.vocab_size,
+    )
     moved = [not torch.equal(v, r0["policy"][k]) for k, v in init.state_dict().items()]
     assert all(moved)
 

@@ -38,7 +38,9 @@ class Weighted:
                 raise ValueError(f"rewards[{i}]: got {pair!r}, expected a (weight, reward) pair")
         self.rewards = list(rewards)
 
-    def components(self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any) -> dict[str, torch.Tensor]:
+    def components(
+        self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
+    ) -> dict[str, torch.Tensor]:
         """The unweighted scores ``[B]`` of each component, keyed by name (``name#i`` if a name repeats)."""
         out: dict[str, torch.Tensor] = {}
         for i, (_, reward) in enumerate(self.rewards):
@@ -46,7 +48,9 @@ class Weighted:
             out[key if key not in out else f"{key}#{i}"] = evaluate(reward, prompts, responses, batch=batch, **columns)
         return out
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any) -> torch.Tensor:
+    def __call__(
+        self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
+    ) -> torch.Tensor:
         total = torch.zeros(len(responses), dtype=torch.float32)
         for weight, reward in self.rewards:
             total += weight * evaluate(reward, prompts, responses, batch=batch, **columns)

@@ -78,7 +78,9 @@ class RewardPool:
         inner.add_done_callback(convert)
         return outer
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any) -> torch.Tensor:
+    def __call__(
+        self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
+    ) -> torch.Tensor:
         return self.submit(prompts, responses, batch=batch, **columns).result()
 
     def close(self) -> None:

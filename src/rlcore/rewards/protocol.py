@@ -90,7 +90,9 @@ def evaluate(
     """
     if len(prompts) != len(responses):
         raise ValueError(f"responses: got {len(responses)}, expected {len(prompts)} (one per prompt)")
-    where = f"reward {reward_name(reward)!r} on batch {batch!r}" if batch is not None else f"reward {reward_name(reward)!r}"
+    where = (
+        f"reward {reward_name(reward)!r} on batch {batch!r}" if batch is not None else f"reward {reward_name(reward)!r}"
+    )
     fn = reward.forward if callable(getattr(reward, "forward", None)) else reward
     try:
         out = fn(list(prompts), list(responses), **columns)

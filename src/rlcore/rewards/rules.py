@@ -52,11 +52,12 @@ def _to_number(text: str) -> float | None:
         return None
 
 
-def _check_column(name: str, values: Any, n: int) -> None:
+def _check_column(name: str, values: Sequence[Any] | None, n: int) -> Sequence[Any]:
     if values is None:
         raise ValueError(f"{name}: got None, expected a column of {n} reference answers")
     if len(values) != n:
         raise ValueError(f"{name}: got {len(values)} values, expected {n} (one per response)")
+    return values
 
 
 class AnswerMatch:
@@ -75,7 +76,9 @@ class AnswerMatch:
 
     name = "answer_match"
 
-    def __init__(self, *, pattern: str | None = None, numeric: bool = False, rel_tol: float = 1e-12, abs_tol: float = 1e-9):
+    def __init__(
+        self, *, pattern: str | None = None, numeric: bool = False, rel_tol: float = 1e-12, abs_tol: float = 1e-9
+    ):
         if pattern is not None:
             re.compile(pattern)
         self.pattern, self.numeric, self.rel_tol, self.abs_tol = pattern, numeric, rel_tol, abs_tol
@@ -89,8 +92,10 @@ class AnswerMatch:
         a, b = _to_number(got), _to_number(str(answer))
         return a is not None and b is not None and math.isclose(a, b, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str], *, answers: Sequence[Any] = None, **_: Any) -> torch.Tensor:
-        _check_column("answers", answers, len(responses))
+    def __call__(
+        self, prompts: Sequence[str], responses: Sequence[str], *, answers: Sequence[Any] | None = None, **_: Any
+    ) -> torch.Tensor:
+        answers = _check_column("answers", answers, len(responses))
         return torch.tensor([float(self._match(r, a)) for r, a in zip(responses, answers)], dtype=torch.float32)
 
 

@@ -178,10 +178,17 @@ def _validate(cfg: Config) -> None:
         _positive(f"rl.{key}", getattr(rl, key))
     for key in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
         _positive(f"parallel.{key}", getattr(cfg.parallel, key))
-    for key, value in (("rl.temperature", rl.temperature), ("rl.top_k", rl.top_k), ("rl.weight_decay", rl.weight_decay),
-                       ("rl.grad_clip", rl.grad_clip), ("trainer.warmup_steps", tr.warmup_steps),
-                       ("trainer.save_every", tr.save_every), ("trainer.reward_workers", tr.reward_workers),
-                       ("trainer.threads", tr.threads), ("trainer.steps", tr.steps)):
+    for key, value in (
+        ("rl.temperature", rl.temperature),
+        ("rl.top_k", rl.top_k),
+        ("rl.weight_decay", rl.weight_decay),
+        ("rl.grad_clip", rl.grad_clip),
+        ("trainer.warmup_steps", tr.warmup_steps),
+        ("trainer.save_every", tr.save_every),
+        ("trainer.reward_workers", tr.reward_workers),
+        ("trainer.threads", tr.threads),
+        ("trainer.steps", tr.steps),
+    ):
         _positive(key, value, strict=False)
     for key in ("warmup_lr", "warmup_batch_size"):
         _positive(f"trainer.{key}", getattr(tr, key))
@@ -194,11 +201,15 @@ def _validate(cfg: Config) -> None:
             f"config key 'rl.mini_batch_size': got {rl.mini_batch_size}, expected a divisor of rl.batch_size={rl.batch_size}"
         )
     if rl.algo == "dpo" and rl.num_rollouts != 1:
-        raise ValueError(f"config key 'rl.num_rollouts': got {rl.num_rollouts}, expected 1 for dpo (one pair per prompt)")
+        raise ValueError(
+            f"config key 'rl.num_rollouts': got {rl.num_rollouts}, expected 1 for dpo (one pair per prompt)"
+        )
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
-            raise ValueError("config key 'model.model_name_or_path': an inline config needs a 'model_type' (e.g. qwen2)")
+            raise ValueError(
+                "config key 'model.model_name_or_path': an inline config needs a 'model_type' (e.g. qwen2)"
+            )
     elif not os.path.isdir(path):
         raise ValueError(
             f"config key 'model.model_name_or_path': got {path!r}, expected a local model directory or an inline "
@@ -219,11 +230,11 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")
-    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    sections = typing.get_type_hints(Config)
     for name in raw:
         if name not in sections:
             raise ValueError(f"config key {name!r}: unknown section, expected one of {', '.join(sections)}")
-    cfg = Config(**{name: _section(factory().__class__, name, raw.get(name)) for name, factory in sections.items()})
+    cfg = Config(**{name: _section(cls, name, raw.get(name)) for name, cls in sections.items()})
     _validate(cfg)
     return cfg
 

@@ -9,7 +9,13 @@ from typing import Any
 
 __all__ = ["MetricsLog", "plot_curves", "read_metrics"]
 
-_BAR_KEYS = {"reward": "reward", "kl": "kl", "entropy": "ent", "response_length": "len", "tokens_per_s_device": "tok/s/dev"}
+_BAR_KEYS = {
+    "reward": "reward",
+    "kl": "kl",
+    "entropy": "ent",
+    "response_length": "len",
+    "tokens_per_s_device": "tok/s/dev",
+}
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -28,7 +34,9 @@ class MetricsLog:
     one curve with no repeated or orphaned steps.
     """
 
-    def __init__(self, path: str | os.PathLike, *, total: int, start: int, progress: bool, resume_step: int | None = None):
+    def __init__(
+        self, path: str | os.PathLike, *, total: int, start: int, progress: bool, resume_step: int | None = None
+    ):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if resume_step is not None and r["step"] <= resume_step]
@@ -44,7 +52,9 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._bar is not None:
-            self._bar.set_postfix({short: f"{record[k]:.3g}" for k, short in _BAR_KEYS.items() if k in record}, refresh=False)
+            self._bar.set_postfix(
+                {short: f"{record[k]:.3g}" for k, short in _BAR_KEYS.items() if k in record}, refresh=False
+            )
             self._bar.update(1)
 
     def close(self) -> None:

@@ -47,7 +47,9 @@ class InferenceEngine(Protocol):
     disaggregated engine (vLLM, vllm-ascend) can refresh its copy.
     """
 
-    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, n: int, generator: torch.Generator | None) -> Rollout: ...
+    def generate(
+        self, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, n: int, generator: torch.Generator | None
+    ) -> Rollout: ...
 
     def load_weights(self, params: dict[str, torch.Tensor]) -> None: ...
 
@@ -65,8 +67,8 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -177,7 +179,9 @@ def generate(
             **{cache: getattr(out, cache)},
         )
         next_position = next_position + 1
-    return Rollout(ids, prompt_mask.repeat_interleave(n, 0), torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1))
+    return Rollout(
+        ids, prompt_mask.repeat_interleave(n, 0), torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1)
+    )
 
 
 class TorchEngine:
@@ -192,7 +196,9 @@ class TorchEngine:
     def __init__(self, model: Any, **sampling: Any):
         self.model, self.sampling = model, sampling
 
-    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, n: int, generator: torch.Generator | None) -> Rollout:
+    def generate(
+        self, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, n: int, generator: torch.Generator | None
+    ) -> Rollout:
         was_training = self.model.training
         self.model.eval()
         try:

@@ -24,6 +24,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -44,8 +45,14 @@ from rlcore.train.tasks import make_task
 
 __all__ = ["Run", "build_algorithm", "build_model", "train"]
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 class Run(NamedTuple):
@@ -73,14 +80,17 @@ def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.
 
             attn = "flash_attention_2" if torch.cuda.is_available() else "sdpa"
         except ImportError:
-            warnings.warn("model.use_flash_attention: flash-attn is not installed; using PyTorch SDPA attention")
+            warnings.warn(
+                "model.use_flash_attention: flash-attn is not installed; using PyTorch SDPA attention", stacklevel=2
+            )
     # transformers 4.56 renamed ``torch_dtype`` to ``dtype``.
     version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
     extra: dict[str, Any] = {"dtype" if version >= (4, 56) else "torch_dtype": dtype, "attn_implementation": attn}
     auto = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
     head = {"num_labels": 1} if critic else {}
     if isinstance(spec, dict):
-        hf_config = transformers.AutoConfig.for_model(**{"vocab_size": vocab_size, **spec}, **head)
+        options = {"vocab_size": vocab_size, **spec}
+        hf_config = transformers.AutoConfig.for_model(options.pop("model_type"), **options, **head)
         model = auto.from_config(hf_config, **extra)
     else:
         model = auto.from_pretrained(spec, **extra, **head)
@@ -97,11 +107,9 @@ def build_algorithm(cfg: Config) -> algos.Algorithm | algos.DPO:
     rl, beta = cfg.rl, cfg.rl.beta
     if rl.algo == "dpo":
         return algos.dpo() if beta is None else algos.dpo(beta=beta)
-    kl = {} if beta is None else {"kl_coef": beta}
-    if rl.algo == "grpo":
-        return algos.grpo(**kl)
-    if rl.algo in ("ppo", "rloo", "reinforce_pp"):
-        return getattr(algos, rl.algo)(**kl)
+    if rl.algo in ("grpo", "ppo", "rloo", "reinforce_pp"):
+        recipe = getattr(algos, rl.algo)
+        return recipe() if beta is None else recipe(kl_coef=beta)
     if rl.algo == "dapo":
         # Soft overlong punishment over the last quarter of the generation budget.
         algo = algos.dapo(max_length=rl.max_new_tokens, cache_length=max(1, rl.max_new_tokens // 4))
@@ -123,7 +131,7 @@ class _World:
                 dist.init_process_group(collective_backend(device))
             self.group = dist.group.WORLD
 
-    def sum_grads(self, params: list[torch.Tensor]) -> None:
+    def sum_grads(self, params: Sequence[torch.Tensor]) -> None:
         # Losses are normalised by global counts, so the global gradient is the sum.
         if self.group is not None:
             for p in params:
@@ -137,7 +145,7 @@ class _World:
             stacked /= self.size
         return dict(zip(values, stacked.tolist()))
 
-    def broadcast(self, params: list[torch.Tensor]) -> None:
+    def broadcast(self, params: Sequence[torch.Tensor]) -> None:
         if self.group is not None:
             for p in params:
                 dist.broadcast(p.data, 0, group=self.group)
@@ -214,8 +222,14 @@ def _check_finite(loss: torch.Tensor, step: int, world: _World) -> None:
         )
 
 
-def _optimise(loss: torch.Tensor, step: int, params: list[torch.Tensor], opts: list[torch.optim.Optimizer],
-              world: _World, grad_clip: float) -> None:
+def _optimise(
+    loss: torch.Tensor,
+    step: int,
+    params: list[torch.Tensor],
+    opts: list[torch.optim.Optimizer],
+    world: _World,
+    grad_clip: float,
+) -> None:
     _check_finite(loss, step, world)
     for opt in opts:
         opt.zero_grad(set_to_none=True)
@@ -237,16 +251,23 @@ def _rl_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> di
     rollout = state["engine"].generate(prompts.to(device), pmask.to(device), n=n, generator=g)
     texts = [task.tokenizer.decode(row) for row in rollout.responses.tolist()]
     repeated = [s for s in samples for _ in range(n)]
-    scores = state["rewards"].submit([s["prompt"] for s in repeated], texts, batch=step,
-                                     answers=[s["answer"] for s in repeated])
+    scores = state["rewards"].submit(
+        [s["prompt"] for s in repeated], texts, batch=step, answers=[s["answer"] for s in repeated]
+    )
     with torch.no_grad():  # overlaps the reward workers
         old_logp, entropy = _logprobs(policy, rollout, rl.temperature)
         ref_logp, _ = _logprobs(state["reference"], rollout, rl.temperature)
         extra = {"old_values": _values(state["critic"], rollout)} if state["critic"] is not None else {}
     mask = rollout.mask.float()
     raw_scores = scores.result().to(device)
-    batch = {"scores": raw_scores, "group_ids": torch.arange(local_prompts, device=device).repeat_interleave(n),
-             "mask": mask, "old_logp": old_logp, "ref_logp": ref_logp, **extra}
+    batch = {
+        "scores": raw_scores,
+        "group_ids": torch.arange(local_prompts, device=device).repeat_interleave(n),
+        "mask": mask,
+        "old_logp": old_logp,
+        "ref_logp": ref_logp,
+        **extra,
+    }
     batch = state["algo"].advantages(batch)
     rows = local_prompts * n
     per_update = rl.mini_batch_size * n
@@ -285,11 +306,16 @@ def _dpo_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> d
     prompts, pmask = left_pad([task.tokenizer.encode(s["prompt"]) for s in samples], task.tokenizer.pad_token_id)
     rollout = state["engine"].generate(prompts.to(device), pmask.to(device), n=1, generator=g)
     texts = [task.tokenizer.decode(row) for row in rollout.responses.tolist()]
-    scores = state["rewards"].submit([s["prompt"] for s in samples], texts, batch=step,
-                                     answers=[s["answer"] for s in samples]).result()
+    scores = (
+        state["rewards"]
+        .submit([s["prompt"] for s in samples], texts, batch=step, answers=[s["answer"] for s in samples])
+        .result()
+    )
     alphabet = task.tokenizer.alphabet
     noise = torch.randint(0, len(alphabet), (local_prompts,), generator=g).tolist()
-    rejected = [t if s < 1 else s_["answer"] + alphabet[k] for t, s, s_, k in zip(texts, scores.tolist(), samples, noise)]
+    rejected = [
+        t if s < 1 else s_["answer"] + alphabet[k] for t, s, s_, k in zip(texts, scores.tolist(), samples, noise)
+    ]
     pairs = {}
     for side, answers in (("chosen", [s["answer"] for s in samples]), ("rejected", rejected)):
         seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], answers, device)
@@ -298,12 +324,14 @@ def _dpo_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> d
     with torch.no_grad():
         old_logp, entropy = _logprobs(state["policy"], rollout, rl.temperature)
         ref_logp, _ = _logprobs(state["reference"], rollout, rl.temperature)
-    model = lambda m: (lambda ids, am: _forward(m, ids, am))  # noqa: E731 -- the DPO recipe's model callable
+    model = lambda m: lambda ids, am: _forward(m, ids, am)  # noqa: E731 -- the DPO recipe's model callable
     sums: dict[str, torch.Tensor] = {}
     per_update = rl.mini_batch_size
     for start in range(0, local_prompts, per_update):
         mb = {k: v[start : start + per_update] for k, v in pairs.items()}
-        loss, metrics = state["algo"](model(state["policy"]), mb, model(state["reference"]), num_pairs=rl.mini_batch_size * world.size)
+        loss, metrics = state["algo"](
+            model(state["policy"]), mb, model(state["reference"]), num_pairs=rl.mini_batch_size * world.size
+        )
         _optimise(loss, step, state["params"], state["opts"], world, rl.grad_clip)
         for k, v in {"loss": loss.detach(), **metrics}.items():
             sums[k] = sums.get(k, 0) + v.float() / (local_prompts // per_update)
@@ -371,17 +399,43 @@ def train(
             opt.load_state_dict(saved)
         start = checkpoint["step"] + 1
     rl = cfg.rl
-    sampler = engine or TorchEngine(policy, eos_token_id=task.tokenizer.eos_token_id, pad_token_id=task.tokenizer.pad_token_id,
-                                    max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k)
+    sampler = engine or TorchEngine(
+        policy,
+        eos_token_id=task.tokenizer.eos_token_id,
+        pad_token_id=task.tokenizer.pad_token_id,
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=rl.top_k,
+    )
     workers = max(1, tr.reward_workers) if cfg.deploy.async_infer else 0
-    state = {"task": task, "policy": policy, "reference": reference, "critic": critic, "device": device,
-             "engine": sampler, "algo": algo or build_algorithm(cfg), "params": params, "opts": opts,
-             "rewards": RewardPool(reward if reward is not None else task.reward, num_workers=workers)}
+    rewards = RewardPool(reward if reward is not None else task.reward, num_workers=workers)
+    state: dict[str, Any] = {
+        "task": task,
+        "policy": policy,
+        "reference": reference,
+        "critic": critic,
+        "device": device,
+        "engine": sampler,
+        "algo": algo or build_algorithm(cfg),
+        "params": params,
+        "opts": opts,
+        "rewards": rewards,
+    }
     step_fn = _dpo_step if rl.algo == "dpo" else _rl_step
     leader = world.rank == 0
-    log = MetricsLog(out / "metrics.jsonl", total=tr.steps, start=start, progress=tr.progress and leader,
-                     resume_step=start - 1 if checkpoint is not None else None) if leader else None
-    records = []
+    log = (
+        MetricsLog(
+            out / "metrics.jsonl",
+            total=tr.steps,
+            start=start,
+            progress=tr.progress and leader,
+            resume_step=start - 1 if checkpoint is not None else None,
+        )
+        if leader
+        else None
+    )
+    records: list[dict[str, Any]] = []
     try:
         policy.train()
         for step in range(start, tr.steps):
@@ -393,20 +447,28 @@ def train(
             seconds = time.perf_counter() - t0
             samples = world.size * rl.batch_size * (1 if rl.algo == "dpo" else rl.num_rollouts)
             # As the seed system defines it: (prompt + response tokens) x samples / devices / step time.
-            metrics["tokens_per_s_device"] = (metrics["prompt_length"] + metrics["response_length"]) * samples / world.size / seconds
+            metrics["tokens_per_s_device"] = (
+                (metrics["prompt_length"] + metrics["response_length"]) * samples / world.size / seconds
+            )
             record = {"step": step, **metrics, "step_time_s": seconds}
             records.append(record)
-            if leader:
+            if log is not None:
                 log.write(record)
                 if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
-                    save_checkpoint(out, {
-                        "step": step, "policy": policy.state_dict(), "reference": reference.state_dict(),
-                        "critic": critic.state_dict() if critic is not None else None,
-                        "optimizers": [o.state_dict() for o in opts], "config": cfg.to_dict(),
-                    })
+                    save_checkpoint(
+                        out,
+                        {
+                            "step": step,
+                            "policy": policy.state_dict(),
+                            "reference": reference.state_dict(),
+                            "critic": critic.state_dict() if critic is not None else None,
+                            "optimizers": [o.state_dict() for o in opts],
+                            "config": cfg.to_dict(),
+                        },
+                    )
     finally:
-        state["rewards"].close()
-        if leader:
+        rewards.close()
+        if log is not None:
             log.close()
     if leader and tr.plot:
         plot_curves(read_metrics(out / "metrics.jsonl"), out / "curves.png")
