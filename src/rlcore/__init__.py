@@ -15,11 +15,23 @@ from rlcore import algos, dataflow, device, memory, ops, pytree
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "algos", "dataflow", "device", "memory", "models", "ops", "pytree", "testing"]
+__all__ = [
+    "__version__",
+    "algos",
+    "dataflow",
+    "device",
+    "memory",
+    "models",
+    "ops",
+    "pytree",
+    "rewards",
+    "testing",
+    "train",
+]
 
-# Imported on first use: they need optional extras (hypothesis for testing,
-# transformers for models).
-_LAZY = {"models", "testing"}
+# Imported on first use: they pull in heavier or optional packages (hypothesis for
+# testing; transformers, YAML, plotting and process pools for models, rewards, train).
+_LAZY = {"models", "rewards", "testing", "train"}
 
 
 def __getattr__(name: str) -> Any:
