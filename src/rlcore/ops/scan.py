@@ -26,18 +26,26 @@ def _doubling(a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """Scan each last-dim row; returns ``(y, C)`` with ``C_t = prod_{r >= t} c_r``.
 
     Step k composes each position's affine map with the one k steps ahead; positions
-    within k of the end have nothing ahead (y = 0 there, factor 1), so only the head
-    slice is updated, in place on fresh buffers (one fused multiply-add per step).
+    within k of the end have nothing ahead (y = 0 there, factor 1) and are copied.
+    Two buffers per operand are swapped between steps: on the CPU, fresh large
+    allocations cost page faults that would otherwise dominate the run time.
     """
     length = a.shape[-1]
-    k = 1
+    if length <= 1:
+        return a.clone(), c.clone()
+    # Step 1 reads the caller's tensors, so both buffers are fresh: inputs are never written.
+    a_bufs = (torch.empty_like(a), torch.empty_like(a))
+    c_bufs = (torch.empty_like(c), torch.empty_like(c))
+    k, i = 1, 0
     while k < length:
-        a_next = a.clone()
-        a_next[..., :-k].addcmul_(c[..., :-k], a[..., k:])
-        c_next = c.clone()
-        c_next[..., :-k].mul_(c[..., k:])
-        a, c = a_next, c_next
-        k *= 2
+        a_dst, c_dst = a_bufs[i], c_bufs[i]
+        # In-place updates of buffer views (not out=, which dynamo rejects on views).
+        a_dst.copy_(a)
+        a_dst[..., :-k].addcmul_(c[..., :-k], a[..., k:])
+        c_dst.copy_(c)
+        c_dst[..., :-k].mul_(c[..., k:])
+        a, c = a_dst, c_dst
+        k, i = 2 * k, 1 - i
     return a, c
 
 
