@@ -18,7 +18,9 @@ Each benchmark checks that both sides agree, then prints the median time of each
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,16 +30,8 @@ import torch
 
 from rlcore.algos import gae, grpo, grpo_advantages, rloo_advantages
 
-
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import median_time
 
 
 def _report(name: str, ours: float, baseline: float) -> None:
@@ -108,8 +102,8 @@ def bench_grpo(repeats: int) -> None:
     scores, ids = _grouped_scores(16384, 16)
     index = ids.numpy()
     torch.testing.assert_close(grpo_advantages(scores, ids), grpo_loop(scores, index), rtol=1e-4, atol=1e-4)
-    ours = _median_seconds(lambda: grpo_advantages(scores, ids), repeats * 20)
-    base = _median_seconds(lambda: grpo_loop(scores, index), repeats)
+    ours = median_time(lambda: grpo_advantages(scores, ids), repeats=repeats * 20)
+    base = median_time(lambda: grpo_loop(scores, index), repeats=repeats)
     _report("grpo_advantages  B=16384 groups of 16", ours, base)
 
 
@@ -117,8 +111,8 @@ def bench_rloo(repeats: int) -> None:
     scores, ids = _grouped_scores(16384, 16, seed=1)
     index = ids.numpy()
     torch.testing.assert_close(rloo_advantages(scores, ids), rloo_loop(scores, index), rtol=1e-4, atol=1e-4)
-    ours = _median_seconds(lambda: rloo_advantages(scores, ids), repeats * 20)
-    base = _median_seconds(lambda: rloo_loop(scores, index), repeats)
+    ours = median_time(lambda: rloo_advantages(scores, ids), repeats=repeats * 20)
+    base = median_time(lambda: rloo_loop(scores, index), repeats=repeats)
     _report("rloo_advantages  B=16384 groups of 16", ours, base)
 
 
@@ -131,8 +125,8 @@ def bench_gae(repeats: int) -> None:
     adv, _ = gae(rewards, values, mask, gamma=0.99, lam=0.95)
     adv_loop, _ = gae_loop(rewards, values, mask, 0.99, 0.95)
     torch.testing.assert_close(adv, torch.where(mask, adv_loop, 0.0), rtol=1e-4, atol=1e-4)
-    ours = _median_seconds(lambda: gae(rewards, values, mask, gamma=0.99, lam=0.95), repeats * 4)
-    base = _median_seconds(lambda: gae_loop(rewards, values, mask, 0.99, 0.95), repeats)
+    ours = median_time(lambda: gae(rewards, values, mask, gamma=0.99, lam=0.95), repeats=repeats * 4)
+    base = median_time(lambda: gae_loop(rewards, values, mask, 0.99, 0.95), repeats=repeats)
     _report("gae              [64, 4096]", ours, base)
 
 
