@@ -8,7 +8,6 @@ import yaml
 
 from rlcore.train import apply_overrides, check_launch, load_config, parse_config
 
-SEED = Path("/work/shared/seeds/qwen2_5_7b_grpo.yaml")
 INLINE = {
     "model_type": "qwen2",
     "hidden_size": 16,
@@ -19,32 +18,12 @@ INLINE = {
     "vocab_size": 16,
 }
 ROOT = Path(__file__).resolve().parents[1]
+# The seed document's example GRPO config (section 4.1), shipped verbatim.
+SEED = ROOT / "configs" / "seed" / "qwen2_5_7b_grpo.yaml"
 
 
 def _seed_text() -> str:
-    if SEED.is_file():
-        return SEED.read_text()
-    # The seed's example config (section 4.1 of the MindSpeed-RL document), verbatim keys.
-    return """
-model:
-  model_name_or_path: Qwen/Qwen2.5-7B-Instruct
-  torch_dtype: bf16
-  use_flash_attention: true
-rl:
-  algo: grpo
-  batch_size: 8
-  mini_batch_size: 2
-  num_rollouts: 1
-  temperature: 0.8
-  beta: 0.05
-parallel:
-  tensor_parallel: 1
-  pipeline_parallel: 1
-  data_parallel: 8
-deploy:
-  mode: co-located
-  async_infer: true
-"""
+    return SEED.read_text()
 
 
 @pytest.fixture
