@@ -1,13 +1,20 @@
-"""A DPO step with chosen and rejected in one stacked forward pass, against two separate forwards.
+"""A DPO step with chosen and rejected in one packed or one padded forward pass, against two separate forwards.
 
 Run: python benchmarks/bench_preference.py [--pairs 8] [--length 128] [--repeats 15] [--threads 1]
 Model: a random-weight Qwen2 causal LM built from its config (hidden 128, 2 layers,
 vocabulary 4096; no download). A step is forward + DPO loss + backward of the policy,
-with reference log-probs precomputed as batch columns. Both paths use the same
-rlcore primitives (logprobs_from_logits, sequence_logps, dpo_loss); the only
-difference is one forward of ``[2B, T]`` versus two of ``[B, T_chosen]`` and
-``[B, T_rejected]``. Prints both medians (wall and process CPU time) and the ratio
-(two forwards / one forward) for equal and for unequal longest lengths.
+with reference log-probs precomputed as batch columns. Three paths, timed in the
+same run, call by call in turn:
+
+- padded: ``dpo()``, one forward of ``[2B, T]`` (both sides right-padded to one length);
+- packed: ``dpo(packed=True)`` on ``rlcore.models.from_hf``, one forward of the ``N``
+  real tokens in one packed row, fused log-probs (the logits are never built);
+- two forwards: ``[B, T_chosen]`` and ``[B, T_rejected]``, with the padded path's
+  primitives (logprobs_from_logits, sequence_logps, dpo_loss).
+
+Prints the medians (wall and process CPU time) and the ratios (baseline / ours) of
+packed vs padded, packed vs two forwards and padded vs two forwards, for equal and
+for unequal longest lengths.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _timing import report
 from rlcore.algos import concatenated_logps, dpo, dpo_loss, sequence_logps
 from rlcore.device import get_device
+from rlcore.models import from_hf
 from rlcore.ops import logprobs_from_logits
 
 
@@ -69,7 +77,8 @@ def bench(model, lm, device, pairs, length, rejected_length, repeats):  # type: 
     with torch.no_grad():
         ref_chosen, ref_rejected = concatenated_logps(model, batch)
     batch.update(ref_chosen_logps=ref_chosen - 0.5, ref_rejected_logps=ref_rejected + 0.5)
-    step = dpo(beta=0.1)
+    step, packed_step = dpo(beta=0.1), dpo(beta=0.1, packed=True)
+    apply_params = from_hf(lm)
 
     def synchronize() -> None:
         if device.type != "cpu":
@@ -77,6 +86,13 @@ def bench(model, lm, device, pairs, length, rejected_length, repeats):  # type: 
 
     def one_forward() -> torch.Tensor:
         loss, _ = step(model, batch)
+        loss.backward()
+        lm.zero_grad(set_to_none=True)
+        synchronize()
+        return loss.detach()
+
+    def packed() -> torch.Tensor:
+        loss, _ = packed_step(apply_params, batch)
         loss.backward()
         lm.zero_grad(set_to_none=True)
         synchronize()
@@ -92,20 +108,25 @@ def bench(model, lm, device, pairs, length, rejected_length, repeats):  # type: 
         return loss.detach()
 
     torch.testing.assert_close(one_forward(), two_forwards(), rtol=1e-4, atol=1e-5)
-    # The two paths alternate call by call, so drift in machine load hits both alike.
+    torch.testing.assert_close(packed(), two_forwards(), rtol=1e-4, atol=1e-5)
+    # The paths take turns call by call, so drift in machine load hits all alike.
     # Process CPU time is reported beside wall time: on a shared machine it leaves out
     # the time this process spent descheduled.
-    times: dict[str, list[tuple[float, float]]] = {"one": [], "two": []}
+    paths = {"padded": one_forward, "packed": packed, "two": two_forwards}
+    times: dict[str, list[tuple[float, float]]] = {key: [] for key in paths}
     for _ in range(repeats):
-        for key, fn in (("one", one_forward), ("two", two_forwards)):
+        for key, fn in paths.items():
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
             times[key].append((time.perf_counter() - wall, time.process_time() - cpu))
-    name = f"DPO step {pairs} pairs, T_c<={length}, T_r<={rejected_length}"
+    real = sum(int(batch[f"{side}_attention_mask"].sum()) for side in ("chosen", "rejected"))
+    stacked = 2 * pairs * length
+    print(f"DPO step {pairs} pairs, T_c<={length}, T_r<={rejected_length}: {real} real tokens of {stacked} padded")
     for i, clock in enumerate(("wall", "cpu")):
-        ours = statistics.median(t[i] for t in times["one"])
-        base = statistics.median(t[i] for t in times["two"])
-        report(f"{name} [{clock}]", ours, base)
+        median = {key: statistics.median(t[i] for t in runs) for key, runs in times.items()}
+        report(f"  packed vs padded [{clock}]", median["packed"], median["padded"])
+        report(f"  packed vs two forwards [{clock}]", median["packed"], median["two"])
+        report(f"  padded vs two forwards [{clock}]", median["padded"], median["two"])
 
 
 def main() -> None:
@@ -126,9 +147,10 @@ def main() -> None:
         return lm(input_ids=ids, attention_mask=attention_mask).logits
 
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads")
-    # Equal longest lengths: the stacked pass adds no padding. Shorter rejected side: the
-    # stacked pass pads it to the chosen length, which two forwards avoid.
-    for rejected_length in (args.length, args.length * 7 // 8):
+    # Equal longest lengths: the padded pass adds no padding across sides. Shorter
+    # rejected side: it pads rejected to the chosen length, which two forwards avoid.
+    # The packed pass drops all padding, also that of the shorter pairs within a side.
+    for rejected_length in (args.length, args.length * 7 // 8, args.length // 2):
         bench(model, lm, device, args.pairs, args.length, rejected_length, args.repeats)
 
 

@@ -1,4 +1,4 @@
-"""The DPO recipe: one stacked forward pass, label shift, reference sources, loss reduction."""
+"""The DPO recipe: one stacked forward pass (padded or packed), label shift, reference sources, loss reduction."""
 
 import math
 
@@ -7,11 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.algos import DPO, DPO_LOSS_TYPES, concatenated_logps, dpo, dpo_loss
+from rlcore.algos import DPO, DPO_LOSS_TYPES, concatenated_logps, dpo, dpo_loss, packed_logps
+from rlcore.models import from_hf, load_causal_lm
 from rlcore.testing import assert_close, assert_no_host_sync
 from rlcore.testing.reference import dpo_step_ref, pair_logps_ref
 
 VOCAB = 40
+SIDES = ("chosen", "rejected")
 
 
 class CausalBag(torch.nn.Module):
@@ -265,3 +267,118 @@ def test_bad_input():
         concatenated_logps(lambda ids, am: torch.zeros(ids.shape[0], 3, 4), batch)
     with pytest.raises(ValueError, match="num_pairs"):
         dpo()(policy, batch, policy, num_pairs=0)
+
+
+TINY_QWEN2 = {
+    "model_type": "qwen2",
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def _qwen2(seed, dtype=torch.float32):
+    # Eager attention: the padded path shares no attention code with the packed one.
+    lm = load_causal_lm(TINY_QWEN2, dtype=dtype, seed=seed)
+    lm.set_attn_implementation("eager")
+    return lm.eval()
+
+
+def _padded(lm):
+    return lambda ids, am: lm(input_ids=ids, attention_mask=am).logits
+
+
+@pytest.fixture(scope="module")
+def qwen2_pair():
+    return _qwen2(0), _qwen2(1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=batches, reduce=st.sampled_from(["sum", "mean"]), temperature=st.sampled_from([1.0, 0.7]))
+def test_packed_logps_match_one_sequence_at_a_time(qwen2_pair, batch, reduce, temperature):
+    lm = qwen2_pair[0]
+    apply, params = from_hf(lm)
+    with torch.no_grad():
+        chosen, rejected = packed_logps(apply, params, batch, reduce=reduce, temperature=temperature)
+        want_c, want_r = pair_logps_ref(_padded(lm), batch, reduce=reduce, temperature=temperature)
+    assert chosen.dtype == torch.float32 and chosen.shape == want_c.shape
+    assert_close(chosen, want_c, dtype=torch.float32, scale=20.0)
+    assert_close(rejected, want_r, dtype=torch.float32, scale=20.0)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_step_equals_padded_step_values_and_gradients(dtype, tol):
+    policy, reference = _qwen2(0, dtype), _qwen2(1, dtype)
+    # Unequal sides (the padded pass pads rejected to 9) and ragged lengths within each.
+    batch = make_batch(11, b=4, chosen_len=9, rejected_len=4)
+    packed_step, padded_step = dpo(beta=0.5, packed=True), dpo(beta=0.5)
+    loss, metrics = packed_step(from_hf(policy), batch, from_hf(reference))
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad(set_to_none=True)
+    want, want_metrics = padded_step(_padded(policy), batch, _padded(reference))
+    want.backward()
+    assert loss.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(loss, want, rtol=tol, atol=tol)
+    assert set(metrics) == set(want_metrics)
+    for k in metrics:
+        torch.testing.assert_close(metrics[k], want_metrics[k], rtol=tol, atol=tol * 10, msg=k)
+    assert all(p.grad is None for p in reference.parameters())
+    for name, p in policy.named_parameters():
+        scale = max(1.0, float(p.grad.abs().max()))
+        torch.testing.assert_close(got[name].float(), p.grad.float(), rtol=tol, atol=tol * scale, msg=name)
+    assert any(g.abs().sum() > 0 for g in got.values())
+
+
+def test_packed_step_runs_one_row_of_the_real_tokens(qwen2_pair):
+    apply, params = from_hf(qwen2_pair[0])
+    rows = []
+
+    class Recording:
+        output_weight = staticmethod(apply.output_weight)
+
+        def __call__(self, params, input_ids, **kwargs):
+            rows.append((input_ids, kwargs["cu_seqlens"]))
+            return apply(params, input_ids, **kwargs)
+
+    batch = make_batch(4, b=3, chosen_len=8, rejected_len=3)
+    ref_c, ref_r = concatenated_logps(_padded(qwen2_pair[1]), batch)
+    columns = dict(batch, ref_chosen_logps=ref_c.detach(), ref_rejected_logps=ref_r.detach())
+    loss, _ = dpo(packed=True)((Recording(), params), columns)
+    want, _ = dpo()(_padded(qwen2_pair[0]), columns)
+    assert_close(loss.detach(), want.detach(), dtype=torch.float32)
+    (ids, cu), *more = rows
+    assert not more
+    sides = [(batch[f"{s}_input_ids"], batch[f"{s}_attention_mask"].bool()) for s in SIDES]
+    assert torch.equal(ids, torch.cat([side_ids[real] for side_ids, real in sides]))
+    lengths = torch.cat([real.sum(1) for _, real in sides])
+    assert torch.equal(cu.long(), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+
+
+def test_packed_padding_ids_need_not_be_tokens(qwen2_pair):
+    apply, params = from_hf(qwen2_pair[0])
+    with torch.no_grad():
+        clean = packed_logps(apply, params, make_batch(5, pad_id=0))
+        odd = packed_logps(apply, params, make_batch(5, pad_id=-1))
+    assert torch.equal(clean[0], odd[0]) and torch.equal(clean[1], odd[1])
+
+
+def test_packed_bad_input(qwen2_pair):
+    pair = from_hf(qwen2_pair[0])
+    batch = make_batch(0)
+    with pytest.raises(ValueError, match="packed: got 'yes', expected True or False"):
+        dpo(packed="yes")
+    with pytest.raises(ValueError, match="policy: got function, expected an \\(apply, params\\) pair"):
+        dpo(packed=True)(_padded(qwen2_pair[0]), batch, pair)
+    with pytest.raises(ValueError, match="reference: got function, expected an \\(apply, params\\) pair"):
+        dpo(packed=True)(pair, batch, _padded(qwen2_pair[0]))
+    with pytest.raises(ValueError, match="policy: got tuple, expected a model.*packed=True"):
+        dpo()(pair, batch, pair)
+    with pytest.raises(ValueError, match="reduce"):
+        packed_logps(*pair, batch, reduce="max")
+    with pytest.raises(ValueError, match="batch: missing rejected_mask"):
+        packed_logps(*pair, {k: v for k, v in batch.items() if k != "rejected_mask"})

@@ -17,7 +17,7 @@ from rlcore.algos.advantages import (
     rloo_advantages,
 )
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
-from rlcore.algos.dpo_recipe import DPO, concatenated_logps, dpo
+from rlcore.algos.dpo_recipe import DPO, concatenated_logps, dpo, packed_logps
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
     KL_ESTIMATORS,
@@ -117,6 +117,7 @@ __all__: list[str] = [
     "outcome_advantages",
     "overlong_penalty",
     "overlong_shaping",
+    "packed_logps",
     "passk_advantages",
     "ppo",
     "ppo_clip_loss",
