@@ -127,14 +127,15 @@ def test_model_left_unchanged_and_params_override():
 def test_no_tokens_by_tokens_tensor_on_a_long_pack():
     model = _model("qwen2")
     apply, params = from_hf(model)
-    seqs = [torch.randint(0, VOCAB, (50,)) for _ in range(6)]
+    seqs = [torch.randint(0, VOCAB, (length,)) for length in (50, 30, 50, 40, 50, 30)]
     packed = pack(seqs)
     n = packed.input_ids.shape[0]
     with torch.no_grad(), record_allocations() as shapes:
         apply(params, packed.input_ids, position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens)
     assert not [s for s in shapes if sum(d >= n for d in s) >= 2]
-    # Attention ran once per sequence: [1, heads, 50, head_dim] outputs.
-    assert shapes.count((1, 4, 50, 8)) == 6 * TINY["num_hidden_layers"]
+    # Attention ran once per distinct length, over the sequences of that length: [G, heads, L, head_dim] outputs.
+    for group in ((3, 4, 50, 8), (2, 4, 30, 8), (1, 4, 40, 8)):
+        assert shapes.count(group) == TINY["num_hidden_layers"], group
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -156,8 +157,9 @@ def test_packed_causal_attention_matches_loop_reference(dtype, lengths, heads, s
 
 def test_packed_causal_attention_gradcheck():
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(6, h, 3, generator=g, dtype=torch.float64, requires_grad=True) for h in (2, 1, 1))
-    cu = torch.tensor([0, 2, 2, 6], dtype=torch.int32)
+    q, k, v = (torch.randn(8, h, 3, generator=g, dtype=torch.float64, requires_grad=True) for h in (2, 1, 1))
+    # An empty sequence and two of length 2, which share one attention call.
+    cu = torch.tensor([0, 2, 2, 6, 8], dtype=torch.int32)
     assert torch.autograd.gradcheck(lambda a, b, c: packed_causal_attention(a, b, c, cu), (q, k, v))
 
 

@@ -5,8 +5,8 @@ Tokens are ``[N, heads, head_dim]`` with the sequence boundaries in ``cu_seqlens
 block-diagonal mask would cost O(N^2) memory on long packs; instead each backend runs
 attention over the segments only:
 
-* CPU: one causal SDPA call per sequence (with torch 2.13, FlexAttention has no CPU
-  backward and nested-jagged SDPA has no causal CPU kernel).
+* CPU: one batched causal SDPA call per distinct sequence length (with torch 2.13,
+  FlexAttention has no CPU backward and nested-jagged SDPA has no causal CPU kernel).
 * CUDA: flash-attention varlen (``torch.nn.attention.varlen.varlen_attn``) for
   float16 / bfloat16; FlexAttention with a document mask for other dtypes.
 * Ascend NPU: torch-npu's fused varlen attention (``npu_fusion_attention``, layout TND).
@@ -62,23 +62,45 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> list[int] | None:
 
 def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+    # Sequences of equal length share one batched causal SDPA call: an RL batch of many
+    # short sequences has few distinct lengths, and one call per sequence costs more in
+    # dispatch than in arithmetic. One gather puts the tokens in length-group order and
+    # one index_copy puts them back, so forward and backward stay O(N); with all lengths
+    # distinct the groups are the sequences in order, and both are skipped.
+    starts_by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            starts_by_length.setdefault(end - start, []).append(start)
+    if not starts_by_length:
+        return q.new_empty(q.shape)
+    groups = list(starts_by_length.items())
+    sizes = [length * len(starts) for length, starts in groups]
+    order = None
+    if len(groups) < sum(len(starts) for _, starts in groups):
+        order = torch.cat(
+            [(torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1) for length, starts in groups]
+        ).to(q.device)
 
-    def heads_first(x: torch.Tensor) -> torch.Tensor:
-        # [1, heads, L, D]: SDPA's fused CPU (flash) kernel takes only 4-D inputs; 3-D
-        # ones fall back to the math path, ~4x slower with its backward.
-        return x.transpose(0, 1).unsqueeze(0)
+    def grouped(x: torch.Tensor) -> list[torch.Tensor]:
+        # [G, heads, L, D]: SDPA's fused CPU (flash) kernel takes only 4-D inputs; 3-D
+        # ones fall back to the math path, ~4x slower with its backward. torch.split, not
+        # one slice per group: the backward of G slices would build G full-size zero
+        # gradients and add them up, O(G * N) work.
+        rows = x if order is None else x.index_select(0, order)
+        return [
+            part.view(len(starts), length, *x.shape[1:]).transpose(1, 2)
+            for part, (length, starts) in zip(rows.split(sizes), groups)
+        ]
 
-    # torch.split, not one slice per sequence: the backward of B slices would build B
-    # full-size zero gradients and add them up, O(B * N) work.
-    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    outs = [
-        F.scaled_dot_product_attention(
-            heads_first(qs), heads_first(ks), heads_first(vs), is_causal=True, scale=scale, enable_gqa=gqa
-        )[0].transpose(0, 1)
-        for qs, ks, vs in zip(q.split(sizes), k.split(sizes), v.split(sizes))
-        if qs.shape[0]
-    ]
-    return torch.cat(outs) if outs else q.new_empty(q.shape)
+    outs = torch.cat(
+        [
+            F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            .transpose(1, 2)
+            .reshape(-1, *q.shape[1:])
+            for qs, ks, vs in zip(grouped(q), grouped(k), grouped(v))
+        ]
+    )
+    return outs if order is None else q.new_empty(q.shape).index_copy(0, order, outs)
 
 
 @functools.cache

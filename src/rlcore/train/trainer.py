@@ -5,7 +5,7 @@ One step, for the policy-gradient algorithms (``rl.algo`` = grpo, dapo, ppo, ...
     prompts   = task.sample(...)                          # on-the-fly verifiable task
     rollout   = engine.generate(prompts, n=num_rollouts)  # KV-cached sampling
     scores    = rewards.submit(prompts, responses)        # process pool, overlaps the next two lines
-    old_logp  = logprobs(policy, rollout)                 # rlcore.ops.logprobs_from_logits
+    old_logp  = logprobs(policy, rollout)                 # rlcore.models.token_logprobs: packed, padding-free
     ref_logp  = logprobs(reference, rollout)
     batch     = algo.advantages(batch)                    # rlcore.algos recipe: shaping + estimator
     for mini-batch: loss = algo.loss(mb, **global_counts) -> backward -> all-reduce -> optimiser step
@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from rlcore import algos
 from rlcore.device import collective_backend, get_device
-from rlcore.ops import logprobs_from_logits, masked_mean
+from rlcore.models import HFCausalLM, from_hf, token_logprobs
+from rlcore.ops import masked_mean
 from rlcore.rewards import RewardPool
 from rlcore.train.checkpoint import load_checkpoint, save_checkpoint
 from rlcore.train.config import Config, check_launch
@@ -162,12 +163,26 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor)
     return model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
 
 
-def _logprobs(model: torch.nn.Module, r: Rollout, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies ``[N, R]`` of the response tokens under ``model`` (one forward pass)."""
-    logits = _forward(model, torch.cat([r.prompts, r.responses], 1), torch.cat([r.prompt_mask, r.mask], 1))
-    scoring = logits[:, r.prompts.shape[1] - 1 : -1]  # position t predicts token t + 1
-    logp, entropy = logprobs_from_logits(scoring, r.responses, temperature=temperature, with_entropy=True)
-    return logp.float(), entropy.float()
+# A causal LM as rlcore.models.from_hf gives it: the packed forward and its parameters.
+_LM = tuple[HFCausalLM, dict[str, torch.Tensor]]
+
+
+def _logprobs(model: _LM, r: Rollout, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``[N, R]`` of the response tokens under ``model`` (one packed forward pass).
+
+    The padding-free path: pack the real prompt + response tokens into one row, run the
+    backbone with packed attention, and score them with the fused hidden x lm_head
+    kernel (the ``[N, T, V]`` logits are never built). Padding scores 0.
+    """
+    apply, params = model
+    batch = {
+        "input_ids": torch.cat([r.prompts, r.responses], 1),
+        "attention_mask": torch.cat([r.prompt_mask, r.mask], 1),
+    }
+    logp, entropy = token_logprobs(apply, params, batch, temperature=temperature, with_entropy=True)
+    # token_logprobs puts each value on the token it scores: the responses are the last R columns.
+    width = r.prompts.shape[1]
+    return logp[:, width:].float(), entropy[:, width:].float()
 
 
 def _values(critic: torch.nn.Module, r: Rollout) -> torch.Tensor:
@@ -193,15 +208,15 @@ def _warmup(policy: torch.nn.Module, task: Any, cfg: Config, world: _World, devi
     """Supervised warm-up on the task's reference answers (token-mean cross-entropy over the response)."""
     tr = cfg.trainer
     params = [p for p in policy.parameters() if p.requires_grad]
+    apply, named = from_hf(policy)
     opt = torch.optim.AdamW(params, lr=tr.warmup_lr, weight_decay=cfg.rl.weight_decay)
     per_rank = tr.warmup_batch_size
     policy.train()
     for step in range(tr.warmup_steps):
         samples = task.sample(per_rank, _generator(tr.seed, world.rank, step, phase=1))
         seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
-        logits = _forward(policy, seq["input_ids"], seq["attention_mask"])[:, :-1]
-        logp = logprobs_from_logits(logits, seq["input_ids"][:, 1:])
-        mask = seq["mask"][:, 1:]
+        logp = token_logprobs(apply, named, seq)  # aligned with the token it scores, like seq["mask"]
+        mask = seq["mask"]
         counts = algos.global_counts(mask, process_group=world.group)
         loss = algos.aggregate(-logp, mask, mode="token-mean", num_tokens=counts["num_tokens"])
         opt.zero_grad(set_to_none=True)
@@ -243,7 +258,7 @@ def _optimise(
 
 def _rl_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> dict[str, torch.Tensor]:
     """One policy-gradient step; returns the local metrics to average over ranks."""
-    rl, task, policy, device = cfg.rl, state["task"], state["policy"], state["device"]
+    rl, task, device = cfg.rl, state["task"], state["device"]
     n, local_prompts = rl.num_rollouts, rl.batch_size
     g = _generator(cfg.trainer.seed, world.rank, step, phase=0)
     samples = task.sample(local_prompts, g)
@@ -255,8 +270,8 @@ def _rl_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> di
         [s["prompt"] for s in repeated], texts, batch=step, answers=[s["answer"] for s in repeated]
     )
     with torch.no_grad():  # overlaps the reward workers
-        old_logp, entropy = _logprobs(policy, rollout, rl.temperature)
-        ref_logp, _ = _logprobs(state["reference"], rollout, rl.temperature)
+        old_logp, entropy = _logprobs(state["policy_lm"], rollout, rl.temperature)
+        ref_logp, _ = _logprobs(state["reference_lm"], rollout, rl.temperature)
         extra = {"old_values": _values(state["critic"], rollout)} if state["critic"] is not None else {}
     mask = rollout.mask.float()
     raw_scores = scores.result().to(device)
@@ -277,7 +292,7 @@ def _rl_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> di
             idx = slice(start, start + per_update)
             mb = {k: v[idx] for k, v in batch.items()}
             sub = Rollout(*(x[idx] for x in rollout))
-            mb["logp"], mb["entropy"] = _logprobs(policy, sub, rl.temperature)
+            mb["logp"], mb["entropy"] = _logprobs(state["policy_lm"], sub, rl.temperature)
             if state["critic"] is not None:
                 mb["values"] = _values(state["critic"], sub)
             counts = algos.global_counts(mb["mask"], process_group=world.group)
@@ -322,8 +337,8 @@ def _dpo_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> d
         pairs.update({f"{side}_{k}": v for k, v in seq.items()})
     mask = rollout.mask.float()
     with torch.no_grad():
-        old_logp, entropy = _logprobs(state["policy"], rollout, rl.temperature)
-        ref_logp, _ = _logprobs(state["reference"], rollout, rl.temperature)
+        old_logp, entropy = _logprobs(state["policy_lm"], rollout, rl.temperature)
+        ref_logp, _ = _logprobs(state["reference_lm"], rollout, rl.temperature)
     model = lambda m: lambda ids, am: _forward(m, ids, am)  # noqa: E731 -- the DPO recipe's model callable
     sums: dict[str, torch.Tensor] = {}
     per_update = rl.mini_batch_size
@@ -414,6 +429,10 @@ def train(
         "task": task,
         "policy": policy,
         "reference": reference,
+        # The packed forwards read the modules' own parameter tensors, which the optimiser
+        # and load_state_dict update in place, so they are built once.
+        "policy_lm": from_hf(policy),
+        "reference_lm": from_hf(reference),
         "critic": critic,
         "device": device,
         "engine": sampler,
