@@ -91,6 +91,14 @@ def test_constant_values_with_eps_zero_whiten_to_zero():
     assert torch.isfinite(x.grad).all()
 
 
+def test_zero_size_inputs():
+    x = torch.zeros(3, 0)
+    m = torch.zeros(3, 0, dtype=torch.bool)
+    assert masked_mean(x, m).item() == 0.0 and masked_var(x, m).item() == 0.0
+    assert torch.equal(masked_mean(x, m, 1), torch.zeros(3))
+    assert masked_whiten(x, m).shape == (3, 0)
+
+
 def test_empty_mask_gradients_are_zero_not_nan():
     x = torch.randn(2, 5, requires_grad=True)
     m = torch.zeros(2, 5)

@@ -56,9 +56,13 @@ def _shifted(
     acc = acc_dtype(x.dtype)
     m = mask.to(acc)
     xa = x.to(acc)
-    xs = torch.where(m != 0, xa.detach(), torch.inf)
-    low = xs.amin() if dim is None else xs.amin(dim=dim, keepdim=True)
-    pivot = torch.where(torch.isfinite(low), low, 0.0)
+    if x.numel() == 0:
+        # amin has no identity for an empty reduction; the sum's shape is the right one.
+        pivot = _reduce(xa.detach(), dim, True)
+    else:
+        xs = torch.where(m != 0, xa.detach(), torch.inf)
+        low = xs.amin() if dim is None else xs.amin(dim=dim, keepdim=True)
+        pivot = torch.where(torch.isfinite(low), low, 0.0)
     d = torch.where(m != 0, xa - pivot, 0.0)
     return d, m, pivot, _reduce(m, dim, True)
 

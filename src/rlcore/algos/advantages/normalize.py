@@ -21,13 +21,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlcore._checks import check_floating, check_positive, check_same_shape
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops.masked import _safe_div, _shifted, masked_whiten
 
 __all__ = ["batch_normalize"]
-
-
-def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    return num / torch.where(den > 0, den, torch.ones_like(den))
 
 
 def _resolve(process_group: Any) -> tuple[Any, int, int]:
@@ -41,19 +37,14 @@ def _centred_moments(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dev, count, mean, m2)`` over the weighted elements of ``x``, across ranks when a group is given.
 
-    ``dev`` is ``x - mean`` for every element (0 where the weight is 0), computed from
-    the shifted values so that the mean is never rounded on its own; ``count``,
-    ``mean`` and ``m2`` (sum of weighted squared deviations) are scalars in the
-    accumulation dtype.
+    Each rank shifts its values by its own exact pivot (as :func:`rlcore.ops.masked_whiten`
+    does locally); ``dev`` is ``x - mean`` for every element (0 where the weight is 0),
+    computed from the shifted values so that the mean is never rounded on its own;
+    ``count``, ``mean`` and ``m2`` (sum of weighted squared deviations) are scalars in
+    the accumulation dtype.
     """
-    acc = acc_dtype(x.dtype)
-    w = weights.to(acc)
-    xa = x.to(acc)
+    d, w, pivot, count = _shifted(x, weights, None)
     on = w != 0
-    low = torch.where(on, xa.detach(), torch.inf).amin() if x.numel() else xa.new_zeros(())
-    pivot = torch.where(torch.isfinite(low), low, 0.0)
-    d = torch.where(on, xa - pivot, 0.0)
-    count = w.sum()
     mean_d = _safe_div((d * w).sum(), count)
     if process_group is None:
         dev = torch.where(on, d - mean_d, 0.0)
@@ -61,7 +52,7 @@ def _centred_moments(
     pg, world, rank = _resolve(process_group)
     dev_local = torch.where(on, d - mean_d, 0.0)
     local = torch.stack([count, pivot, mean_d, (dev_local * dev_local * w).sum()])
-    slot = F.one_hot(torch.tensor(rank, device=x.device), world).to(acc)
+    slot = F.one_hot(torch.tensor(rank, device=x.device), world).to(local.dtype)
     table = funcol.all_reduce(slot[:, None] * local[None, :], "sum", pg)
     counts, pivots, means_d, m2s = table.unbind(-1)
     total = counts.sum()
@@ -123,6 +114,8 @@ def batch_normalize(
     if mask is None:
         mask = torch.ones_like(x, dtype=torch.bool)
     check_same_shape("mask", mask, "x", x)
+    if process_group is None:
+        return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, unbiased=unbiased)
     dev, count, mean, m2 = _centred_moments(x, mask, process_group)
     den = count - 1 if unbiased else count
     var = _safe_div(m2, den) * (den > 0)
