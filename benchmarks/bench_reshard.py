@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from rlcore.dataflow.layout import decoder_layout
+from rlcore.dataflow.layout import decoder_layout, decoder_param_meta
 from rlcore.dataflow.reshard import plan_reshard
 from rlcore.memory.plan import colocated_plan
 
@@ -28,28 +28,7 @@ GIB = 1 << 30
 
 
 def tinyllama_meta(dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    hidden, inter, vocab, layers, kv = 2048, 5632, 32000, 22, 256
-    shapes = {
-        "model.embed_tokens.weight": (vocab, hidden),
-        "model.norm.weight": (hidden,),
-        "lm_head.weight": (vocab, hidden),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (hidden,),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (hidden, hidden),
-                p + "self_attn.k_proj.weight": (kv, hidden),
-                p + "self_attn.v_proj.weight": (kv, hidden),
-                p + "self_attn.o_proj.weight": (hidden, hidden),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter),
-            }
-        )
-    return {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
+    return decoder_param_meta(layers=22, hidden=2048, intermediate=5632, vocab=32000, kv_hidden=256, dtype=dtype)
 
 
 def gib(x: int) -> str:

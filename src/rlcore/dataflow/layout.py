@@ -30,6 +30,7 @@ __all__ = [
     "Layout",
     "Placement",
     "decoder_layout",
+    "decoder_param_meta",
     "param_meta",
 ]
 
@@ -78,6 +79,50 @@ def param_meta(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tensor(..., device='meta', size=(2, 3))
     """
     return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in params.items()}
+
+
+def decoder_param_meta(
+    *,
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    vocab: int,
+    kv_hidden: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, torch.Tensor]:
+    """``meta`` stand-ins for a Llama/Qwen-style decoder's parameters, under Hugging Face names.
+
+    For planning layouts and memory of models too large to allocate. ``kv_hidden`` is
+    the width of the k/v projections (``num_key_value_heads * head_dim``; ``hidden``
+    when ``None``). TinyLlama-1.1B is ``layers=22, hidden=2048, intermediate=5632,
+    vocab=32000, kv_hidden=256``.
+
+    >>> meta = decoder_param_meta(layers=2, hidden=8, intermediate=16, vocab=32, kv_hidden=4)
+    >>> meta["model.layers.1.self_attn.k_proj.weight"].shape, len(meta)
+    (torch.Size([4, 8]), 21)
+    """
+    kv = hidden if kv_hidden is None else kv_hidden
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "mlp.gate_proj.weight": (intermediate, hidden),
+                p + "mlp.up_proj.weight": (intermediate, hidden),
+                p + "mlp.down_proj.weight": (hidden, intermediate),
+            }
+        )
+    return {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
 
 
 def _shape(meta: Any) -> tuple[int, ...]:
