@@ -12,11 +12,10 @@ import sys
 import zlib
 from pathlib import Path
 
+import mkdocstrings_handlers.python  # noqa: F401  (the test extra installs the reference's handler)
 import pytest
 
 import rlcore
-
-pytest.importorskip("mkdocstrings_handlers.python", reason="the API reference needs the test extra")
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every public package of rlcore, plus the reference implementations users import.

@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (the kernel nbclient starts; the test extra installs it)
+import matplotlib  # noqa: F401
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat", reason="the notebooks need the test extra")
-nbclient = pytest.importorskip("nbclient", reason="the notebooks need the test extra")
-pytest.importorskip("ipykernel", reason="the notebooks need the test extra")
-pytest.importorskip("matplotlib", reason="the notebooks need the test extra")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
