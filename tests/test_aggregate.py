@@ -131,6 +131,8 @@ def _rank_main(rank, world, init_file, loss_t, mask, out_dir):
             dist.all_reduce(local)
             results[mode] = local
         torch.save({"counts": counts, "results": results}, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Every rank leaves its collectives before teardown: gloo can abort at exit otherwise.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -151,6 +151,8 @@ def _worker(rank, world, store_path, out_path):
             shard_samples(_row_fn, src=world)(batch)
         except ValueError as err:
             results["bad src"] = str(err)
+        # Every rank leaves its collectives before teardown: gloo can abort at exit otherwise.
+        dist.barrier()
     finally:
         torch.save(results, f"{out_path}.{rank}")
         dist.destroy_process_group()

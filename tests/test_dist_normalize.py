@@ -147,6 +147,8 @@ def _worker(rank: int, init_file: str) -> None:
         _check_batch_normalize(rank, pg)
         _check_gradients(rank, pg)
         _check_estimators(rank, pg, mesh)
+        # Every rank leaves its collectives before teardown: gloo can abort at exit otherwise.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
