@@ -169,7 +169,7 @@ def bench_grpo_loss(repeats: int) -> None:
 
     def ours() -> torch.Tensor:
         lp = logp.clone().requires_grad_(True)
-        loss, _ = algo.loss({**batch, "logp": lp})
+        loss, _ = algo.loss(algo.advantages({**batch, "logp": lp}))
         loss.backward()
         return lp.grad
 

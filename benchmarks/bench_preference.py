@@ -6,9 +6,11 @@ vocabulary 4096; no download). A step is forward + DPO loss + backward of the po
 with reference log-probs precomputed as batch columns. Three paths, timed in the
 same run, call by call in turn:
 
-- padded: ``dpo()``, one forward of ``[2B, T]`` (both sides right-padded to one length);
-- packed: ``dpo(packed=True)`` on ``rlcore.models.from_hf``, one forward of the ``N``
-  real tokens in one packed row, fused log-probs (the logits are never built);
+- padded: ``rlcore.models.preference_logps(..., packed=False)``, one forward of ``[2B, T]``
+  (both sides right-padded to one length), then ``dpo().loss``;
+- packed: ``preference_logps(*rlcore.models.from_hf(lm), ...)``, one forward of the ``N``
+  real tokens in one packed row, fused log-probs (the logits are never built), then
+  ``dpo().loss``;
 - two forwards: ``[B, T_chosen]`` and ``[B, T_rejected]``, with the padded path's
   primitives (logprobs_from_logits, sequence_logps, dpo_loss).
 
@@ -30,10 +32,10 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import report
-from rlcore.algos import concatenated_logps, dpo, dpo_loss, sequence_logps
+from rlcore.algos import dpo, dpo_loss
 from rlcore.device import get_device
-from rlcore.models import from_hf
-from rlcore.ops import logprobs_from_logits
+from rlcore.models import from_hf, preference_logps
+from rlcore.ops import logprobs_from_logits, sequence_logps
 
 
 def tiny_qwen2(device: torch.device) -> torch.nn.Module:
@@ -74,25 +76,26 @@ def _side_logps(model, batch, side):  # type: ignore[no-untyped-def]
 
 def bench(model, lm, device, pairs, length, rejected_length, repeats):  # type: ignore[no-untyped-def]
     batch = pair_batch(pairs, length, rejected_length, device)
+    padded_apply = lambda _, ids, am: model(ids, am)  # noqa: E731 -- the padded path's apply(params, ids, mask)
     with torch.no_grad():
-        ref_chosen, ref_rejected = concatenated_logps(model, batch)
-    batch.update(ref_chosen_logps=ref_chosen - 0.5, ref_rejected_logps=ref_rejected + 0.5)
-    step, packed_step = dpo(beta=0.1), dpo(beta=0.1, packed=True)
-    apply_params = from_hf(lm)
+        ref = preference_logps(padded_apply, None, batch, packed=False)
+    batch.update(ref_chosen_logps=ref["chosen_logps"] - 0.5, ref_rejected_logps=ref["rejected_logps"] + 0.5)
+    recipe = dpo(beta=0.1)
+    apply, params = from_hf(lm)
 
     def synchronize() -> None:
         if device.type != "cpu":
             torch.accelerator.synchronize()
 
     def one_forward() -> torch.Tensor:
-        loss, _ = step(model, batch)
+        loss, _ = recipe.loss({**batch, **preference_logps(padded_apply, None, batch, packed=False)})
         loss.backward()
         lm.zero_grad(set_to_none=True)
         synchronize()
         return loss.detach()
 
     def packed() -> torch.Tensor:
-        loss, _ = packed_step(apply_params, batch)
+        loss, _ = recipe.loss({**batch, **preference_logps(apply, params, batch)})
         loss.backward()
         lm.zero_grad(set_to_none=True)
         synchronize()

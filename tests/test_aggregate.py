@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.algos import AGGREGATION_MODES, aggregate, global_counts
+from rlcore.algos import AGGREGATION_MODES, aggregate, dpo, global_counts, grpo
 from rlcore.testing import assert_close, assert_no_host_sync
 from rlcore.testing import reference as ref
 from rlcore.testing.loss_strategies import microbatch_splits
@@ -125,12 +125,15 @@ def _rank_main(rank, world, init_file, loss_t, mask, out_dir):
         # Rank 0 holds the first row, rank 1 the others: uneven token counts per rank.
         rows = slice(0, 1) if rank == 0 else slice(1, None)
         counts = global_counts(mask[rows], process_group=dist.group.WORLD)
+        recipe_counts = grpo().global_counts({"mask": mask[rows]}, process_group=dist.group.WORLD)
+        pairs = dpo().global_counts({"chosen_logps": torch.zeros(3 + 2 * rank)}, process_group=dist.group.WORLD)
         results = {}
         for mode in AGGREGATION_MODES:
             local = aggregate(loss_t[rows], mask[rows], mode=mode, **counts)
             dist.all_reduce(local)
             results[mode] = local
-        torch.save({"counts": counts, "results": results}, os.path.join(out_dir, f"rank{rank}.pt"))
+        out = {"counts": counts, "recipe_counts": recipe_counts, "pairs": pairs, "results": results}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         # Every rank leaves its collectives before teardown: gloo can abort at exit otherwise.
         dist.barrier()
     finally:
@@ -147,6 +150,8 @@ def test_sum_over_data_parallel_ranks_equals_the_whole_batch():
         outs = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
     for out in outs:
         assert int(out["counts"]["num_tokens"]) == 8 and int(out["counts"]["num_seqs"]) == 3
+        assert out["recipe_counts"] == out["counts"]
+        assert out["pairs"] == {"num_pairs": torch.tensor(8)}  # 3 pairs on rank 0, 5 on rank 1
         for mode in AGGREGATION_MODES:
             whole = aggregate(loss_t, mask, mode=mode)
             torch.testing.assert_close(out["results"][mode], whole, rtol=1e-12, atol=1e-12, msg=mode)

@@ -1,4 +1,5 @@
-"""The DPO recipe: one stacked forward pass (padded or packed), label shift, reference sources, loss reduction."""
+"""The DPO family: the model half (``rlcore.models.preference_logps``, padded or packed, one stacked
+forward, label shift) and the tensor-in recipe (``rlcore.algos.DPO``: loss, global counts, reduction)."""
 
 import math
 
@@ -7,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.algos import DPO, DPO_LOSS_TYPES, concatenated_logps, dpo, dpo_loss, packed_logps
-from rlcore.models import from_hf, load_causal_lm
+from rlcore import algos
+from rlcore.algos import DPO, DPO_LOSS_TYPES, dpo, dpo_loss
+from rlcore.models import from_hf, load_causal_lm, preference_logps
 from rlcore.testing import assert_close, assert_no_host_sync
 from rlcore.testing.reference import dpo_step_ref, pair_logps_ref
 
@@ -48,6 +50,46 @@ def make_batch(seed, b=3, chosen_len=7, rejected_len=5, pad_id=0):
         ids, attention, mask = _side(g, b, length, pad_id)
         batch.update({f"{side}_input_ids": ids, f"{side}_attention_mask": attention, f"{side}_mask": mask})
     return batch
+
+
+def concatenated_logps(model, batch, *, reduce="sum", temperature=1.0):
+    """The padded path with a ``model(ids, attention_mask)`` callable, reduced like ``sequence_logps``."""
+    out = preference_logps(lambda _, ids, am: model(ids, am), None, batch, packed=False, temperature=temperature)
+    return _reduced(out, reduce)
+
+
+def packed_logps(apply, params, batch, *, reduce="sum", temperature=1.0):
+    return _reduced(preference_logps(apply, params, batch, temperature=temperature), reduce)
+
+
+def _reduced(out, reduce):
+    sides = []
+    for side in SIDES:
+        logps, n = out[f"{side}_logps"], out[f"{side}_lengths"]
+        sides.append(logps / n.clamp(min=1) if reduce == "mean" else logps)
+    return sides[0], sides[1]
+
+
+def _columns(policy, batch, reference=None, *, packed=False):
+    """The recipe's batch: the policy's forward, plus reference columns from the batch or a no-grad forward."""
+    if packed:
+        out = preference_logps(*policy, batch)
+    else:
+        out = preference_logps(lambda _, ids, am: policy(ids, am), None, batch, packed=False)
+    columns = dict(batch, **out)
+    if reference is not None:
+        with torch.no_grad():
+            if packed:
+                ref = preference_logps(*reference, batch)
+            else:
+                ref = preference_logps(lambda _, ids, am: reference(ids, am), None, batch, packed=False)
+        columns.update(ref_chosen_logps=ref["chosen_logps"], ref_rejected_logps=ref["rejected_logps"])
+    return columns
+
+
+def step(recipe, policy, batch, reference=None, *, num_pairs=None, packed=False):
+    """What an update stage does for a DPO recipe: forward, then ``recipe.loss``."""
+    return recipe.loss(_columns(policy, batch, reference, packed=packed), num_pairs=num_pairs)
 
 
 batches = st.builds(
@@ -135,23 +177,23 @@ def test_label_shift_by_hand():
 @given(batch=batches, seed=st.integers(1, 100))
 def test_step_matches_reference_with_model_or_columns(loss_type, reduce, batch, seed):
     policy, reference = CausalBag(0), CausalBag(seed)
-    step = dpo(beta=0.5, loss_type=loss_type, reduce=reduce)
-    loss, metrics = step(policy, batch, reference)
+    recipe = dpo(beta=0.5, loss_type=loss_type, reduce=reduce)
+    loss, metrics = step(recipe, policy, batch, reference)
     want = dpo_step_ref(policy, batch, reference, beta=0.5, loss_type=loss_type, reduce=reduce)
     assert loss.shape == () and loss.requires_grad
     assert_close(
         loss.detach(), torch.tensor(want, dtype=torch.float64), dtype=torch.float32, scale=10 * max(1, abs(want))
     )
-    ref_c, ref_r = concatenated_logps(reference, batch, reduce=reduce)
+    ref_c, ref_r = concatenated_logps(reference, batch)  # summed: the recipe applies reduce
     columns = dict(batch, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r)
-    from_columns, m2 = step(policy, columns)
+    from_columns, m2 = step(recipe, policy, columns)
     assert torch.equal(from_columns, loss)
     assert all(torch.equal(metrics[k], m2[k]) for k in metrics)
 
 
 def test_policy_equal_to_reference_gives_log2_and_only_the_policy_gets_gradients():
     policy, reference = CausalBag(0), CausalBag(0)
-    loss, metrics = dpo()(policy, make_batch(1, b=4), reference)
+    loss, metrics = step(dpo(), policy, make_batch(1, b=4), reference)
     assert_close(loss.detach(), torch.tensor(math.log(2.0)), dtype=torch.float32)
     assert float(metrics["margins"]) == 0.0 and float(metrics["accuracies"]) == 0.0
     loss.backward()
@@ -165,7 +207,7 @@ def test_policy_equal_to_reference_gives_log2_and_only_the_policy_gets_gradients
 @given(batch=batches)
 def test_gradients_match_per_sequence_forwards(batch):
     policy, reference = CausalBag(0, torch.float64), CausalBag(7, torch.float64)
-    loss, _ = dpo(beta=0.3)(policy, batch, reference)
+    loss, _ = step(dpo(beta=0.3), policy, batch, reference)
     got = torch.autograd.grad(loss, list(policy.parameters()))
     pc, pr = pair_logps_ref(policy, batch)
     with torch.no_grad():
@@ -179,8 +221,10 @@ def test_gradients_match_per_sequence_forwards(batch):
 def test_num_pairs_sets_the_denominator():
     policy, reference = CausalBag(0), CausalBag(1)
     batch = make_batch(2, b=3)
-    local, _ = dpo()(policy, batch, reference)
-    global_, _ = dpo()(policy, batch, reference, num_pairs=12)
+    local, _ = step(dpo(), policy, batch, reference)
+    global_, _ = step(dpo(), policy, batch, reference, num_pairs=12)
+    as_tensor, _ = step(dpo(), policy, batch, reference, num_pairs=torch.tensor(12))
+    assert torch.equal(as_tensor, global_)
     assert_close(global_.detach(), local.detach() * 3 / 12, dtype=torch.float32)
 
 
@@ -191,7 +235,7 @@ def test_replacing_the_loss_composes():
 
     policy, reference = CausalBag(0), CausalBag(1)
     batch = make_batch(4)
-    loss, metrics = DPO()._replace(loss=squared_margin)(policy, batch, reference)
+    loss, metrics = step(DPO()._replace(pair_loss=squared_margin), policy, batch, reference)
     pc, pr = concatenated_logps(policy, batch)
     rc, rr = concatenated_logps(reference, batch)
     assert_close(loss.detach(), (((pc - rc) - (pr - rr)) ** 2).mean().detach(), dtype=torch.float32, scale=10.0)
@@ -200,8 +244,10 @@ def test_replacing_the_loss_composes():
 
 def test_step_has_no_host_sync():
     policy, reference = CausalBag(0), CausalBag(1)
-    step = dpo(loss_type="ipo", reduce="mean")
-    assert_no_host_sync(step, policy, make_batch(6), reference)
+    recipe = dpo(loss_type="ipo", reduce="mean")
+    assert_no_host_sync(lambda *args: step(recipe, *args), policy, make_batch(6), reference)
+    columns = _columns(policy, make_batch(6), reference)
+    assert_no_host_sync(lambda b: recipe.loss(b, **recipe.global_counts(b)), columns)
 
 
 def test_tiny_qwen2_one_forward_matches_separate_sequences():
@@ -239,14 +285,17 @@ def test_bad_input():
         dpo(reduce="max")
     with pytest.raises(ValueError, match="label_smoothing"):
         dpo(loss_type="exo_pair")
-    with pytest.raises(ValueError, match="exactly one source"):
-        dpo()(policy, batch)
-    with pytest.raises(ValueError, match="exactly one source"):
-        dpo()(policy, dict(batch, ref_chosen_logps=torch.zeros(3), ref_rejected_logps=torch.zeros(3)), policy)
-    with pytest.raises(ValueError, match="exactly one source"):
-        dpo()(policy, dict(batch, ref_chosen_logps=torch.zeros(3)))
-    with pytest.raises(ValueError, match="ref_rejected.*expected \\(3\\)"):
-        dpo()(policy, dict(batch, ref_chosen_logps=torch.zeros(3), ref_rejected_logps=torch.zeros(2)))
+    with pytest.raises(ValueError, match="expected 'ref_chosen_logps', 'ref_rejected_logps'"):
+        step(dpo(), policy, batch)
+    with pytest.raises(ValueError, match="expected 'ref_rejected_logps'"):
+        step(dpo(), policy, dict(batch, ref_chosen_logps=torch.zeros(3)))
+    with pytest.raises(ValueError, match="ref_rejected_logps: got shape \\(2\\), expected \\(3\\)"):
+        step(dpo(), policy, dict(batch, ref_chosen_logps=torch.zeros(3), ref_rejected_logps=torch.zeros(2)))
+    with pytest.raises(ValueError, match="expected 'chosen_lengths', 'rejected_lengths'"):
+        columns = {k: torch.zeros(3) for k in algos.PAIR_COLUMNS}
+        dpo(reduce="mean").loss(columns)
+    with pytest.raises(ValueError, match="to count the pairs"):
+        dpo().global_counts({"mask": torch.ones(2, 2)})
     with pytest.raises(ValueError, match="batch: missing rejected_mask"):
         concatenated_logps(policy, {k: v for k, v in batch.items() if k != "rejected_mask"})
     with pytest.raises(ValueError, match="rejected_input_ids: got shape \\(2, 5\\), expected \\(3, \\*\\)"):
@@ -265,8 +314,9 @@ def test_bad_input():
         concatenated_logps(policy, dict(batch, chosen_input_ids=batch["chosen_input_ids"].float()))
     with pytest.raises(ValueError, match="logits: got shape"):
         concatenated_logps(lambda ids, am: torch.zeros(ids.shape[0], 3, 4), batch)
-    with pytest.raises(ValueError, match="num_pairs"):
-        dpo()(policy, batch, policy, num_pairs=0)
+    for bad in (-1, float("nan"), True, torch.tensor(-2), torch.ones(2)):
+        with pytest.raises(ValueError, match="num_pairs"):
+            step(dpo(), policy, batch, policy, num_pairs=bad)
 
 
 TINY_QWEN2 = {
@@ -315,12 +365,12 @@ def test_packed_step_equals_padded_step_values_and_gradients(dtype, tol):
     policy, reference = _qwen2(0, dtype), _qwen2(1, dtype)
     # Unequal sides (the padded pass pads rejected to 9) and ragged lengths within each.
     batch = make_batch(11, b=4, chosen_len=9, rejected_len=4)
-    packed_step, padded_step = dpo(beta=0.5, packed=True), dpo(beta=0.5)
-    loss, metrics = packed_step(from_hf(policy), batch, from_hf(reference))
+    recipe = dpo(beta=0.5)
+    loss, metrics = step(recipe, from_hf(policy), batch, from_hf(reference), packed=True)
     loss.backward()
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad(set_to_none=True)
-    want, want_metrics = padded_step(_padded(policy), batch, _padded(reference))
+    want, want_metrics = step(recipe, _padded(policy), batch, _padded(reference))
     want.backward()
     assert loss.dtype == want.dtype == torch.float32
     torch.testing.assert_close(loss, want, rtol=tol, atol=tol)
@@ -348,8 +398,8 @@ def test_packed_step_runs_one_row_of_the_real_tokens(qwen2_pair):
     batch = make_batch(4, b=3, chosen_len=8, rejected_len=3)
     ref_c, ref_r = concatenated_logps(_padded(qwen2_pair[1]), batch)
     columns = dict(batch, ref_chosen_logps=ref_c.detach(), ref_rejected_logps=ref_r.detach())
-    loss, _ = dpo(packed=True)((Recording(), params), columns)
-    want, _ = dpo()(_padded(qwen2_pair[0]), columns)
+    loss, _ = step(dpo(), (Recording(), params), columns, packed=True)
+    want, _ = step(dpo(), _padded(qwen2_pair[0]), columns)
     assert_close(loss.detach(), want.detach(), dtype=torch.float32)
     (ids, cu), *more = rows
     assert not more
@@ -371,14 +421,10 @@ def test_packed_bad_input(qwen2_pair):
     pair = from_hf(qwen2_pair[0])
     batch = make_batch(0)
     with pytest.raises(ValueError, match="packed: got 'yes', expected True or False"):
-        dpo(packed="yes")
-    with pytest.raises(ValueError, match="policy: got function, expected an \\(apply, params\\) pair"):
-        dpo(packed=True)(_padded(qwen2_pair[0]), batch, pair)
-    with pytest.raises(ValueError, match="reference: got function, expected an \\(apply, params\\) pair"):
-        dpo(packed=True)(pair, batch, _padded(qwen2_pair[0]))
-    with pytest.raises(ValueError, match="policy: got tuple, expected a model.*packed=True"):
-        dpo()(pair, batch, pair)
-    with pytest.raises(ValueError, match="reduce"):
-        packed_logps(*pair, batch, reduce="max")
+        preference_logps(*pair, batch, packed="yes")
+    with pytest.raises(ValueError, match="apply: got function without an output_weight.*packed=False"):
+        preference_logps(lambda p, ids, am: None, None, batch)
+    with pytest.raises(ValueError, match="apply: got tuple, expected apply\\(params, input_ids, attention_mask\\)"):
+        preference_logps(pair, None, batch, packed=False)
     with pytest.raises(ValueError, match="batch: missing rejected_mask"):
-        packed_logps(*pair, {k: v for k, v in batch.items() if k != "rejected_mask"})
+        preference_logps(*pair, {k: v for k, v in batch.items() if k != "rejected_mask"})

@@ -81,7 +81,8 @@ def _reference_loss(name, b):
 @settings(max_examples=15)
 @given(batch=recipe_batches())
 def test_recipe_loss_matches_the_composed_references(name, batch):
-    loss, metrics = RECIPES[name]().loss(batch)
+    algo = RECIPES[name]()
+    loss, metrics = algo.loss(algo.advantages(batch))
     want = _reference_loss(name, batch)
     assert loss.dim() == 0 and loss.dtype == torch.float32
     # float32 group statistics of close scores lose a few digits against float64.
@@ -145,8 +146,8 @@ def test_bfloat16_batch_matches_float32(batch):
     algo = algos.grpo()
     low = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() == 2 else v for k, v in batch.items()}
     # The float32 run sees the same bf16-rounded inputs: only the arithmetic differs.
-    want, _ = algo.loss({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in low.items()})
-    got, _ = algo.loss(low)
+    want, _ = algo.loss(algo.advantages({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in low.items()}))
+    got, _ = algo.loss(algo.advantages(low))
     assert got.dtype == torch.bfloat16
     assert_close(got, want.double(), dtype=torch.bfloat16, scale=max(1.0, abs(float(want))))
 
@@ -164,7 +165,7 @@ def test_on_policy_grpo_gradient_is_the_length_normalised_policy_gradient():
         "group_ids": torch.tensor([0, 0]),
         "mask": mask,
     }
-    loss, metrics = algos.grpo().loss(batch)
+    loss, metrics = algos.grpo().loss(algos.grpo().advantages(batch))
     loss.backward()
     a = 0.5 / (0.5**0.5 + 1e-6)  # (1 - 0.5) / (unbiased std of {1, 0} + eps)
     want = torch.tensor([[-a / 4, -a / 4, 0.0], [a / 6, a / 6, a / 6]], dtype=torch.float64)
@@ -200,7 +201,9 @@ def test_replacing_one_part_makes_a_new_algorithm():
         "group_ids": torch.tensor([0, 0, 1, 1]),
         "mask": torch.ones(4, 3, dtype=torch.bool),
     }
-    torch.testing.assert_close(gspo_from_grpo.loss(batch)[0], algos.gspo().loss(batch)[0])
+    torch.testing.assert_close(
+        gspo_from_grpo.loss(gspo_from_grpo.advantages(batch))[0], algos.gspo().loss(algos.gspo().advantages(batch))[0]
+    )
     assert algos.grpo().policy_loss.func is algos.ppo_clip_loss
 
 
@@ -225,7 +228,7 @@ def test_a_custom_algorithm_in_under_twenty_lines():
         "group_ids": torch.tensor([0, 0]),
         "mask": torch.tensor([[True, True], [True, False]]),
     }
-    loss, _ = my_algo.loss(batch)
+    loss, _ = my_algo.loss(my_algo.advantages(batch))
     # RLOO advantages +1 / -1; per token -A logp - 0.01 logp over 3 counted tokens.
     l2, l4 = torch.log(torch.tensor(0.5)), torch.log(torch.tensor(0.25))
     want = ((-l2 - 0.01 * l2) * 2 + (l4 - 0.01 * l4)) / 3
@@ -257,7 +260,9 @@ def test_bad_batches_raise_value_error():
     algo = algos.grpo()
     batch = {"logp": torch.zeros(2, 2), "old_logp": torch.zeros(2, 2), "mask": torch.ones(2, 2)}
     with pytest.raises(ValueError, match="'scores'"):
-        algo.loss(batch)
+        algo.advantages(batch)
+    with pytest.raises(ValueError, match="expected a 'advantages' entry \\(call algo.advantages\\(batch\\)"):
+        algo.loss({**batch, "scores": torch.zeros(2), "group_ids": torch.zeros(2, dtype=torch.long)})
     full = {**batch, "advantages": torch.zeros(2, 2)}
     with pytest.raises(ValueError, match="'ref_logp'"):
         algo.loss(full)
@@ -284,7 +289,7 @@ def test_whole_recipe_loss_has_no_host_sync(name):
         "mask": mask,
     }
     algo = RECIPES[name]()
-    assert_no_host_sync(functools.partial(algo.loss, **algos.global_counts(mask)), batch)
+    assert_no_host_sync(lambda b: algo.loss(algo.advantages(b), **algo.global_counts(b)), batch)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -333,7 +338,7 @@ def test_end_to_end_from_logits_with_the_ops_entropy_bonus():
             logq = torch.log_softmax(x, dim=-1)
             logp = logq.gather(-1, labels[..., None]).squeeze(-1)
             entropy = -(logq.exp() * logq).sum(-1)
-        loss, metrics = algo.loss({**base, "logp": logp, "entropy": entropy})
+        loss, metrics = algo.loss(algo.advantages({**base, "logp": logp, "entropy": entropy}))
         loss.backward()
         return x.grad, metrics
 

@@ -7,6 +7,7 @@ they trace cleanly under ``torch.compile``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 __all__ = [
     "check_choice",
+    "check_count",
     "check_floating",
     "check_integer",
     "check_ndim",
@@ -80,3 +82,27 @@ def check_positive(name: str, value: float, *, strict: bool = True) -> None:
     if bad:
         want = "> 0" if strict else ">= 0"
         raise ValueError(f"{name}: got {value!r}, expected a number {want}")
+
+
+def check_count(name: str, count: Any) -> None:
+    """A global count: ``None``, a finite number ``>= 0``, or a 0-d / one-element real tensor.
+
+    A tensor's value is read only when that stalls nothing (a CPU tensor in eager
+    mode); elsewhere only its shape and dtype are checked.
+    """
+    if count is None:
+        return
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(f"{name}: got a tensor of shape {_fmt(count.shape)}, expected a scalar")
+        if count.dtype == torch.bool or count.dtype.is_complex:
+            raise ValueError(f"{name}: got dtype {count.dtype}, expected an integer or floating-point count")
+        if count.device.type == "cpu" and not torch.compiler.is_compiling():
+            value = count.reshape(()).item()  # sync-ok: a CPU tensor in eager mode
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: got {value!r}, expected a finite count >= 0")
+        return
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise ValueError(f"{name}: got {type(count).__name__}, expected None, a number or a scalar tensor")
+    if not (math.isfinite(count) and count >= 0):
+        raise ValueError(f"{name}: got {count!r}, expected a finite count >= 0")

@@ -17,7 +17,8 @@ from rlcore.algos.advantages import (
     rloo_advantages,
 )
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
-from rlcore.algos.dpo_recipe import DPO, concatenated_logps, dpo, packed_logps
+from rlcore.algos.collectives import group_sum, resolve_process_group
+from rlcore.algos.dpo_recipe import DPO, PAIR_COLUMNS, dpo
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
     KL_ESTIMATORS,
@@ -76,6 +77,7 @@ __all__: list[str] = [
     "DPO",
     "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
+    "PAIR_COLUMNS",
     "Algorithm",
     "KLController",
     "KLControllerState",
@@ -87,7 +89,6 @@ __all__: list[str] = [
     "chain",
     "cispo_loss",
     "clip_rewards",
-    "concatenated_logps",
     "cpo_loss",
     "dapo",
     "dpo",
@@ -103,6 +104,7 @@ __all__: list[str] = [
     "gmpo_loss",
     "gpg_advantages",
     "gpg_loss",
+    "group_sum",
     "grpo",
     "grpo_advantages",
     "gspo",
@@ -117,7 +119,6 @@ __all__: list[str] = [
     "outcome_advantages",
     "overlong_penalty",
     "overlong_shaping",
-    "packed_logps",
     "passk_advantages",
     "ppo",
     "ppo_clip_loss",
@@ -127,6 +128,7 @@ __all__: list[str] = [
     "reinforce_pp_baseline_advantages",
     "rejection_mask",
     "remax_advantages",
+    "resolve_process_group",
     "rloo",
     "rloo_advantages",
     "running_reward_normalizer",

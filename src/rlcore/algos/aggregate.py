@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-from rlcore._checks import check_choice, check_ndim, check_positive, check_same_shape, check_tensor
+from rlcore._checks import check_choice, check_count, check_ndim, check_positive, check_same_shape, check_tensor
+from rlcore.algos.collectives import group_sum
 from rlcore.ops import masked_sum
 from rlcore.ops._accum import acc_dtype
 
@@ -48,16 +47,6 @@ def _row_sums(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.where(mask, loss, 0.0).sum(-1)
     return masked_sum(loss, mask, dim=-1)
-
-
-def _check_count(name: str, count: Count | None) -> None:
-    if count is None or isinstance(count, torch.Tensor):
-        if isinstance(count, torch.Tensor) and count.numel() != 1:
-            raise ValueError(f"{name}: got a tensor of shape {tuple(count.shape)}, expected a scalar")
-        return
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
-        raise ValueError(f"{name}: got {type(count).__name__}, expected None, a number or a scalar tensor")
-    check_positive(name, count, strict=False)
 
 
 def aggregate(
@@ -115,8 +104,8 @@ def aggregate(
     check_ndim("loss_t", loss_t, 2)
     check_same_shape("mask", mask, "loss_t", loss_t)
     check_choice("mode", mode, AGGREGATION_MODES)
-    _check_count("num_tokens", num_tokens)
-    _check_count("num_seqs", num_seqs)
+    check_count("num_tokens", num_tokens)
+    check_count("num_seqs", num_seqs)
     if horizon is not None:
         if isinstance(horizon, bool) or not isinstance(horizon, (int, float)):
             raise ValueError(f"horizon: got {type(horizon).__name__}, expected a positive number")
@@ -170,8 +159,5 @@ def global_counts(mask: torch.Tensor, *, process_group: Any = None) -> dict[str,
     else:
         weights = (mask != 0).long()
     seqs = (mask != 0).any(dim=-1).sum().to(weights.dtype)
-    counts = torch.stack([weights.sum(), seqs])
-    if process_group is not None:
-        pg = process_group.get_group() if isinstance(process_group, DeviceMesh) else process_group
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=pg)
+    counts = group_sum(torch.stack([weights.sum(), seqs]), process_group=process_group)
     return {"num_tokens": counts[0], "num_seqs": counts[1]}

@@ -1,55 +1,24 @@
-"""Sequence log-probabilities for preference losses, and the pieces the losses share.
+"""The pieces the preference losses share; :func:`rlcore.ops.sequence_logps` is re-exported here.
 
 A preference loss scores whole responses: it takes per-sequence log-probabilities
-``[B]`` (from :func:`sequence_logps`), never token tensors, so the same loss serves a
-padded batch, a packed one, or values precomputed offline.
+``[B]`` (from :func:`rlcore.ops.sequence_logps` or
+:func:`rlcore.models.preference_logps`), never token tensors, so the same loss serves
+a padded batch, a packed one, or values precomputed offline.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlcore._checks import check_choice, check_floating, check_ndim, check_same_shape
-from rlcore.ops import masked_mean, masked_sum
+from rlcore._checks import check_floating, check_ndim, check_same_shape
+from rlcore.ops import SEQUENCE_REDUCTIONS, sequence_logps
 
 __all__ = ["sequence_logps"]
 
-REDUCTIONS = ("sum", "mean")
+REDUCTIONS = SEQUENCE_REDUCTIONS
 
 # Beyond exp(_EXP_CAP) the exponential is continued linearly: see _capped_exp.
 _EXP_CAP = 20.0
-
-
-def sequence_logps(logp: torch.Tensor, mask: torch.Tensor, *, reduce: str = "sum") -> torch.Tensor:
-    """Per-sequence log-probability from token log-probs: the masked sum, or its length-normalised mean.
-
-    DPO (Rafailov et al., 2023, arXiv:2305.18290) scores a response by
-    ``log pi(y|x) = sum_t log pi(y_t | x, y_<t)``; SimPO (Meng et al., 2024,
-    arXiv:2405.14734) and ORPO (Hong et al., 2024, arXiv:2403.07691) use the average
-    ``(1/|y|) sum_t log pi(y_t | x, y_<t)``, and TRL runs IPO on it too.
-
-    Args:
-      logp: ``[B, T]`` token log-probs; positions outside the mask may hold anything,
-        ``nan`` included.
-      mask: ``[B, T]``, 1 on the response tokens that count (bool or 0/1).
-      reduce: ``"sum"`` or ``"mean"`` (length-normalised).
-
-    Returns:
-      ``[B]`` in ``logp.dtype`` (float32 accumulation); a row with an empty mask gives 0.
-
-    >>> logp = torch.tensor([[-1.0, -2.0, float("nan")], [-0.5, -0.5, -0.5]])
-    >>> mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    >>> sequence_logps(logp, mask)
-    tensor([-3.0000, -1.5000])
-    >>> sequence_logps(logp, mask, reduce="mean")
-    tensor([-1.5000, -0.5000])
-    """
-    check_choice("reduce", reduce, REDUCTIONS)
-    check_floating("logp", logp)
-    check_ndim("logp", logp, 2)
-    check_same_shape("mask", mask, "logp", logp)
-    reducer = masked_sum if reduce == "sum" else masked_mean
-    return reducer(logp, mask, dim=-1)
 
 
 def _check_sequences(**tensors: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Tensor primitives: masked and segment reductions, linear scans, token log-probs.
+"""Tensor primitives: masked and segment reductions, linear scans, token and sequence log-probs.
 
 Pure tensor-in, tensor-out functions with float32 accumulation and no host syncs.
 """
@@ -8,8 +8,10 @@ from rlcore.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from rlcore.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlcore.ops.scan import discounted_cumsum, reverse_linear_scan
 from rlcore.ops.segment import segment_count, segment_mean, segment_mean_std, segment_std, segment_sum
+from rlcore.ops.sequence import SEQUENCE_REDUCTIONS, sequence_logps
 
 __all__ = [
+    "SEQUENCE_REDUCTIONS",
     "discounted_cumsum",
     "entropy_from_logits",
     "linear_logprobs",
@@ -24,4 +26,5 @@ __all__ = [
     "segment_mean_std",
     "segment_std",
     "segment_sum",
+    "sequence_logps",
 ]

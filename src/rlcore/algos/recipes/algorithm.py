@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlcore.algos.aggregate import aggregate
+from rlcore.algos.aggregate import aggregate, global_counts
 
 __all__ = ["Algorithm", "Batch", "chain"]
 
@@ -94,16 +94,26 @@ class Algorithm(NamedTuple):
             batch = self.shaping(batch)
         return {**batch, **self.advantage_estimator(batch)}
 
+    def global_counts(self, batch: Batch, *, process_group: Any = None) -> dict[str, torch.Tensor]:
+        """``{"num_tokens", "num_seqs"}`` of ``batch["mask"]``, summed over ``process_group`` when given.
+
+        :func:`rlcore.algos.global_counts` of the batch's mask: take it from the whole
+        local batch after :meth:`advantages` (filters may zero rows of the mask) and
+        before splitting it, and pass it to :meth:`loss` as ``**counts``.
+        """
+        return global_counts(_get(batch, "mask", "the token mask"), process_group=process_group)
+
     def loss(
         self, batch: Batch, *, num_tokens: Count | None = None, num_seqs: Count | None = None
     ) -> tuple[torch.Tensor, Metrics]:
         """The scalar training loss of a (micro-)batch and detached metrics.
 
         ``loss = aggregate(policy_t + kl_coef * kl_t - entropy_coef * entropy_t)
-        + vf_coef * aggregate(value_t)``, all with ``agg_mode``. Without an
-        ``"advantages"`` entry the batch goes through :meth:`advantages` first (fine for
-        a whole batch, wrong for a micro-batch of a grouped estimator). With the global
-        counts of the whole batch, the losses of its micro-batches add up to the loss of
+        + vf_coef * aggregate(value_t)``, all with ``agg_mode``. The batch must hold
+        ``"advantages"`` (from :meth:`advantages` on the whole batch: a grouped
+        estimator run on a micro-batch would be silently wrong, so a missing entry is a
+        ``ValueError``). With the global counts of the whole batch
+        (:meth:`global_counts`), the losses of its micro-batches add up to the loss of
         the whole batch (see :func:`rlcore.algos.aggregate`).
 
         Returns:
@@ -111,8 +121,9 @@ class Algorithm(NamedTuple):
           ``entropy``, ``vf_loss`` (each term aggregated like the loss), ``vf_clip_frac``,
           ``vf_mse`` where those terms are on.
         """
-        if "advantages" not in batch:
-            batch = self.advantages(batch)
+        advantages = _get(
+            batch, "advantages", "call algo.advantages(batch) once on the whole batch before splitting it"
+        )
         mask = _get(batch, "mask", "the token mask")
         keep = mask != 0
         counts = {"num_tokens": num_tokens, "num_seqs": num_seqs}
@@ -122,7 +133,7 @@ class Algorithm(NamedTuple):
 
         logp = _get(batch, "logp", "current-policy log-probs")
         old_logp = _get(batch, "old_logp", "rollout-policy log-probs")
-        pg_t, metrics = self.policy_loss(logp, old_logp, batch["advantages"], mask)
+        pg_t, metrics = self.policy_loss(logp, old_logp, advantages, mask)
         if "is_weights" in batch:
             pg_t = pg_t * torch.where(keep, batch["is_weights"].detach(), 0.0).to(pg_t.dtype)
         # aggregate is linear in loss_t, so each term is aggregated on its own: the
