@@ -17,6 +17,7 @@ __all__ = [
     "check_choice",
     "check_count",
     "check_floating",
+    "check_group_ids",
     "check_integer",
     "check_ndim",
     "check_positive",
@@ -78,8 +79,9 @@ def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
 
 
 def check_positive(name: str, value: float, *, strict: bool = True) -> None:
-    bad = value <= 0 if strict else value < 0
-    if bad:
+    """``value > 0`` (``>= 0`` with ``strict=False``); NaN fails both."""
+    ok = value > 0 if strict else value >= 0
+    if not ok:
         want = "> 0" if strict else ">= 0"
         raise ValueError(f"{name}: got {value!r}, expected a number {want}")
 
@@ -106,3 +108,19 @@ def check_count(name: str, count: Any) -> None:
         raise ValueError(f"{name}: got {type(count).__name__}, expected None, a number or a scalar tensor")
     if not (math.isfinite(count) and count >= 0):
         raise ValueError(f"{name}: got {count!r}, expected a finite count >= 0")
+
+
+def check_group_ids(group_ids: torch.Tensor, num_segments: int) -> None:
+    """Every id in ``[0, num_segments)``: read only where that stalls nothing (a CPU tensor in eager mode).
+
+    On an accelerator, or while compiling, the values are not read (an out-of-range id
+    then fails inside the scatter kernel); the shape and dtype checks still run.
+    """
+    if group_ids.numel() == 0 or group_ids.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    low, high = int(group_ids.min()), int(group_ids.max())  # sync-ok: a CPU tensor in eager mode
+    if low < 0 or high >= num_segments:
+        raise ValueError(
+            f"group_ids: got ids in [{low}, {high}], expected ids in [0, {num_segments}) "
+            f"(num_segments/num_groups is {num_segments}; renumber the groups 0..G-1)"
+        )

@@ -5,6 +5,7 @@ no host syncs.
 """
 
 from rlcore.algos.advantages import (
+    batch_moments,
     batch_normalize,
     gae,
     gpg_advantages,
@@ -85,6 +86,7 @@ __all__: list[str] = [
     "RunningMomentsState",
     "adaptive_kl_controller",
     "aggregate",
+    "batch_moments",
     "batch_normalize",
     "chain",
     "cispo_loss",

@@ -14,10 +14,17 @@ from typing import Any
 
 import torch
 
-from rlcore._checks import check_choice, check_count, check_ndim, check_positive, check_same_shape, check_tensor
+from rlcore._checks import (
+    check_choice,
+    check_count,
+    check_floating,
+    check_ndim,
+    check_positive,
+    check_same_shape,
+    check_tensor,
+)
 from rlcore.algos.collectives import group_sum
-from rlcore.ops import masked_sum
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype, masked_sum, saturating_cast
 
 __all__ = ["AGGREGATION_MODES", "aggregate", "global_counts"]
 
@@ -100,7 +107,7 @@ def aggregate(
     >>> aggregate(loss_t[:1], mask[:1], mode="token-mean", num_tokens=4)
     tensor(1.5000)
     """
-    check_tensor("loss_t", loss_t)
+    check_floating("loss_t", loss_t)
     check_ndim("loss_t", loss_t, 2)
     check_same_shape("mask", mask, "loss_t", loss_t)
     check_choice("mode", mode, AGGREGATION_MODES)
@@ -113,12 +120,12 @@ def aggregate(
     acc = acc_dtype(loss_t.dtype)
     per_seq = _row_sums(loss_t.to(acc), mask)
     if mode == "token-sum":
-        return per_seq.sum().to(loss_t.dtype)
+        return saturating_cast(per_seq.sum(), loss_t.dtype)
     row_weight = mask.sum(-1, dtype=acc)
     if mode == "token-mean":
         total = per_seq.sum()
         count = row_weight.sum() if num_tokens is None else num_tokens
-        return (total / _safe_den(count, total)).to(loss_t.dtype)
+        return saturating_cast(total / _safe_den(count, total), loss_t.dtype)
     if mode == "seq-mean-token-mean":
         # A sum over a count, not ops.masked_mean: its exact-pivot shift buys accuracy
         # for variances, which a plain mean of losses does not need.
@@ -128,8 +135,9 @@ def aggregate(
     total = per_seq.sum()
     den = _safe_den(num_seqs, total)
     if mode == "seq-mean-token-sum-norm":
-        den = den * (loss_t.shape[-1] if horizon is None else horizon)
-    return (total / den).to(loss_t.dtype)
+        # T = 0 (no tokens, so total is 0) must give 0, not 0 / 0.
+        den = den * (max(loss_t.shape[-1], 1) if horizon is None else horizon)
+    return saturating_cast(total / den, loss_t.dtype)
 
 
 def global_counts(mask: torch.Tensor, *, process_group: Any = None) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 
 from rlcore._checks import check_choice, check_floating, check_ndim, check_positive, check_same_shape
 from rlcore.algos._groups import check_outcome
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype
 
 __all__ = ["dynamic_sampling_indices", "dynamic_sampling_mask", "rejection_mask", "truncated_is_weights"]
 

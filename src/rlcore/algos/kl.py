@@ -13,9 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from rlcore._checks import check_choice, check_floating, check_ndim, check_positive, check_same_shape
-from rlcore.ops import masked_mean, masked_sum
-from rlcore.ops._accum import acc_dtype
+from rlcore._checks import check_choice, check_count, check_floating, check_ndim, check_positive, check_same_shape
+from rlcore.ops import acc_dtype, masked_mean, masked_sum
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -207,7 +206,8 @@ def adaptive_kl_controller(*, init_kl_coef: float = 0.2, target: float = 6.0, ho
     sequence KL, horizon 10000 samples).
 
     Formula: ``e = clip(KL / target - 1, -0.2, 0.2)``,
-    ``beta <- beta * (1 + e * n_steps / horizon)``.
+    ``beta <- beta * (1 + e * n_steps / horizon)``. A non-finite ``KL`` leaves ``beta``
+    unchanged (the observation is skipped, without a host sync).
 
     Args:
       init_kl_coef: the starting ``beta`` (>= 0).
@@ -227,9 +227,14 @@ def adaptive_kl_controller(*, init_kl_coef: float = 0.2, target: float = 6.0, ho
     check_positive("horizon", horizon)
 
     def update(kl: torch.Tensor | float, state: KLControllerState, *, n_steps: int | torch.Tensor) -> KLControllerState:
+        check_count("n_steps", n_steps)
         coef = state.kl_coef
         kl_t = torch.as_tensor(kl, dtype=coef.dtype, device=coef.device).detach()
+        steps = torch.as_tensor(n_steps, dtype=coef.dtype, device=coef.device)
         error = torch.clamp(kl_t / target - 1.0, min=-0.2, max=0.2)
-        return KLControllerState(coef * (1.0 + error * n_steps / horizon))
+        # A non-finite KL observation (or step count) is skipped, never absorbed: one
+        # NaN would otherwise make every later coefficient NaN.
+        new = coef * (1.0 + error * steps / horizon)
+        return KLControllerState(torch.where(torch.isfinite(kl_t) & torch.isfinite(steps), new, coef))
 
     return KLController(_init(init_kl_coef), update)

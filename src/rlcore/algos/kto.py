@@ -6,8 +6,7 @@ import torch
 
 from rlcore._checks import check_positive, check_same_shape
 from rlcore.algos.preference import _check_sequences
-from rlcore.ops import masked_mean
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype, masked_mean
 
 __all__ = ["kto_loss"]
 

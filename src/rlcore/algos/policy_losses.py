@@ -7,7 +7,10 @@ Every loss takes ``(logp, old_logp, advantages, mask)``, all ``[B, T]``, and ret
 
 Numerics: the log-ratio is formed in float32 (float64 for float64 inputs) and clamped
 to ``[-20, 20]`` before ``exp``, so a stale or corrupted token cannot overflow the
-ratio to ``inf``; beyond the clamp its gradient is 0. Inputs at mask-0 positions never
+ratio to ``inf``; beyond the clamp its gradient is 0. The loss is computed in that
+precision and rounded to ``logp``'s dtype with saturation: in float16 (largest finite
+65504, below ``exp(12)``) a per-token loss or gradient beyond the range becomes
+``±65504``, never ``inf``; bfloat16 has float32's range. Inputs at mask-0 positions never
 reach the loss or its gradient, even when they are ``nan`` (padding).
 
 Metrics (all masked means over the counted tokens unless named otherwise):
@@ -27,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from rlcore._checks import check_floating, check_ndim, check_positive, check_same_shape
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype, saturating_cast
 
 __all__ = ["cispo_loss", "gmpo_loss", "gpg_loss", "gspo_loss", "ppo_clip_loss", "reinforce_loss", "sapo_loss"]
 
@@ -62,7 +65,7 @@ class _LocalGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(logp: torch.Tensor, loss: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return loss.to(logp.dtype)
+        return saturating_cast(loss, logp.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
@@ -73,7 +76,7 @@ class _LocalGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[no-untyped-def,override]
         (dloss,) = ctx.saved_tensors
-        return (g.to(dloss.dtype) * dloss).to(ctx.dtype), None, None
+        return saturating_cast(g.to(dloss.dtype) * dloss, ctx.dtype), None, None
 
 
 class _Tokens(NamedTuple):
@@ -114,6 +117,10 @@ def _mean(x: torch.Tensor, tok: _Tokens) -> torch.Tensor:
 def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, tok: _Tokens) -> Metrics:
     """``approx_kl`` and ratio statistics over the counted tokens (0 for an empty mask)."""
     with torch.no_grad():
+        if ratio.numel() == 0:
+            # An empty batch (e.g. dynamic sampling dropped every group): zero metrics.
+            zero = ratio.new_zeros((), dtype=torch.float32)
+            return {"approx_kl": zero, "ratio_mean": zero, "ratio_min": zero, "ratio_max": zero}
         rmin = torch.where(tok.keep, ratio, torch.inf).amin()
         return {
             "approx_kl": _mean(ratio - 1.0 - log_ratio, tok),
@@ -498,4 +505,4 @@ def gmpo_loss(
     with torch.no_grad():
         metrics["clip_frac_low"] = _mean((nadv > 0) & (log_ratio < -clip_low), tok)
         metrics["clip_frac_high"] = _mean((nadv < 0) & (log_ratio > clip_high), tok)
-    return loss.to(logp.dtype), metrics
+    return saturating_cast(loss, logp.dtype), metrics

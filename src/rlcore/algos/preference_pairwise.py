@@ -21,7 +21,7 @@ from rlcore.algos.preference import (
     _pair_metrics,
     _smoothed_logistic,
 )
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype
 
 __all__ = ["DIVERGENCES", "DPO_LOSS_TYPES", "dpo_loss"]
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from rlcore._checks import check_positive
 from rlcore.algos.preference import _check_label_smoothing, _check_sequences, _pair_metrics, _smoothed_logistic
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype
 
 __all__ = ["cpo_loss", "orpo_loss", "simpo_loss"]
 

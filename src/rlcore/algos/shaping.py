@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import torch
 
 from rlcore._checks import check_floating, check_ndim, check_positive, check_same_shape, check_tensor
-from rlcore.algos.advantages.normalize import _centred_moments
-from rlcore.ops._accum import acc_dtype
+from rlcore.algos.advantages.normalize import batch_moments
+from rlcore.ops import acc_dtype
 
 __all__ = [
     "RewardNormalizer",
@@ -192,7 +192,7 @@ def running_reward_normalizer(*, shift_mean: bool = True, eps: float = 1e-8) -> 
         # Batch statistics in float64 too: they are merged into float64 state, and a
         # float32 batch mean of rewards near 1e4 would be off by 5e-4.
         x = rewards.detach().to(torch.float64)
-        _, n_b, mean_b, m2_b = _centred_moments(x, mask, process_group)
+        _, n_b, mean_b, m2_b = batch_moments(x, mask, process_group=process_group)
         n_a, mean_a, m2_a = state
         n = n_a + n_b
         delta = mean_b - mean_a

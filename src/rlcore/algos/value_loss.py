@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlcore._checks import check_floating, check_ndim, check_positive, check_same_shape
-from rlcore.ops import masked_mean
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype, masked_mean
 
 __all__ = ["value_loss"]
 

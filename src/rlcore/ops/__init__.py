@@ -5,13 +5,15 @@ Pure tensor-in, tensor-out functions with float32 accumulation and no host syncs
 
 from rlcore.ops.linear_logprobs import linear_logprobs
 from rlcore.ops.logprobs import entropy_from_logits, logprobs_from_logits
-from rlcore.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlcore.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten, pivot_shift
+from rlcore.ops.numerics import acc_dtype, pow2_scale, safe_div, saturating_cast
 from rlcore.ops.scan import discounted_cumsum, reverse_linear_scan
-from rlcore.ops.segment import segment_count, segment_mean, segment_mean_std, segment_std, segment_sum
+from rlcore.ops.segment import segment_centred, segment_count, segment_mean, segment_mean_std, segment_std, segment_sum
 from rlcore.ops.sequence import SEQUENCE_REDUCTIONS, sequence_logps
 
 __all__ = [
     "SEQUENCE_REDUCTIONS",
+    "acc_dtype",
     "discounted_cumsum",
     "entropy_from_logits",
     "linear_logprobs",
@@ -20,7 +22,12 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "pivot_shift",
+    "pow2_scale",
     "reverse_linear_scan",
+    "safe_div",
+    "saturating_cast",
+    "segment_centred",
     "segment_count",
     "segment_mean",
     "segment_mean_std",

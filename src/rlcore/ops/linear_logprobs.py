@@ -17,7 +17,6 @@ from typing import Literal, overload
 import torch
 
 from rlcore._checks import check_floating, check_ndim, check_tensor
-from rlcore.ops._accum import acc_dtype
 from rlcore.ops.logprobs import (
     _check_chunk_size,
     _check_labels,
@@ -25,6 +24,7 @@ from rlcore.ops.logprobs import (
     _chunks,
     _poison_invalid,
 )
+from rlcore.ops.numerics import acc_dtype
 
 __all__ = ["linear_logprobs"]
 

@@ -21,7 +21,7 @@ from typing import Literal, overload
 import torch
 
 from rlcore._checks import check_floating, check_integer, check_positive, check_tensor
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops.numerics import acc_dtype
 
 __all__ = ["entropy_from_logits", "logprobs_from_logits"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from rlcore._checks import check_floating, check_same_shape, check_tensor
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops.numerics import acc_dtype, pow2_scale, safe_div
 
-__all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten"]
+__all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten", "pivot_shift"]
 
 Dim = int | tuple[int, ...] | None
 
@@ -34,22 +34,29 @@ def _reduce(t: torch.Tensor, dim: Dim, keepdim: bool) -> torch.Tensor:
     return t.sum(dim=dim, keepdim=keepdim)
 
 
-def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    # The denominator is replaced where it is 0 (the numerator is 0 there too), so
-    # neither the value nor its gradient can become NaN.
-    return num / torch.where(den > 0, den, torch.ones_like(den))
-
-
-def _shifted(
-    x: torch.Tensor, mask: torch.Tensor, dim: Dim
+def pivot_shift(
+    x: torch.Tensor, mask: torch.Tensor, dim: Dim = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d, m, pivot, count)``: values shifted by a per-slice pivot, the weights, the pivot, the count.
+    """Values shifted by each slice's smallest counted value (an exact pivot), with the weights and counts.
 
-    The pivot is the smallest counted value of the slice (0 where nothing counts).
-    Shifting by an element of the data makes the mean of a constant slice exact and
-    keeps the two-pass variance accurate for values far from 0 (1e4 + noise in
-    float32); statistics do not depend on the shift, so it carries no gradient.
-    Reductions keep their dimensions.
+    The shift the masked statistics share: subtracting an element of the data makes
+    the mean of a constant slice exact and keeps the two-pass variance accurate for
+    values far from 0 (``1e4 + noise`` in float32). Statistics do not depend on the
+    shift, so the pivot carries no gradient. Reductions keep their dimensions.
+
+    Args:
+      x: values, any shape.
+      mask: same shape; nonzero marks an element that counts (fractional values weigh).
+      dim: dimension(s) of a slice; all when ``None``.
+
+    Returns:
+      ``(d, m, pivot, count)`` in the accumulation dtype: ``d = x - pivot`` where the
+      mask is set and 0 elsewhere, ``m`` the mask as weights, ``pivot`` (0 where
+      nothing counts) and ``count = sum(m)`` with kept dimensions.
+
+    >>> d, m, pivot, count = pivot_shift(torch.tensor([5.0, 3.0, -9.0]), torch.tensor([1, 1, 0]))
+    >>> d, pivot, count
+    (tensor([2., 0., 0.]), tensor(3.), tensor(2.))
     """
     check_tensor("x", x)
     check_same_shape("mask", mask, "x", x)
@@ -69,14 +76,22 @@ def _shifted(
 
 def _moments(
     x: torch.Tensor, mask: torch.Tensor, dim: Dim, unbiased: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dev, m, mean, var)`` with kept dims; ``dev`` is ``x - mean`` computed without rounding the mean."""
-    d, m, pivot, count = _shifted(x, mask, dim)
-    mean_d = _safe_div(_reduce(d * m, dim, True), count)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dev, m, mean, var_s, scale)`` with kept dims; ``var = var_s * scale**2``.
+
+    ``dev`` is ``x - mean`` computed without rounding the mean. The squares are taken
+    of ``dev / scale``, with ``scale`` a power of two near the slice's mean deviation
+    from its pivot, so a spread beyond ``sqrt(float32 max) ~ 1.8e19`` does not
+    overflow (it used to turn the variance into inf and the whitened values into 0).
+    """
+    d, m, pivot, count = pivot_shift(x, mask, dim)
+    mean_d = safe_div(_reduce(d * m, dim, True), count)
     dev = torch.where(m != 0, d - mean_d, 0.0)
+    scale = pow2_scale(mean_d)
+    dev_s = dev / scale
     den = count - 1 if unbiased else count
-    var = _safe_div(_reduce(dev * dev * m, dim, True), den) * (den > 0)
-    return dev, m, pivot + mean_d, var
+    var_s = safe_div(_reduce(dev_s * dev_s * m, dim, True), den) * (den > 0)
+    return dev, m, pivot + mean_d, var_s, scale
 
 
 def _squeeze(t: torch.Tensor, dim: Dim, keepdim: bool) -> torch.Tensor:
@@ -112,8 +127,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim
     >>> masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1, 1], [0, 0]]), dim=1)
     tensor([2., 0.])
     """
-    d, m, pivot, count = _shifted(x, mask, dim)
-    mean = pivot + _safe_div(_reduce(d * m, dim, True), count)
+    d, m, pivot, count = pivot_shift(x, mask, dim)
+    mean = pivot + safe_div(_reduce(d * m, dim, True), count)
     return _squeeze(mean, dim, keepdim).to(x.dtype)
 
 
@@ -128,8 +143,8 @@ def masked_var(
     >>> masked_var(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0]))
     tensor(2.)
     """
-    _, _, _, var = _moments(x, mask, dim, unbiased)
-    return _squeeze(var, dim, keepdim).to(x.dtype)
+    _, _, _, var_s, scale = _moments(x, mask, dim, unbiased)
+    return _squeeze(var_s * scale * scale, dim, keepdim).to(x.dtype)
 
 
 def masked_whiten(
@@ -159,12 +174,13 @@ def masked_whiten(
     tensor([-0.7071,  0.7071,  0.0000])
     """
     check_floating("values", values)
-    dev, m, mean, var = _moments(values, mask, dim, unbiased)
-    # A constant slice with eps=0 has var + eps == 0: its deviations are exactly 0 and
-    # stay 0 (not 0 * inf = NaN), in value and gradient.
-    v = var + eps
+    dev, m, mean, var_s, scale = _moments(values, mask, dim, unbiased)
+    # In units of scale: (dev / scale) / sqrt(var / scale^2 + eps / scale^2). A constant
+    # slice with eps=0 has var + eps == 0: its deviations are exactly 0 and stay 0 (not
+    # 0 * inf = NaN), in value and gradient.
+    v = var_s + eps / (scale * scale)
     positive = v > 0
-    out = dev * torch.where(positive, torch.rsqrt(torch.where(positive, v, torch.ones_like(v))), 0.0)
+    out = (dev / scale) * torch.where(positive, torch.rsqrt(torch.where(positive, v, torch.ones_like(v))), 0.0)
     if not shift_mean:
         out = out + mean
     return torch.where(m != 0, out, 0.0).to(values.dtype)

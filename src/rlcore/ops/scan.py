@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore._checks import check_floating, check_tensor
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops.numerics import acc_dtype
 
 __all__ = ["discounted_cumsum", "reverse_linear_scan"]
 

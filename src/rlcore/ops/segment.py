@@ -4,21 +4,36 @@ Groups are given by an integer ``group_ids`` tensor ``[B]``; they need not be
 contiguous or of equal size. Every result has one row per segment,
 ``[num_segments, *x.shape[1:]]``; empty segments give 0.
 
-Exactness: each group is shifted by its own minimum (an exact pivot) before the sums
-are taken, so a group whose values are all equal has a mean equal to that value and a
+Exactness: statistics accumulate in float64 (float32, bfloat16 and float16 sums of a
+group are then exact; float64 input is first shifted by its group's minimum, an exact
+pivot), so a group whose values are all equal has a mean equal to that value and a
 std of exactly 0 in any dtype — peers that take ``E[x^2] - E[x]^2`` or an unshifted
 float32 mean return spurious stds of 1e-7..1e-3 there and turn them into advantages
-of size ~1. The pivot also keeps the two-pass variance accurate for groups far from 0.
+of size ~1. The two-pass variance stays accurate for groups far from 0, and squares
+of float32 spreads up to ``3e38`` cannot overflow (in float32 they overflow beyond
+``1.8e19``, which turned the std into inf and the advantages into 0).
+
+Non-finite values: a NaN or inf in a group makes that group's mean and std NaN (and
+its members' centred values), never another group's, and never a silent 0.
 """
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
-from rlcore._checks import check_integer, check_ndim, check_tensor
-from rlcore.ops._accum import acc_dtype
+from rlcore._checks import check_group_ids, check_integer, check_ndim, check_tensor
+from rlcore.ops.numerics import acc_dtype, safe_div
 
-__all__ = ["segment_count", "segment_mean", "segment_mean_std", "segment_std", "segment_sum"]
+__all__ = [
+    "segment_centred",
+    "segment_count",
+    "segment_mean",
+    "segment_mean_std",
+    "segment_std",
+    "segment_sum",
+]
 
 
 def _check(x: torch.Tensor, group_ids: torch.Tensor, num_segments: int | None) -> int:
@@ -33,15 +48,14 @@ def _check(x: torch.Tensor, group_ids: torch.Tensor, num_segments: int | None) -
     if num_segments is None:
         if group_ids.numel() == 0:
             return 0
-        return int(group_ids.max()) + 1  # sync-ok: documented default; pass num_segments to avoid it
+        low, high = int(group_ids.min()), int(group_ids.max())  # sync-ok: documented default
+        if low < 0:
+            raise ValueError(f"group_ids: got ids in [{low}, {high}], expected non-negative ids")
+        return high + 1
     if isinstance(num_segments, bool) or not isinstance(num_segments, int) or num_segments < 0:
         raise ValueError(f"num_segments: got {num_segments!r}, expected a non-negative int")
+    check_group_ids(group_ids, num_segments)
     return num_segments
-
-
-def _index(group_ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    idx = group_ids.long()
-    return idx.view(-1, *([1] * (like.dim() - 1))).expand_as(like)
 
 
 def _sum(x: torch.Tensor, group_ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -54,24 +68,38 @@ def _count(group_ids: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     return _sum(ones, group_ids, n)
 
 
+def _gather(t: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    # index_select, not t[group_ids]: advanced indexing is several times slower.
+    return t.index_select(0, group_ids)
+
+
 def _moments(
     x: torch.Tensor, group_ids: torch.Tensor, n: int, need_m2: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(count, mean, m2)`` per segment in the accumulation dtype, with an exact per-group pivot."""
-    xa = x.to(acc_dtype(x.dtype))
-    # The pivot is detached: mean and variance are exact functions of x whatever the
-    # shift, so no gradient belongs to it.
-    pivot = xa.detach().new_zeros((n, *x.shape[1:]))
-    pivot = pivot.scatter_reduce(0, _index(group_ids, xa), xa.detach(), "amin", include_self=False)
-    d = xa - pivot[group_ids]
-    count = _count(group_ids, n, xa.dtype).view(n, *([1] * (x.dim() - 1)))
-    safe = torch.where(count > 0, count, torch.ones_like(count))
-    mean_d = _sum(d, group_ids, n) / safe
-    mean = pivot + mean_d
-    if not need_m2:
-        return count, mean, None
-    dev = d - mean_d[group_ids]
-    return count, mean, _sum(dev * dev, group_ids, n)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(count, mean, dev, m2)``: per segment, and ``dev = x - mean`` per sample, in float64.
+
+    float64 accumulation makes the sums of a constant group of narrower floats exact
+    (``k * v`` is exact for ``k < 2^29``), so its mean is the value and its deviations
+    are exactly 0 without any shift, and squares of float32 spreads cannot overflow.
+    float64 input is first shifted by its group's smallest member (an exact pivot) for
+    the same guarantees. A non-finite value makes its own group's statistics NaN and
+    no other group's.
+    """
+    xa = x.to(torch.float64)
+    idx = group_ids.long()
+    if x.dtype == torch.float64:
+        # The pivot is detached: the statistics are exact functions of x whatever the shift.
+        index = idx.view(-1, *([1] * (x.dim() - 1))).expand_as(xa)
+        pivot = xa.detach().new_zeros((n, *x.shape[1:]))
+        pivot = pivot.scatter_reduce(0, index, xa.detach(), "amin", include_self=False)
+        xa = xa - _gather(pivot, idx)
+    else:
+        pivot = None
+    count = _count(idx, n, xa.dtype).view(n, *([1] * (x.dim() - 1)))
+    mean = safe_div(_sum(xa, idx, n), count)
+    dev = xa - _gather(mean, idx)
+    m2 = _sum(dev * dev, idx, n) if need_m2 else None
+    return count, mean if pivot is None else mean + pivot, dev, m2
 
 
 def segment_count(group_ids: torch.Tensor, *, num_segments: int | None = None) -> torch.Tensor:
@@ -114,16 +142,17 @@ def segment_mean(x: torch.Tensor, group_ids: torch.Tensor, *, num_segments: int 
     tensor([2.0000, 2.5000])
     """
     n = _check(x, group_ids, num_segments)
-    _, mean, _ = _moments(x, group_ids, n, need_m2=False)
+    _, mean, _, _ = _moments(x, group_ids, n, need_m2=False)
     return _out(mean, x)
 
 
 def _std_from(count: torch.Tensor, m2: torch.Tensor, unbiased: bool) -> torch.Tensor:
     den = count - 1 if unbiased else count
-    var = m2 / torch.where(den > 0, den, torch.ones_like(den)) * (den > 0)
+    var = safe_div(m2, den) * (den > 0)
     positive = var > 0
-    # sqrt is evaluated only where var > 0, so its gradient cannot be inf/NaN at 0.
-    return torch.where(positive, torch.where(positive, var, torch.ones_like(var)).sqrt(), torch.zeros_like(var))
+    # sqrt is evaluated only where var > 0, so its gradient cannot be inf/NaN at 0;
+    # elsewhere var * 0 is 0, or NaN for a group holding NaN or inf (never a silent 0).
+    return torch.where(positive, torch.where(positive, var, torch.ones_like(var)).sqrt(), var * 0)
 
 
 def _out(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +182,7 @@ def segment_std(
     tensor([1.4142, 0.0000])
     """
     n = _check(x, group_ids, num_segments)
-    count, _, m2 = _moments(x, group_ids, n, need_m2=True)
+    count, _, _, m2 = _moments(x, group_ids, n, need_m2=True)
     assert m2 is not None
     return _out(_std_from(count, m2, unbiased), x)
 
@@ -167,6 +196,65 @@ def segment_mean_std(
     (tensor([2., 5.]), tensor([1.4142, 0.0000]))
     """
     n = _check(x, group_ids, num_segments)
-    count, mean, m2 = _moments(x, group_ids, n, need_m2=True)
+    count, mean, _, m2 = _moments(x, group_ids, n, need_m2=True)
     assert m2 is not None
     return _out(mean, x), _out(_std_from(count, m2, unbiased), x)
+
+
+@overload
+def segment_centred(
+    x: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    num_segments: int | None = ...,
+    with_std: Literal[False] = False,
+    unbiased: bool = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def segment_centred(
+    x: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    num_segments: int | None = ...,
+    with_std: Literal[True],
+    unbiased: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def segment_centred(
+    x: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    num_segments: int | None = None,
+    with_std: bool = False,
+    unbiased: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Each sample minus its segment's mean (and, with ``with_std``, its segment's std), in one pass.
+
+    The shared core of group-baseline advantages (GRPO, RLOO, GPG, OPO): the deviation
+    is taken in float64 before rounding to ``x.dtype``, so a constant group gives
+    exactly 0 and ``1e4 + noise`` keeps its resolution.
+
+    Args:
+      x: ``[B, ...]`` values.
+      group_ids: ``[B]`` integer segment ids.
+      num_segments: as in :func:`segment_sum`.
+      with_std: also return each sample's segment std (as :func:`segment_std`).
+      unbiased: Bessel-corrected std.
+
+    Returns:
+      ``centred [B, ...]`` in ``x.dtype``, or ``(centred, std)`` with ``std [B, ...]``
+      gathered per sample.
+
+    >>> segment_centred(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]), with_std=True)
+    (tensor([-1.,  1.,  0.]), tensor([1.4142, 1.4142, 0.0000]))
+    """
+    n = _check(x, group_ids, num_segments)
+    count, _, dev, m2 = _moments(x, group_ids, n, need_m2=with_std)
+    if not with_std:
+        return _out(dev, x)
+    assert m2 is not None
+    std = _std_from(count, m2, unbiased)
+    return _out(dev, x), _out(_gather(std, group_ids.long()), x)

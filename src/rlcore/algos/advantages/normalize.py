@@ -15,41 +15,48 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 
 from rlcore._checks import check_floating, check_positive, check_same_shape
-from rlcore.ops.masked import _safe_div, _shifted, masked_whiten
+from rlcore.algos.collectives import resolve_process_group
+from rlcore.ops import masked_whiten, pivot_shift, safe_div
 
-__all__ = ["batch_normalize"]
-
-
-def _resolve(process_group: Any) -> tuple[Any, int, int]:
-    """``(process group, world size, rank)`` of a process group or a 1-D ``DeviceMesh``."""
-    pg = process_group.get_group() if isinstance(process_group, DeviceMesh) else process_group
-    return pg, dist.get_world_size(pg), dist.get_rank(pg)
+__all__ = ["batch_moments", "batch_normalize"]
 
 
-def _centred_moments(
-    x: torch.Tensor, weights: torch.Tensor, process_group: Any = None
+def batch_moments(
+    x: torch.Tensor, weights: torch.Tensor, *, process_group: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dev, count, mean, m2)`` over the weighted elements of ``x``, across ranks when a group is given.
 
-    Each rank shifts its values by its own exact pivot (as :func:`rlcore.ops.masked_whiten`
-    does locally); ``dev`` is ``x - mean`` for every element (0 where the weight is 0),
-    computed from the shifted values so that the mean is never rounded on its own;
-    ``count``, ``mean`` and ``m2`` (sum of weighted squared deviations) are scalars in
-    the accumulation dtype.
+    Each rank shifts its values by its own exact pivot (:func:`rlcore.ops.pivot_shift`);
+    ``dev`` is ``x - mean`` for every element (0 where the weight is 0), computed from
+    the shifted values so that the mean is never rounded on its own; ``count``,
+    ``mean`` and ``m2`` (sum of weighted squared deviations) are scalars. Across ranks
+    it is one all-reduce of a ``[world_size, 4]`` table and Chan et al.'s parallel
+    merge. Everything is in float64 (the values are upcast first): the squares of a
+    float32 spread cannot overflow, and merging far-apart rank means loses nothing.
+
+    Args:
+      x: values, any shape, floating point.
+      weights: same shape; nonzero marks an element that counts.
+      process_group: a process group or 1-D ``DeviceMesh``; ``None`` keeps it local.
+
+    Returns:
+      ``(dev, count, mean, m2)`` in float64, ``dev`` of ``x``'s shape.
+
+    >>> dev, count, mean, m2 = batch_moments(torch.tensor([1.0, 3.0, 9.0]), torch.tensor([1, 1, 0]))
+    >>> dev.tolist(), float(count), float(mean), float(m2)
+    ([-1.0, 1.0, 0.0], 2.0, 2.0, 2.0)
     """
-    d, w, pivot, count = _shifted(x, weights, None)
+    d, w, pivot, count = pivot_shift(x.to(torch.float64), weights, None)
     on = w != 0
-    mean_d = _safe_div((d * w).sum(), count)
+    mean_d = safe_div((d * w).sum(), count)
     if process_group is None:
         dev = torch.where(on, d - mean_d, 0.0)
         return dev, count, pivot + mean_d, (dev * dev * w).sum()
-    pg, world, rank = _resolve(process_group)
+    pg, world, rank = resolve_process_group(process_group)
     dev_local = torch.where(on, d - mean_d, 0.0)
     local = torch.stack([count, pivot, mean_d, (dev_local * dev_local * w).sum()])
     slot = F.one_hot(torch.tensor(rank, device=x.device), world).to(local.dtype)
@@ -62,7 +69,7 @@ def _centred_moments(
     # rank merges to deviations of exactly 0.
     r0 = torch.argmax((counts > 0).to(torch.int32))
     off = (pivots - pivots[r0]) + (means_d - means_d[r0])
-    mean_off = _safe_div((counts * off).sum(), total)
+    mean_off = safe_div((counts * off).sum(), total)
     m2 = m2s.sum() + (counts * (off - mean_off) ** 2).sum()
     rel = (pivots[r0] - pivot) + means_d[r0] + mean_off
     dev = torch.where(on, d - rel, 0.0)
@@ -116,9 +123,9 @@ def batch_normalize(
     check_same_shape("mask", mask, "x", x)
     if process_group is None:
         return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, unbiased=unbiased)
-    dev, count, mean, m2 = _centred_moments(x, mask, process_group)
+    dev, count, mean, m2 = batch_moments(x, mask, process_group=process_group)
     den = count - 1 if unbiased else count
-    var = _safe_div(m2, den) * (den > 0)
+    var = safe_div(m2, den) * (den > 0)
     # With eps = 0 a constant batch has var 0; its deviations are exactly 0, so any
     # finite factor gives 0 (rsqrt(0) would make 0 * inf = nan).
     total = var + eps

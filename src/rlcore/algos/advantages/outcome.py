@@ -3,11 +3,13 @@
 Each takes one score per sample ``[B]`` and the sample's group ``group_ids [B]``
 (the prompt it answers; groups may be uneven and non-contiguous) and returns one
 advantage per sample ``[B]``; broadcast it over the response tokens with the mask.
-Group statistics use :func:`rlcore.ops.segment_mean` / :func:`rlcore.ops.segment_std`
-with an explicit segment count (``num_groups``, else ``B``), so nothing is read back
-from the device; scores are centred after an exact per-group shift, so ``1e4 + noise``
-keeps its float32 resolution. A group whose scores are all equal gets advantage
-exactly 0, and so does a group of one sample.
+Group statistics come from :func:`rlcore.ops.segment_centred` (one pass, float64
+accumulation) with an explicit segment count (``num_groups``, else ``B``), so nothing
+is read back from the device; ``1e4 + noise`` keeps its float32 resolution and a
+spread beyond ``1.8e19`` does not overflow. A group whose scores are all equal gets
+advantage exactly 0, and so does a group of one sample. A NaN or inf score makes its
+own group's advantages NaN and leaves every other group's unchanged (the trainer's
+finite-loss check then stops the step); it never silently rescales other groups.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from typing import Any
 import torch
 
 from rlcore._checks import check_choice, check_floating, check_ndim, check_positive, check_same_shape
-from rlcore.algos._groups import check_outcome, group_centred
-from rlcore.algos.advantages.normalize import _centred_moments
+from rlcore.algos._groups import check_outcome
+from rlcore.algos.advantages.normalize import batch_moments
 from rlcore.algos.filters import dynamic_sampling_mask
-from rlcore.ops import segment_count, segment_std, segment_sum
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype, safe_div, segment_centred, segment_count, segment_sum
 
 __all__ = ["gpg_advantages", "grpo_advantages", "opo_advantages", "remax_advantages", "rloo_advantages"]
 
@@ -73,15 +74,17 @@ def grpo_advantages(
     check_choice("scale", scale, _SCALES)
     check_positive("eps", eps, strict=False)
     s = scores.to(acc_dtype(scores.dtype))
-    centred = group_centred(s, group_ids, n)
     if scale == "none":
-        return centred.to(scores.dtype)
+        return segment_centred(s, group_ids, num_segments=n).to(scores.dtype)
     if scale == "group":
-        std = segment_std(s, group_ids, num_segments=n)[group_ids]
+        centred, std = segment_centred(s, group_ids, num_segments=n, with_std=True)
     else:
-        _, count, _, m2 = _centred_moments(s, torch.ones_like(s), process_group)
-        var = m2 / torch.clamp(count - 1, min=1) * (count > 1)
-        std = torch.where(var > 0, torch.sqrt(torch.where(var > 0, var, 1.0)), 0.0)
+        centred = segment_centred(s, group_ids, num_segments=n)
+        # Non-finite scores stay out of the batch std: they make their own group NaN
+        # (through its mean), never every other group's scale.
+        _, count, _, m2 = batch_moments(s, torch.isfinite(s), process_group=process_group)
+        var = safe_div(m2, count - 1) * (count > 1)
+        std = torch.where(var > 0, torch.sqrt(torch.where(var > 0, var, 1.0)), 0.0).to(s.dtype)
     # Where std + eps is 0 (eps=0, constant group) the centred score is exactly 0 too.
     den = std + eps
     return (centred / torch.where(den > 0, den, 1.0)).to(scores.dtype)
@@ -113,7 +116,7 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, num_groups
     s = scores.to(acc_dtype(scores.dtype))
     count = segment_count(group_ids, num_segments=n).to(s.dtype)[group_ids]
     factor = torch.where(count > 1, count / torch.clamp(count - 1, min=1), 0.0)
-    return (factor * group_centred(s, group_ids, n)).to(scores.dtype)
+    return (factor * segment_centred(s, group_ids, num_segments=n)).to(scores.dtype)
 
 
 def gpg_advantages(
@@ -155,7 +158,7 @@ def gpg_advantages(
     else:
         check_positive("alpha", alpha)
     s = scores.to(acc_dtype(scores.dtype))
-    centred = group_centred(s, group_ids, n)
+    centred = segment_centred(s, group_ids, num_segments=n)
     if isinstance(alpha, str):  # "auto", the one name check_choice lets through
         valid = dynamic_sampling_mask(s, group_ids, num_groups=n).to(s.dtype).sum()
         return (s.shape[0] / torch.clamp(valid, min=1) * centred / f_norm).to(scores.dtype)
@@ -193,7 +196,7 @@ def opo_advantages(
         raise ValueError(f"lengths: got dtype {lengths.dtype}, expected an integer or floating-point dtype")
     s = scores.to(acc_dtype(scores.dtype))
     w = lengths.to(s.dtype)
-    centred = group_centred(s, group_ids, n)
+    centred = segment_centred(s, group_ids, num_segments=n)
     total = segment_sum(w, group_ids, num_segments=n)
     shift = segment_sum(w * centred, group_ids, num_segments=n) / torch.where(total != 0, total, 1.0)
     return (centred - shift[group_ids]).to(scores.dtype)

@@ -6,8 +6,7 @@ import torch
 
 from rlcore._checks import check_positive
 from rlcore.algos._groups import check_outcome
-from rlcore.ops import segment_count, segment_sum
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype, segment_count, segment_sum
 
 __all__ = ["passk_advantages"]
 

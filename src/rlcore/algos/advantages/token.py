@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from rlcore._checks import check_floating, check_ndim, check_positive, check_same_shape, check_shape
-from rlcore.algos._groups import check_outcome, group_centred
+from rlcore.algos._groups import check_outcome
 from rlcore.algos.advantages.normalize import batch_normalize
-from rlcore.ops import reverse_linear_scan
-from rlcore.ops._accum import acc_dtype
+from rlcore.ops import acc_dtype, reverse_linear_scan, segment_centred
 
 __all__ = ["gae", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages"]
 
@@ -181,6 +180,6 @@ def reinforce_pp_baseline_advantages(
     check_shape("mask", mask, (scores.shape[0], None), what="[B, T] with B from scores")
     acc = acc_dtype(scores.dtype)
     s = scores.to(acc)
-    centred = group_centred(s, group_ids, n)
+    centred = segment_centred(s, group_ids, num_segments=n)
     tokens = centred[:, None].expand(mask.shape)
     return batch_normalize(tokens, mask, eps=eps, process_group=process_group).to(scores.dtype)
