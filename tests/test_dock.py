@@ -727,3 +727,37 @@ def test_defect9_nack_wakes_a_waiting_get(make_dock):
     thread.join(10)
     batch, idx = result["got"]
     assert idx.tolist() == [1] and batch["x"].tolist() == [1.0]
+
+
+# ---------------------------------------------------------------------------- defect 2: many waiting clients
+
+
+def test_defect2_ray_dock_200_waiters_do_not_deadlock(ray_docks):
+    # Gets with explicit indexes wait inside the controller's host; waiting must not hold
+    # what writers need. 200 clients wait at once, then one put makes every row ready.
+    waiters = 200
+    dock = ray_docks.make(waiters, 1, columns=["x"], consumers=["c"])
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def wait_for(row: int) -> None:
+        try:
+            batch, idx = dock.get("c", ["x"], indexes=[row], timeout=60)
+            got[row] = [idx.tolist(), batch["x"].tolist()]
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=wait_for, args=(r,), daemon=True) for r in range(waiters)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # the clients are now waiting in the host
+    put = threading.Thread(target=lambda: dock.put({"x": torch.arange(float(waiters))}, range(waiters)), daemon=True)
+    put.start()
+    put.join(15)
+    assert not put.is_alive(), "the put never got through: the waiting clients hold the host"
+    deadline = time.monotonic() + 15
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not errors, errors[:3]
+    assert sorted(got) == list(range(waiters))
+    assert all(got[r] == [[r], [float(r)]] for r in range(waiters))
