@@ -679,7 +679,7 @@ def test_defect9_second_put_to_a_ready_row_raises_and_changes_nothing(make_dock)
     with pytest.raises(ValueError, match=r"indexes: got row\(s\) \[1, 3\] whose column 'x' is already ready"):
         dock.put({"y": torch.zeros(2), "x": torch.full((2,), 9.0)}, [1, 3])
     assert_state_equal(before, dock.state())
-    batch, idx = dock.get("c", ["x"], 4, balance="fifo")
+    batch, _idx = dock.get("c", ["x"], 4, balance="fifo")
     assert batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
     # After a reset the cells are free again.
     dock.reset()

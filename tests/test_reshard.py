@@ -136,7 +136,9 @@ def check_defect13_ranks_disagreeing_on_the_plan_all_raise(rank):
     src, dst = decoder_layout(meta, tp=2), decoder_layout(meta, dp=2)
     plan = plan_reshard(meta, src, dst, bucket_bytes=(16 << 10) * (1 + rank))
     params = {n: local_shard_ref(t, src, n, rank) for n, t in full.items()}
-    with pytest.raises(ValueError, match=r"plan: the ranks disagree on the resharding plan \(rank 1 differs from rank 0"):
+    with pytest.raises(
+        ValueError, match=r"plan: the ranks disagree on the resharding plan \(rank 1 differs from rank 0"
+    ):
         reshard(params, plan, mesh=src.device_mesh("cpu"))
     # Another layout on one rank: the same.
     other = plan_reshard(meta, src, decoder_layout(meta, tp=2) if rank else dst, bucket_bytes=16 << 10)

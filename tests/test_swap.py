@@ -229,7 +229,9 @@ def test_defect10_touching_an_offloaded_tensor_raises_naming_the_offloaded_state
 
     script = tmp_path / "touch.py"
     script.write_text(_TOUCH_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=dict(os.environ), timeout=120
+    )
     assert proc.returncode == 0, f"child exited with {proc.returncode} (a segfault is -11):\n{proc.stderr[-2000:]}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     autograd = ("backward through a saved weight", "backward into an offloaded grad")

@@ -326,9 +326,7 @@ class DockController:
                 self._pending[column][indexes] = True
         return True
 
-    def begin_put(
-        self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor
-    ) -> None:
+    def begin_put(self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor) -> None:
         """:meth:`try_begin_put`, waiting while a reset is in progress."""
         self.wait("try_begin_put", None, specs, indexes)
 
@@ -479,13 +477,14 @@ class DockController:
                     )
                 if not bool(torch.stack([self._ready[c][indexes] for c in columns]).all()):
                     return None
-                rows: torch.Tensor | None = indexes
+                rows = indexes
             else:
                 assert count is not None, "check_sample requires a count without indexes"
                 unit = self.n_samples if by_group else 1
-                rows = self._select(consumer, columns, count // unit, by_group, balance)
-                if rows is None:
+                picked = self._select(consumer, columns, count // unit, by_group, balance)
+                if picked is None:
                     return None
+                rows = picked
             if not self._lease():
                 return None
             self._take(consumer, rows)
@@ -579,9 +578,7 @@ class DockController:
         if unknown:
             raise ValueError(f"keep: got undeclared column(s) {unknown}, expected some of {self.columns()}")
 
-    def reset(
-        self, keep: Sequence[str] = (), *, timeout: float | None = 60.0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def reset(self, keep: Sequence[str] = (), *, timeout: float | None = 60.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Start the next iteration; returns ``(cleared rows, kept incomplete rows)`` for the warehouses.
 
         Completed rows are cleared. Incomplete rows (partial rollouts) keep the

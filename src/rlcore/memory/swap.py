@@ -39,7 +39,6 @@ are not guarded: offload every tensor you will touch, or none of its views.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -106,8 +105,7 @@ _METADATA: tuple[Any, ...] = (
             "_base",
         )
     ),
-    torch.Tensor.requires_grad.__set__,
-    torch.Tensor.grad.__set__,
+    *(getattr(torch.Tensor, name).__set__ for name in ("requires_grad", "grad")),
 )
 # Metadata the leaf's poisoned placement would misreport: answered from the recorded layout.
 _LAYOUT: tuple[Any, ...] = (torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.is_contiguous)
@@ -126,7 +124,7 @@ def _offloaded_torch_function(
     cls: type, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
 ) -> Any:
     kwargs = kwargs or {}
-    me = args[0] if args else None
+    me: Any = args[0] if args else None
     record = getattr(me, "_rlcore_offloaded", None)
     with torch._C.DisableTorchFunctionSubclass():
         if func in _METADATA:
@@ -194,7 +192,7 @@ def _place(leaf: torch.Tensor, storage: torch.UntypedStorage, offset: int, strid
 
 def _guard(leaf: torch.Tensor, storage: torch.UntypedStorage) -> _Guarded:
     twin = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device="meta")
-    record = _Guarded(leaf, type(leaf), storage, leaf.storage_offset(), tuple(leaf.stride()), twin)
+    record = _Guarded(leaf, type(leaf), storage, int(leaf.storage_offset()), tuple(leaf.stride()), twin)
     if _plain_dispatch(leaf):
         _place(leaf, _poison(leaf.dtype, leaf.device), 0, (0,) * leaf.dim())
     leaf.__dict__["_rlcore_offloaded"] = record
