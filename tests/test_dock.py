@@ -761,3 +761,22 @@ def test_defect2_ray_dock_200_waiters_do_not_deadlock(ray_docks):
     assert not errors, errors[:3]
     assert sorted(got) == list(range(waiters))
     assert all(got[r] == [[r], [float(r)]] for r in range(waiters))
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, "1", True])
+def test_reset_and_get_reject_bad_timeouts(make_dock, timeout):
+    dock = make_dock(2, 1, columns=["x"], consumers=["c"])
+    with pytest.raises(ValueError, match="timeout"):
+        dock.reset(timeout=timeout)
+    with pytest.raises(ValueError, match="timeout"):
+        dock.get("c", ["x"], 1, by_group=False, timeout=timeout)
+
+
+def test_infinite_timeout_waits_without_overflow(make_dock):
+    dock = make_dock(2, 1, columns=["x"], consumers=["c"])
+    timer = threading.Timer(0.2, lambda: dock.put({"x": torch.ones(1)}, [1]))
+    timer.start()
+    _batch, idx = dock.get("c", ["x"], 1, by_group=False, timeout=float("inf"))
+    timer.join()
+    assert idx.tolist() == [1]
+    dock.reset(timeout=float("inf"))

@@ -56,6 +56,18 @@ def _as_indexes(name: str, indexes: Any) -> torch.Tensor:
     raise ValueError(f"{name}: got {type(indexes).__name__}, expected a 1-D integer tensor or a sequence of ints")
 
 
+def _check_timeout(name: str, timeout: Any) -> None:
+    """``timeout`` is None or a number of seconds >= 0 (``inf`` allowed: no limit)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
+        raise ValueError(f"{name}: got {timeout!r}, expected None or a number of seconds >= 0")
+
+
+# The longest single sleep: threading and asyncio reject longer ones (a deadline may be inf).
+_MAX_SLEEP = 3600.0
+
+
 def _split_rows(column: str, value: Any) -> list[torch.Tensor]:
     """One tensor per row: a tensor is split along dim 0, a list is taken as the rows."""
     if isinstance(value, torch.Tensor):
@@ -266,7 +278,7 @@ class DockController:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return None
-                    self._changed.wait(left)
+                    self._changed.wait(None if left is None else min(left, _MAX_SLEEP))
 
     def _lease(self) -> bool:
         """Take a lease unless a reset is pending (the gate lock held by the caller's caller is not needed)."""
@@ -429,10 +441,7 @@ class DockController:
         check_choice("balance", balance, BALANCE_MODES)
         if not isinstance(by_group, bool):
             raise ValueError(f"by_group: got {by_group!r}, expected a bool")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
-                raise ValueError(f"timeout: got {timeout!r}, expected None or a number of seconds >= 0")
-            check_positive("timeout", timeout, strict=False)
+        _check_timeout("timeout", timeout)
         if indexes is not None:
             self._check_in_range("indexes", indexes)
             if count is not None and count != indexes.numel():
@@ -592,8 +601,7 @@ class DockController:
         have not finished within ``timeout`` seconds (None: wait as long as needed).
         """
         self._check_keep(keep)
-        if timeout is not None:
-            check_positive("timeout", timeout, strict=False)
+        _check_timeout("timeout", timeout)
         token = uuid.uuid4().hex
         out = self.wait("try_begin_reset", timeout, list(keep), token)
         busy = self.in_flight()
@@ -1014,8 +1022,7 @@ class TransferDock:
         """
         if isinstance(keep, str) or not isinstance(keep, Sequence):
             raise ValueError(f"keep: got {keep!r}, expected a list of column names")
-        if timeout is not None:
-            check_positive("timeout", timeout, strict=False)
+        _check_timeout("timeout", timeout)
         token = uuid.uuid4().hex
         keep = list(keep)
         out = self._wait_call(self.controller, "try_begin_reset", timeout, keep, token)

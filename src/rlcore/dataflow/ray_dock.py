@@ -30,6 +30,9 @@ __all__ = ["DockHost", "RayTransferDock"]
 # coroutine of a few kilobytes, so the bound is set far above any real number of clients.
 _HOST_CONCURRENCY = 100_000
 
+# The longest single asyncio sleep (a deadline may be inf).
+_MAX_SLEEP = 3600.0
+
 _PARTS = {"controller": DockController, "warehouse": Warehouse}
 
 
@@ -102,9 +105,9 @@ class DockHost:
                     if left is not None and left <= 0:
                         return None
                     try:
-                        await asyncio.wait_for(cond.wait(), left)
+                        await asyncio.wait_for(cond.wait(), None if left is None else min(left, _MAX_SLEEP))
                     except TimeoutError:
-                        return None
+                        continue  # the loop re-reads the deadline
 
     async def drop(self, key: str) -> None:
         self._parts.pop(key, None)
