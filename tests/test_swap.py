@@ -246,3 +246,37 @@ def test_defect10_touching_an_offloaded_tensor_raises_naming_the_offloaded_state
     assert out["metadata"] == [[3, 4], "torch.float32", [4, 1], 0, True, 0, True, True]
     # After reload: the original classes and strides, and the module computes as before.
     assert out["after"] == [True, True, True, [4, 1], [4, 1]]
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (lambda: torch.eye(3).to_sparse(), "sparse"),
+        (lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+    ],
+)
+def test_non_strided_leaves_are_rejected_before_anything_moves(make, kind):
+    ok = torch.ones(3)
+    with pytest.raises(ValueError, match=f"tree: leaf 1 is a .*{kind}.* tensor, expected dense strided"):
+        offload([ok, make()])
+    assert ok.untyped_storage().nbytes() == 12 and type(ok) is torch.Tensor and torch.equal(ok + 0, torch.ones(3))
+
+
+def test_a_guard_that_fails_midway_leaves_the_tree_as_it_was(monkeypatch):
+    import rlcore.memory.swap as swap
+
+    first, second = torch.ones(2), torch.arange(3.0)
+    real, calls = swap._guard, []
+
+    def flaky(leaf, storage):
+        calls.append(leaf)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(leaf, storage)
+
+    monkeypatch.setattr(swap, "_guard", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        offload([first, second])
+    assert type(first) is torch.Tensor and first.untyped_storage().nbytes() == 8
+    assert torch.equal(first, torch.ones(2)) and torch.equal(second, torch.arange(3.0))

@@ -269,6 +269,9 @@ def offload(tree: Any, *, non_blocking: bool = True) -> SwapHandle:
     for i, leaf in enumerate(tree_leaves(tree)):
         if not isinstance(leaf, torch.Tensor):
             continue
+        if leaf.layout != torch.strided or leaf.is_quantized or leaf.is_nested:
+            kind = "quantized" if leaf.is_quantized else "nested" if leaf.is_nested else str(leaf.layout)
+            raise ValueError(f"tree: leaf {i} is a {kind} tensor, expected dense strided tensors only")
         if hasattr(leaf, "_rlcore_offloaded"):
             raise ValueError(
                 f"tree: leaf {i} (shape {tuple(leaf.shape)}) has an empty storage (offloaded already), "
@@ -309,7 +312,14 @@ def offload(tree: Any, *, non_blocking: bool = True) -> SwapHandle:
         host.copy_(_flat_view(e.storage, e.dtype, e.numel), non_blocking=non_blocking)
     nbytes = sum(e.storage.nbytes() for e in entries)
     # Guard every leaf before any storage shrinks: no moment where a leaf points at freed memory.
-    guarded = [_guard(leaf, storages[key][0]) for leaf, key in leaves.values()]
+    guarded: list[_Guarded] = []
+    try:
+        for leaf, key in leaves.values():
+            guarded.append(_guard(leaf, storages[key][0]))
+    except BaseException:
+        for record in reversed(guarded):  # all or nothing: the tree is left as it was
+            _unguard(record)
+        raise
     for e in entries:
         e.storage.resize_(0)
     return SwapHandle(tree=tree, buckets=buckets, entries=entries, nbytes=nbytes, guarded=guarded)
