@@ -472,7 +472,8 @@ class DockController:
         balance: str = "random",
         indexes: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """One attempt at a get: the rows taken (the get now holds a lease), or None to wait for a change."""
+        """One attempt at a get (validated as :meth:`check_sample`): the rows taken, now under a lease, or None to wait."""
+        self.check_sample(consumer, columns, count, by_group=by_group, balance=balance, indexes=indexes)
         cond = self._check_consumer(consumer)
         columns = list(columns)
         with cond:
@@ -975,8 +976,10 @@ class TransferDock:
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise ValueError(f"columns: got {columns!r}, expected a list of column names")
         columns = list(columns)
+        _check_timeout("timeout", timeout)
+        # No timeout: a get of explicit indexes waits as long as needed, one of a count returns at once.
+        wait = timeout if timeout is not None else None if idx is not None else 0.0
         options = dict(by_group=by_group, balance=balance, indexes=idx)
-        wait = self._call(self.controller, "check_sample", consumer, columns, count, timeout=timeout, **options)
         rows = self._wait_call(self.controller, "try_sample", wait, consumer, columns, count, **options)
         if rows is None or rows.numel() == 0:
             return {}, torch.empty(0, dtype=torch.int64)
