@@ -381,8 +381,22 @@ def _run_against_model(dock, model_ops) -> None:
             for _ in rows:
                 counter += 1
                 values.append(torch.arange(counter % 4 + 1) + counter)
-            dock.put({column: values}, rows)
-            model.put({column: values}, rows)
+            try:
+                model.put({column: values}, rows)
+            except ValueError:
+                with pytest.raises(ValueError, match="already ready"):
+                    dock.put({column: values}, rows)
+            else:
+                dock.put({column: values}, rows)
+        elif op[0] == "nack":
+            _, consumer, rows = op
+            try:
+                model.nack(consumer, rows)
+            except ValueError:
+                with pytest.raises(ValueError, match="not taken"):
+                    dock.nack(consumer, rows)
+            else:
+                dock.nack(consumer, rows)
         elif op[0] == "get":
             _, consumer, columns, units, by_group = op
             count = units * 3 if by_group else units
@@ -503,3 +517,266 @@ def test_threads_deliver_each_row_exactly_once_ray(ray_docks, case):
         ),
         case,
     )
+
+
+# ---------------------------------------------------------------------------- defect 9: races and semantics
+
+
+def _slow(house, method, delay, *, after=False):
+    """Make ``house.method`` sleep ``delay`` s before (or after) doing its work: a fetch or store in flight."""
+    inner = getattr(house, method)
+
+    def slow(*args, **kwargs):
+        if not after:
+            time.sleep(delay)
+        out = inner(*args, **kwargs)
+        if after:
+            time.sleep(delay)
+        return out
+
+    setattr(house, method, slow)
+
+
+def test_defect9_reset_waits_for_a_get_in_flight():
+    dock = TransferDock(2, 2, consumers=["c"], num_warehouses=2)
+    dock.put({"x": torch.arange(4.0)}, range(4))
+    for house in dock.warehouses:
+        _slow(house, "get", 0.3)  # the rows are picked, their payloads not yet read
+    got, errors = {}, []
+
+    def consume():
+        try:
+            got["batch"] = dock.get("c", ["x"], 4, balance="fifo")
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(0.1)
+    dock.reset()  # concurrent with the get: waits for it instead of clearing its rows under it
+    thread.join(10)
+    assert not errors, errors
+    batch, idx = got["batch"]
+    assert idx.tolist() == [0, 1, 2, 3] and batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert dock.free_rows().tolist() == [0, 1, 2, 3] and not dock.state()["consumed"]["c"].any()
+
+
+def test_defect9_reset_waits_for_a_put_in_flight():
+    dock = TransferDock(2, 1, consumers=["c"])
+    _slow(dock.warehouses[0], "put", 0.3, after=True)  # stored, not yet marked ready
+    thread = threading.Thread(target=lambda: dock.put({"x": torch.tensor([1.0, 2.0])}, [0, 1]))
+    thread.start()
+    time.sleep(0.1)
+    dock.reset()
+    thread.join(10)
+    # The put finished before the reset started its work: the reset cleared it whole, so no row is
+    # marked ready without its data.
+    assert dock.free_rows().tolist() == [0, 1]
+    assert dock.get("c", ["x"], 1, by_group=False)[1].numel() == 0
+    dock.put({"x": torch.tensor([3.0, 4.0])}, [0, 1])
+    assert dock.get("c", ["x"], 2, by_group=False, balance="fifo")[0]["x"].tolist() == [3.0, 4.0]
+
+
+def test_defect9_reset_concurrent_with_gets_and_puts_never_crashes(make_dock):
+    dock = make_dock(8, 1, columns=["x"], consumers=["c"])
+    errors, stop = [], threading.Event()
+
+    def consume():
+        try:
+            while not stop.is_set():
+                batch, idx = dock.get("c", ["x"], 2, by_group=False, timeout=0.01)
+                if idx.numel():
+                    assert batch["x"].tolist() == idx.to(torch.float32).tolist()
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=consume) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(15):
+            dock.put({"x": torch.arange(8.0)}, range(8))
+            dock.reset()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    assert not errors, errors
+
+
+def test_defect9_reset_refuses_after_its_timeout_and_changes_nothing():
+    dock = TransferDock(2, 1, consumers=["c"])
+    dock.put({"x": torch.arange(2.0)}, [0, 1])
+    _slow(dock.warehouses[0], "get", 1.0)
+    thread = threading.Thread(target=lambda: dock.get("c", ["x"], 2, by_group=False))
+    thread.start()
+    time.sleep(0.1)
+    before = dock.state()
+    with pytest.raises(RuntimeError, match="reset: .*still in progress"):
+        dock.reset(timeout=0.2)
+    assert_state_equal(before, dock.state())
+    thread.join(10)
+    dock.reset()
+    assert dock.free_rows().tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("mode", ["indexes", "count", "count by group", "tokens packed"])
+def test_defect9_get_of_a_declared_column_waits_for_its_first_put(make_dock, mode):
+    dock = make_dock(2, 2, columns=["x"], consumers=["c"])
+    kwargs = {
+        "indexes": dict(indexes=[2, 3], by_group=False, timeout=10),
+        "count": dict(count=2, by_group=False, timeout=10),
+        "count by group": dict(count=2, timeout=10),
+        "tokens packed": dict(count=2, timeout=10, balance="tokens", packed=True),
+    }[mode]
+    result, errors = {}, []
+
+    def consume():
+        try:
+            result["got"] = dock.get("c", ["x"], **kwargs)
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive() and not errors, errors
+    dock.put({"x": [tokens(7), tokens(8, 9)]}, [2, 3])
+    thread.join(10)
+    assert not errors, errors
+    _batch, idx = result["got"]
+    assert sorted(idx.tolist()) == [2, 3]
+
+
+def test_defect9_first_put_of_new_columns_races_no_reader():
+    # Readers iterate the column table while puts add columns to it.
+    dock = TransferDock(4, 1, consumers=["c"])
+    errors, stop = [], threading.Event()
+
+    def read():
+        try:
+            while not stop.is_set():
+                dock.free_rows()
+                dock.state()
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        for k in range(300):
+            dock.put({f"col{k}": torch.zeros(1)}, [k % 4])
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not errors, errors
+
+
+def test_defect9_second_put_to_a_ready_row_raises_and_changes_nothing(make_dock):
+    dock = make_dock(2, 2, consumers=["c"], num_warehouses=2)
+    dock.put({"x": torch.arange(4.0)}, range(4))
+    before = dock.state()
+    with pytest.raises(ValueError, match=r"indexes: got row\(s\) \[1, 3\] whose column 'x' is already ready"):
+        dock.put({"y": torch.zeros(2), "x": torch.full((2,), 9.0)}, [1, 3])
+    assert_state_equal(before, dock.state())
+    batch, _idx = dock.get("c", ["x"], 4, balance="fifo")
+    assert batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    # After a reset the cells are free again.
+    dock.reset()
+    dock.put({"x": torch.full((4,), 5.0)}, range(4))
+    dock.add_consumer("d")
+    assert dock.get("d", ["x"], 4)[0]["x"].tolist() == [5.0] * 4
+
+
+def test_defect9_nack_returns_rows_for_delivery_again(make_dock):
+    dock = make_dock(3, 2, consumers=["c", "other"])
+    dock.put({"x": torch.arange(6.0)}, range(6))
+    _batch, idx = dock.get("c", ["x"], 2, balance="fifo")
+    assert idx.tolist() == [0, 1]
+    dock.nack("c", idx)  # the consumer could not process them
+    assert not dock.state()["consumed"]["c"].any()
+    batch, again = dock.get("c", ["x"], 6, balance="fifo")
+    assert sorted(again.tolist()) == list(range(6)) and dock.all_consumed("c")
+    assert batch["x"].tolist() == again.to(torch.float32).tolist()
+    # Only rows this consumer holds can go back; a bad nack changes nothing.
+    before = dock.state()
+    for bad, match in (
+        (lambda: dock.nack("other", [0, 1]), r"indexes: got row\(s\) \[0, 1\] not taken by 'other'"),
+        (lambda: dock.nack("c", [0, 7]), "indexes"),
+        (lambda: dock.nack("nobody", [0]), "consumer"),
+        (lambda: dock.nack("c", [0, 0]), "indexes"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bad()
+        assert_state_equal(before, dock.state())
+
+
+def test_defect9_nack_wakes_a_waiting_get(make_dock):
+    dock = make_dock(2, 1, consumers=["c"])
+    dock.put({"x": torch.arange(2.0)}, [0, 1])
+    dock.get("c", ["x"], 2, by_group=False)
+    result = {}
+    # Every row is taken: only a nack can satisfy this get.
+    thread = threading.Thread(
+        target=lambda: result.setdefault("got", dock.get("c", ["x"], 1, by_group=False, timeout=10))
+    )
+    thread.start()
+    time.sleep(0.2)
+    assert thread.is_alive()
+    dock.nack("c", [1])
+    thread.join(10)
+    batch, idx = result["got"]
+    assert idx.tolist() == [1] and batch["x"].tolist() == [1.0]
+
+
+# ---------------------------------------------------------------------------- defect 2: many waiting clients
+
+
+def test_defect2_ray_dock_200_waiters_do_not_deadlock(ray_docks):
+    # Gets with explicit indexes wait inside the controller's host; waiting must not hold
+    # what writers need. 200 clients wait at once, then one put makes every row ready.
+    waiters = 200
+    dock = ray_docks.make(waiters, 1, columns=["x"], consumers=["c"])
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def wait_for(row: int) -> None:
+        try:
+            batch, idx = dock.get("c", ["x"], indexes=[row], timeout=60)
+            got[row] = [idx.tolist(), batch["x"].tolist()]
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=wait_for, args=(r,), daemon=True) for r in range(waiters)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # the clients are now waiting in the host
+    put = threading.Thread(target=lambda: dock.put({"x": torch.arange(float(waiters))}, range(waiters)), daemon=True)
+    put.start()
+    put.join(15)
+    assert not put.is_alive(), "the put never got through: the waiting clients hold the host"
+    deadline = time.monotonic() + 15
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not errors, errors[:3]
+    assert sorted(got) == list(range(waiters))
+    assert all(got[r] == [[r], [float(r)]] for r in range(waiters))
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, "1", True])
+def test_reset_and_get_reject_bad_timeouts(make_dock, timeout):
+    dock = make_dock(2, 1, columns=["x"], consumers=["c"])
+    with pytest.raises(ValueError, match="timeout"):
+        dock.reset(timeout=timeout)
+    with pytest.raises(ValueError, match="timeout"):
+        dock.get("c", ["x"], 1, by_group=False, timeout=timeout)
+
+
+def test_infinite_timeout_waits_without_overflow(make_dock):
+    dock = make_dock(2, 1, columns=["x"], consumers=["c"])
+    timer = threading.Timer(0.2, lambda: dock.put({"x": torch.ones(1)}, [1]))
+    timer.start()
+    _batch, idx = dock.get("c", ["x"], 1, by_group=False, timeout=float("inf"))
+    timer.join()
+    assert idx.tolist() == [1]
+    dock.reset(timeout=float("inf"))

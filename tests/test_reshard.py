@@ -128,6 +128,52 @@ def assert_ok(results, name):
         assert got == "ok", f"rank {rank}:\n{got}"
 
 
+def check_defect13_ranks_disagreeing_on_the_plan_all_raise(rank):
+    # Rank 1 plans with another bucket size: same layouts, other buckets. Before any weight
+    # moves, the ranks compare plan fingerprints and every rank raises, naming the mismatch.
+    full = tiny_decoder()
+    meta = param_meta(full)
+    src, dst = decoder_layout(meta, tp=2), decoder_layout(meta, dp=2)
+    plan = plan_reshard(meta, src, dst, bucket_bytes=(16 << 10) * (1 + rank))
+    params = {n: local_shard_ref(t, src, n, rank) for n, t in full.items()}
+    with pytest.raises(
+        ValueError, match=r"plan: the ranks disagree on the resharding plan \(rank 1 differs from rank 0"
+    ):
+        reshard(params, plan, mesh=src.device_mesh("cpu"))
+    # Another layout on one rank: the same.
+    other = plan_reshard(meta, src, decoder_layout(meta, tp=2) if rank else dst, bucket_bytes=16 << 10)
+    with pytest.raises(ValueError, match="plan: the ranks disagree"):
+        reshard(params, other, mesh=src.device_mesh("cpu"))
+
+
+def check_defect13_bad_input_on_one_rank_raises_on_every_rank(rank):
+    full = tiny_decoder()
+    meta = param_meta(full)
+    src, dst = decoder_layout(meta, tp=2), decoder_layout(meta, dp=2)
+    plan = plan_reshard(meta, src, dst, bucket_bytes=16 << 10)
+    params = {n: local_shard_ref(t, src, n, rank) for n, t in full.items()}
+    if rank == 1:
+        params.pop("lm_head.weight")
+        match = "params: rank 1 holds 'lm_head.weight'"
+    else:
+        match = r"params: rank\(s\) \[1\] rejected their input"
+    with pytest.raises(ValueError, match=match):
+        reshard(params, plan, mesh=src.device_mesh("cpu"))
+    # One bucket at a time: ranks asked for different buckets.
+    from rlcore.dataflow.reshard import reshard_bucket
+
+    full_params = {n: local_shard_ref(t, src, n, rank) for n, t in full.items()}
+    out = allocate_buckets(plan, "cpu")
+    with pytest.raises(ValueError, match=r"index: the ranks disagree on the bucket \(rank 1 runs bucket 1, rank 0"):
+        reshard_bucket(full_params, plan, rank, mesh=src.device_mesh("cpu"), out=out[rank])
+
+
+DEFECT13_CHECKS = {
+    "defect13:plans": (check_defect13_ranks_disagreeing_on_the_plan_all_raise, ()),
+    "defect13:inputs": (check_defect13_bad_input_on_one_rank_raises_on_every_rank, ()),
+}
+
+
 _GROUPS = {}
 
 
@@ -135,6 +181,8 @@ def shared_group(world, tmp_path_factory):
     """One spawned group per world size for the whole session: reshard checks plus AllGather-Swap runs."""
     if world not in _GROUPS:
         checks = {n: (check_reshard, args) for n, args in RESHARD_CASES[world].items()}
+        if world == 2:
+            checks.update(DEFECT13_CHECKS)
         if world == 4:
             from test_memory_plan import SWAP_CASES, check_allgather_swap_training
 
@@ -160,6 +208,12 @@ def test_reshard_on_four_gloo_ranks_is_bit_identical(group4, case):
 
 @pytest.mark.parametrize("case", sorted(RESHARD_CASES[2]))
 def test_reshard_on_two_gloo_ranks_is_bit_identical(group2, case):
+    assert_ok(group2, case)
+
+
+@pytest.mark.parametrize("case", sorted(DEFECT13_CHECKS))
+def test_defect13_reshard_detects_ranks_that_disagree(group2, case):
+    # Each check ends with the group's barrier: no rank was left inside a collective.
     assert_ok(group2, case)
 
 

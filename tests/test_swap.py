@@ -154,3 +154,129 @@ def test_parameters_of_a_module_keep_working_after_reload(width):
     reload(offload(dict(model.named_parameters())))
     assert torch.equal(model(x), want)
     assert isinstance(model.weight, torch.nn.Parameter)
+
+
+# ---------------------------------------------------------------------------- defect 10: touching an offloaded tensor
+
+_TOUCH_SCRIPT = r"""
+import copy, io, json, sys
+import torch
+from rlcore.memory import offload, reload
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+x = torch.randn(2, 4)
+kept_graph = model(x).pow(2).sum()  # recorded before the offload: saves the weight
+model(x).sum().backward()
+grad_graph = model(x).sum()  # back-propagating it accumulates into the offloaded grads
+opt = torch.optim.AdamW(model.parameters())
+want = model(x).detach().clone()
+one = torch.ones(())
+w, g = model.weight, model.weight.grad
+handle = offload({"params": list(model.parameters()), "grads": [p.grad for p in model.parameters()], "one": one})
+
+touches = {
+    "data": lambda: w.data,
+    "arithmetic": lambda: w + 1,
+    "reflected arithmetic": lambda: 1 - w,
+    "torch function": lambda: torch.add(x[:, :3], g[:2, :3]),
+    "in-place": lambda: w.add_(1),
+    "indexing": lambda: w[0],
+    "index assignment": lambda: w.__setitem__(0, 1.0),
+    "numpy": lambda: w.detach().numpy(),
+    "module": lambda: model(x),
+    "functional": lambda: torch.nn.functional.linear(x, w),
+    "sum": lambda: w.sum(),
+    "clone": lambda: w.clone(),
+    "tolist": lambda: w.tolist(),
+    "item": lambda: one.item(),
+    "float": lambda: float(one),
+    "bool": lambda: bool(one),
+    "comparison": lambda: w == 0,
+    "iteration": lambda: list(w),
+    "to": lambda: w.to(torch.float64),
+    "cat": lambda: torch.cat([w, w]),
+    "deepcopy": lambda: copy.deepcopy(w),
+    "save": lambda: torch.save(w, io.BytesIO()),
+    "state_dict": lambda: model.state_dict(),
+    "optimizer step": lambda: opt.step(),
+    "backward through a saved weight": lambda: kept_graph.backward(),
+    "backward into an offloaded grad": lambda: grad_graph.backward(),
+}
+out = {}
+for name, touch in touches.items():
+    try:
+        touch()
+        out[name] = "no error"
+    except Exception as err:
+        out[name] = f"{type(err).__name__}: {err}"
+out["repr"] = repr(w) + " " + str(one)
+out["metadata"] = [list(w.shape), str(w.dtype), w.stride(), w.storage_offset(), w.is_contiguous(),
+                   w.untyped_storage().nbytes(), w.requires_grad, isinstance(w, torch.nn.Parameter)]
+reload(handle)
+out["after"] = [type(w) is torch.nn.Parameter, type(one) is torch.Tensor, torch.equal(model(x), want),
+                w.stride(), g.stride()]
+print(json.dumps(out))
+"""
+
+
+def test_defect10_touching_an_offloaded_tensor_raises_naming_the_offloaded_state(tmp_path):
+    # A child process: before the fix these touches segfault (or read freed memory).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "touch.py"
+    script.write_text(_TOUCH_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=dict(os.environ), timeout=120
+    )
+    assert proc.returncode == 0, f"child exited with {proc.returncode} (a segfault is -11):\n{proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    autograd = ("backward through a saved weight", "backward into an offloaded grad")
+    for name, got in out.items():
+        if name in ("repr", "metadata", "after"):
+            continue
+        assert got.startswith("RuntimeError"), (name, got)
+        if name not in autograd:  # raised inside torch's autograd engine, which words its own message
+            assert "offloaded" in got and "reload" in got, (name, got)
+    assert "offloaded" in out["repr"] and "shape (3, 4)" in out["repr"]
+    # Metadata stays readable and unchanged; the storage reads as freed.
+    assert out["metadata"] == [[3, 4], "torch.float32", [4, 1], 0, True, 0, True, True]
+    # After reload: the original classes and strides, and the module computes as before.
+    assert out["after"] == [True, True, True, [4, 1], [4, 1]]
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (lambda: torch.eye(3).to_sparse(), "sparse"),
+        (lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+    ],
+)
+def test_non_strided_leaves_are_rejected_before_anything_moves(make, kind):
+    ok = torch.ones(3)
+    with pytest.raises(ValueError, match=f"tree: leaf 1 is a .*{kind}.* tensor, expected dense strided"):
+        offload([ok, make()])
+    assert ok.untyped_storage().nbytes() == 12 and type(ok) is torch.Tensor and torch.equal(ok + 0, torch.ones(3))
+
+
+def test_a_guard_that_fails_midway_leaves_the_tree_as_it_was(monkeypatch):
+    import rlcore.memory.swap as swap
+
+    first, second = torch.ones(2), torch.arange(3.0)
+    real, calls = swap._guard, []
+
+    def flaky(leaf, storage):
+        calls.append(leaf)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(leaf, storage)
+
+    monkeypatch.setattr(swap, "_guard", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        offload([first, second])
+    assert type(first) is torch.Tensor and first.untyped_storage().nbytes() == 8
+    assert torch.equal(first, torch.ones(2)) and torch.equal(second, torch.arange(3.0))

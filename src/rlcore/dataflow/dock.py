@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -53,6 +54,18 @@ def _as_indexes(name: str, indexes: Any) -> torch.Tensor:
     if isinstance(indexes, (range, Sequence)) and all(isinstance(i, int) and not isinstance(i, bool) for i in indexes):
         return torch.tensor(list(indexes), dtype=torch.int64).reshape(-1)
     raise ValueError(f"{name}: got {type(indexes).__name__}, expected a 1-D integer tensor or a sequence of ints")
+
+
+def _check_timeout(name: str, timeout: Any) -> None:
+    """``timeout`` is None or a number of seconds >= 0 (``inf`` allowed: no limit)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
+        raise ValueError(f"{name}: got {timeout!r}, expected None or a number of seconds >= 0")
+
+
+# The longest single sleep: threading and asyncio reject longer ones (a deadline may be inf).
+_MAX_SLEEP = 3600.0
 
 
 def _split_rows(column: str, value: Any) -> list[torch.Tensor]:
@@ -100,13 +113,18 @@ class DockController:
       num_warehouses: the table is cut into this many contiguous index ranges.
       seed: seeds the generator behind ``balance="random"``.
 
-    Every method takes and returns plain values and CPU tensors, so the controller
-    runs unchanged inside a (threaded) Ray actor.
+    Every method takes and returns plain values and CPU tensors. Waiting is kept apart
+    from the state: each ``try_*`` method returns None for "wait for a change", which
+    :meth:`wait` retries on a condition variable (threads in one process) and the Ray
+    host retries with asyncio, so any number of waiting clients holds no thread.
 
     >>> ctl = DockController(2, 2, columns=["responses"], consumers=["reward"])
-    >>> ctl.commit_put({"responses": torch.tensor([3, 5])}, torch.tensor([2, 3]))
+    >>> rows = torch.tensor([2, 3])
+    >>> ctl.begin_put({"responses": (torch.int64, 1, ())}, rows)
+    >>> ctl.commit_put({"responses": torch.tensor([3, 5])}, rows)
     >>> ctl.sample("reward", ["responses"], 2, balance="fifo").tolist()
     [2, 3]
+    >>> ctl.release()  # the payloads of the rows taken were read
     >>> ctl.all_consumed("reward")
     False
     """
@@ -135,11 +153,17 @@ class DockController:
         self.bounds = torch.linspace(0, capacity, num_warehouses + 1).round().to(torch.int64)
         self._generator = torch.Generator().manual_seed(seed)
         self._stamps = itertools.count(1)
-        self._put_lock = threading.Lock()  # column registration and per-column bitmap writes
+        self._put_lock = threading.RLock()  # column registration and per-column bitmap writes
         self._registry_lock = threading.Lock()  # adding consumers
+        self._changed = threading.Condition(threading.Lock())  # waiters sleep on it; _bump wakes them
+        self._version = 0
+        self._gate = threading.Lock()  # leases and the pending reset
+        self._leases = 0
+        self._resetting: str | None = None
         self._ready: dict[str, torch.Tensor] = {}
         self._stamp: dict[str, torch.Tensor] = {}
         self._lengths: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, torch.Tensor] = {}  # cells reserved by a put in flight
         self._specs: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}
         self._consumed: dict[str, torch.Tensor] = {}
         # Per-group counts of ready / taken rows, kept in step with the bitmaps, so a
@@ -147,10 +171,12 @@ class DockController:
         self._group_ready: dict[str, torch.Tensor] = {}
         self._group_taken: dict[str, torch.Tensor] = {}
         self._conds: dict[str, threading.Condition] = {}
-        self._all_conds: tuple[threading.Condition, ...] = ()
         self.age = torch.zeros(capacity, dtype=torch.int64)
         self._group_age = torch.zeros(num_prompts, dtype=torch.int64)  # ages change only at reset
         self.completed = torch.ones(capacity, dtype=torch.bool)
+        for name, names in (("columns", columns), ("consumers", consumers)):
+            if isinstance(names, str):
+                raise ValueError(f"{name}: got the string {names!r}, expected a list of names")
         for column in columns:
             self._add_column(column)
         for consumer in consumers:
@@ -164,11 +190,13 @@ class DockController:
 
     def columns(self) -> list[str]:
         """The declared column names."""
-        return sorted(self._ready)
+        with self._put_lock:
+            return sorted(self._ready)
 
     def consumers(self) -> list[str]:
         """The registered consumer names."""
-        return sorted(self._conds)
+        with self._registry_lock:
+            return sorted(self._conds)
 
     def add_consumer(self, name: str) -> None:
         """Register a consumer; it starts having taken nothing."""
@@ -179,9 +207,7 @@ class DockController:
                 return
             self._consumed[name] = torch.zeros(self.capacity, dtype=torch.bool)
             self._group_taken[name] = torch.zeros(self.num_prompts, dtype=torch.int32)
-            cond = threading.Condition(threading.Lock())
-            self._conds[name] = cond
-            self._all_conds = self._all_conds + (cond,)
+            self._conds[name] = threading.Condition(threading.Lock())
 
     def _add_column(self, name: str) -> None:
         if not isinstance(name, str):
@@ -190,6 +216,7 @@ class DockController:
             self._stamp[name] = torch.zeros(self.capacity, dtype=torch.int64)
             self._lengths[name] = torch.zeros(self.capacity, dtype=torch.int64)
             self._ready[name] = torch.zeros(self.capacity, dtype=torch.bool)
+            self._pending[name] = torch.zeros(self.capacity, dtype=torch.bool)
             self._group_ready[name] = torch.zeros(self.num_prompts, dtype=torch.int32)
 
     # ------------------------------------------------------------------ checks
@@ -202,7 +229,7 @@ class DockController:
             raise ValueError(f"{name}: got repeated rows, expected each row at most once")
 
     def _check_consumer(self, consumer: str) -> threading.Condition:
-        cond = self._conds.get(consumer)
+        cond = self._conds.get(consumer) if isinstance(consumer, str) else None
         if cond is None:
             raise ValueError(f"consumer: got {consumer!r}, expected a registered consumer, one of {self.consumers()}")
         return cond
@@ -210,13 +237,80 @@ class DockController:
     def _check_columns(self, columns: Sequence[str]) -> None:
         if isinstance(columns, str) or not columns:
             raise ValueError(f"columns: got {columns!r}, expected a non-empty list of column names")
-        unknown = [c for c in columns if c not in self._ready]
+        unknown = [c for c in columns if not isinstance(c, str) or c not in self._ready]
         if unknown:
             raise ValueError(f"columns: got undeclared column(s) {unknown}, expected some of {self.columns()}")
+        if len(set(columns)) != len(columns):
+            raise ValueError(f"columns: got {list(columns)}, expected each column at most once")
 
-    def check_put(self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor) -> None:
-        """Validate a put before any data moves; registers new columns only when it all passes."""
+    # ------------------------------------------------------------------ waiting and leases
+    #
+    # A get holds a lease from the moment it takes rows until its client has read their
+    # payloads (:meth:`release`); a put holds one from :meth:`try_begin_put` until
+    # :meth:`commit_put` / :meth:`abort_put`. A reset first closes the gate (new gets and
+    # puts wait), waits for the leases to drain, and only then clears metadata and, in
+    # the client, the warehouses. Every ``try_*`` method returns None for "not now, wait
+    # for a change": the embedded dock waits on a condition (:meth:`wait`), the Ray host
+    # on an asyncio condition, so waiting never holds a thread that a writer needs.
+
+    def _bump(self) -> None:
+        """Wake every waiter: the state changed."""
+        with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+
+    def wait(self, method: str, timeout: float | None, *args: Any, **kwargs: Any) -> Any:
+        """Call ``try_<...>`` method ``method`` until it returns something other than None, or ``timeout`` s pass.
+
+        Returns what it returned, or None on timeout. Blocks the calling thread: the
+        embedded dock's waiting; the Ray host waits with asyncio instead.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = getattr(self, method)
+        while True:
+            with self._changed:
+                seen = self._version
+            out = attempt(*args, **kwargs)
+            if out is not None:
+                return out
+            with self._changed:
+                while self._version == seen:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return None
+                    self._changed.wait(None if left is None else min(left, _MAX_SLEEP))
+
+    def _lease(self) -> bool:
+        """Take a lease unless a reset is pending (the gate lock held by the caller's caller is not needed)."""
+        with self._gate:
+            if self._resetting is not None:
+                return False
+            self._leases += 1
+            return True
+
+    def release(self) -> None:
+        """End the lease of a get whose client has read its rows' payloads."""
+        with self._gate:
+            self._leases = max(0, self._leases - 1)
+        self._bump()
+
+    # ------------------------------------------------------------------ put side
+
+    def try_begin_put(
+        self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor
+    ) -> bool | None:
+        """Validate a put and reserve its cells before any data moves; None while a reset is pending.
+
+        Raises ``ValueError`` (changing nothing) for an index out of range or repeated,
+        a dtype / trailing shape that differs from earlier puts of the column, or a cell
+        already ready or being put: a cell is written once per iteration, and
+        :meth:`reset` frees it. On success the put holds a lease and its cells are
+        reserved until :meth:`commit_put` or :meth:`abort_put`.
+        """
         self._check_in_range("indexes", indexes)
+        for column in specs:
+            if not isinstance(column, str):
+                raise ValueError(f"columns: got a {type(column).__name__} name, expected str")
         with self._put_lock:
             for column, spec in specs.items():
                 known = self._specs.get(column)
@@ -225,14 +319,31 @@ class DockController:
                         f"columns[{column!r}]: got dtype {spec[0]}, {spec[1]} dims, trailing shape {spec[2]}; "
                         f"expected dtype {known[0]}, {known[1]} dims, trailing shape {known[2]} (earlier puts)"
                     )
+            for column in specs:
+                if column not in self._ready:
+                    continue
+                busy = self._ready[column][indexes] | self._pending[column][indexes]
+                if bool(busy.any()):
+                    bad = indexes[busy][:5].tolist()
+                    raise ValueError(
+                        f"indexes: got row(s) {bad} whose column {column!r} is already ready or being put, "
+                        f"expected rows not holding {column!r} yet (a cell is put once per iteration; reset() "
+                        "frees it)"
+                    )
+            if not self._lease():
+                return None
             for column, spec in specs.items():
                 self._add_column(column)
                 self._specs.setdefault(column, spec)
+                self._pending[column][indexes] = True
+        return True
 
-    # ------------------------------------------------------------------ put side
+    def begin_put(self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor) -> None:
+        """:meth:`try_begin_put`, waiting while a reset is in progress."""
+        self.wait("try_begin_put", None, specs, indexes)
 
     def commit_put(self, lengths: Mapping[str, torch.Tensor], indexes: torch.Tensor) -> None:
-        """Mark the cells of a put ready (after its payloads reached the warehouses) and wake consumers."""
+        """Mark the cells of a begun put ready (its payloads reached the warehouses), end its lease, wake consumers."""
         stamp = next(self._stamps)
         with self._put_lock:
             groups = indexes // self.n_samples
@@ -242,20 +353,30 @@ class DockController:
                 fresh = ~self._ready[column][indexes]
                 self._group_ready[column].index_add_(0, groups, fresh.to(torch.int32))
                 self._ready[column][indexes] = True
-        for cond in self._all_conds:
-            with cond:
-                cond.notify_all()
+                self._pending[column][indexes] = False
+        self.release()
+
+    def abort_put(self, columns: Sequence[str], indexes: torch.Tensor) -> None:
+        """Give up a begun put whose payloads did not all arrive: free its cells and end its lease."""
+        with self._put_lock:
+            for column in columns:
+                self._pending[column][indexes] = False
+        self.release()
 
     def set_completed(self, indexes: torch.Tensor, completed: torch.Tensor) -> None:
         """Flag rows whose generation finished (True) or must resume next iteration (False)."""
         self._check_in_range("indexes", indexes)
-        if completed.dtype != torch.bool or completed.shape != indexes.shape:
+        if not isinstance(completed, torch.Tensor) or completed.dtype != torch.bool or completed.shape != indexes.shape:
+            got = (
+                f"dtype {completed.dtype} shape {tuple(completed.shape)}"
+                if isinstance(completed, torch.Tensor)
+                else type(completed).__name__
+            )
             raise ValueError(
-                f"completed: got dtype {completed.dtype} shape {tuple(completed.shape)}, "
-                f"expected torch.bool of shape {tuple(indexes.shape)} (that of indexes)"
+                f"completed: got {got}, expected a torch.bool tensor of shape {tuple(indexes.shape)} (that of indexes)"
             )
         with self._put_lock:
-            self.completed[indexes] = completed
+            self.completed[indexes] = completed.to("cpu")
 
     # ------------------------------------------------------------------ get side
 
@@ -303,6 +424,82 @@ class DockController:
             return units
         return (units[:, None] * self.n_samples + torch.arange(self.n_samples)).flatten()
 
+    def check_sample(
+        self,
+        consumer: str,
+        columns: Sequence[str],
+        count: int | None,
+        *,
+        by_group: bool = True,
+        balance: str = "random",
+        indexes: torch.Tensor | None = None,
+        timeout: float | None = None,
+    ) -> float | None:
+        """Validate a get; returns how long it may wait: ``timeout``, or 0 / None (forever) when ``timeout`` is None."""
+        self._check_consumer(consumer)
+        self._check_columns(columns)
+        check_choice("balance", balance, BALANCE_MODES)
+        if not isinstance(by_group, bool):
+            raise ValueError(f"by_group: got {by_group!r}, expected a bool")
+        _check_timeout("timeout", timeout)
+        if indexes is not None:
+            self._check_in_range("indexes", indexes)
+            if count is not None and count != indexes.numel():
+                raise ValueError(f"count: got {count}, expected None or {indexes.numel()} (the number of indexes)")
+            if by_group and indexes.numel():
+                per_group = torch.bincount(indexes // self.n_samples, minlength=self.num_prompts)
+                if bool(((per_group != 0) & (per_group != self.n_samples)).any()):
+                    raise ValueError(
+                        f"indexes: got partial groups, expected whole groups of {self.n_samples} rows (by_group=True)"
+                    )
+            return timeout
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise ValueError(f"count: got {count!r}, expected a positive int")
+        unit = self.n_samples if by_group else 1
+        if count % unit:
+            raise ValueError(f"count: got {count}, expected a multiple of the group size {unit} (by_group=True)")
+        if count > self.capacity:
+            raise ValueError(f"count: got {count}, expected at most the capacity {self.capacity}")
+        return 0.0 if timeout is None else timeout
+
+    def try_sample(
+        self,
+        consumer: str,
+        columns: Sequence[str],
+        count: int | None,
+        *,
+        by_group: bool = True,
+        balance: str = "random",
+        indexes: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """One attempt at a get (validated as :meth:`check_sample`): the rows taken, now under a lease, or None to wait."""
+        self.check_sample(consumer, columns, count, by_group=by_group, balance=balance, indexes=indexes)
+        cond = self._check_consumer(consumer)
+        columns = list(columns)
+        with cond:
+            if indexes is not None:
+                if indexes.numel() == 0:
+                    return indexes
+                if bool(self._consumed[consumer][indexes].any()):
+                    taken = indexes[self._consumed[consumer][indexes]][:5].tolist()
+                    raise ValueError(
+                        f"indexes: got row(s) {taken} already taken by {consumer!r}, expected rows it has not taken"
+                    )
+                if not bool(torch.stack([self._ready[c][indexes] for c in columns]).all()):
+                    return None
+                rows = indexes
+            else:
+                assert count is not None, "check_sample requires a count without indexes"
+                unit = self.n_samples if by_group else 1
+                picked = self._select(consumer, columns, count // unit, by_group, balance)
+                if picked is None:
+                    return None
+                rows = picked
+            if not self._lease():
+                return None
+            self._take(consumer, rows)
+            return rows
+
     def sample(
         self,
         consumer: str,
@@ -317,65 +514,39 @@ class DockController:
         """Pick rows for ``consumer`` whose ``columns`` are ready, mark them consumed, return their indexes.
 
         See :meth:`TransferDock.get` for the semantics; an empty tensor means "not now".
+        A non-empty result holds a lease: call :meth:`release` once its payloads are read.
         """
-        cond = self._check_consumer(consumer)
-        columns = list(columns)
-        self._check_columns(columns)
-        check_choice("balance", balance, BALANCE_MODES)
-        if timeout is not None:
-            check_positive("timeout", timeout, strict=False)
-        if indexes is not None:
-            self._check_in_range("indexes", indexes)
-            if count is not None and count != indexes.numel():
-                raise ValueError(f"count: got {count}, expected None or {indexes.numel()} (the number of indexes)")
-            if by_group and indexes.numel():
-                per_group = torch.bincount(indexes // self.n_samples, minlength=self.num_prompts)
-                if bool(((per_group != 0) & (per_group != self.n_samples)).any()):
-                    raise ValueError(
-                        f"indexes: got partial groups, expected whole groups of {self.n_samples} rows (by_group=True)"
-                    )
-            return self._wait_for(cond, consumer, columns, indexes, timeout)
-        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-            raise ValueError(f"count: got {count!r}, expected a positive int")
-        unit = self.n_samples if by_group else 1
-        if count % unit:
-            raise ValueError(f"count: got {count}, expected a multiple of the group size {unit} (by_group=True)")
-        if count > self.capacity:
-            raise ValueError(f"count: got {count}, expected at most the capacity {self.capacity}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with cond:
-            while True:
-                rows = self._select(consumer, columns, count // unit, by_group, balance)
-                if rows is not None:
-                    self._take(consumer, rows)
-                    return rows
-                left = 0.0 if deadline is None else deadline - time.monotonic()
-                if left <= 0 or int((~self._consumed[consumer]).sum()) < count:
-                    return torch.empty(0, dtype=torch.int64)
-                cond.wait(left)
-
-    def _wait_for(
-        self, cond: threading.Condition, consumer: str, columns: list[str], indexes: torch.Tensor, timeout: float | None
-    ) -> torch.Tensor:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with cond:
-            if bool(self._consumed[consumer][indexes].any()):
-                taken = indexes[self._consumed[consumer][indexes]][:5].tolist()
-                raise ValueError(
-                    f"indexes: got row(s) {taken} already taken by {consumer!r}, expected rows it has not taken"
-                )
-            while not bool(torch.stack([self._ready[c][indexes] for c in columns]).all()):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return torch.empty(0, dtype=torch.int64)
-                cond.wait(left)
-            self._take(consumer, indexes)
-            return indexes
+        wait = self.check_sample(
+            consumer, columns, count, by_group=by_group, balance=balance, indexes=indexes, timeout=timeout
+        )
+        rows = self.wait(
+            "try_sample", wait, consumer, list(columns), count, by_group=by_group, balance=balance, indexes=indexes
+        )
+        return torch.empty(0, dtype=torch.int64) if rows is None else rows
 
     def _take(self, consumer: str, rows: torch.Tensor) -> None:
         """Mark ``rows`` taken by ``consumer`` (its lock held)."""
         self._consumed[consumer][rows] = True
         self._group_taken[consumer].index_add_(0, rows // self.n_samples, torch.ones_like(rows, dtype=torch.int32))
+
+    def nack(self, consumer: str, indexes: torch.Tensor) -> None:
+        """Give back rows ``consumer`` took but could not process: they are delivered to it again.
+
+        Raises ``ValueError`` (changing nothing) unless every row is currently taken by
+        ``consumer`` in this iteration. Wakes waiting gets.
+        """
+        cond = self._check_consumer(consumer)
+        self._check_in_range("indexes", indexes)
+        with cond:
+            held = self._consumed[consumer][indexes]
+            if not bool(held.all()):
+                bad = indexes[~held][:5].tolist()
+                raise ValueError(f"indexes: got row(s) {bad} not taken by {consumer!r}, expected rows it holds")
+            self._consumed[consumer][indexes] = False
+            self._group_taken[consumer].index_add_(
+                0, indexes // self.n_samples, torch.full_like(indexes, -1, dtype=torch.int32)
+            )
+        self._bump()
 
     def all_consumed(self, consumer: str) -> bool:
         """Whether ``consumer`` has taken every row of the table."""
@@ -384,18 +555,66 @@ class DockController:
 
     # ------------------------------------------------------------------ iteration
 
-    def reset(self, keep: Sequence[str] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def try_begin_reset(self, keep: Sequence[str], token: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Close the gate for reset ``token`` and, once no get or put is in flight, reset the metadata.
+
+        Returns ``(cleared rows, kept incomplete rows)`` for the warehouses, or None
+        while another reset runs or calls are in flight. The gate stays closed (new
+        gets and puts wait) until :meth:`end_reset` with the same token.
+        """
+        self._check_keep(keep)
+        with self._gate:
+            if self._resetting is None:
+                self._resetting = token
+            if self._resetting != token or self._leases:
+                return None
+        return self._reset_metadata(list(keep))
+
+    def end_reset(self, token: str) -> None:
+        """Reopen the gate closed by reset ``token`` (after the warehouses were cleared, or to give up)."""
+        with self._gate:
+            if self._resetting == token:
+                self._resetting = None
+        self._bump()
+
+    def in_flight(self) -> int:
+        """Gets and puts in flight (holding a lease)."""
+        return self._leases
+
+    def _check_keep(self, keep: Sequence[str]) -> None:
+        if isinstance(keep, str) or not isinstance(keep, Sequence):
+            raise ValueError(f"keep: got {keep!r}, expected a list of column names")
+        unknown = [c for c in keep if not isinstance(c, str) or c not in self._ready]
+        if unknown:
+            raise ValueError(f"keep: got undeclared column(s) {unknown}, expected some of {self.columns()}")
+
+    def reset(self, keep: Sequence[str] = (), *, timeout: float | None = 60.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Start the next iteration; returns ``(cleared rows, kept incomplete rows)`` for the warehouses.
 
         Completed rows are cleared. Incomplete rows (partial rollouts) keep the
         columns in ``keep`` ready, age by one and are offered first next time. Every
         consumer starts afresh and every completed flag returns to True: a producer
         flags a row incomplete again if it still has not finished.
+
+        Safe while other threads get and put: it waits for calls in flight (gets that
+        hold rows whose payloads are not read yet, puts not yet committed), makes new
+        ones wait meanwhile, and raises ``RuntimeError`` -- changing nothing -- if they
+        have not finished within ``timeout`` seconds (None: wait as long as needed).
         """
-        keep = list(keep)
-        unknown = [c for c in keep if c not in self._ready]
-        if unknown:
-            raise ValueError(f"keep: got undeclared column(s) {unknown}, expected some of {self.columns()}")
+        self._check_keep(keep)
+        _check_timeout("timeout", timeout)
+        token = uuid.uuid4().hex
+        out = self.wait("try_begin_reset", timeout, list(keep), token)
+        busy = self.in_flight()
+        self.end_reset(token)
+        if out is None:
+            raise RuntimeError(
+                f"reset: {busy} get/put call(s) still in progress after {timeout} s (or another reset); "
+                "nothing was reset -- retry, or pass a longer timeout"
+            )
+        return out
+
+    def _reset_metadata(self, keep: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         conds = [self._conds[c] for c in sorted(self._conds)]
         with self._put_lock:
             for cond in conds:
@@ -424,22 +643,24 @@ class DockController:
 
     def free_rows(self) -> torch.Tensor:
         """Rows holding no ready column: where new prompts go after a reset."""
-        if not self._ready:
-            return torch.arange(self.capacity)
-        used = torch.stack(list(self._ready.values())).any(0)
+        with self._put_lock:
+            if not self._ready:
+                return torch.arange(self.capacity)
+            used = torch.stack(list(self._ready.values())).any(0)
         return (~used).nonzero().squeeze(1)  # sync-ok: host-side controller
 
     def state(self) -> dict[str, Any]:
         """A copy of all metadata: per-column ready / stamp / lengths, per-consumer consumed, ages, flags."""
-        return {
-            "ready": {c: t.clone() for c, t in self._ready.items()},
-            "stamp": {c: t.clone() for c, t in self._stamp.items()},
-            "lengths": {c: t.clone() for c, t in self._lengths.items()},
-            "specs": dict(self._specs),
-            "consumed": {c: t.clone() for c, t in self._consumed.items()},
-            "age": self.age.clone(),
-            "completed": self.completed.clone(),
-        }
+        with self._put_lock, self._registry_lock:
+            return {
+                "ready": {c: t.clone() for c, t in self._ready.items()},
+                "stamp": {c: t.clone() for c, t in self._stamp.items()},
+                "lengths": {c: t.clone() for c, t in self._lengths.items()},
+                "specs": dict(self._specs),
+                "consumed": {c: t.clone() for c, t in self._consumed.items()},
+                "age": self.age.clone(),
+                "completed": self.completed.clone(),
+            }
 
     def ages(self) -> torch.Tensor:
         """Per-row age: iterations a partial rollout has survived."""
@@ -635,6 +856,14 @@ class TransferDock:
     def _call_all(self, calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
         return [getattr(target, method)(*args) for target, method, args in calls]
 
+    def _wait_call(self, target: Any, method: str, timeout: float | None, *args: Any, **kwargs: Any) -> Any:
+        # Retry try_* method ``method`` until it returns a value (None after ``timeout``).
+        return self._call(target, "wait", method, timeout, *args, **kwargs)
+
+    def _release(self) -> None:
+        # A get has read its rows' payloads: end its lease.
+        self._call(self.controller, "release")
+
     def _put_call(
         self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor
     ) -> tuple[Any, str, tuple[Any, ...]]:
@@ -668,9 +897,13 @@ class TransferDock:
             list of ``n`` tensors of varying first dimension (e.g. token ids).
           indexes: ``n`` distinct row numbers in ``[0, capacity)``.
 
+        Each cell (row, column) is put once per iteration: putting a column to a row that
+        already holds it (or that another put is writing) raises; :meth:`reset` frees
+        the cells. A put waits while a :meth:`reset` is in progress.
+
         Raises ``ValueError`` (and changes nothing) for an index out of range, a column
-        whose row count differs from ``len(indexes)``, or rows whose dtype / trailing
-        shape differ from earlier puts of that column.
+        whose row count differs from ``len(indexes)``, rows whose dtype / trailing
+        shape differ from earlier puts of that column, or a cell already put.
         """
         idx = _as_indexes("indexes", indexes)
         if not isinstance(columns, Mapping) or not columns:
@@ -681,13 +914,17 @@ class TransferDock:
                 raise ValueError(f"columns[{column!r}]: got {len(values)} rows, expected {idx.numel()} (one per index)")
         if idx.numel() == 0:
             return
-        self._call(self.controller, "check_put", {c: _row_spec(c, v) for c, v in rows.items()}, idx)
-        self._call_all(
-            [
-                self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel])
-                for w, sel in self._by_warehouse(idx)
-            ]
-        )
+        self._wait_call(self.controller, "try_begin_put", None, {c: _row_spec(c, v) for c, v in rows.items()}, idx)
+        try:
+            self._call_all(
+                [
+                    self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel])
+                    for w, sel in self._by_warehouse(idx)
+                ]
+            )
+        except BaseException:
+            self._call(self.controller, "abort_put", list(rows), idx)
+            raise
         self._call(self.controller, "commit_put", {c: _row_lengths(v) for c, v in rows.items()}, idx)
 
     def get(
@@ -728,24 +965,28 @@ class TransferDock:
           rows concatenated ``[N, ...]`` plus ``batch[column + "_cu_seqlens"]`` int32
           ``[B + 1]``. When not enough rows are ready in time, ``({}, empty indexes)``
           and nothing is marked taken.
+
+        A column declared up front (``columns=``) but not put yet is simply not ready: a
+        get of it waits like any other (an undeclared name raises, to catch typos). A
+        get that has taken rows finishes reading them even if :meth:`reset` is called
+        meanwhile (the reset waits for it). A consumer that takes rows and then cannot
+        process them gives them back with :meth:`nack`.
         """
         idx = None if indexes is None else _as_indexes("indexes", indexes)
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise ValueError(f"columns: got {columns!r}, expected a list of column names")
-        rows = self._call(
-            self.controller,
-            "sample",
-            consumer,
-            list(columns),
-            count,
-            by_group=by_group,
-            balance=balance,
-            indexes=idx,
-            timeout=timeout,
-        )
-        if rows.numel() == 0:
-            return {}, rows
-        return self._fetch(columns, rows, packed), rows
+        columns = list(columns)
+        _check_timeout("timeout", timeout)
+        # No timeout: a get of explicit indexes waits as long as needed, one of a count returns at once.
+        wait = timeout if timeout is not None else None if idx is not None else 0.0
+        options = dict(by_group=by_group, balance=balance, indexes=idx)
+        rows = self._wait_call(self.controller, "try_sample", wait, consumer, columns, count, **options)
+        if rows is None or rows.numel() == 0:
+            return {}, torch.empty(0, dtype=torch.int64)
+        try:
+            return self._fetch(columns, rows, packed), rows
+        finally:
+            self._release()
 
     def _fetch(self, columns: Sequence[str], rows: torch.Tensor, packed: bool) -> dict[str, Any]:
         routes = self._by_warehouse(rows)
@@ -761,10 +1002,45 @@ class TransferDock:
         """Whether ``consumer`` has taken every row."""
         return self._call(self.controller, "all_consumed", consumer)
 
-    def reset(self, *, keep: Sequence[str] = ()) -> None:
-        """Start the next iteration: clear completed rows; incomplete rows keep ``keep`` and age by one."""
-        cleared, kept = self._call(self.controller, "reset", list(keep))
-        self._call_all([(house, "clear", (cleared, kept, list(keep))) for house in self.warehouses])
+    def nack(self, consumer: str, indexes: Any) -> None:
+        """Give back rows ``consumer`` took but could not process, so that they are delivered to it again.
+
+        Args:
+          consumer: the consumer that took the rows.
+          indexes: rows it took in this iteration (a subset of what its gets returned).
+
+        Raises ``ValueError`` (changing nothing) for rows the consumer does not hold
+        (never taken, given back already, or taken before the last :meth:`reset`).
+        Waiting gets of the consumer wake up and may take the rows at once.
+        """
+        self._call(self.controller, "nack", consumer, _as_indexes("indexes", indexes))
+
+    def reset(self, *, keep: Sequence[str] = (), timeout: float | None = 60.0) -> None:
+        """Start the next iteration: clear completed rows; incomplete rows keep ``keep`` and age by one.
+
+        Safe while other threads or processes get and put: gets that have taken rows
+        finish reading them and puts in flight finish first, new gets and puts wait until
+        the reset is done. Raises ``RuntimeError`` and changes nothing if the calls in
+        flight have not finished within ``timeout`` seconds (None: no limit).
+        """
+        if isinstance(keep, str) or not isinstance(keep, Sequence):
+            raise ValueError(f"keep: got {keep!r}, expected a list of column names")
+        _check_timeout("timeout", timeout)
+        token = uuid.uuid4().hex
+        keep = list(keep)
+        out = self._wait_call(self.controller, "try_begin_reset", timeout, keep, token)
+        if out is None:
+            busy = self._call(self.controller, "in_flight")
+            self._call(self.controller, "end_reset", token)
+            raise RuntimeError(
+                f"reset: {busy} get/put call(s) still in progress after {timeout} s (or another reset); "
+                "nothing was reset -- retry, or pass a longer timeout"
+            )
+        try:
+            cleared, kept = out
+            self._call_all([(house, "clear", (cleared, kept, keep)) for house in self.warehouses])
+        finally:
+            self._call(self.controller, "end_reset", token)
 
     def free_rows(self) -> torch.Tensor:
         """Rows holding no ready column (where a new iteration's prompts go)."""

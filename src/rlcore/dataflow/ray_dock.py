@@ -5,10 +5,17 @@ arXiv:2507.19017). The client asks the controller actor for metadata only (where
 live, which rows to take) and moves payloads to and from the warehouse actors itself,
 so tensors never pass through the controller. Needs the ``ray`` extra
 (``pip install rlcore[ray]``); Ray is imported when a dock is made, not with this module.
+
+The host actors are asyncio actors: a client that waits (a get of rows not ready
+yet, a put or get held back by a reset) is a suspended coroutine, not a blocked
+thread, so any number of waiting clients leaves the host free to serve the writers
+they wait for. Controller calls never block and run on the event loop; warehouse
+calls (payload copies) run in worker threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -19,9 +26,12 @@ from rlcore.dataflow.dock import DockController, TransferDock, Warehouse, _flatt
 
 __all__ = ["DockHost", "RayTransferDock"]
 
-# Gets with explicit indexes block inside the controller's host: its thread pool must
-# be larger than the number of clients that wait at once.
-_HOST_THREADS = 64
+# Calls in progress at once on one host, waiting ones included. A waiting call is a
+# coroutine of a few kilobytes, so the bound is set far above any real number of clients.
+_HOST_CONCURRENCY = 100_000
+
+# The longest single asyncio sleep (a deadline may be inf).
+_MAX_SLEEP = 3600.0
 
 _PARTS = {"controller": DockController, "warehouse": Warehouse}
 
@@ -39,18 +49,67 @@ class DockHost:
 
     A dock normally starts its own hosts; several docks may share hosts started once
     (``RayTransferDock.start_hosts``), since an actor process takes seconds to start.
+    Methods are coroutines (an asyncio actor): :meth:`call_wait` waits for a change of
+    state without holding a thread.
     """
 
     def __init__(self) -> None:
         self._parts: dict[str, Any] = {}
+        self._version = 0
+        self._changed: asyncio.Condition | None = None
 
-    def create(self, key: str, kind: str, *args: Any, **kwargs: Any) -> None:
+    def _condition(self) -> asyncio.Condition:
+        # Made on first use, inside the actor's event loop.
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def create(self, key: str, kind: str, *args: Any, **kwargs: Any) -> None:
         self._parts[key] = _PARTS[kind](*args, **kwargs)
 
-    def call(self, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._parts[key], method)(*args, **kwargs)
+    async def call(self, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` of part ``key`` (a warehouse's in a worker thread), then wake waiting calls."""
+        part = self._parts[key]
+        try:
+            if isinstance(part, Warehouse):
+                return await asyncio.to_thread(getattr(part, method), *args, **kwargs)
+            return getattr(part, method)(*args, **kwargs)
+        finally:
+            await self._notify()
 
-    def drop(self, key: str) -> None:
+    async def _notify(self) -> None:
+        cond = self._condition()
+        async with cond:
+            self._version += 1
+            cond.notify_all()
+
+    async def call_wait(self, key: str, method: str, timeout: float | None, *args: Any, **kwargs: Any) -> Any:
+        """Retry ``try_*`` method ``method`` of part ``key`` after each change until it returns a value.
+
+        Returns None when ``timeout`` seconds (None: no limit) pass first. The
+        asyncio counterpart of :meth:`rlcore.dataflow.DockController.wait`.
+        """
+        part = self._parts[key]
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        cond = self._condition()
+        while True:
+            seen = self._version
+            out = getattr(part, method)(*args, **kwargs)
+            if out is not None:
+                await self._notify()
+                return out
+            async with cond:
+                while self._version == seen:
+                    left = None if deadline is None else deadline - loop.time()
+                    if left is not None and left <= 0:
+                        return None
+                    try:
+                        await asyncio.wait_for(cond.wait(), None if left is None else min(left, _MAX_SLEEP))
+                    except TimeoutError:
+                        continue  # the loop re-reads the deadline
+
+    async def drop(self, key: str) -> None:
         self._parts.pop(key, None)
 
 
@@ -62,7 +121,9 @@ class RayTransferDock(TransferDock):
     robin over the others) in; by default the dock starts ``1 + num_warehouses`` hosts
     of its own, spread over the nodes (Ray's ``"SPREAD"`` strategy). Ray must be
     initialised (``ray.init``) first. The client object is picklable, so Ray tasks and
-    actors of other stages can take it as an argument and put / get directly.
+    actors of other stages can take it as an argument and put / get directly. Any
+    number of clients may wait at once (gets of rows not ready yet): they wait as
+    coroutines in the host, never holding the threads that puts need.
 
     >>> import ray
     >>> _ = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -86,13 +147,14 @@ class RayTransferDock(TransferDock):
         hosts: Sequence[Any] | None = None,
     ) -> None:
         # Validate here first, so bad arguments raise in this process and not in an actor.
+        columns, consumers = list(columns), list(consumers)
         local = DockController(
             num_prompts, n_samples, columns=columns, consumers=consumers, num_warehouses=num_warehouses, seed=seed
         )
+        if hosts is not None and (isinstance(hosts, str) or not isinstance(hosts, Sequence) or not hosts):
+            raise ValueError(f"hosts: got {hosts!r}, expected a non-empty list of actors from start_hosts")
         self._owns_hosts = hosts is None
         self.hosts = list(self.start_hosts(1 + num_warehouses) if hosts is None else hosts)
-        if not self.hosts:
-            raise ValueError("hosts: got an empty list, expected at least one actor from start_hosts")
         key = uuid.uuid4().hex
         self.controller = (self.hosts[0], f"{key}/controller")
         others = self.hosts[1:] or self.hosts
@@ -104,8 +166,8 @@ class RayTransferDock(TransferDock):
                 "controller",
                 num_prompts,
                 n_samples,
-                columns=list(columns),
-                consumers=list(consumers),
+                columns=columns,
+                consumers=consumers,
                 num_warehouses=num_warehouses,
                 seed=seed,
             )
@@ -119,9 +181,11 @@ class RayTransferDock(TransferDock):
     @staticmethod
     def start_hosts(count: int, *, spread: bool = True) -> list[Any]:
         """Start ``count`` host actors, spread over the nodes unless ``spread=False``."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count: got {count!r}, expected a positive int")
         ray = _ray()
         host = ray.remote(DockHost).options(
-            num_cpus=0, max_concurrency=_HOST_THREADS, scheduling_strategy="SPREAD" if spread else "DEFAULT"
+            num_cpus=0, max_concurrency=_HOST_CONCURRENCY, scheduling_strategy="SPREAD" if spread else "DEFAULT"
         )
         return [host.remote() for _ in range(count)]
 
@@ -137,6 +201,15 @@ class RayTransferDock(TransferDock):
 
     def _call_all(self, calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
         return self._wait([host.call.remote(key, method, *args) for (host, key), method, args in calls])
+
+    def _wait_call(self, target: Any, method: str, timeout: float | None, *args: Any, **kwargs: Any) -> Any:
+        host, key = target
+        return self._wait(host.call_wait.remote(key, method, timeout, *args, **kwargs))
+
+    def _release(self) -> None:
+        # Nothing to wait for: the host ends the lease whenever the message arrives.
+        host, key = self.controller
+        host.call.remote(key, "release")
 
     @staticmethod
     def _wait(refs: Any) -> Any:

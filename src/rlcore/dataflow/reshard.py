@@ -27,6 +27,7 @@ expert parallel 2 -> 4).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +44,7 @@ __all__ = [
     "ReshardPlan",
     "allocate_buckets",
     "bucket_views",
+    "plan_fingerprint",
     "plan_reshard",
     "reshard",
     "reshard_bucket",
@@ -318,6 +320,78 @@ def _check_params(params: Mapping[str, torch.Tensor], plan: ReshardPlan, rank: i
                 )
 
 
+def plan_fingerprint(plan: ReshardPlan) -> int:
+    """A 63-bit digest of everything in ``plan`` that decides the collectives: equal plans, equal digests.
+
+    Covers both layouts (mesh sizes and every placement), each parameter's shapes,
+    dtype and moves, the buckets and ``bucket_bytes``.
+
+    >>> from rlcore.dataflow.layout import Layout, Placement
+    >>> lay = Layout({"w": Placement()})
+    >>> meta = {"w": torch.empty(3, 2, device="meta")}
+    >>> plan_fingerprint(plan_reshard(meta, lay, lay)) == plan_fingerprint(plan_reshard(meta, lay, lay))
+    True
+    """
+    if not isinstance(plan, ReshardPlan):
+        raise ValueError(f"plan: got {type(plan).__name__}, expected a ReshardPlan from plan_reshard")
+    parts = [plan.src.describe(), plan.dst.describe(), str(plan.bucket_bytes)]
+    for layout in (plan.src, plan.dst):
+        parts += [f"{n}:{p!r}" for n, p in sorted(layout.placements.items())]
+    parts += [repr(pm) for pm in plan.params.values()]
+    parts += [repr(b) for b in plan.buckets]
+    digest = hashlib.sha256("\n".join(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _agree(plan: ReshardPlan, index: int, device: torch.device, local: Exception | None) -> None:
+    """Every rank compares plan fingerprint, bucket and input checks before any weight moves.
+
+    One all-gather of three int64 per rank over the default group (the mesh spans it).
+    Raises on every rank, the same way, if the ranks disagree or any rejected its input.
+    """
+    import torch.distributed as dist
+
+    mine = torch.tensor([plan_fingerprint(plan), index, local is None], dtype=torch.int64, device=device)
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(seen, mine)
+    table = torch.stack(seen).cpu().tolist()  # sync-ok: three ints per rank, once per call
+    prints = [row[0] for row in table]
+    odd = next((r for r, fp in enumerate(prints) if fp != prints[0]), None)
+    if odd is not None:
+        raise ValueError(
+            f"plan: the ranks disagree on the resharding plan (rank {odd} differs from rank 0; fingerprints "
+            f"{prints[odd]:#x} and {prints[0]:#x}), expected every rank to call with the same plan_reshard "
+            "result (same layouts, parameter shapes and dtypes, bucket_bytes); nothing was moved"
+        )
+    buckets = [row[1] for row in table]
+    odd = next((r for r, i in enumerate(buckets) if i != buckets[0]), None)
+    if odd is not None:
+        raise ValueError(
+            f"index: the ranks disagree on the bucket (rank {odd} runs bucket {buckets[odd]}, rank 0 bucket "
+            f"{buckets[0]}), expected every rank to run the same bucket; nothing was moved"
+        )
+    if local is not None:
+        raise local
+    bad = [r for r, row in enumerate(table) if not row[2]]
+    if bad:
+        raise ValueError(f"params: rank(s) {bad} rejected their input (see their error); nothing was moved")
+
+
+def _device(params: Mapping[str, torch.Tensor], out: Any) -> torch.device:
+    # Where the agreement's few integers travel: the device the collectives use.
+    if isinstance(out, torch.Tensor):
+        return out.device
+    if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
+        return out[0].device
+    first = next(iter(params.values()), None) if isinstance(params, Mapping) else None
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+
+
+def _check_plan(plan: Any) -> None:
+    if not isinstance(plan, ReshardPlan):
+        raise ValueError(f"plan: got {type(plan).__name__}, expected a ReshardPlan from plan_reshard")
+
+
 def reshard_bucket(
     params: Mapping[str, torch.Tensor], plan: ReshardPlan, index: int, *, mesh: Any, out: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -335,16 +409,40 @@ def reshard_bucket(
 
     Returns:
       name -> inference shard (a view of ``out``) for the parameters of the bucket.
-    """
-    import torch.distributed as dist
 
-    rank = dist.get_rank()
-    views = bucket_views(plan, index, out)
-    _check_params(params, plan, rank, views)
+    Raises:
+      ValueError: on every rank, before any weight moves, when the ranks hold
+        different plans (compared by :func:`plan_fingerprint`) or ask for different
+        buckets, or when any rank's ``params`` / ``out`` do not match the plan.
+    """
+    _check_plan(plan)
+    views, rank = _checked_bucket(params, plan, index, out)
     # Moving weights is not part of any graph: nn.Parameter sources must not record it.
     with torch.no_grad():
         _fill(views, params, plan, rank, mesh)
     return views
+
+
+def _checked_bucket(
+    params: Mapping[str, torch.Tensor], plan: ReshardPlan, index: int, out: Any
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Check this rank's input, then agree with the other ranks; the bucket's views and this rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    local: Exception | None = None
+    views: dict[str, torch.Tensor] = {}
+    try:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(plan.buckets):
+            raise ValueError(f"index: got {index!r}, expected a bucket number in [0, {len(plan.buckets)})")
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"out: got {type(out).__name__}, expected the bucket's flat buffer (allocate_buckets)")
+        views = bucket_views(plan, index, out)
+        _check_params(params, plan, rank, views)
+    except ValueError as err:
+        local = err
+    _agree(plan, index if isinstance(index, int) else -1, _device(params, out), local)
+    return views, rank
 
 
 def _fill(
@@ -384,8 +482,10 @@ def reshard(
 
     Collective over the mesh. ``out`` (default: :func:`allocate_buckets` on the
     device of ``params``) receives the weights; the returned tensors are its views.
-    Every parameter is checked before the first collective, so bad input moves
-    nothing. See :func:`reshard_bucket` for the arguments.
+    Every parameter is checked before the first collective, and the ranks first
+    agree (one small all-gather) that they hold the same plan (:func:`plan_fingerprint`)
+    and that every rank's input is valid: otherwise every rank raises ``ValueError``
+    and nothing moves. See :func:`reshard_bucket` for the arguments.
 
     >>> import torch.distributed as dist
     >>> from rlcore.dataflow.layout import decoder_layout
@@ -398,15 +498,34 @@ def reshard(
             [3., 4., 5.]])
     >>> dist.destroy_process_group()
     """
-    if out is None:
-        device = next(iter(params.values())).device if params else torch.device("cpu")
-        out = allocate_buckets(plan, device)
-    if len(out) != len(plan.buckets):
-        raise ValueError(f"out: got {len(out)} buffers, expected {len(plan.buckets)} (one per bucket)")
     import torch.distributed as dist
 
-    _check_params(params, plan, dist.get_rank(), plan.params)
+    _check_plan(plan)
+    rank = dist.get_rank()
+    local: Exception | None = None
+    try:
+        if not isinstance(params, Mapping):
+            raise ValueError(f"params: got {type(params).__name__}, expected a dict of name -> tensor")
+        if out is None:
+            device = next(iter(params.values())).device if params else torch.device("cpu")
+            out = allocate_buckets(plan, device)
+        if not isinstance(out, (list, tuple)) or len(out) != len(plan.buckets):
+            got = f"{len(out)} buffers" if isinstance(out, (list, tuple)) else type(out).__name__
+            raise ValueError(f"out: got {got}, expected {len(plan.buckets)} (one per bucket)")
+        for i, buf in enumerate(out):
+            if not isinstance(buf, torch.Tensor):
+                raise ValueError(f"out[{i}]: got {type(buf).__name__}, expected a flat tensor (allocate_buckets)")
+            bucket_views(plan, i, buf)
+        _check_params(params, plan, rank, plan.params)
+    except ValueError as err:
+        local = err
+    # One agreement for the whole plan; the buckets then run without further checks.
+    _agree(plan, -1, _device(params, out), local)
+    assert out is not None, "out is allocated or checked above"
     weights: dict[str, torch.Tensor] = {}
-    for i, buf in enumerate(out):
-        weights.update(reshard_bucket(params, plan, i, mesh=mesh, out=buf))
+    with torch.no_grad():
+        for i, buf in enumerate(out):
+            views = bucket_views(plan, i, buf)
+            _fill(views, params, plan, rank, mesh)
+            weights.update(views)
     return weights

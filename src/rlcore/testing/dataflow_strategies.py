@@ -28,8 +28,9 @@ def dock_programs(*, rows: int = 12, n_samples: int = 3, max_ops: int = 25) -> s
     """Op sequences over a dock of ``rows`` rows with columns ``a``, ``b`` and consumers ``c0``, ``c1``.
 
     Ops: ``("put", column, rows)``, ``("get", consumer, columns, units, by_group)`` (``units``
-    groups of ``n_samples`` rows, or single rows), ``("incomplete", rows)`` and
-    ``("reset", keep)``; replay them on a dock and on
+    groups of ``n_samples`` rows, or single rows), ``("nack", consumer, rows)``,
+    ``("incomplete", rows)`` and ``("reset", keep)``; puts to cells already put and
+    nacks of rows not held are part of the programs (both must raise). Replay them on a dock and on
     :class:`rlcore.testing.reference.TransferDockRef`.
     """
     row_lists = lambda size: st.lists(st.integers(0, rows - 1), min_size=1, max_size=size, unique=True)  # noqa: E731
@@ -42,6 +43,7 @@ def dock_programs(*, rows: int = 12, n_samples: int = 3, max_ops: int = 25) -> s
             st.integers(1, 3),
             st.booleans(),
         ),
+        st.tuples(st.just("nack"), st.sampled_from(["c0", "c1"]), row_lists(3)),
         st.tuples(st.just("incomplete"), row_lists(4)),
         st.tuples(st.just("reset"), st.sampled_from([(), ("a",)])),
     )

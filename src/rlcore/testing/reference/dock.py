@@ -17,7 +17,11 @@ __all__ = ["TransferDockRef", "balanced_partition_ref"]
 
 
 class TransferDockRef:
-    """The Transfer Dock as dicts: ``cells[(row, column)] = (value, put stamp)``; fifo selection only."""
+    """The Transfer Dock as dicts: ``cells[(row, column)] = (value, put stamp)``; fifo selection only.
+
+    A cell is put once per iteration (a second put raises) and a consumer may give rows
+    it holds back (:meth:`nack`), to be taken again.
+    """
 
     def __init__(self, num_prompts: int, n_samples: int, consumers: Sequence[str]) -> None:
         self.n_samples = n_samples
@@ -29,6 +33,10 @@ class TransferDockRef:
         self.stamp = 0
 
     def put(self, columns: dict[str, list[torch.Tensor]], indexes: Sequence[int]) -> None:
+        """Store the cells; ``ValueError`` (storing nothing) if one is already put this iteration."""
+        for column in columns:
+            if any((i, column) in self.cells for i in indexes):
+                raise ValueError(f"indexes: a cell of column {column!r} is already put")
         self.stamp += 1
         for column, rows in columns.items():
             for i, row in zip(indexes, rows):
@@ -54,6 +62,12 @@ class TransferDockRef:
         picked = [r for unit in units[: count // size] for r in unit[3]]
         self.taken[consumer].update(picked)
         return picked
+
+    def nack(self, consumer: str, indexes: Sequence[int]) -> None:
+        """Give rows back to ``consumer``; ``ValueError`` (changing nothing) unless it holds them all."""
+        if not set(indexes) <= self.taken[consumer]:
+            raise ValueError(f"indexes: rows not taken by {consumer!r}")
+        self.taken[consumer].difference_update(indexes)
 
     def value(self, row: int, column: str) -> torch.Tensor:
         return self.cells[(row, column)][0]
