@@ -17,6 +17,7 @@ from rlcore.algos.advantages import (
     rloo_advantages,
 )
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
+from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate, sequence_sharded_counts
 from rlcore.algos.dpo_recipe import DPO, concatenated_logps, dpo, packed_logps
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
@@ -133,6 +134,8 @@ __all__: list[str] = [
     "sapo_loss",
     "scores_to_token_rewards",
     "sequence_logps",
+    "sequence_sharded_aggregate",
+    "sequence_sharded_counts",
     "simpo_loss",
     "token_advantages",
     "token_rewards_shaping",
