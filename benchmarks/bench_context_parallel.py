@@ -182,9 +182,14 @@ def main() -> None:
     )
     model_cfg = _config(args.tokens)
     for mode in args.modes:
-        heads = (model_cfg["num_attention_heads"], model_cfg.get("num_key_value_heads", model_cfg["num_attention_heads"]))
+        heads = (
+            model_cfg["num_attention_heads"],
+            model_cfg.get("num_key_value_heads", model_cfg["num_attention_heads"]),
+        )
         if mode == "ulysses" and any(h % args.cp for h in heads):
-            print(f"  cp={args.cp} ulysses    not run: {heads[0]} query / {heads[1]} key-value heads do not divide by cp")
+            print(
+                f"  cp={args.cp} ulysses    not run: {heads[0]} query / {heads[1]} key-value heads do not divide by cp"
+            )
             continue
         res = run(args.cp, args.tokens, "model", mode)
         worst = max(res, key=act)

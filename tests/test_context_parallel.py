@@ -148,7 +148,9 @@ def check_matches_single_process(rank, group_spec, examples):  # type: ignore[no
         want = torch.autograd.grad((w[0] * logp).sum() + (w[1] * ent).sum(), [params[n] for n in names])
         for mode in ("ring", "ulysses"):
             out = sharded_token_logprobs(apply, params, seqs, group=group, mode=mode, with_entropy=True)
-            grads = torch.autograd.grad((w[0] * out.logp).sum() + (w[1] * out.entropy).sum(), [params[n] for n in names])
+            grads = torch.autograd.grad(
+                (w[0] * out.logp).sum() + (w[1] * out.entropy).sum(), [params[n] for n in names]
+            )
             summed = torch.stack([out.logp.detach(), out.entropy.detach(), out.mask.double()])
             dist.all_reduce(summed, group=group)
             ctx = f"{mode} lengths={lengths}"

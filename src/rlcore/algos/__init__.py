@@ -17,7 +17,6 @@ from rlcore.algos.advantages import (
     rloo_advantages,
 )
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
-from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate, sequence_sharded_counts
 from rlcore.algos.dpo_recipe import DPO, concatenated_logps, dpo, packed_logps
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
@@ -69,6 +68,7 @@ from rlcore.algos.shaping import (
     running_reward_normalizer,
     scores_to_token_rewards,
 )
+from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate, sequence_sharded_counts
 from rlcore.algos.value_loss import value_loss
 
 __all__: list[str] = [

@@ -19,5 +19,7 @@ def as_process_group(name: str, group: Any) -> Any:
             raise ValueError(f"{name}: got a {group.ndim}-D DeviceMesh, expected a 1-D mesh (e.g. mesh['cp'])")
         return group.get_group()
     if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"{name}: got {type(group).__name__}, expected a torch.distributed ProcessGroup or 1-D DeviceMesh")
+        raise ValueError(
+            f"{name}: got {type(group).__name__}, expected a torch.distributed ProcessGroup or 1-D DeviceMesh"
+        )
     return group

@@ -175,7 +175,9 @@ def plan_sequence_shards(cu_seqlens: torch.Tensor | list[int], *, world: int, ra
         raise ValueError(f"rank: got {rank!r}, expected an int in [0, {world})")
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-            raise ValueError(f"cu_seqlens: got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}, expected [B + 1] ints")
+            raise ValueError(
+                f"cu_seqlens: got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}, expected [B + 1] ints"
+            )
         bounds = [int(b) for b in cu_seqlens.tolist()]  # sync-ok: planning on host ints
     else:
         bounds = [int(b) for b in cu_seqlens]
