@@ -321,7 +321,9 @@ def test_hand_counted_plan_for_tp2_to_tp1():
 
 
 def test_world_size_mismatch_names_both_sizes():
-    with pytest.raises(ValueError, match=r"dst_layout: got world size 8 \(pp=1 × dp=2 × ep=1 × tp=4\), expected 4"):
+    with pytest.raises(
+        ValueError, match=r"dst_layout: got world size 8 \(pp=1 × dp=2 × ep=1 × cp=1 × tp=4\), expected 4"
+    ):
         plan_reshard(META, decoder_layout(META, tp=4), decoder_layout(META, tp=4, dp=2))
 
 

@@ -70,6 +70,7 @@ from rlcore.algos.shaping import (
     running_reward_normalizer,
     scores_to_token_rewards,
 )
+from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate, sequence_sharded_counts
 from rlcore.algos.value_loss import value_loss
 
 __all__: list[str] = [
@@ -137,6 +138,8 @@ __all__: list[str] = [
     "sapo_loss",
     "scores_to_token_rewards",
     "sequence_logps",
+    "sequence_sharded_aggregate",
+    "sequence_sharded_counts",
     "simpo_loss",
     "token_advantages",
     "token_rewards_shaping",

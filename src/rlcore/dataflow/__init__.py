@@ -3,7 +3,15 @@
 from rlcore.dataflow.deploy import ColocatedSwitch, RolloutWorker, colocate
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, shard_samples
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse
-from rlcore.dataflow.layout import MESH_DIMS, Layout, Placement, decoder_layout, decoder_param_meta, param_meta
+from rlcore.dataflow.layout import (
+    MESH_DIMS,
+    Layout,
+    Placement,
+    decoder_layout,
+    decoder_param_meta,
+    infer_dp,
+    param_meta,
+)
 from rlcore.dataflow.packing import Packed, pack, pack_to_budget, shift_labels, unpack
 from rlcore.dataflow.ray_dock import DockHost, RayTransferDock
 from rlcore.dataflow.reshard import (
@@ -57,6 +65,7 @@ __all__: list[str] = [
     "decoder_layout",
     "decoder_param_meta",
     "fit_costs",
+    "infer_dp",
     "pack",
     "pack_to_budget",
     "param_meta",

@@ -1,14 +1,16 @@
 """Weight layouts as values: a named device mesh plus one placement per parameter.
 
 A :class:`Layout` is plain data (no process group): the sizes of the mesh dimensions
-``pp`` (pipeline stages), ``dp`` (data-parallel replicas), ``ep`` (expert parallel)
-and ``tp`` (tensor parallel), outermost to innermost, and for every parameter a
+``pp`` (pipeline stages), ``dp`` (data-parallel replicas), ``ep`` (expert parallel),
+``cp`` (context parallel: ranks splitting one packed row of tokens, with replicated
+weights) and ``tp`` (tensor parallel), outermost to innermost, and for every parameter a
 :class:`Placement`: the tensor dimension split over ``tp`` (0 = column-parallel,
 1 = row-parallel, ``None`` = replicated), the one split over ``ep`` (the stacked
 expert dimension), and the pipeline stage holding it. A placement on a mesh
 dimension of size 1 is a no-op, so one placement table serves every size.
 
-``tp`` is innermost, as in Megatron-LM, so tensor-parallel peers are adjacent ranks
+``tp`` is innermost and ``cp`` next, as in Megatron-LM's ``tp-cp-ep-dp-pp`` order, so
+tensor- and context-parallel peers, which talk inside every layer, are adjacent ranks
 (one node). :meth:`Layout.device_mesh` builds the matching
 ``torch.distributed.DeviceMesh`` when a process group exists.
 """
@@ -31,10 +33,11 @@ __all__ = [
     "Placement",
     "decoder_layout",
     "decoder_param_meta",
+    "infer_dp",
     "param_meta",
 ]
 
-MESH_DIMS = ("pp", "dp", "ep", "tp")
+MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
 
 _COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|qkv_proj|gate_up_proj)\.(weight|bias)$")
 _ROW = re.compile(r"(o_proj|down_proj)\.weight$")
@@ -131,11 +134,13 @@ def _shape(meta: Any) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh (``pp × dp × ep × tp`` ranks) and a :class:`Placement` per parameter name.
+    """A mesh (``pp × dp × ep × cp × tp`` ranks) and a :class:`Placement` per parameter name.
+
+    Weights are replicated over ``cp`` (as over ``dp``); a placement never splits them there.
 
     >>> lay = Layout(placements={"w": Placement(tp=0)}, tp=2, dp=2)
     >>> lay.world_size, lay.coords(3)
-    (4, {'pp': 0, 'dp': 1, 'ep': 0, 'tp': 1})
+    (4, {'pp': 0, 'dp': 1, 'ep': 0, 'cp': 0, 'tp': 1})
     >>> lay.local_shape("w", (8, 4))
     (4, 4)
     """
@@ -144,6 +149,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -169,7 +175,7 @@ class Layout:
         return math.prod(self.mesh_shape)
 
     def describe(self) -> str:
-        """``"pp=2 × dp=1 × ep=1 × tp=2"``."""
+        """``"pp=2 × dp=1 × ep=1 × cp=1 × tp=2"``."""
         return " × ".join(f"{d}={getattr(self, d)}" for d in MESH_DIMS)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -234,10 +240,39 @@ class Layout:
                     )
 
     def device_mesh(self, device_type: str) -> Any:
-        """The ``DeviceMesh`` of this layout (dims named ``pp, dp, ep, tp``); needs an initialised process group."""
+        """The ``DeviceMesh`` of this layout (dims named ``pp, dp, ep, cp, tp``); needs an initialised process group.
+
+        ``mesh["cp"]`` is the context-parallel group, ``mesh["dp"]`` the data-parallel one.
+        A launched world size other than :attr:`world_size` is a ``ValueError``.
+        """
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        world = dist.get_world_size()
+        if world != self.world_size:
+            raise ValueError(
+                f"world size: got {world} launched processes, expected {self.world_size} ({self.describe()}); "
+                "see rlcore.dataflow.infer_dp for the data-parallel size a world size allows"
+            )
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIMS)
+
+
+def infer_dp(world_size: int, *, pp: int = 1, ep: int = 1, cp: int = 1, tp: int = 1) -> int:
+    """The data-parallel size ``world_size / (pp × ep × cp × tp)``; ``ValueError`` when it does not divide.
+
+    >>> infer_dp(8, cp=2, tp=2)
+    2
+    """
+    for dim, v in (("world_size", world_size), ("pp", pp), ("ep", ep), ("cp", cp), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{dim}: got {v!r}, expected a positive int")
+    inner = pp * ep * cp * tp
+    if world_size % inner:
+        raise ValueError(
+            f"world_size: got {world_size}, expected a multiple of pp × ep × cp × tp = {pp} × {ep} × {cp} × {tp} = "
+            f"{inner} (the world does not factor into the mesh)"
+        )
+    return world_size // inner
 
 
 def _decoder_placement(name: str, shape: tuple[int, ...], stage: int | None) -> Placement:
@@ -250,7 +285,9 @@ def _decoder_placement(name: str, shape: tuple[int, ...], stage: int | None) -> 
     return Placement(stage=stage)
 
 
-def decoder_layout(param_meta: Mapping[str, Any], *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1) -> Layout:
+def decoder_layout(
+    param_meta: Mapping[str, Any], *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1, cp: int = 1
+) -> Layout:
     """The usual Megatron-style layout of a decoder-only model (HF Llama/Qwen/Mixtral names).
 
     Column-parallel (``Shard(0)`` over tp): ``q/k/v/gate/up_proj`` weights and biases,
@@ -266,7 +303,7 @@ def decoder_layout(param_meta: Mapping[str, Any], *, tp: int = 1, pp: int = 1, e
     Args:
       param_meta: parameter name -> anything with ``.shape`` (a tensor, or a ``meta``
         tensor from :func:`param_meta`).
-      tp, pp, ep, dp: mesh dimension sizes.
+      tp, pp, ep, dp, cp: mesh dimension sizes (weights are replicated over ``cp``).
 
     Returns:
       A validated :class:`Layout`.
@@ -277,7 +314,7 @@ def decoder_layout(param_meta: Mapping[str, Any], *, tp: int = 1, pp: int = 1, e
     >>> [(p.tp, p.stage) for p in lay.placements.values()]
     [(1, 0), (0, 1)]
     """
-    for dim, v in (("tp", tp), ("pp", pp), ("ep", ep), ("dp", dp)):
+    for dim, v in (("tp", tp), ("pp", pp), ("ep", ep), ("dp", dp), ("cp", cp)):
         check_positive(dim, v)
     layers = {int(m.group(1)) for n in param_meta if (m := _LAYER.search(n))}
     num_layers = max(layers) + 1 if layers else 0
@@ -296,6 +333,6 @@ def decoder_layout(param_meta: Mapping[str, Any], *, tp: int = 1, pp: int = 1, e
             else:
                 stage = pp - 1
         placements[name] = _decoder_placement(name, _shape(meta), stage)
-    layout = Layout(placements=placements, pp=pp, dp=dp, ep=ep, tp=tp)
+    layout = Layout(placements=placements, pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
     layout.validate(param_meta)
     return layout

@@ -206,7 +206,9 @@ def _first_fit_decreasing(order: list[int], lengths: list[int], max_tokens: int)
     return bins
 
 
-def pack_to_budget(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *, method: str = "kk") -> list[list[int]]:
+def pack_to_budget(
+    lengths: Sequence[int] | torch.Tensor, max_tokens: int, *, method: str = "kk", cp: int = 1
+) -> list[list[int]]:
     """Group sequences into micro-batches of at most ``max_tokens`` tokens each, with balanced loads.
 
     Dynamic batch size for packed training (as verl's ``use_dynamic_bsz``): the number
@@ -215,7 +217,12 @@ def pack_to_budget(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *, me
     (:func:`rlcore.dataflow.balanced_partition`: Karmarkar-Karp or Graham's LPT),
     and the first ``k`` at which every part fits the budget is used. If none fits up
     to the count first-fit-decreasing needs (at most ``11/9 OPT + 6/9`` bins, Dósa
-    2007), the first-fit-decreasing packing is returned. verl balances
+    2007), the first-fit-decreasing packing is returned. With context parallelism
+    (``cp > 1``) ``max_tokens`` is the budget of each rank and a packed row is split
+    over the ``cp`` ranks of its group (:func:`rlcore.models.shard_packed`: padded to
+    ``2 * cp`` chunks, a rank holding two), so a row holds up to
+    ``2 * cp * (max_tokens // 2)`` tokens and a sequence may be longer than
+    ``max_tokens``. verl balances
     ``ceil(sum / max_tokens)`` partitions without checking the budget afterwards, so
     one of its micro-batches can exceed it; here every one fits.
 
@@ -224,6 +231,7 @@ def pack_to_budget(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *, me
         this is planning, not a kernel).
       max_tokens: the token budget per micro-batch.
       method: the balancing heuristic, ``"kk"`` or ``"lpt"``.
+      cp: the context-parallel size (ranks sharing one packed row).
 
     Returns:
       A list of micro-batches, each a sorted list of sample indices; together they
@@ -231,7 +239,17 @@ def pack_to_budget(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *, me
 
     >>> pack_to_budget([5, 1, 4, 2, 3], max_tokens=8)
     [[0, 3], [1, 2, 4]]
+    >>> pack_to_budget([14, 3, 9], max_tokens=8, cp=2)  # rows of up to 16 tokens, 8 per rank
+    [[0], [1, 2]]
     """
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: got {cp!r}, expected a positive int (the context-parallel size)")
+    if cp > 1:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+            raise ValueError(
+                f"max_tokens: got {max_tokens!r}, expected an int >= 2 with cp={cp} (each rank holds two chunks)"
+            )
+        return pack_to_budget(lengths, 2 * cp * (max_tokens // 2), method=method)
     if isinstance(lengths, torch.Tensor):
         check_ndim("lengths", lengths, 1)
         check_integer("lengths", lengths)

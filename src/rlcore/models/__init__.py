@@ -1,22 +1,42 @@
-"""Model adapters: HF causal LMs as pure functions over packed tokens, packed attention, and the forwards the losses need.
+"""Model adapters: HF causal LMs as pure functions over packed tokens, packed and context-parallel attention,
+and the forwards the losses need.
 
 transformers is needed only by :mod:`rlcore.models.hf` (the ``hf`` extra), and is
 imported on first use.
 """
 
 from rlcore.models.attention import check_cu_seqlens, packed_causal_attention
+from rlcore.models.context_parallel import (
+    CP_MODES,
+    ContextParallelShard,
+    ShardedLogprobs,
+    shard_packed,
+    sharded_token_logprobs,
+)
 from rlcore.models.hf import ATTENTION_NAME, HFCausalLM, from_hf, load_causal_lm
 from rlcore.models.preference import PREFERENCE_SIDES, preference_logps
+from rlcore.models.ring_attention import ring_attention
+from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
 from rlcore.models.token_logprobs import token_logprobs
+from rlcore.models.ulysses import ulysses_attention
 
 __all__ = [
     "ATTENTION_NAME",
     "PREFERENCE_SIDES",
+    "CP_MODES",
+    "ContextParallelShard",
     "HFCausalLM",
+    "SequenceShards",
+    "ShardedLogprobs",
     "check_cu_seqlens",
     "from_hf",
     "load_causal_lm",
     "packed_causal_attention",
     "preference_logps",
+    "plan_sequence_shards",
+    "ring_attention",
+    "shard_packed",
+    "sharded_token_logprobs",
     "token_logprobs",
+    "ulysses_attention",
 ]

@@ -27,6 +27,7 @@ from torch import nn
 
 from rlcore._checks import check_integer, check_ndim, check_same_shape
 from rlcore.models.attention import _attend, check_cu_seqlens
+from rlcore.models.context_parallel import ContextParallelShard
 
 __all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf", "load_causal_lm"]
 
@@ -53,8 +54,11 @@ def _hf_attention(
         raise ValueError(f"sliding_window: got {sliding_window}, expected None (packed attention is full causal)")
     if dropout:
         raise ValueError(f"dropout: got {dropout}, expected 0.0 (packed attention applies no attention dropout)")
-    cu_seqlens, max_seqlen, bounds = packing
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if isinstance(packing, ContextParallelShard):
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        return packing.attend(q, k, v, scale=scale).unsqueeze(0), None
+    cu_seqlens, max_seqlen, bounds = packing
     out = _attend(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
@@ -96,6 +100,7 @@ class HFCausalLM:
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int | None = None,
+        context_parallel: ContextParallelShard | None = None,
     ) -> torch.Tensor:
         """Last hidden states ``[N, H]`` of the packed row ``input_ids`` ``[N]``.
 
@@ -105,11 +110,21 @@ class HFCausalLM:
           position_ids: ``[N]`` position of each token within its sequence.
           cu_seqlens: ``[B + 1]`` integer sequence boundaries, from 0 to ``N``.
           max_seqlen: the longest sequence (used by the CUDA kernel).
+          context_parallel: this rank's shard of a row split over a context-parallel
+            group (:func:`rlcore.models.shard_packed`); then ``input_ids`` and
+            ``position_ids`` are the shard's ``[2L]`` tokens, ``cu_seqlens`` its padded
+            row's, and the result is the shard's ``[2L, H]`` (a collective over the group).
         """
         check_ndim("input_ids", input_ids, 1)
         check_integer("input_ids", input_ids)
         check_same_shape("position_ids", position_ids, "input_ids", input_ids)
         check_integer("position_ids", position_ids)
+        if context_parallel is not None:
+            n = context_parallel.shards.local_len
+            if input_ids.shape[0] != n:
+                raise ValueError(f"input_ids: got {input_ids.shape[0]} tokens, expected the shard's {n}")
+            check_cu_seqlens(cu_seqlens, context_parallel.shards.padded_len)
+            return self._forward(params, input_ids, position_ids, context_parallel)
         bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[0])
         if input_ids.shape[0] == 0:
             # HF layers reshape with -1, which an empty row cannot satisfy.
@@ -117,6 +132,11 @@ class HFCausalLM:
             return weight.new_zeros(0, weight.shape[1])
         if max_seqlen is None and bounds is not None:
             max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
+        return self._forward(params, input_ids, position_ids, (cu_seqlens, max_seqlen, bounds))
+
+    def _forward(
+        self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, position_ids: torch.Tensor, packing: Any
+    ) -> torch.Tensor:
         backbone = self.model.get_submodule(self.prefix)
         tensors: dict[str, torch.Tensor] = dict(backbone.named_parameters())
         tensors.update(backbone.named_buffers())
@@ -126,7 +146,7 @@ class HFCausalLM:
             "input_ids": input_ids.unsqueeze(0),
             "position_ids": position_ids.unsqueeze(0),
             "use_cache": False,
-            _PACKING_KWARG: (cu_seqlens, max_seqlen, bounds),
+            _PACKING_KWARG: packing,
         }
         out = torch.func.functional_call(self.twin, tensors, (), kwargs)
         return out.last_hidden_state[0]

@@ -1,0 +1,276 @@
+"""Context parallelism: ring and Ulysses attention, sharded log-probs and aggregation on real gloo groups.
+
+One spawned group of 4 CPU processes runs every distributed check: the whole world
+as a cp=4 group, two cp=2 groups side by side, and a dp=2 x cp=2 mesh. The
+hypothesis examples are drawn here, in the parent, and shipped to the ranks, so
+every rank runs the same examples.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.dataflow import Layout, infer_dp, pack_to_budget
+from rlcore.models import plan_sequence_shards
+
+WORLD = 4
+VOCAB = 53
+TINY = {
+    "model_type": "qwen2",
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+}
+
+
+# ---------------------------------------------------------------- the plan (host only)
+
+
+@st.composite
+def crossing_lengths(draw, cp):  # type: ignore[no-untyped-def]
+    """Three uneven sequences; the middle one starts in the first chunk and ends in the last."""
+    chunk = draw(st.integers(2, 5))
+    first = draw(st.integers(1, chunk - 1))
+    last = draw(st.integers(1, chunk - 1))
+    pad = draw(st.integers(0, chunk - 1 - last))
+    middle = 2 * cp * chunk - first - last - pad
+    return [first, middle, last]
+
+
+def _covered(shards_by_rank):  # type: ignore[no-untyped-def]
+    """(query position, key position) pairs the tasks of all ranks attend, with multiplicity."""
+    seen: dict[tuple[int, int], int] = {}
+    for sh in shards_by_rank:
+        for src in range(sh.world):
+            q_pos, k_pos = sh.positions_of(sh.rank), sh.positions_of(src)
+            for q_lo, q_hi, k_lo, k_hi, causal in sh.tasks(src):
+                for i in range(q_lo, q_hi):
+                    for j in range(k_lo, k_hi):
+                        if not causal or j - k_lo <= i - q_lo:
+                            key = (q_pos[i], k_pos[j])
+                            seen[key] = seen.get(key, 0) + 1
+    return seen
+
+
+@settings(max_examples=40)
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=5).filter(lambda x: sum(x) > 0),
+    world=st.sampled_from([1, 2, 3, 4]),
+)
+def test_plan_tasks_cover_exactly_the_causal_document_mask(lengths, world):
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    shards = [plan_sequence_shards(bounds, world=world, rank=r) for r in range(world)]
+    sh = shards[0]
+    assert sh.padded_len % (2 * world) == 0 and sh.padded_len - sh.num_tokens < 2 * world
+    held = sorted(p for s in shards for p in s.positions_of(s.rank))
+    assert held == list(range(sh.padded_len))  # a partition of the padded row
+    doc = [next(i for i in range(len(sh.bounds) - 1) if sh.bounds[i] <= p < sh.bounds[i + 1]) for p in held]
+    want = {(i, j): 1 for i in held for j in held if j <= i and doc[i] == doc[j]}
+    assert _covered(shards) == want
+
+
+def test_plan_balances_causal_work():
+    shards = [plan_sequence_shards([0, 64], world=4, rank=r) for r in range(4)]
+    work = [sum(_covered([s]).values()) for s in shards]
+    assert max(work) == min(work)
+
+
+def test_zero_length_rows_and_shards_are_refused():
+    with pytest.raises(ValueError, match="shard of zero length"):
+        plan_sequence_shards([0, 0, 0], world=2, rank=0)
+    with pytest.raises(ValueError, match="rank: got 2"):
+        plan_sequence_shards([0, 5], world=2, rank=2)
+
+
+def test_world_size_that_does_not_factor_is_refused():
+    assert infer_dp(8, cp=2, tp=2) == 2
+    with pytest.raises(ValueError, match=r"world_size: got 6, expected a multiple of .* = 4"):
+        infer_dp(6, cp=2, tp=2)
+    lay = Layout(placements={}, dp=2, cp=2)
+    assert lay.coords(3) == {"pp": 0, "dp": 1, "ep": 0, "cp": 1, "tp": 0}
+
+
+@settings(max_examples=40)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    max_tokens=st.integers(2, 12),
+    cp=st.sampled_from([1, 2, 4]),
+)
+def test_pack_to_budget_rows_fit_each_cp_rank(lengths, max_tokens, cp):
+    cap = max_tokens if cp == 1 else 2 * cp * (max_tokens // 2)
+    lengths = [min(x, cap) for x in lengths]
+    plan = pack_to_budget(lengths, max_tokens, cp=cp)
+    assert sorted(i for row in plan for i in row) == list(range(len(lengths)))
+    for row in plan:
+        n = sum(lengths[i] for i in row)
+        if cp > 1 and n:
+            assert plan_sequence_shards([0, n], world=cp, rank=0).local_len <= max_tokens
+        else:
+            assert n <= max_tokens
+
+
+# ---------------------------------------------------------------- the distributed checks
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
+
+
+def check_matches_single_process(rank, group_spec, examples):  # type: ignore[no-untyped-def]
+    """Log-probs, entropies and every parameter's gradient equal the single-process computation."""
+    from rlcore.models import from_hf, load_causal_lm, sharded_token_logprobs, token_logprobs
+
+    group = _GROUPS[group_spec]
+    model = load_causal_lm(TINY, seed=0)
+    apply, params = from_hf(model)
+    names = list(params)
+    for lengths in examples:
+        g = torch.Generator().manual_seed(sum(lengths))
+        seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+        w = torch.randn(2, len(lengths), max(lengths), generator=g)
+        logp, ent = token_logprobs(apply, params, seqs, with_entropy=True)
+        want = torch.autograd.grad((w[0] * logp).sum() + (w[1] * ent).sum(), [params[n] for n in names])
+        for mode in ("ring", "ulysses"):
+            out = sharded_token_logprobs(apply, params, seqs, group=group, mode=mode, with_entropy=True)
+            grads = torch.autograd.grad(
+                (w[0] * out.logp).sum() + (w[1] * out.entropy).sum(), [params[n] for n in names]
+            )
+            summed = torch.stack([out.logp.detach(), out.entropy.detach(), out.mask.double()])
+            dist.all_reduce(summed, group=group)
+            ctx = f"{mode} lengths={lengths}"
+            assert _rel_err(summed[0], logp.detach()) <= 1e-5, ctx
+            assert _rel_err(summed[1], ent.detach()) <= 1e-5, ctx
+            scored = torch.zeros_like(logp, dtype=torch.bool)
+            for b, n in enumerate(lengths):
+                scored[b, 1:n] = True
+            assert torch.equal(summed[2], scored.double()), f"{ctx}: the masks do not partition the scored tokens"
+            for name, got, ref in zip(names, grads, want):
+                got = got.clone()
+                dist.all_reduce(got, group=group)
+                assert _rel_err(got, ref) <= 1e-5, f"{ctx}: gradient of {name}: {_rel_err(got, ref):.2e}"
+
+
+def check_bad_input(rank, group_spec):  # type: ignore[no-untyped-def]
+    from rlcore.dataflow import pack
+    from rlcore.models import from_hf, load_causal_lm, ring_attention, sharded_token_logprobs
+
+    group = _GROUPS[group_spec]
+    apply, params = from_hf(load_causal_lm({**TINY, "num_key_value_heads": 2}, seed=0))
+    seqs = [torch.arange(5), torch.arange(9)]
+    with pytest.raises(ValueError, match=r"2 key/value heads, expected both divisible by the context-parallel size 4"):
+        sharded_token_logprobs(apply, params, seqs, group=group, mode="ulysses")
+    with pytest.raises(ValueError, match=r"world size: got 4 launched processes, expected 6"):
+        Layout(placements={}, dp=2, cp=3).device_mesh("cpu")
+    shards = plan_sequence_shards([0, 14], world=4, rank=rank)
+    empty = torch.zeros(0, 2, 4)
+    with pytest.raises(ValueError, match=r"query: got 0 tokens, expected 4"):
+        ring_attention(empty, empty, empty, shards, group)
+    with pytest.raises(ValueError, match="shard of zero length"):
+        sharded_token_logprobs(apply, params, pack([torch.zeros(0, dtype=torch.long)]), group=group)
+
+
+def check_aggregate_over_cp_and_dp(rank, examples):  # type: ignore[no-untyped-def]
+    """Summed over a dp=2 x cp=2 mesh, the sharded aggregate of every mode equals the whole batch's."""
+    from rlcore.algos import AGGREGATION_MODES, aggregate, sequence_sharded_aggregate, sequence_sharded_counts
+
+    mesh = _GROUPS["mesh"]
+    dp, cp = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+    for seed in examples:
+        g = torch.Generator().manual_seed(seed)
+        loss_t = torch.randn(6, 9, generator=g, dtype=torch.float64)
+        mask = torch.rand(6, 9, generator=g) < 0.6
+        mask[1] = False  # a sequence with nothing counted
+        owner = torch.randint(0, 2, (6, 9), generator=g)  # the cp rank scoring each token
+        rows = slice(0, 4) if dp == 0 else slice(4, 6)  # uneven data-parallel shards
+        local = mask[rows] & (owner[rows] == cp)
+        counts = sequence_sharded_counts(local, cp_group=mesh["cp"], dp_group=mesh["dp"])
+        for mode in AGGREGATION_MODES:
+            got = sequence_sharded_aggregate(loss_t[rows], local, mode=mode, horizon=9, **counts)
+            dist.all_reduce(got)
+            want = aggregate(loss_t, mask, mode=mode, horizon=9)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{mode} seed={seed}")
+
+
+_GROUPS: dict = {}
+
+
+def _make_groups(rank):  # type: ignore[no-untyped-def]
+    _GROUPS["cp4"] = dist.group.WORLD
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    _GROUPS["cp2"] = pairs[rank // 2]
+    _GROUPS["mesh"] = Layout(placements={}, dp=2, cp=2).device_mesh("cpu")
+
+
+def _worker(rank, tmp, checks):  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=90)
+    )
+    results = {}
+    try:
+        _make_groups(rank)
+        for name, (fn, args) in checks.items():
+            try:
+                fn(rank, *args)
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc()
+            with open(os.path.join(tmp, f"result_{rank}.json"), "w") as f:
+                json.dump(results, f)
+            if results[name] != "ok":
+                os._exit(0)  # peers may wait in a collective this rank left: their timeout ends them
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _draw(strategy, n):  # type: ignore[no-untyped-def]
+    out = []
+
+    @settings(max_examples=n, database=None)
+    @given(strategy)
+    def collect(x):  # type: ignore[no-untyped-def]
+        out.append(x)
+
+    collect()
+    return out[:n]
+
+
+@pytest.fixture(scope="module")
+def group_results(tmp_path_factory):  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("cp")
+    checks = {
+        "cp4": (check_matches_single_process, ("cp4", _draw(crossing_lengths(4), 3))),
+        "cp2": (check_matches_single_process, ("cp2", _draw(crossing_lengths(2), 4) + [[1, 13, 3]])),
+        "bad": (check_bad_input, ("cp4",)),
+        "aggregate": (check_aggregate_over_cp_and_dp, (list(range(4)),)),
+    }
+    mp.spawn(_worker, args=(str(tmp), checks), nprocs=WORLD, join=True)
+    out = {}
+    for r in range(WORLD):
+        path = tmp / f"result_{r}.json"
+        out[r] = json.loads(path.read_text()) if path.exists() else {}
+    return out
+
+
+@pytest.mark.parametrize("check", ["cp4", "cp2", "bad", "aggregate"])
+def test_on_four_gloo_ranks(group_results, check):
+    for rank, res in group_results.items():
+        got = res.get(check, "not run: an earlier check failed on this rank")
+        assert got == "ok", f"rank {rank}:\n{got}"
