@@ -499,7 +499,7 @@ def test_batch_normalize_matches_reference_and_masked_whiten(batch):
 @settings(max_examples=20)
 def test_batch_normalize_without_mask_bfloat16(scores_ids):
     scores, _ = scores_ids
-    got = batch_normalize(scores)
+    got = batch_normalize(scores, torch.ones_like(scores, dtype=torch.bool))
     assert got.dtype == torch.bfloat16
     want = ref.batch_normalize_ref(scores)
     assert_close(got, want, scale=_magnitude(want))

@@ -129,8 +129,8 @@ def _check_estimators(rank: int, pg, mesh) -> None:  # type: ignore[no-untyped-d
     state, state_full = norm.init(), norm.init()
     for step in range(3):
         batch = torch.randn(8, generator=torch.Generator().manual_seed(100 + step)) * 2 + step
-        out, state = norm.update(batch[rows], state, process_group=pg)
-        out_full, state_full = norm.update(batch, state_full)
+        out, state = norm.update(batch[rows], torch.ones(batch[rows].shape, dtype=torch.bool), state, process_group=pg)
+        out_full, state_full = norm.update(batch, torch.ones(8, dtype=torch.bool), state_full)
         torch.testing.assert_close(out, out_full[rows])
     for a, b in zip(state, state_full):
         torch.testing.assert_close(a, b)

@@ -168,7 +168,7 @@ def test_pack_on_int32_inputs(batch):
         ),
         (
             lambda: unpack(torch.zeros(2), {"input_ids": torch.zeros(2)}),
-            r"packed: got dict, expected an rlcore.dataflow.Packed",
+            r"packed: got dict, expected an rlcore.ops.Packed",
         ),
         (lambda: pack_to_budget([3, 9], max_tokens=8), r"lengths: got 9 at index 1, expected token counts in \[0, 8\]"),
         (lambda: pack_to_budget([3], max_tokens=0), r"max_tokens: got 0, expected a positive int"),

@@ -110,8 +110,8 @@ def test_running_normalizer_matches_exact_history(shift_mean, data, steps, maske
     for _ in range(steps):
         b = data.draw(st.integers(1, 9))
         x = data.draw(float_tensors((b,), patterns=("normal", "offset", "constant", "binary")))
-        mask = data.draw(masks(1, b, interior_zeros=False))[0] if masked else None
-        got, state = norm.update(x, state, mask)
+        mask = data.draw(masks(1, b, interior_zeros=False))[0] if masked else torch.ones(b, dtype=torch.bool)
+        got, state = norm.update(x, mask, state)
         want = oracle.update(x, mask)
         scale = max(1.0, float(want.abs().max()))
         assert_close(got, want, scale=scale)
@@ -120,8 +120,8 @@ def test_running_normalizer_matches_exact_history(shift_mean, data, steps, maske
 
 def test_running_normalizer_hand_computed_and_bfloat16():
     norm = running_reward_normalizer()
-    _out1, s = norm.update(torch.tensor([1.0, 3.0]), norm.init())
-    out2, s = norm.update(torch.tensor([5.0], dtype=torch.bfloat16), s)
+    _out1, s = norm.update(torch.tensor([1.0, 3.0]), torch.ones(2, dtype=torch.bool), norm.init())
+    out2, s = norm.update(torch.tensor([5.0], dtype=torch.bfloat16), torch.ones(1, dtype=torch.bool), s)
     # after both batches: {1, 3, 5}, mean 3, unbiased var 4
     torch.testing.assert_close(out2, torch.tensor([1.0], dtype=torch.bfloat16))
     torch.testing.assert_close(s.mean, torch.tensor(3.0, dtype=torch.float64))
@@ -132,7 +132,9 @@ def test_running_normalizer_hand_computed_and_bfloat16():
 def test_running_normalizer_no_host_sync():
     norm = running_reward_normalizer()
     state = norm.init()
-    _out, new = assert_no_host_sync(lambda x, st_: norm.update(x, st_), torch.randn(8), state)
+    _out, new = assert_no_host_sync(
+        lambda x, st_: norm.update(x, torch.ones_like(x, dtype=torch.bool), st_), torch.randn(8), state
+    )
     assert int(new.count) == 8 and int(state.count) == 0
 
 

@@ -1,9 +1,11 @@
 """rlcore: functional reinforcement-learning post-training for LLMs on PyTorch.
 
 Algorithms are pure functions over pytree batches (:mod:`rlcore.algos`) built on
-tensor primitives (:mod:`rlcore.ops`); systems concerns are separate transforms.
-:mod:`rlcore.testing` (hypothesis strategies and loop references) needs the ``test``
-extra and is imported on first use.
+tensor primitives (:mod:`rlcore.ops`); systems concerns are separate transforms
+(:mod:`rlcore.dataflow`, :mod:`rlcore.memory`), imported on first use like
+:mod:`rlcore.models`, :mod:`rlcore.rewards`, :mod:`rlcore.train` and
+:mod:`rlcore.testing` (hypothesis strategies and loop references; it needs the
+``test`` extra).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlcore import algos, dataflow, device, memory, ops, pytree
+from rlcore import algos, device, ops, pytree
 
 __version__ = "0.1.0"
 
@@ -30,8 +32,10 @@ __all__ = [
 ]
 
 # Imported on first use: they pull in heavier or optional packages (hypothesis for
-# testing; transformers, YAML, plotting and process pools for models, rewards, train).
-_LAZY = {"models", "rewards", "testing", "train"}
+# testing; transformers, YAML, plotting and process pools for models, rewards, train;
+# the dock, scheduler and collectives of dataflow and memory), none of which the maths
+# (algos, ops) needs: ``import rlcore.algos`` loads the tensor primitives only.
+_LAZY = {"dataflow", "memory", "models", "rewards", "testing", "train"}
 
 
 def __getattr__(name: str) -> Any:

@@ -160,7 +160,13 @@ class KLController(NamedTuple):
 
     ``init(device=None) -> KLControllerState`` and
     ``update(kl, state, *, n_steps) -> KLControllerState``, where ``kl`` is the measured
-    KL of the latest batch and ``n_steps`` the number of samples it held.
+    KL of the latest batch and ``n_steps`` the number of samples it held. The
+    convention of every ``(init, update)`` pair in rlcore (shared with
+    :class:`rlcore.algos.RewardNormalizer`): ``init(device=None) -> state``;
+    ``update(data..., state, *, options)`` takes the data tensors, then the state,
+    positionally and every option by keyword, and returns the new state, or
+    ``(output, state)`` when the transform has an output. Pass an instance as an
+    ``Algorithm``'s ``kl_coef`` to put it in the loss.
     """
 
     init: Callable[..., KLControllerState]

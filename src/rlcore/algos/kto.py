@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlcore._checks import check_positive, check_same_shape
-from rlcore.algos.preference import _check_sequences
+from rlcore.algos.preference import check_sequences
 from rlcore.ops import acc_dtype, masked_mean
 
 __all__ = ["kto_loss"]
@@ -59,9 +59,9 @@ def kto_loss(
     >>> loss  # sigmoid(-1) for both: z = 0, r = (1, -1)
     tensor([0.2689, 0.2689])
     """
-    _check_sequences(logp=logp, ref_logp=ref_logp)
+    check_sequences(logp=logp, ref_logp=ref_logp)
     check_same_shape("desirable", desirable, "logp", logp)
-    _check_sequences(kl_logp=kl_logp, kl_ref_logp=kl_ref_logp)
+    check_sequences(kl_logp=kl_logp, kl_ref_logp=kl_ref_logp)
     if kl_logp.shape[0] == 0:
         raise ValueError("kl_logp: got shape (0), expected (M) with M >= 1 (the KL reference point needs samples)")
     check_positive("beta", beta)

@@ -17,11 +17,11 @@ __all__ = ["sequence_logps"]
 
 REDUCTIONS = SEQUENCE_REDUCTIONS
 
-# Beyond exp(_EXP_CAP) the exponential is continued linearly: see _capped_exp.
+# Beyond exp(_EXP_CAP) the exponential is continued linearly: see capped_exp.
 _EXP_CAP = 20.0
 
 
-def _check_sequences(**tensors: torch.Tensor) -> None:
+def check_sequences(**tensors: torch.Tensor) -> None:
     """Every tensor must be floating point with the shape ``[B]`` of the first one."""
     items = list(tensors.items())
     first_name, first = items[0]
@@ -32,7 +32,7 @@ def _check_sequences(**tensors: torch.Tensor) -> None:
         check_same_shape(name, x, first_name, first)
 
 
-def _check_label_smoothing(label_smoothing: float) -> None:
+def check_label_smoothing(label_smoothing: float) -> None:
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(
             f"label_smoothing: got {label_smoothing!r}, expected a number in [0, 0.5) "
@@ -40,7 +40,7 @@ def _check_label_smoothing(label_smoothing: float) -> None:
         )
 
 
-def _capped_exp(t: torch.Tensor) -> torch.Tensor:
+def capped_exp(t: torch.Tensor) -> torch.Tensor:
     """``exp(t)``, continued linearly (value and slope matched) beyond ``t = 20``.
 
     The f-divergence scores and DiscoPOP contain ``exp`` of a log-ratio, which
@@ -53,7 +53,7 @@ def _capped_exp(t: torch.Tensor) -> torch.Tensor:
     return torch.exp(t.clamp(max=_EXP_CAP)) * (1.0 + (t - _EXP_CAP).clamp(min=0.0))
 
 
-def _smoothed_logistic(x: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+def smoothed_logistic(x: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     """``-(1 - eps) log sigmoid(x) - eps log sigmoid(-x)``, in the overflow-free softplus form."""
     loss = torch.nn.functional.softplus(-x)
     if label_smoothing:
@@ -61,7 +61,7 @@ def _smoothed_logistic(x: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return loss
 
 
-def _pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, dtype: torch.dtype) -> dict:
+def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, dtype: torch.dtype) -> dict:
     """Detached per-pair implicit rewards, their margin and whether the pair is ranked right."""
     chosen_rewards = chosen_rewards.detach()
     rejected_rewards = rejected_rewards.detach()

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from rlcore._checks import check_choice, check_positive
 from rlcore.algos.preference import (
-    _capped_exp,
-    _check_label_smoothing,
-    _check_sequences,
-    _pair_metrics,
-    _smoothed_logistic,
+    capped_exp,
+    check_label_smoothing,
+    check_sequences,
+    pair_metrics,
+    smoothed_logistic,
 )
 from rlcore.ops import acc_dtype
 
@@ -53,11 +53,11 @@ def _scores(logratio: torch.Tensor, divergence: str, alpha: float) -> torch.Tens
     if divergence == "reverse_kl":  # f(u) = u log u,  f'(u) = log u + 1
         return logratio
     if divergence == "forward_kl":  # f(u) = -log u,  f'(u) = -1/u
-        return 1.0 - _capped_exp(-logratio)
+        return 1.0 - capped_exp(-logratio)
     if divergence == "js":  # f'(u) = log(2u / (1 + u))
         return math.log(2.0) + F.logsigmoid(logratio)
     # alpha-divergence, f'(u) = (1 - u^-alpha) / alpha
-    return (1.0 - _capped_exp(-alpha * logratio)) / alpha
+    return (1.0 - capped_exp(-alpha * logratio)) / alpha
 
 
 def _pair_loss(
@@ -76,7 +76,7 @@ def _pair_loss(
     x = beta * h
     eps = label_smoothing
     if loss_type == "sigmoid":
-        return _smoothed_logistic(x, eps)
+        return smoothed_logistic(x, eps)
     if loss_type == "robust":
         return ((1.0 - eps) * F.softplus(-x) - eps * F.softplus(x)) / (1.0 - 2.0 * eps)
     if loss_type == "hinge":
@@ -97,9 +97,9 @@ def _pair_loss(
         return (sc - 0.5 / beta) ** 2 + (sr + 0.5 / beta) ** 2
     if loss_type == "aot":
         delta = torch.sort(policy_logratio).values - torch.sort(ref_logratio).values
-        return _smoothed_logistic(beta * delta, eps)
+        return smoothed_logistic(beta * delta, eps)
     if loss_type == "aot_pair":
-        return _smoothed_logistic(beta * (torch.sort(sc).values - torch.sort(sr).values), eps)
+        return smoothed_logistic(beta * (torch.sort(sc).values - torch.sort(sr).values), eps)
     if loss_type == "apo_zero":
         return torch.sigmoid(-cr) + torch.sigmoid(rr)
     if loss_type == "apo_down":
@@ -107,7 +107,7 @@ def _pair_loss(
     # discopop: sigmoid(x / tau) * exp(-x) taken as one exponent, so that the
     # 0 * inf of TRL's product (x << 0: the weight underflows, exp(-x) overflows) cannot occur.
     modulation = torch.sigmoid(x / discopop_tau)
-    return (1.0 - modulation) * F.softplus(-x) + _capped_exp(F.logsigmoid(x / discopop_tau) - x)
+    return (1.0 - modulation) * F.softplus(-x) + capped_exp(F.logsigmoid(x / discopop_tau) - x)
 
 
 def dpo_loss(
@@ -193,13 +193,13 @@ def dpo_loss(
     >>> dpo_loss(ref_w, ref_l, ref_w, ref_l)[0]  # policy == reference: log 2
     tensor([0.6931, 0.6931])
     """
-    _check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected)
+    check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected)
     check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
     check_choice("divergence", divergence, DIVERGENCES)
     check_positive("beta", beta)
     check_positive("alpha", alpha)
     check_positive("discopop_tau", discopop_tau)
-    _check_label_smoothing(label_smoothing)
+    check_label_smoothing(label_smoothing)
     if loss_type == "exo_pair" and label_smoothing == 0.0:
         raise ValueError(
             "label_smoothing: got 0.0, expected a number in (0, 0.5) for loss_type='exo_pair' "
@@ -227,4 +227,4 @@ def dpo_loss(
         discopop_tau=discopop_tau,
         bco_delta=bco_delta,
     )
-    return loss.to(dtype), _pair_metrics(beta * sc, beta * sr, dtype)
+    return loss.to(dtype), pair_metrics(beta * sc, beta * sr, dtype)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore._checks import check_positive
-from rlcore.algos.preference import _check_label_smoothing, _check_sequences, _pair_metrics, _smoothed_logistic
+from rlcore.algos.preference import check_label_smoothing, check_sequences, pair_metrics, smoothed_logistic
 from rlcore.ops import acc_dtype
 
 __all__ = ["cpo_loss", "orpo_loss", "simpo_loss"]
@@ -55,15 +55,15 @@ def simpo_loss(
     >>> loss  # x = 2 * 0.5 - 0.5 = 0.5
     tensor([0.4741])
     """
-    _check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected)
+    check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected)
     check_positive("beta", beta)
     check_positive("gamma", gamma, strict=False)
-    _check_label_smoothing(label_smoothing)
+    check_label_smoothing(label_smoothing)
     dtype = pi_chosen.dtype
     acc = acc_dtype(dtype)
     cw, cl = beta * pi_chosen.to(acc), beta * pi_rejected.to(acc)
-    loss = _smoothed_logistic(cw - cl - gamma, label_smoothing)
-    return loss.to(dtype), _pair_metrics(cw, cl, dtype)
+    loss = smoothed_logistic(cw - cl - gamma, label_smoothing)
+    return loss.to(dtype), pair_metrics(cw, cl, dtype)
 
 
 def cpo_loss(
@@ -102,16 +102,16 @@ def cpo_loss(
     >>> loss  # -log sigmoid(1) + 1
     tensor([1.3133])
     """
-    _check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, chosen_nll=chosen_nll)
+    check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, chosen_nll=chosen_nll)
     check_positive("beta", beta)
     check_positive("alpha", alpha, strict=False)
-    _check_label_smoothing(label_smoothing)
+    check_label_smoothing(label_smoothing)
     dtype = pi_chosen.dtype
     acc = acc_dtype(dtype)
     cw, cl = beta * pi_chosen.to(acc), beta * pi_rejected.to(acc)
     nll = chosen_nll.to(acc)
-    loss = _smoothed_logistic(cw - cl, label_smoothing) + alpha * nll
-    metrics = _pair_metrics(cw, cl, dtype)
+    loss = smoothed_logistic(cw - cl, label_smoothing) + alpha * nll
+    metrics = pair_metrics(cw, cl, dtype)
     metrics["nll"] = nll.detach().to(dtype)
     return loss.to(dtype), metrics
 
@@ -169,7 +169,7 @@ def orpo_loss(
     >>> m["log_odds_ratio"]  # log((0.5/0.5) / (0.2/0.8)) = log 4
     tensor([1.3863])
     """
-    _check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, chosen_nll=chosen_nll)
+    check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, chosen_nll=chosen_nll)
     check_positive("lam", lam, strict=False)
     dtype = pi_chosen.dtype
     acc = acc_dtype(dtype)
@@ -179,7 +179,7 @@ def orpo_loss(
     log_odds_ratio = (pw - _log1mexp(pw)) - (pl - _log1mexp(pl))
     nll = chosen_nll.to(acc)
     loss = nll + lam * F.softplus(-log_odds_ratio)
-    metrics = _pair_metrics(lam * pi_chosen.to(acc), lam * pi_rejected.to(acc), dtype)
+    metrics = pair_metrics(lam * pi_chosen.to(acc), lam * pi_rejected.to(acc), dtype)
     metrics["log_odds_ratio"] = log_odds_ratio.detach().to(dtype)
     metrics["nll"] = nll.detach().to(dtype)
     return loss.to(dtype), metrics

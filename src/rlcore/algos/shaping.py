@@ -138,7 +138,9 @@ class RewardNormalizer(NamedTuple):
     """Running reward normalisation as pure functions (optax style).
 
     ``init(device=None) -> RunningMomentsState`` and
-    ``update(rewards, state, mask=None, *, process_group=None) -> (normalised, state)``.
+    ``update(rewards, mask, state, *, process_group=None) -> (normalised, state)``: the
+    convention every ``(init, update)`` pair of rlcore follows (data tensors, then the
+    state, positional; options keyword-only; see :class:`rlcore.algos.KLController`).
     """
 
     init: Callable[..., RunningMomentsState]
@@ -167,7 +169,7 @@ def running_reward_normalizer(*, shift_mean: bool = True, eps: float = 1e-8) -> 
       A :class:`RewardNormalizer`.
 
     >>> norm = running_reward_normalizer()
-    >>> out, state = norm.update(torch.tensor([1.0, 3.0]), norm.init())
+    >>> out, state = norm.update(torch.tensor([1.0, 3.0]), torch.ones(2, dtype=torch.bool), norm.init())
     >>> out, state.count
     (tensor([-0.7071,  0.7071]), tensor(2., dtype=torch.float64))
     """
@@ -179,15 +181,13 @@ def running_reward_normalizer(*, shift_mean: bool = True, eps: float = 1e-8) -> 
 
     def update(
         rewards: torch.Tensor,
+        mask: torch.Tensor,
         state: RunningMomentsState,
-        mask: torch.Tensor | None = None,
         *,
         process_group: Any = None,
     ) -> tuple[torch.Tensor, RunningMomentsState]:
         check_floating("rewards", rewards)
         check_tensor("state.count", state.count)
-        if mask is None:
-            mask = torch.ones_like(rewards, dtype=torch.bool)
         check_same_shape("mask", mask, "rewards", rewards)
         # Batch statistics in float64 too: they are merged into float64 state, and a
         # float32 batch mean of rewards near 1e4 would be off by 5e-4.

@@ -7,7 +7,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from rlcore.dataflow.packing import pack, shift_labels, unpack
+from rlcore.ops import pack, shift_labels, unpack
 from rlcore.ops.linear_logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
 
 __all__ = ["token_logprobs"]
@@ -67,7 +67,7 @@ def token_logprobs(
     The per-token log-likelihood ``log pi(x_t | x_<t)`` of PPO-style RL post-training
     (Ouyang et al., arXiv:2203.02155; Schulman et al., arXiv:1707.06347), computed the
     padding-free way (verl's ``use_remove_padding``): the batch is packed into one row
-    (:func:`rlcore.dataflow.pack`), run through ``apply`` with packed attention, and the
+    (:func:`rlcore.ops.pack`), run through ``apply`` with packed attention, and the
     last hidden states go straight into :func:`rlcore.ops.linear_logprobs` with
     next-token labels that never cross a sequence boundary; the result is scattered
     back to the padded layout.

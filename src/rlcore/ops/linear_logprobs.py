@@ -18,11 +18,11 @@ import torch
 
 from rlcore._checks import check_floating, check_ndim, check_tensor
 from rlcore.ops.logprobs import (
-    _check_chunk_size,
-    _check_labels,
-    _check_temperature,
-    _chunks,
-    _poison_invalid,
+    check_chunk_size,
+    check_labels,
+    check_temperature,
+    chunks,
+    poison_invalid,
 )
 from rlcore.ops.numerics import acc_dtype
 
@@ -119,10 +119,10 @@ def _forward(
     lse = hidden.new_empty(n, 1, dtype=acc)
     logp = hidden.new_empty(n, dtype=acc)
     ent = hidden.new_empty(n, dtype=acc) if want_entropy else None
-    for s, e in _chunks(n, chunk_size):
+    for s, e in chunks(n, chunk_size):
         h = _operand(hidden[s:e], acc)
         state: _State | None = None
-        for v0, v1 in _chunks(vocab, vocab_chunk_size):
+        for v0, v1 in chunks(vocab, vocab_chunk_size):
             state = _forward_block(h, _operand(weight[v0:v1], acc), labels[s:e], v0, state, temperature, want_entropy)
         assert state is not None, "the vocabulary is checked non-empty"
         m, total, pz, z_label = state
@@ -240,12 +240,12 @@ def _backward(
     inv_t = 1.0 / temperature
     grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-    for s, e in _chunks(n, chunk_size):
+    for s, e in chunks(n, chunk_size):
         h = _operand(hidden[s:e], acc)
         g1 = g_logp[s:e].to(acc).unsqueeze(-1) * inv_t if g_logp is not None else None
         g2 = g_ent[s:e].to(acc).unsqueeze(-1) * inv_t if g_ent is not None else None
         stats = (rowmax[s:e], lse[s:e], ent[s:e].unsqueeze(-1) if ent is not None else None)
-        for v0, v1 in _chunks(vocab, vocab_chunk_size):
+        for v0, v1 in chunks(vocab, vocab_chunk_size):
             _backward_block(
                 h,
                 _operand(weight[v0:v1], acc),
@@ -362,16 +362,16 @@ def linear_logprobs(
     if weight.shape[0] == 0:
         raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected a non-empty vocabulary")
     vocab = weight.shape[0]
-    _check_labels(labels, vocab, lead=hidden.shape[:-1], lead_name="hidden")
-    _check_temperature(temperature)
-    _check_chunk_size(chunk_size)
-    _check_chunk_size(vocab_chunk_size, name="vocab_chunk_size")
+    check_labels(labels, vocab, lead=hidden.shape[:-1], lead_name="hidden")
+    check_temperature(temperature)
+    check_chunk_size(chunk_size)
+    check_chunk_size(vocab_chunk_size, name="vocab_chunk_size")
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = _LinearLogprobs.apply(
         flat, weight, labels.reshape(-1), float(temperature), chunk_size, vocab_chunk_size, with_entropy
     )
     lead = hidden.shape[:-1]
-    logp = _poison_invalid(out[0].to(hidden.dtype).reshape(lead), labels, vocab)
+    logp = poison_invalid(out[0].to(hidden.dtype).reshape(lead), labels, vocab)
     if not with_entropy:
         return logp
     return logp, out[1].to(hidden.dtype).reshape(lead)

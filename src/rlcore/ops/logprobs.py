@@ -30,18 +30,18 @@ __all__ = ["entropy_from_logits", "logprobs_from_logits"]
 DEFAULT_CHUNK_SIZE = 512
 
 
-def _check_chunk_size(chunk_size: int, name: str = "chunk_size") -> None:
+def check_chunk_size(chunk_size: int, name: str = "chunk_size") -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"{name}: got {chunk_size!r}, expected a positive int")
 
 
-def _check_temperature(temperature: float) -> None:
+def check_temperature(temperature: float) -> None:
     if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature: got {type(temperature).__name__}, expected a Python float > 0")
     check_positive("temperature", temperature)
 
 
-def _check_labels(labels: torch.Tensor, vocab: int, *, lead: torch.Size, lead_name: str) -> None:
+def check_labels(labels: torch.Tensor, vocab: int, *, lead: torch.Size, lead_name: str) -> None:
     """Shape/dtype checks for ``labels``, plus the range check where it costs no device read.
 
     The range check reads the labels' values, so it runs only in eager mode on CPU
@@ -67,12 +67,12 @@ def _label_index(labels: torch.Tensor, vocab: int) -> torch.Tensor:
     return labels.long().clamp(0, vocab - 1)
 
 
-def _poison_invalid(logp: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+def poison_invalid(logp: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
     """NaN where a label lies outside the vocabulary (its gradient is then 0)."""
     return torch.where((labels >= 0) & (labels < vocab), logp, float("nan"))
 
 
-def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+def chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
@@ -126,7 +126,7 @@ def _forward(
     lse = logits.new_empty(n, 1, dtype=acc)
     logp = logits.new_empty(n, dtype=acc) if labels is not None else None
     ent = logits.new_empty(n, dtype=acc) if want_entropy else None
-    for s, e in _chunks(n, chunk_size):
+    for s, e in chunks(n, chunk_size):
         lab = labels[s:e] if labels is not None else None
         m_c, lse_c, logp_c, ent_c = _forward_chunk(logits[s:e], lab, temperature, want_entropy)
         rowmax[s:e], lse[s:e] = m_c, lse_c
@@ -224,7 +224,7 @@ def _backward(
     acc = lse.dtype
     grad = torch.empty_like(logits)
     inv_t = 1.0 / temperature
-    for s, e in _chunks(n, chunk_size):
+    for s, e in chunks(n, chunk_size):
         chunk = logits[s:e]
         g1 = g_logp[s:e].to(acc).unsqueeze(-1) * inv_t if g_logp is not None else None
         g2 = g_ent[s:e].to(acc).unsqueeze(-1) * inv_t if g_ent is not None else None
@@ -326,12 +326,12 @@ def logprobs_from_logits(
     """
     flat = _flatten_logits(logits)
     check_tensor("labels", labels)
-    _check_labels(labels, logits.shape[-1], lead=logits.shape[:-1], lead_name="logits")
-    _check_temperature(temperature)
-    _check_chunk_size(chunk_size)
+    check_labels(labels, logits.shape[-1], lead=logits.shape[:-1], lead_name="logits")
+    check_temperature(temperature)
+    check_chunk_size(chunk_size)
     out = _TokenLogprobs.apply(flat, labels.reshape(-1), float(temperature), chunk_size, with_entropy)
     lead = logits.shape[:-1]
-    logp = _poison_invalid(out[0].to(logits.dtype).reshape(lead), labels, logits.shape[-1])
+    logp = poison_invalid(out[0].to(logits.dtype).reshape(lead), labels, logits.shape[-1])
     if not with_entropy:
         return logp
     return logp, out[1].to(logits.dtype).reshape(lead)
@@ -363,7 +363,7 @@ def entropy_from_logits(
     tensor([0.6931, 0.0000])
     """
     flat = _flatten_logits(logits)
-    _check_temperature(temperature)
-    _check_chunk_size(chunk_size)
+    check_temperature(temperature)
+    check_chunk_size(chunk_size)
     out = _TokenLogprobs.apply(flat, None, float(temperature), chunk_size, True)
     return out[0].to(logits.dtype).reshape(logits.shape[:-1])

@@ -79,7 +79,7 @@ def batch_moments(
 
 def batch_normalize(
     x: torch.Tensor,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor,
     *,
     shift_mean: bool = True,
     eps: float = 1e-8,
@@ -102,8 +102,8 @@ def batch_normalize(
     Args:
       x: ``[...]`` floating-point values (sequence scores ``[B]`` or tokens ``[B, T]``).
       mask: same shape as ``x``; 1 marks an element that counts (fractional values act
-        as weights). ``None`` counts every element: use it for sequence-level values,
-        which have no padding.
+        as weights). Always explicit: for sequence-level values without padding pass
+        ``torch.ones_like(x, dtype=torch.bool)``.
       shift_mean: subtract the mean (True) or only rescale (False).
       eps: added to the variance before the square root.
       unbiased: Bessel-corrected variance (as verl and TRL).
@@ -113,13 +113,11 @@ def batch_normalize(
     Returns:
       ``x`` whitened, in ``x.dtype``; 0 where the mask is 0.
 
-    >>> batch_normalize(torch.tensor([1.0, 3.0, 5.0]))
+    >>> batch_normalize(torch.tensor([1.0, 3.0, 5.0]), torch.ones(3, dtype=torch.bool))
     tensor([-1.,  0.,  1.])
     """
     check_floating("x", x)
     check_positive("eps", eps, strict=False)
-    if mask is None:
-        mask = torch.ones_like(x, dtype=torch.bool)
     check_same_shape("mask", mask, "x", x)
     if process_group is None:
         return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, unbiased=unbiased)

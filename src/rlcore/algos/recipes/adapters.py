@@ -14,7 +14,7 @@ import torch
 from rlcore.algos.advantages import batch_normalize, gae
 from rlcore.algos.filters import dynamic_sampling_mask
 from rlcore.algos.kl import kl_in_reward, kl_penalty
-from rlcore.algos.recipes.algorithm import Batch, _get
+from rlcore.algos.recipes.algorithm import Batch, batch_entry
 from rlcore.algos.shaping import overlong_penalty, scores_to_token_rewards
 from rlcore.ops import masked_sum
 
@@ -43,8 +43,8 @@ def outcome_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor]) 
     tensor([[ 1.,  1.],
             [-1.,  0.]])
     """
-    adv = estimator(_get(batch, "scores", "sequence scores [B]"), _get(batch, "group_ids", "groups [B]"))
-    mask = _get(batch, "mask", "the token mask")
+    adv = estimator(batch_entry(batch, "scores", "sequence scores [B]"), batch_entry(batch, "group_ids", "groups [B]"))
+    mask = batch_entry(batch, "mask", "the token mask")
     return {"advantages": torch.where(mask != 0, adv[:, None], torch.zeros((), dtype=adv.dtype, device=adv.device))}
 
 
@@ -54,7 +54,9 @@ def token_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor]) ->
     E.g. ``partial(reinforce_pp_advantages, gamma=1.0)``.
     """
     return {
-        "advantages": estimator(_get(batch, "rewards", "token rewards [B, T]"), _get(batch, "mask", "the token mask"))
+        "advantages": estimator(
+            batch_entry(batch, "rewards", "token rewards [B, T]"), batch_entry(batch, "mask", "the token mask")
+        )
     }
 
 
@@ -63,10 +65,10 @@ def gae_advantages(batch: Batch, *, gamma: float = 1.0, lam: float = 0.95, white
 
     Returns ``{"advantages", "returns"}``; the returns (value targets) are not whitened.
     """
-    mask = _get(batch, "mask", "the token mask")
+    mask = batch_entry(batch, "mask", "the token mask")
     adv, returns = gae(
-        _get(batch, "rewards", "token rewards [B, T]"),
-        _get(batch, "old_values", "rollout critic values [B, T]"),
+        batch_entry(batch, "rewards", "token rewards [B, T]"),
+        batch_entry(batch, "old_values", "rollout critic values [B, T]"),
         mask,
         gamma=gamma,
         lam=lam,
@@ -80,15 +82,18 @@ def token_rewards_shaping(batch: Batch) -> Batch:
     """Put each sequence's ``scores`` on its last counted token as ``rewards`` (unless ``rewards`` is given)."""
     if "rewards" in batch:
         return batch
-    return {**batch, "rewards": scores_to_token_rewards(_get(batch, "scores", "sequence scores [B]"), batch["mask"])}
+    return {
+        **batch,
+        "rewards": scores_to_token_rewards(batch_entry(batch, "scores", "sequence scores [B]"), batch["mask"]),
+    }
 
 
 def kl_reward_shaping(batch: Batch, *, kl_coef: float, estimator: str = "k1") -> Batch:
     """Fold ``kl_coef * KL(old_logp || ref_logp)`` per token into ``rewards`` (RLHF's KL reward)."""
     rewards, _ = kl_in_reward(
-        _get(batch, "rewards", "token rewards [B, T]"),
-        _get(batch, "old_logp", "rollout-policy log-probs"),
-        _get(batch, "ref_logp", "reference log-probs"),
+        batch_entry(batch, "rewards", "token rewards [B, T]"),
+        batch_entry(batch, "old_logp", "rollout-policy log-probs"),
+        batch_entry(batch, "ref_logp", "reference log-probs"),
         batch["mask"],
         kl_coef=kl_coef,
         estimator=estimator,
@@ -98,25 +103,27 @@ def kl_reward_shaping(batch: Batch, *, kl_coef: float, estimator: str = "k1") ->
 
 def kl_score_shaping(batch: Batch, *, kl_coef: float, estimator: str = "k1") -> Batch:
     """Subtract ``kl_coef`` times the sequence KL (sum over tokens) from ``scores``: RLOO's KL reward."""
-    mask = _get(batch, "mask", "the token mask")
+    mask = batch_entry(batch, "mask", "the token mask")
     on = mask != 0
-    old_logp = torch.where(on, _get(batch, "old_logp", "rollout-policy log-probs"), 0.0)
-    ref_logp = torch.where(on, _get(batch, "ref_logp", "reference log-probs"), 0.0)
+    old_logp = torch.where(on, batch_entry(batch, "old_logp", "rollout-policy log-probs"), 0.0)
+    ref_logp = torch.where(on, batch_entry(batch, "ref_logp", "reference log-probs"), 0.0)
     seq_kl = masked_sum(kl_penalty(old_logp.detach(), ref_logp.detach(), estimator=estimator).float(), mask, dim=-1)
-    scores = _get(batch, "scores", "sequence scores [B]")
+    scores = batch_entry(batch, "scores", "sequence scores [B]")
     return {**batch, "scores": (scores.float() - kl_coef * seq_kl).to(scores.dtype)}
 
 
 def dynamic_sampling_filter(batch: Batch) -> Batch:
     """DAPO dynamic sampling without a host sync: zero the ``mask`` of groups whose ``scores`` are all equal."""
-    keep = dynamic_sampling_mask(_get(batch, "scores", "sequence scores [B]"), _get(batch, "group_ids", "groups [B]"))
-    mask = _get(batch, "mask", "the token mask")
+    keep = dynamic_sampling_mask(
+        batch_entry(batch, "scores", "sequence scores [B]"), batch_entry(batch, "group_ids", "groups [B]")
+    )
+    mask = batch_entry(batch, "mask", "the token mask")
     return {**batch, "mask": mask * keep[:, None].to(mask.dtype)}
 
 
 def overlong_shaping(batch: Batch, *, max_length: int = 20480, cache_length: int = 4096) -> Batch:
     """Add DAPO's overlong penalty to ``scores``; lengths from ``lengths`` or the mask's token count."""
-    scores = _get(batch, "scores", "sequence scores [B]")
-    lengths = batch["lengths"] if "lengths" in batch else (_get(batch, "mask", "the token mask") != 0).sum(-1)
+    scores = batch_entry(batch, "scores", "sequence scores [B]")
+    lengths = batch["lengths"] if "lengths" in batch else (batch_entry(batch, "mask", "the token mask") != 0).sum(-1)
     penalty = overlong_penalty(lengths, max_length=max_length, cache_length=cache_length)
     return {**batch, "scores": (scores.float() + penalty.float()).to(scores.dtype)}

@@ -12,7 +12,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlcore._checks import check_shape
 from rlcore.algos.aggregate import aggregate, global_counts
+from rlcore.algos.kl import KLController
 
 __all__ = ["Algorithm", "Batch", "chain"]
 
@@ -21,7 +23,7 @@ Metrics = dict[str, torch.Tensor]
 Count = int | float | torch.Tensor
 
 
-def _get(batch: Batch, key: str, why: str) -> torch.Tensor:
+def batch_entry(batch: Batch, key: str, why: str) -> torch.Tensor:
     if key not in batch:
         raise ValueError(f"batch: got keys {sorted(batch)}, expected a {key!r} entry ({why})")
     return batch[key]
@@ -53,7 +55,12 @@ class Algorithm(NamedTuple):
         ``functools.partial(ppo_clip_loss, clip_high=0.28)``.
       kl: ``(logp, ref_logp) -> kl_t`` per-token KL *loss term* (e.g.
         ``partial(kl_penalty, estimator="k3")``), or ``None``.
-      kl_coef: weight of ``kl`` in the loss.
+      kl_coef: weight of ``kl`` in the loss: a number, or a KL controller (an ``(init,
+        update)`` pair such as :func:`rlcore.algos.adaptive_kl_controller`), whose
+        current coefficient the batch then carries per sample as ``"kl_coef"`` ``[B]``
+        (``{**batch, "kl_coef": state.kl_coef.expand(B)}``, so micro-batch slicing
+        keeps it); after the step,
+        ``state = algo.kl_coef.update(metrics["kl"], state, n_steps=...)``.
       agg_mode: :func:`rlcore.algos.aggregate` mode.
       horizon: ``aggregate``'s horizon for ``"seq-mean-token-sum-norm"``.
       shaping: ``batch -> batch`` applied before the estimator (reward shaping, KL in
@@ -75,7 +82,7 @@ class Algorithm(NamedTuple):
     advantage_estimator: Callable[[Batch], Batch]
     policy_loss: Callable[..., tuple[torch.Tensor, Metrics]]
     kl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    kl_coef: float = 0.0
+    kl_coef: float | KLController = 0.0
     agg_mode: str = "token-mean"
     horizon: int | None = None
     shaping: Callable[[Batch], Batch] | None = None
@@ -101,7 +108,7 @@ class Algorithm(NamedTuple):
         local batch after :meth:`advantages` (filters may zero rows of the mask) and
         before splitting it, and pass it to :meth:`loss` as ``**counts``.
         """
-        return global_counts(_get(batch, "mask", "the token mask"), process_group=process_group)
+        return global_counts(batch_entry(batch, "mask", "the token mask"), process_group=process_group)
 
     def loss(
         self, batch: Batch, *, num_tokens: Count | None = None, num_seqs: Count | None = None
@@ -121,18 +128,18 @@ class Algorithm(NamedTuple):
           ``entropy``, ``vf_loss`` (each term aggregated like the loss), ``vf_clip_frac``,
           ``vf_mse`` where those terms are on.
         """
-        advantages = _get(
+        advantages = batch_entry(
             batch, "advantages", "call algo.advantages(batch) once on the whole batch before splitting it"
         )
-        mask = _get(batch, "mask", "the token mask")
+        mask = batch_entry(batch, "mask", "the token mask")
         keep = mask != 0
         counts = {"num_tokens": num_tokens, "num_seqs": num_seqs}
 
         def agg(x: torch.Tensor) -> torch.Tensor:
             return aggregate(x, mask, mode=self.agg_mode, horizon=self.horizon, **counts)
 
-        logp = _get(batch, "logp", "current-policy log-probs")
-        old_logp = _get(batch, "old_logp", "rollout-policy log-probs")
+        logp = batch_entry(batch, "logp", "current-policy log-probs")
+        old_logp = batch_entry(batch, "old_logp", "rollout-policy log-probs")
         pg_t, metrics = self.policy_loss(logp, old_logp, advantages, mask)
         if "is_weights" in batch:
             pg_t = pg_t * torch.where(keep, batch["is_weights"].detach(), 0.0).to(pg_t.dtype)
@@ -140,23 +147,32 @@ class Algorithm(NamedTuple):
         # total is the aggregate of the summed per-token loss, and each part is a metric.
         loss = agg(pg_t)
         metrics = {**metrics, "pg_loss": loss.detach()}
-        if self.kl_coef != 0:
+        kl_coef = self.kl_coef
+        if isinstance(kl_coef, KLController) or kl_coef != 0:
             if self.kl is None:
                 raise ValueError(f"kl: got None with kl_coef={self.kl_coef!r}, expected a KL function")
-            ref_logp = _get(batch, "ref_logp", "reference log-probs for the KL term")
+            ref_logp = batch_entry(batch, "ref_logp", "reference log-probs for the KL term")
             # Padding may hold nan: it must reach neither the value nor the gradient.
-            kl = agg(self.kl(torch.where(keep, logp, 0.0), torch.where(keep, ref_logp, 0.0)))
-            loss = loss + self.kl_coef * kl
+            kl_t = self.kl(torch.where(keep, logp, 0.0), torch.where(keep, ref_logp, 0.0))
+            kl = agg(kl_t)
+            if isinstance(kl_coef, KLController):
+                coef = batch_entry(
+                    batch, "kl_coef", "the KL controller's coefficient per sample, state.kl_coef.expand(B)"
+                )
+                check_shape("kl_coef", coef, (mask.shape[0],), what="the controller's coefficient, one per sample")
+                loss = loss + agg(kl_t * coef.detach()[:, None].to(kl_t.dtype))
+            else:
+                loss = loss + kl_coef * kl
             metrics["kl"] = kl.detach()
         if self.entropy_coef != 0:
-            entropy = agg(torch.where(keep, _get(batch, "entropy", "per-token entropy for the bonus"), 0.0))
+            entropy = agg(torch.where(keep, batch_entry(batch, "entropy", "per-token entropy for the bonus"), 0.0))
             loss = loss - self.entropy_coef * entropy
             metrics["entropy"] = entropy.detach()
         if self.value_loss is not None and self.vf_coef != 0:
             vf_t, vf_metrics = self.value_loss(
-                _get(batch, "values", "current critic values"),
-                _get(batch, "old_values", "rollout critic values"),
-                _get(batch, "returns", "value targets"),
+                batch_entry(batch, "values", "current critic values"),
+                batch_entry(batch, "old_values", "rollout critic values"),
+                batch_entry(batch, "returns", "value targets"),
                 mask,
             )
             vf = agg(vf_t)

@@ -53,9 +53,9 @@ class RunningNormalizerRef:
         self.shift_mean = shift_mean
         self.eps = eps
 
-    def update(self, rewards: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def update(self, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         vals = rewards.double().flatten().tolist()
-        keep = [True] * len(vals) if mask is None else mask.bool().flatten().tolist()
+        keep = mask.bool().flatten().tolist()
         self.seen.extend(Fraction(v) for v, k in zip(vals, keep) if k)
         n = len(self.seen)
         mean = sum(self.seen, Fraction(0)) / n if n else Fraction(0)
