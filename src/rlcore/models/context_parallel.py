@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore._checks import check_choice
-from rlcore.dataflow import Packed, pack, shift_labels
+from rlcore.ops import Packed, pack, shift_labels
 from rlcore.models._group import as_process_group
 from rlcore.models.ring_attention import ring_attention
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
