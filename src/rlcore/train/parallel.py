@@ -135,8 +135,8 @@ def device_mesh(
     return init_device_mesh(kind, (data_parallel, tensor_parallel), mesh_dim_names=MESH_DIMS)
 
 
-def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
-    """``(backbone, decoder layers, lm_head)`` of an HF causal LM, or a ``ValueError`` naming what is missing."""
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of an HF causal LM, or a ``ValueError`` naming what is missing."""
     prefix = getattr(model, "base_model_prefix", "")
     backbone = getattr(model, prefix, None) if prefix else None
     layers = getattr(backbone, "layers", None)
@@ -153,12 +153,14 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
             except AttributeError:
                 sub = None
             if not isinstance(sub, nn.Linear):
-                raise ValueError(f"model: decoder layer {i} has no nn.Linear '{name}' (expected the Qwen2 / Llama layout)")
+                raise ValueError(
+                    f"model: decoder layer {i} has no nn.Linear '{name}' (expected the Qwen2 / Llama layout)"
+                )
     inside = {id(p) for m in (backbone, head) for p in m.parameters()}
     stray = [n for n, p in model.named_parameters() if id(p) not in inside]
     if stray:
         raise ValueError(f"model: parameters {stray} lie outside the backbone and the output embedding")
-    return backbone, layers, head
+    return layers
 
 
 def parallelize(
@@ -196,7 +198,7 @@ def parallelize(
         raise ValueError(f"mesh: got {mesh!r}, expected a DeviceMesh with mesh_dim_names {MESH_DIMS} (device_mesh)")
     if grad_reduce not in ("sum", "mean"):
         raise ValueError(f"grad_reduce: got {grad_reduce!r}, expected 'sum' or 'mean'")
-    backbone, layers, head = _decoder(model)
+    layers = _decoder_layers(model)
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("model: already sharded (it holds DTensor parameters); parallelize a fresh model")
@@ -237,9 +239,7 @@ def _grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([p.to(parts[0].device) for p in parts]), norm_type)
 
 
-def clip_grad_norm(
-    parameters: Iterable[torch.Tensor], max_norm: float, *, norm_type: float = 2.0
-) -> torch.Tensor:
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, *, norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for sharded and replicated parameters alike.
 
     FSDP2 and tensor-parallel gradients are DTensors on different meshes (the
@@ -261,7 +261,7 @@ def clip_grad_norm(
     >>> clip_grad_norm([w], 1.0)
     tensor(4.)
     >>> w.grad
-    tensor([0.2500, 0.2500, 0.2500, 0.2500])
+    tensor([0.5000, 0.5000, 0.5000, 0.5000])
     """
     if not isinstance(max_norm, (int, float)) or math.isnan(max_norm) or max_norm <= 0:
         raise ValueError(f"max_norm: got {max_norm!r}, expected a number > 0")
