@@ -18,11 +18,13 @@ entries, another model size, another algorithm's entries) raises
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +131,7 @@ def _read_latest(root: Path) -> str:
     try:
         name = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as err:
-        raise _fail(path, f"cannot be read ({type(err).__name__}: {err})") from err
+        raise _fail(path, f"cannot be read ({_cause(err)})") from err
     if _version(name) is None:
         raise _fail(path, f"names {name[:40]!r}, expected a version directory like 'v000001' (a damaged file?)")
     if not (root / name).is_dir():
@@ -200,7 +202,8 @@ def save_checkpoint(output_dir: str | os.PathLike, state: Mapping[str, Any]) -> 
     _write(path / f"data_{rank}.pt", lambda f: torch.save(data, f))
     tensors = {k: _tensor_state(kinds[k], v) for k, v in state.items() if kinds[k] != "data"}
     if tensors:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=not collective)
+        with _quiet_single_process(not collective):
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=not collective)
     if collective:
         dist.barrier()
     if rank == 0:
@@ -229,7 +232,7 @@ def _manifest(path: Path) -> dict[str, Any]:
     except FileNotFoundError as err:
         raise _fail(file, "is missing (an incomplete or foreign checkpoint version)") from err
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _fail(file, f"is not a readable manifest ({type(err).__name__}: {err})") from err
+        raise _fail(file, f"is not a readable manifest ({_cause(err)})") from err
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
         raise _fail(file, f"is not an rlcore checkpoint manifest (format {str(manifest)[:60]!r})")
     if manifest.get("version") != _VERSION:
@@ -250,7 +253,7 @@ def _data(path: Path, rank: int) -> dict[str, Any]:
         raise _fail(file, "is missing") from err
     except Exception as err:  # torch.load raises many types on damaged files
         size = file.stat().st_size
-        raise _fail(file, f"cannot be read ({size} bytes; {type(err).__name__}: {err})") from err
+        raise _fail(file, f"cannot be read ({size} bytes; {_cause(err)})") from err
     if not isinstance(data, dict):
         raise _fail(file, f"holds {type(data).__name__}, expected a dict of entries")
     return data
@@ -263,7 +266,7 @@ def _metadata(path: Path) -> Metadata:
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as err:  # unpickling garbage raises anything
-        raise _fail(file, f"is not DCP metadata ({file.stat().st_size} bytes; {type(err).__name__}: {err})") from err
+        raise _fail(file, f"is not DCP metadata ({file.stat().st_size} bytes; {_cause(err)})") from err
     if not isinstance(metadata, Metadata):
         raise _fail(file, f"holds {type(metadata).__name__}, expected DCP Metadata")
     # Truncated or missing shard files are found here, before any tensor is read.
@@ -282,11 +285,33 @@ def _metadata(path: Path) -> Metadata:
     return metadata
 
 
-def _dcp_load(path: Path, flat: dict[str, Any], *, no_dist: bool) -> None:
+def _cause(err: BaseException) -> str:
+    """``Type: first line`` of the error, looking through DCP's per-rank wrapper."""
+    failures = getattr(err, "failures", None)
+    if isinstance(err, dcp.CheckpointException) and isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+@contextlib.contextmanager
+def _quiet_single_process(no_dist: bool) -> Iterator[None]:
+    # DCP warns that it assumes a single process, which is what no_dist asks for.
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _dcp_load(path: Path, flat: dict[str, Any], metadata: Metadata, *, no_dist: bool) -> None:
     try:
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=no_dist)
-    except Exception as err:
-        raise _fail(path, f"reading the tensors failed ({type(err).__name__}: {err})") from err
+        with _quiet_single_process(no_dist):
+            dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=no_dist)
+    except (Exception, dcp.CheckpointException) as err:
+        shards = sorted({str(getattr(i, "relative_path", "?")) for i in (metadata.storage_data or {}).values()})
+        where = path / shards[0] if len(shards) == 1 else path
+        raise _fail(where, f"reading the tensors failed, the file is damaged ({_cause(err)})") from err
 
 
 def _unflatten(flat: Mapping[str, Any], paths: Mapping[str, tuple[Any, ...]]) -> dict[str, Any]:
@@ -317,14 +342,15 @@ def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_shapes(path: Path, name: str, template: Mapping[str, Any], metadata: Metadata) -> None:
+def _check_shapes(path: Path, name: str, prefix: str, template: Mapping[str, Any], metadata: Metadata) -> None:
     """Every tensor the module needs is in the checkpoint, with the module's (global) shape."""
     have = metadata.state_dict_metadata
+    cut = len(prefix) + 1
     missing = [k for k in template if k not in have]
     if missing:
         raise _fail(
             path,
-            f"entry {name!r} has no {missing[0]!r} ({len(missing)} of the model's tensors missing: "
+            f"entry {name!r} has no {missing[0][cut:]!r} ({len(missing)} of the model's tensors missing: "
             "another model architecture?)",
         )
     for key, value in template.items():
@@ -332,7 +358,7 @@ def _check_shapes(path: Path, name: str, template: Mapping[str, Any], metadata: 
         if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and md.size != value.shape:
             raise _fail(
                 path,
-                f"entry {name!r}: {key!r} has shape {list(md.size)} in the checkpoint, {list(value.shape)} "
+                f"entry {name!r}: {key[cut:]!r} has shape {list(md.size)} in the checkpoint, {list(value.shape)} "
                 "in this model (another model size?)",
             )
 
@@ -384,7 +410,7 @@ def load_checkpoint(
                 k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
                 for k, md in metadata.state_dict_metadata.items()
             }
-            _dcp_load(path, flat, no_dist=True)
+            _dcp_load(path, flat, metadata, no_dist=True)
             out.update(_unflatten(flat, metadata.planner_data or {}))
         return out
     wanted = {k for k, v in kinds.items() if v != "data"}
@@ -410,8 +436,8 @@ def load_checkpoint(
         for name, sd in tensors.items():
             model_sd = sd if kinds[name] == "module" else sd["model"]
             prefix = name if kinds[name] == "module" else f"{name}.model"
-            _check_shapes(path, name, _flatten(model_sd, prefix, {}), metadata)
-        _dcp_load(path, tensors, no_dist=not collective)
+            _check_shapes(path, name, prefix, _flatten(model_sd, prefix, {}), metadata)
+        _dcp_load(path, tensors, metadata, no_dist=not collective)
         for name, sd in tensors.items():
             value = state[name]
             try:
@@ -422,7 +448,7 @@ def load_checkpoint(
                         value[0], _optimizers(value[1]), model_state_dict=sd["model"], optim_state_dict=sd["optim"]
                     )
             except (RuntimeError, KeyError, ValueError) as err:
-                raise _fail(path, f"entry {name!r} does not fit this run ({type(err).__name__}: {err})") from err
+                raise _fail(path, f"entry {name!r} does not fit this run ({_cause(err)})") from err
     return dict(data)
 
 
