@@ -294,14 +294,15 @@ def test_no_checkpoint_and_bad_state_are_value_errors(tmp_path):
     assert not (tmp_path / CHECKPOINT_NAME / "latest").exists()
 
 
-def test_cli_exits_with_status_2_on_a_damaged_checkpoint(tmp_path):
+def test_cli_exits_with_status_2_on_a_damaged_checkpoint(tmp_path, capsys):
+    from rlcore.train.cli import main
+
     save_checkpoint(tmp_path, {"policy": _model(), "step": 0})
     where = _damage(tmp_path, "truncated shard")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    cmd = [sys.executable, "-m", "rlcore.train", "--config", str(ROOT / "configs" / "grpo_tiny.yaml")]
-    cmd += [f"trainer.output_dir={tmp_path}", "trainer.progress=false", "trainer.threads=1", "--resume"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("rlcore:")]
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and where in lines[0] and "truncated" in lines[0], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    config = str(ROOT / "configs" / "grpo_tiny.yaml")
+    overrides = [f"trainer.output_dir={tmp_path}", "trainer.progress=false", "trainer.threads=1"]
+    assert main(["train", "--config", config, "--resume", *overrides]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlcore:")]
+    assert len(lines) == 1 and where in lines[0] and "truncated" in lines[0], err[-2000:]
+    assert "Traceback" not in err

@@ -220,7 +220,11 @@ def test_fsdp_and_tensor_parallel_match_one_process_and_checkpoints_change_world
     "sizes, match",
     [
         ({"data_parallel": 2, "tensor_parallel": 2, "world_size": 2}, r"= 4, expected the launched world size 2"),
-        ({"data_parallel": 1, "tensor_parallel": 1, "world_size": 2}, r"= 1, expected the launched world size 2"),
+        (
+            {"data_parallel": 1, "tensor_parallel": 1, "world_size": 2},
+            r"'parallel.data_parallel': got 1, expected the launched world size 2 \(torchrun --nproc-per-node 1",
+        ),
+        ({"data_parallel": 1, "tensor_parallel": 2, "world_size": 4}, r"\(2\) = 2, expected the launched world size 4"),
         (
             {"data_parallel": 1, "tensor_parallel": 1, "world_size": 1, "pipeline_parallel": 2},
             r"'parallel.pipeline_parallel': got 2, expected 1 \(supported: data parallelism through FSDP2",

@@ -58,10 +58,10 @@ def check_parallel_sizes(
       data_parallel, tensor_parallel, pipeline_parallel: the ``parallel.*`` config values.
       world_size: the number of processes launched (``torchrun --nproc-per-node``).
 
-    >>> check_parallel_sizes(data_parallel=3, tensor_parallel=1, world_size=2)
+    >>> check_parallel_sizes(data_parallel=3, tensor_parallel=2, world_size=2)
     Traceback (most recent call last):
     ...
-    ValueError: config keys 'parallel.data_parallel' (3) x 'parallel.tensor_parallel' (1) = 3, expected the launched world size 2 (torchrun --nproc-per-node 3, or change the keys so that their product is 2)
+    ValueError: config keys 'parallel.data_parallel' (3) x 'parallel.tensor_parallel' (2) = 6, expected the launched world size 2 (torchrun --nproc-per-node 6, or change the keys so that their product is 2)
     """
     for key, value in (
         ("data_parallel", data_parallel),
@@ -78,13 +78,19 @@ def check_parallel_sizes(
             "parallelism through FSDP2, parallel.data_parallel, and tensor parallelism through DTensor, "
             "parallel.tensor_parallel; pipeline parallelism is not)"
         )
-    if data_parallel * tensor_parallel != world_size:
+    if data_parallel * tensor_parallel == world_size:
+        return
+    if tensor_parallel == 1:
         raise ValueError(
-            f"config keys 'parallel.data_parallel' ({data_parallel}) x 'parallel.tensor_parallel' "
-            f"({tensor_parallel}) = {data_parallel * tensor_parallel}, expected the launched world size {world_size} "
-            f"(torchrun --nproc-per-node {data_parallel * tensor_parallel}, or change the keys so that their "
-            f"product is {world_size})"
+            f"config key 'parallel.data_parallel': got {data_parallel}, expected the launched world size "
+            f"{world_size} (torchrun --nproc-per-node {data_parallel}, or override parallel.data_parallel={world_size})"
         )
+    raise ValueError(
+        f"config keys 'parallel.data_parallel' ({data_parallel}) x 'parallel.tensor_parallel' "
+        f"({tensor_parallel}) = {data_parallel * tensor_parallel}, expected the launched world size {world_size} "
+        f"(torchrun --nproc-per-node {data_parallel * tensor_parallel}, or change the keys so that their "
+        f"product is {world_size})"
+    )
 
 
 def _launched_world_size() -> int:
