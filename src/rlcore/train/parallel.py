@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from rlcore.device import collective_backend, device_kind, get_device
 
@@ -146,7 +146,8 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     prefix = getattr(model, "base_model_prefix", "")
     backbone = getattr(model, prefix, None) if prefix else None
     layers = getattr(backbone, "layers", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if not isinstance(backbone, nn.Module) or not isinstance(layers, nn.ModuleList) or not isinstance(head, nn.Module):
         raise ValueError(
             f"model: got {type(model).__name__}, expected a transformers decoder (Qwen2 / Llama family) with a "
@@ -209,7 +210,7 @@ def parallelize(
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("model: already sharded (it holds DTensor parameters); parallelize a fresh model")
     if tp > 1:
-        config = model.config
+        config: Any = getattr(model, "config", None)
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         inter = config.intermediate_size
@@ -218,7 +219,8 @@ def parallelize(
                 f"config key 'parallel.tensor_parallel': got {tp}, expected a divisor of the model's "
                 f"num_attention_heads ({heads}), num_key_value_heads ({kv_heads}) and intermediate_size ({inter})"
             )
-        plan = {name: ColwiseParallel() for name in _COLWISE} | {name: RowwiseParallel() for name in _ROWWISE}
+        plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in _COLWISE}
+        plan |= {name: RowwiseParallel() for name in _ROWWISE}
         for layer in layers:
             parallelize_module(layer, mesh["tp"], plan)
     if dp > 1:
@@ -306,4 +308,4 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         return {k: v.detach() for k, v in model.state_dict().items()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-    return get_model_state_dict(model, options=options)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
