@@ -131,8 +131,8 @@ def test_every_error_names_the_key(raw, message):
 @pytest.mark.parametrize(
     "section, key, value, message",
     [
-        ("parallel", "tensor_parallel", 2, r"'parallel.tensor_parallel': got 2, expected 1"),
-        ("parallel", "pipeline_parallel", 2, r"'parallel.pipeline_parallel': got 2, expected 1"),
+        ("parallel", "tensor_parallel", 2, r"'parallel.data_parallel' \(1\) x 'parallel.tensor_parallel' \(2\) = 2"),
+        ("parallel", "pipeline_parallel", 2, r"'parallel.pipeline_parallel': got 2, expected 1 \(supported:"),
         ("deploy", "mode", "disaggregated", r"'deploy.mode': got 'disaggregated', expected 'co-located'"),
     ],
 )
@@ -140,6 +140,15 @@ def test_launch_refuses_what_the_reference_trainer_cannot_run(section, key, valu
     cfg = parse_config({"model": {"model_name_or_path": INLINE}, section: {key: value}})
     with pytest.raises(ValueError, match=message):
         check_launch(cfg, 1)
+
+
+def test_launch_accepts_data_times_tensor_parallel_equal_to_the_world_size():
+    cfg = parse_config(
+        {"model": {"model_name_or_path": INLINE}, "parallel": {"data_parallel": 2, "tensor_parallel": 2}}
+    )
+    check_launch(cfg, 4)
+    with pytest.raises(ValueError, match=r"= 4, expected the launched world size 2"):
+        check_launch(cfg, 2)
 
 
 def test_overrides_parse_values_as_yaml_and_validate(tmp_path):

@@ -119,7 +119,7 @@ def test_interrupted_save_leaves_the_last_checkpoint_loadable(tmp_path, monkeypa
         save_checkpoint(tmp_path, {"step": 4})
     monkeypatch.undo()
     assert load_checkpoint(tmp_path)["step"] == 3
-    assert (tmp_path / CHECKPOINT_NAME).is_file()
+    assert (tmp_path / CHECKPOINT_NAME).is_dir()
 
 
 class Explodes:

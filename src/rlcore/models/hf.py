@@ -11,15 +11,21 @@ The backbone runs as a parameter-free twin on the meta device whose configuratio
 selects rlcore's packed attention (``"rlcore_packed"``, registered with
 transformers' ``AttentionInterface``), so the user's model object is left exactly as
 it was, and no ``[N, N]`` mask is built. transformers is imported on first use.
+
+A model sharded with FSDP2 or DTensor tensor parallelism (``rlcore.train.parallelize``)
+runs through its own modules instead, whose hooks gather the shards: the attention is
+switched to the packed one for the duration of the call only, and ``params`` must be
+the mapping ``from_hf`` returned (the modules' own, sharded parameters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -78,6 +84,25 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, _hf_attention)
 
 
+def _is_dtensor(x: Any) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+@contextlib.contextmanager
+def _packed_attention(config: Any) -> Iterator[None]:
+    """The real modules of a sharded model run the packed attention for one call, then their own again."""
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class HFCausalLM:
     """``apply(params, input_ids, *, position_ids, cu_seqlens, max_seqlen=None) -> hidden [N, H]``.
@@ -91,6 +116,8 @@ class HFCausalLM:
     prefix: str
     output_weight_name: str
     twin: nn.Module
+    # Sharded models (FSDP2 / tensor parallel): the parameters from_hf handed out, else None.
+    sharded: Mapping[str, torch.Tensor] | None = None
 
     def __call__(
         self,
@@ -126,6 +153,8 @@ class HFCausalLM:
             check_cu_seqlens(cu_seqlens, context_parallel.shards.padded_len)
             return self._forward(params, input_ids, position_ids, context_parallel)
         bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[0])
+        if self.sharded is not None:
+            return self._sharded_call(params, input_ids, position_ids, cu_seqlens, max_seqlen, bounds)
         if input_ids.shape[0] == 0:
             # HF layers reshape with -1, which an empty row cannot satisfy.
             weight = self.output_weight(params)
@@ -151,8 +180,61 @@ class HFCausalLM:
         out = torch.func.functional_call(self.twin, tensors, (), kwargs)
         return out.last_hidden_state[0]
 
+    def _sharded_call(
+        self,
+        params: Mapping[str, torch.Tensor],
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None,
+        bounds: list[int] | None,
+    ) -> torch.Tensor:
+        # FSDP gathers a unit's shards in its forward hook, which a twin would bypass, and
+        # ignores tensors swapped in by functional_call: only the model's own weights can run.
+        assert self.sharded is not None
+        foreign = [k for k, v in params.items() if self.sharded.get(k) is not v]
+        if foreign:
+            raise ValueError(
+                f"params: got tensors for {foreign[:3]} that are not the sharded model's own; a sharded model "
+                "runs with the parameters from_hf returned (shard a second model for other weights)"
+            )
+        if input_ids.shape[0] == 0:
+            raise ValueError(
+                "input_ids: got 0 tokens, expected at least 1 (a sharded model's forward is collective: "
+                "every rank runs it)"
+            )
+        if max_seqlen is None and bounds is not None:
+            max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
+        # The root module runs (FSDP's root unit gathers the embeddings and the output
+        # embedding in its hook); the backbone's output is caught on the way and no logit is
+        # computed (an empty logits_to_keep).
+        caught: list[torch.Tensor] = []
+        backbone = self.model.get_submodule(self.prefix)
+        hook = backbone.register_forward_hook(lambda module, args, out: caught.append(out.last_hidden_state))
+        try:
+            with _packed_attention(backbone.config):
+                self.model(
+                    input_ids=input_ids.unsqueeze(0),
+                    position_ids=position_ids.unsqueeze(0),
+                    use_cache=False,
+                    logits_to_keep=input_ids.new_zeros(0),
+                    **{_PACKING_KWARG: (cu_seqlens, max_seqlen, bounds)},
+                )
+        finally:
+            hook.remove()
+        return caught[0][0]
+
     def output_weight(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The output-embedding (``lm_head``) weight ``[V, H]`` from ``params`` (or the model's own)."""
+        if self.sharded is not None:
+            # FSDP's root unit stays gathered from its forward to the backward, so after
+            # ``apply`` the module holds the whole weight.
+            weight = self.model.get_parameter(self.output_weight_name)
+            if _is_dtensor(weight):
+                raise RuntimeError(
+                    "output_weight: the sharded model's output embedding is not gathered; call apply(...) first"
+                )
+            return weight
         if self.output_weight_name in params:
             return params[self.output_weight_name]
         return self.model.get_parameter(self.output_weight_name)
@@ -185,6 +267,16 @@ def from_hf(model: nn.Module) -> tuple[HFCausalLM, dict[str, torch.Tensor]]:
     if id(head.weight) not in names:
         raise ValueError("model: its output-embedding weight is not one of model.named_parameters()")
     backbone = model.get_submodule(prefix)
+    params = dict(model.named_parameters())
+    if any(_is_dtensor(p) for p in params.values()):
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in model.modules()) and not isinstance(model, FSDPModule):
+            raise ValueError(
+                f"model: sharded with FSDP2, but {type(model).__name__} itself is not an FSDP unit; make the "
+                "whole model the root unit with fully_shard(model) (rlcore.train.parallelize does)"
+            )
+        return HFCausalLM(model, prefix, names[id(head.weight)], backbone, sharded=params), params
     config = copy.deepcopy(backbone.config)
     config._attn_implementation = ATTENTION_NAME
     with torch.device("meta"):
@@ -192,7 +284,7 @@ def from_hf(model: nn.Module) -> tuple[HFCausalLM, dict[str, torch.Tensor]]:
     # RL post-training runs without dropout; eval mode also keeps HF from asking for it.
     twin.eval()
     apply = HFCausalLM(model=model, prefix=prefix, output_weight_name=names[id(head.weight)], twin=twin)
-    return apply, dict(model.named_parameters())
+    return apply, params
 
 
 def load_causal_lm(source: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:

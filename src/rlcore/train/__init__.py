@@ -4,9 +4,24 @@ Read :mod:`rlcore.train.trainer` as the worked example of assembling your own lo
 from rlcore's primitives.
 """
 
-from rlcore.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from rlcore.train.checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
 from rlcore.train.metrics import MetricsLog, plot_curves, read_metrics
+from rlcore.train.parallel import (
+    MESH_DIMS,
+    check_parallel_sizes,
+    clip_grad_norm,
+    device_mesh,
+    full_state_dict,
+    parallelize,
+)
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import Run, build_algorithm, build_model, train
@@ -14,9 +29,11 @@ from rlcore.train.trainer import Run, build_algorithm, build_model, train
 __all__ = [
     "ALGOS",
     "CHECKPOINT_NAME",
+    "MESH_DIMS",
     "TASKS",
     "Addition",
     "CharTokenizer",
+    "CheckpointError",
     "Config",
     "InferenceEngine",
     "MetricsLog",
@@ -28,15 +45,22 @@ __all__ = [
     "build_algorithm",
     "build_model",
     "check_launch",
+    "check_parallel_sizes",
+    "clip_grad_norm",
+    "device_mesh",
     "filter_logits",
+    "full_state_dict",
     "generate",
     "left_pad",
     "load_checkpoint",
     "load_config",
     "make_task",
+    "parallelize",
     "parse_config",
     "plot_curves",
     "read_metrics",
+    "rng_state",
     "save_checkpoint",
+    "set_rng_state",
     "train",
 ]

@@ -1,45 +1,482 @@
-"""Checkpoints written atomically, so an interrupted save (Ctrl-C, a crash) leaves the last good one loadable."""
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): atomic, and loadable at another world size.
+
+A checkpoint is a directory ``output_dir/checkpoint/`` holding numbered versions and a
+``latest`` file naming the committed one. :func:`save_checkpoint` writes a new version
+(DCP shards of the modules and their optimisers, one small file of plain data per rank,
+a manifest), and only then replaces ``latest`` atomically (``os.replace``) and removes
+the previous version, so a save killed at any point (Ctrl-C, ``kill -9``, a crash)
+leaves the last checkpoint loadable. Modules and optimisers go through
+``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` / ``set_state_dict``):
+FSDP2 and tensor-parallel shards are saved by their owners and resharded on load, so a
+run saved on 2 ranks resumes on 1 and the other way round. Without a process group
+everything runs in the one process.
+
+A damaged or incompatible checkpoint (empty, truncated or foreign files, missing
+entries, another model size, another algorithm's entries) raises
+:class:`CheckpointError`, a ``ValueError`` of one line naming the file and the problem.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import random
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
-__all__ = ["CHECKPOINT_NAME", "load_checkpoint", "save_checkpoint"]
+from rlcore.device import device_kind
 
-CHECKPOINT_NAME = "checkpoint.pt"
+__all__ = [
+    "CHECKPOINT_NAME",
+    "CheckpointError",
+    "load_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
+CHECKPOINT_NAME = "checkpoint"
+_FORMAT = "rlcore-checkpoint"
+_VERSION = 1
+_LATEST = "latest"
+_MANIFEST = "manifest.json"
 
 
-def save_checkpoint(output_dir: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` to ``output_dir/checkpoint.pt``: a temporary file, fsync, then an atomic rename.
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message is one line naming the file and the problem."""
 
-    ``os.replace`` is atomic on POSIX and Windows, so a reader sees either the previous
-    checkpoint or the new one, never a half-written file.
+
+def _fail(path: Path | str, problem: str) -> CheckpointError:
+    first = " ".join(str(problem).split())  # one line, whatever the cause printed
+    return CheckpointError(f"checkpoint {str(path)!r}: {first}")
+
+
+# --- what a state holds ---------------------------------------------------------
+
+
+def _kind(name: str, value: Any) -> str:
+    """``"module"``, ``"trainable"`` (a module with its optimisers) or ``"data"``."""
+    if isinstance(value, nn.Module):
+        return "module"
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], nn.Module):
+        if not _optimizers(value[1]):
+            raise ValueError(
+                f"state[{name!r}]: got (module, {type(value[1]).__name__}), expected (module, an optimizer "
+                "or a sequence of optimizers)"
+            )
+        return "trainable"
+    return "data"
+
+
+def _optimizers(value: Any) -> list[torch.optim.Optimizer]:
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, Sequence) and value and all(isinstance(o, torch.optim.Optimizer) for o in value):
+        return list(value)
+    return []
+
+
+def _tensor_state(kind: str, value: Any) -> dict[str, Any]:
+    if kind == "module":
+        return get_model_state_dict(value)
+    model_sd, optim_sd = get_state_dict(value[0], _optimizers(value[1]))
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _collective(kinds: Mapping[str, str]) -> bool:
+    return any(k != "data" for k in kinds.values()) and dist.is_available() and dist.is_initialized()
+
+
+# --- files ------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name == "posix":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write(path: Path, write: Any) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _version(name: str) -> int | None:
+    return int(name[1:]) if len(name) == 7 and name[0] == "v" and name[1:].isdigit() else None
+
+
+def _read_latest(root: Path) -> str:
+    path = root / _LATEST
+    try:
+        name = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise _fail(path, f"cannot be read ({_cause(err)})") from err
+    if _version(name) is None:
+        raise _fail(path, f"names {name[:40]!r}, expected a version directory like 'v000001' (a damaged file?)")
+    if not (root / name).is_dir():
+        raise _fail(path, f"names {name!r}, which is not a directory beside it (the checkpoint was moved or pruned?)")
+    return name
+
+
+def _broadcast(name: str) -> str:
+    box = [name]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def save_checkpoint(output_dir: str | os.PathLike, state: Mapping[str, Any]) -> Path:
+    """Write ``state`` to ``output_dir/checkpoint/`` as a new version, committed atomically.
+
+    Each value of ``state`` is one of
+
+    * an ``nn.Module``: its parameters and buffers (``get_model_state_dict``), sharded or not;
+    * ``(module, optimizer)`` or ``(module, [optimizers])``: the module with the
+      optimiser state of its parameters (``get_state_dict``), keyed by parameter name;
+    * anything else (the step, the config, :func:`rng_state`, ...): plain data, saved per
+      rank with ``torch.save`` (tensors, numbers, strings, lists, tuples, dicts).
+
+    With a process group initialised and a module in ``state``, the save is collective:
+    every rank calls it, each writes its own shards and its own data. Without one (or with
+    data only) this process writes alone. The previous version stays the committed one
+    until the new one is complete on every rank.
+
+    Args:
+      output_dir: the run's output directory.
+      state: entry name -> module, (module, optimizers) or data.
+
+    Returns:
+      the directory of the version written.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
-    >>> _ = save_checkpoint(d, {"step": 3})
+    >>> _ = save_checkpoint(d, {"step": 3, "model": torch.nn.Linear(2, 2)})
     >>> load_checkpoint(d)["step"]
     3
     """
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    final = out / CHECKPOINT_NAME
-    tmp = out / f".{CHECKPOINT_NAME}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    return final
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) and k and "." not in k for k in state):
+        raise ValueError(f"state: got {type(state).__name__}, expected a mapping with non-empty str keys without '.'")
+    kinds = {name: _kind(name, value) for name, value in state.items()}
+    collective = _collective(kinds)
+    rank = dist.get_rank() if collective else 0
+    root = Path(output_dir) / CHECKPOINT_NAME
+    previous: str | None = None
+    name = ""
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            previous = _read_latest(root)
+        except CheckpointError:
+            previous = None  # a missing or damaged pointer: this save replaces it
+        numbers = [v for p in root.iterdir() if (v := _version(p.name)) is not None]
+        name = f"v{max(numbers, default=0) + 1:06d}"
+        # Leftovers of interrupted saves: every version but the committed one.
+        for p in root.iterdir():
+            if _version(p.name) is not None and p.name != previous:
+                shutil.rmtree(p, ignore_errors=True)
+        (root / name).mkdir()
+    if collective:
+        name = _broadcast(name)
+    path = root / name
+    data = {k: v for k, v in state.items() if kinds[k] == "data"}
+    _write(path / f"data_{rank}.pt", lambda f: torch.save(data, f))
+    tensors = {k: _tensor_state(kinds[k], v) for k, v in state.items() if kinds[k] != "data"}
+    if tensors:
+        with _quiet_single_process(not collective):
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=not collective)
+    if collective:
+        dist.barrier()
+    if rank == 0:
+        world = dist.get_world_size() if collective else 1
+        manifest = {"format": _FORMAT, "version": _VERSION, "world_size": world, "entries": kinds}
+        _write(path / _MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        _fsync_dir(path)
+        tmp = root / f".{_LATEST}.tmp"
+        _write(tmp, lambda f: f.write(f"{name}\n".encode()))
+        os.replace(tmp, root / _LATEST)
+        _fsync_dir(root)
+        if previous is not None:
+            shutil.rmtree(root / previous, ignore_errors=True)
+    if collective:
+        dist.barrier()
+    return path
 
 
-def load_checkpoint(output_dir: str | os.PathLike) -> dict[str, Any]:
-    """Load ``output_dir/checkpoint.pt`` (on the CPU); ``ValueError`` naming the path if there is none."""
-    path = Path(output_dir) / CHECKPOINT_NAME
-    if not path.is_file():
-        raise ValueError(f"resume: no checkpoint at {str(path)!r}; run without --resume first")
-    return torch.load(path, map_location="cpu", weights_only=False)
+# --- loading ----------------------------------------------------------------------
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    file = path / _MANIFEST
+    try:
+        manifest = json.loads(file.read_bytes())
+    except FileNotFoundError as err:
+        raise _fail(file, "is missing (an incomplete or foreign checkpoint version)") from err
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _fail(file, f"is not a readable manifest ({_cause(err)})") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise _fail(file, f"is not an rlcore checkpoint manifest (format {str(manifest)[:60]!r})")
+    if manifest.get("version") != _VERSION:
+        raise _fail(file, f"has format version {manifest.get('version')!r}, this rlcore reads {_VERSION}")
+    entries = manifest.get("entries")
+    if not isinstance(entries, dict) or not all(v in ("module", "trainable", "data") for v in entries.values()):
+        raise _fail(file, f"lists entries {str(entries)[:80]!r}, expected name -> 'module' | 'trainable' | 'data'")
+    return manifest
+
+
+def _data(path: Path, rank: int) -> dict[str, Any]:
+    file = path / f"data_{rank}.pt"
+    if not file.is_file():
+        file = path / "data_0.pt"  # more ranks now than at the save: rank 0's data
+    try:
+        data = torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError as err:
+        raise _fail(file, "is missing") from err
+    except Exception as err:  # torch.load raises many types on damaged files
+        size = file.stat().st_size
+        raise _fail(file, f"cannot be read ({size} bytes; {_cause(err)})") from err
+    if not isinstance(data, dict):
+        raise _fail(file, f"holds {type(data).__name__}, expected a dict of entries")
+    return data
+
+
+def _metadata(path: Path) -> Metadata:
+    file = path / ".metadata"
+    if not file.is_file():
+        raise _fail(file, "is missing (the tensors of this checkpoint were never committed)")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:  # unpickling garbage raises anything
+        raise _fail(file, f"is not DCP metadata ({file.stat().st_size} bytes; {_cause(err)})") from err
+    if not isinstance(metadata, Metadata):
+        raise _fail(file, f"holds {type(metadata).__name__}, expected DCP Metadata")
+    # Truncated or missing shard files are found here, before any tensor is read.
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in needed.items():
+        shard = path / rel
+        if not shard.is_file():
+            raise _fail(shard, "is missing")
+        got = shard.stat().st_size
+        if got < size:
+            raise _fail(shard, f"is truncated: {got} bytes, the metadata expects at least {size}")
+    return metadata
+
+
+def _cause(err: BaseException) -> str:
+    """``Type: first line`` of the error, looking through DCP's per-rank wrapper."""
+    failures = getattr(err, "failures", None)
+    if isinstance(err, dcp.CheckpointException) and isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+@contextlib.contextmanager
+def _quiet_single_process(no_dist: bool) -> Iterator[None]:
+    # DCP warns that it assumes a single process, which is what no_dist asks for.
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _dcp_load(path: Path, flat: dict[str, Any], metadata: Metadata, *, no_dist: bool) -> None:
+    try:
+        with _quiet_single_process(no_dist):
+            dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=no_dist)
+    except (Exception, dcp.CheckpointException) as err:
+        shards = sorted({str(getattr(i, "relative_path", "?")) for i in (metadata.storage_data or {}).values()})
+        where = path / shards[0] if len(shards) == 1 else path
+        raise _fail(where, f"reading the tensors failed, the file is damaged ({_cause(err)})") from err
+
+
+def _unflatten(flat: Mapping[str, Any], paths: Mapping[str, tuple[Any, ...]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        keys = paths.get(key, (key,))
+        node: Any = out
+        for k, nxt in zip(keys, keys[1:]):
+            if isinstance(node, list):
+                while len(node) <= k:
+                    node.append([] if isinstance(nxt, int) else {})
+                node = node[k]
+            else:
+                node = node.setdefault(k, [] if isinstance(nxt, int) else {})
+        if isinstance(node, list):
+            while len(node) <= keys[-1]:
+                node.append(None)
+        node[keys[-1]] = value
+    return out
+
+
+def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            _flatten(v, f"{prefix}.{k}", out)
+    else:
+        out[prefix] = tree
+    return out
+
+
+def _check_shapes(path: Path, name: str, prefix: str, template: Mapping[str, Any], metadata: Metadata) -> None:
+    """Every tensor the module needs is in the checkpoint, with the module's (global) shape."""
+    have = metadata.state_dict_metadata
+    cut = len(prefix) + 1
+    missing = [k for k in template if k not in have]
+    if missing:
+        raise _fail(
+            path,
+            f"entry {name!r} has no {missing[0][cut:]!r} ({len(missing)} of the model's tensors missing: "
+            "another model architecture?)",
+        )
+    for key, value in template.items():
+        md = have[key]
+        if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and md.size != value.shape:
+            raise _fail(
+                path,
+                f"entry {name!r}: {key[cut:]!r} has shape {list(md.size)} in the checkpoint, {list(value.shape)} "
+                "in this model (another model size?)",
+            )
+
+
+def load_checkpoint(
+    output_dir: str | os.PathLike, state: Mapping[str, Any] | None = None, *, strict: bool = True
+) -> dict[str, Any]:
+    """Load the committed version of ``output_dir/checkpoint/``.
+
+    Without ``state``, everything comes back whole on this process's CPU: data entries
+    as saved, a module entry as its full state dict, a ``(module, optimizers)`` entry as
+    ``{"model": ..., "optim": ...}`` (for inspection and export). With ``state`` (the
+    same shape as at the save, e.g. ``{"policy": (policy, opt), "step": 0}``), modules
+    and optimisers are loaded in place, resharded to their current layout (collective
+    when a process group is initialised), and the saved data entries are returned. A
+    rank beyond the saved world size gets rank 0's data.
+
+    Args:
+      output_dir: the run's output directory.
+      state: entry name -> module, (module, optimizers) or anything (a data entry whose
+        saved value is wanted).
+      strict: the checkpoint's module entries must be exactly those of ``state`` (a
+        checkpoint of another algorithm has other models); ``False`` loads a subset.
+
+    Returns:
+      the data entries (and, without ``state``, the tensor entries).
+
+    Raises:
+      ValueError: no checkpoint (a message starting ``resume: no checkpoint at``);
+        :class:`CheckpointError` for a damaged or incompatible one.
+    """
+    root = Path(output_dir) / CHECKPOINT_NAME
+    if not (root / _LATEST).exists():
+        raise ValueError(f"resume: no checkpoint at {str(root)!r}; run without --resume first")
+    path = root / _read_latest(root)
+    manifest = _manifest(path)
+    saved: dict[str, str] = manifest["entries"]
+    kinds = {name: _kind(name, value) for name, value in (state or {}).items()}
+    collective = state is not None and _collective(kinds)
+    data = _data(path, dist.get_rank() if collective else 0)
+    absent = sorted({k for k, v in saved.items() if v == "data"} - set(data))
+    if absent:
+        raise _fail(path / "data_0.pt", f"lacks the entries {absent} its manifest lists")
+    metadata = _metadata(path) if any(v != "data" for v in saved.values()) else None
+    if state is None:
+        out = dict(data)
+        if metadata is not None:
+            flat: dict[str, Any] = {
+                k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+                for k, md in metadata.state_dict_metadata.items()
+            }
+            _dcp_load(path, flat, metadata, no_dist=True)
+            out.update(_unflatten(flat, metadata.planner_data or {}))
+        return out
+    wanted = {k for k, v in kinds.items() if v != "data"}
+    stored = {k for k, v in saved.items() if v != "data"}
+    for name in sorted(wanted):
+        if name not in saved:
+            raise _fail(path, f"has no entry {name!r} (entries: {sorted(saved)}; saved by another algorithm?)")
+        if saved[name] != kinds[name]:
+            what = {"module": "a module", "trainable": "a module with its optimizers", "data": "plain data"}
+            raise _fail(path, f"entry {name!r} holds {what[saved[name]]}, this run expects {what[kinds[name]]}")
+    if strict and stored - wanted:
+        raise _fail(
+            path,
+            f"holds the models {sorted(stored - wanted)} that this run does not have (saved by another algorithm "
+            "or setup?); pass strict=False to load the rest",
+        )
+    for name in sorted(k for k, v in kinds.items() if v == "data"):
+        if name not in data:
+            raise _fail(path, f"has no entry {name!r} (entries: {sorted(saved)}; saved by another algorithm?)")
+    if wanted:
+        assert metadata is not None
+        tensors = {name: _tensor_state(kinds[name], state[name]) for name in sorted(wanted)}
+        for name, sd in tensors.items():
+            model_sd = sd if kinds[name] == "module" else sd["model"]
+            prefix = name if kinds[name] == "module" else f"{name}.model"
+            _check_shapes(path, name, prefix, _flatten(model_sd, prefix, {}), metadata)
+        _dcp_load(path, tensors, metadata, no_dist=not collective)
+        for name, sd in tensors.items():
+            value = state[name]
+            try:
+                if kinds[name] == "module":
+                    set_model_state_dict(value, sd)
+                else:
+                    set_state_dict(
+                        value[0], _optimizers(value[1]), model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+                    )
+            except (RuntimeError, KeyError, ValueError) as err:
+                raise _fail(path, f"entry {name!r} does not fit this run ({_cause(err)})") from err
+    return dict(data)
+
+
+# --- random streams ------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random stream a step may draw on: torch's CPU generator, the accelerator's, Python's ``random``.
+
+    Save it as a data entry and give it back to :func:`set_rng_state` on resume, so
+    dropout and sampling replay exactly.
+
+    >>> s = rng_state(); a = torch.rand(2); set_rng_state(s); torch.equal(a, torch.rand(2))
+    True
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    kind = device_kind()
+    if kind != "cpu":
+        state[kind] = torch.get_device_module(kind).get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the streams :func:`rng_state` captured (an accelerator's only on the same kind of device)."""
+    if not isinstance(state, Mapping) or "torch" not in state or "python" not in state:
+        raise ValueError(f"state: got {type(state).__name__}, expected the mapping rng_state() returns")
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind = device_kind()
+    if kind != "cpu" and kind in state:
+        torch.get_device_module(kind).set_rng_state_all(state[kind])

@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 import yaml
 
+from rlcore.train.parallel import check_parallel_sizes
+
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "parse_config"]
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo")
@@ -277,23 +279,18 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
 
 
 def check_launch(cfg: Config, world_size: int) -> None:
-    """Refuse a config this launch cannot run: parallel sizes against the world size, unsupported layouts.
+    """Refuse a config this launch cannot run: ``data_parallel x tensor_parallel`` against the world size, pipelines.
 
     Also refuses a group-baseline algorithm with one sample per prompt (the seed's example
     sets ``num_rollouts: 1``, which loads but would give every advantage 0).
     """
-    if cfg.parallel.data_parallel != world_size:
-        raise ValueError(
-            f"config key 'parallel.data_parallel': got {cfg.parallel.data_parallel}, expected the launched world size "
-            f"{world_size} (start with torchrun --nproc-per-node {cfg.parallel.data_parallel}, or override "
-            f"parallel.data_parallel={world_size})"
-        )
-    for key in ("tensor_parallel", "pipeline_parallel"):
-        if getattr(cfg.parallel, key) != 1:
-            raise ValueError(
-                f"config key 'parallel.{key}': got {getattr(cfg.parallel, key)}, expected 1 (the reference trainer "
-                "shards data only; use rlcore.dataflow layouts in your own loop for model parallelism)"
-            )
+    par = cfg.parallel
+    check_parallel_sizes(
+        data_parallel=par.data_parallel,
+        tensor_parallel=par.tensor_parallel,
+        pipeline_parallel=par.pipeline_parallel,
+        world_size=world_size,
+    )
     if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and cfg.rl.num_rollouts < 2:
         raise ValueError(
             f"config key 'rl.num_rollouts': got {cfg.rl.num_rollouts}, expected >= 2 for {cfg.rl.algo} "
