@@ -118,7 +118,8 @@ def check_group_ids(group_ids: torch.Tensor, num_segments: int) -> None:
     """
     if group_ids.numel() == 0 or group_ids.device.type != "cpu" or torch.compiler.is_compiling():
         return
-    low, high = int(group_ids.min()), int(group_ids.max())  # sync-ok: a CPU tensor in eager mode
+    bounds = torch.aminmax(group_ids)
+    low, high = int(bounds.min), int(bounds.max)  # sync-ok: a CPU tensor in eager mode
     if low < 0 or high >= num_segments:
         raise ValueError(
             f"group_ids: got ids in [{low}, {high}], expected ids in [0, {num_segments}) "

@@ -96,8 +96,9 @@ def _moments(
     else:
         pivot = None
     count = _count(idx, n, xa.dtype).view(n, *([1] * (x.dim() - 1)))
-    mean = safe_div(_sum(xa, idx, n), count)
+    mean = _sum(xa, idx, n) / count  # 0 / 0 only in empty segments, which no sample gathers
     dev = xa - _gather(mean, idx)
+    mean = torch.where(count > 0, mean, 0.0)
     m2 = _sum(dev * dev, idx, n) if need_m2 else None
     return count, mean if pivot is None else mean + pivot, dev, m2
 
@@ -256,5 +257,10 @@ def segment_centred(
     if not with_std:
         return _out(dev, x)
     assert m2 is not None
-    std = _std_from(count, m2, unbiased)
+    if x.requires_grad:
+        std = _std_from(count, m2, unbiased)
+    else:
+        # Without a gradient to protect, fewer passes: sqrt(0) = 0 for constant groups
+        # and for groups too small for the estimator (m2 = 0 there), NaN stays NaN.
+        std = (m2 / (count - 1 if unbiased else count).clamp(min=1)).sqrt()
     return _out(dev, x), _out(_gather(std, group_ids.long()), x)

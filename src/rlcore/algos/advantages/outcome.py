@@ -85,9 +85,10 @@ def grpo_advantages(
         _, count, _, m2 = batch_moments(s, torch.isfinite(s), process_group=process_group)
         var = safe_div(m2, count - 1) * (count > 1)
         std = torch.where(var > 0, torch.sqrt(torch.where(var > 0, var, 1.0)), 0.0).to(s.dtype)
-    # Where std + eps is 0 (eps=0, constant group) the centred score is exactly 0 too.
-    den = std + eps
-    return (centred / torch.where(den > 0, den, 1.0)).to(scores.dtype)
+    if eps > 0:
+        return (centred / (std + eps)).to(scores.dtype)
+    # eps = 0: where the std is 0 (a constant group) the centred score is exactly 0 too.
+    return (centred / torch.where(std > 0, std, 1.0)).to(scores.dtype)
 
 
 def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, num_groups: int | None = None) -> torch.Tensor:
