@@ -8,11 +8,11 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 
 import pytest
-import reward_helpers
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reward_helpers
 from rlcore.rewards import (
     AnswerMatch,
     FormatMatch,
@@ -142,11 +142,11 @@ def test_pool_rejects_a_bad_timeout(timeout):
 
 def test_dead_reward_worker_is_the_named_reward_error():
     # Issue 18, defect 8: a dead worker surfaced as a BrokenProcessPool traceback.
-    with RewardPool(reward_helpers.DiesInWorker(), num_workers=1) as pool:
-        with pytest.raises(
-            RewardError, match=r"reward 'dies' on batch 2: the reward's worker process died \(exit code 9\)"
-        ):
-            pool.submit(["p"], ["a"], batch=2).result(timeout=120)
+    with (
+        RewardPool(reward_helpers.DiesInWorker(), num_workers=1) as pool,
+        pytest.raises(RewardError, match=r"reward 'dies' on batch 2: the reward's worker process died \(exit code 9\)"),
+    ):
+        pool.submit(["p"], ["a"], batch=2).result(timeout=120)
 
 
 def test_close_never_waits_for_a_running_call_and_fails_what_is_left(tmp_path):
@@ -177,9 +177,7 @@ with RewardPool(reward_helpers.StuckInC({marker!r}), num_workers=1) as pool:
 def _start_owner(tmp_path):
     marker = tmp_path / "pid"
     script = _OWNER.format(tests=TESTS, marker=str(marker))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, env=dict(os.environ)
-    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     if not reward_helpers.wait_for(marker.is_file, 120):
         proc.kill()
         raise AssertionError(f"the reward never started: {proc.communicate()[1]}")

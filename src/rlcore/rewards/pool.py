@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import ctypes
 import math
 import multiprocessing
@@ -36,10 +37,8 @@ def _die_with_parent() -> None:
         # The kernel kills this worker when the thread that started it exits (the pool's
         # dispatcher thread, which lives as long as the pool), even while the reward holds
         # the GIL in C code, where no Python thread could run.
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -222,10 +221,8 @@ class _Dispatcher:
             for w in started:
                 assert w.job is not None
                 w.job.deadline = time.monotonic() + (self._timeout if self._timeout is not None else math.inf)
-                try:
+                with contextlib.suppress(OSError):  # the worker died; its sentinel reports it below
                     w.conn.send_bytes(w.job.payload)
-                except OSError:
-                    pass  # the worker died; its sentinel reports it below
             deadline = min((w.job.deadline for w in workers if w.job is not None), default=math.inf)
             wait = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
             waitables: list[Any] = [self._wake_r]
