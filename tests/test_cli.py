@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import reward_helpers
 
+import reward_helpers
 from rlcore.train import read_metrics, trainer
 from rlcore.train.cli import main
 

@@ -187,8 +187,14 @@ def test_local_directory_model_path_and_copy(tmp_path, tiny_model_dir):
             {"model": {"model_name_or_path": {"model_type": "no_such_model"}}},
             r"config key 'model.model_name_or_path': not a valid model config \(.*no_such_model",
         ),
-        ({"rl": {"temperature": float("inf")}}, r"config key 'rl.temperature': got float inf, expected float \(finite\)"),
-        ({"rl": {"temperature": float("nan")}}, r"config key 'rl.temperature': got float nan, expected float \(finite\)"),
+        (
+            {"rl": {"temperature": float("inf")}},
+            r"config key 'rl.temperature': got float inf, expected float \(finite\)",
+        ),
+        (
+            {"rl": {"temperature": float("nan")}},
+            r"config key 'rl.temperature': got float nan, expected float \(finite\)",
+        ),
         ({"rl": {"lr": float("nan")}}, r"config key 'rl.lr': got float nan, expected float \(finite\)"),
         (
             {

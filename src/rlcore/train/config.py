@@ -144,15 +144,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value is None:
             return None
     elif tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
         # PyYAML follows YAML 1.1, which reads exponents without a dot (1e-4) as strings.
-        elif isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        numeric = isinstance(value, str) and _EXPONENT.fullmatch(value.strip())
+        if numeric or (isinstance(value, (int, float)) and not isinstance(value, bool)):
             number = float(value)
-        # NaN would pass every range check below, and no key means anything by inf.
-        if number is not None and math.isfinite(number):
-            return number
+            # NaN would pass every range check below, and no key means anything by inf.
+            if math.isfinite(number):
+                return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
