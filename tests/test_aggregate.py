@@ -5,10 +5,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dist_helpers
 from rlcore.algos import AGGREGATION_MODES, aggregate, dpo, global_counts, grpo
 from rlcore.testing import assert_close, assert_no_host_sync
 from rlcore.testing import reference as ref
@@ -134,10 +134,10 @@ def _rank_main(rank, world, init_file, loss_t, mask, out_dir):
             results[mode] = local
         out = {"counts": counts, "recipe_counts": recipe_counts, "pairs": pairs, "results": results}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-        # Every rank leaves its collectives before teardown: gloo can abort at exit otherwise.
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    dist_helpers.leave()
 
 
 def test_sum_over_data_parallel_ranks_equals_the_whole_batch():
@@ -146,7 +146,7 @@ def test_sum_over_data_parallel_ranks_equals_the_whole_batch():
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_rank_main, args=(2, init_file, loss_t, mask, tmp), nprocs=2, join=True)
+        dist_helpers.spawn(_rank_main, (2, init_file, loss_t, mask, tmp), nprocs=2)
         outs = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
     for out in outs:
         assert int(out["counts"]["num_tokens"]) == 8 and int(out["counts"]["num_seqs"]) == 3

@@ -1,16 +1,21 @@
 """The command line: ``rlcore train`` / ``python -m rlcore.train``, exit codes and messages."""
 
+import functools
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from rlcore.train import read_metrics
+import reward_helpers
+from rlcore.train import read_metrics, trainer
 from rlcore.train.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = str(Path(__file__).resolve().parent)
 CONFIG = str(ROOT / "configs" / "grpo_tiny.yaml")
 TINY = [
     "model.model_name_or_path.hidden_size=32",
@@ -46,7 +51,12 @@ def test_bad_override_syntax_and_missing_config(capsys):
 def test_train_then_resume_in_process(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--config", CONFIG, *TINY, "trainer.steps=1", f"trainer.output_dir={out}"]) == 0
-    assert main(["train", "--config", CONFIG, "--resume", *TINY, "trainer.steps=2", f"trainer.output_dir={out}"]) == 0
+    # Issue 18, defect 7: a run killed while appending leaves a cut last line; resume drops it.
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 1, "rew')
+    with pytest.warns(RuntimeWarning, match=r"metrics file .* dropped its last line 2, cut short"):
+        code = main(["train", "--config", CONFIG, "--resume", *TINY, "trainer.steps=2", f"trainer.output_dir={out}"])
+    assert code == 0
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]
     captured = capsys.readouterr()
     assert "done: step 1" in captured.out
@@ -107,3 +117,83 @@ def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
     assert load_checkpoint(out)["step"] >= 1
+
+
+def _fake_train(calls):
+    def train(cfg, *, resume=False, **kwargs):
+        calls.append((cfg, resume))
+        return trainer.Run([], None, None)
+
+    return train
+
+
+def test_resume_placed_after_overrides_is_accepted(monkeypatch):
+    # Issue 18, defect 14: `--resume` after the overrides was "unrecognized arguments".
+    calls: list = []
+    monkeypatch.setattr(trainer, "train", _fake_train(calls))
+    assert main(["train", "--config", CONFIG, "rl.lr=0.001", "--resume", "trainer.steps=3", "rl.lr=0.002"]) == 0
+    cfg, resume = calls[-1]
+    assert resume and cfg.trainer.steps == 3 and cfg.rl.lr == 0.002  # later overrides win, in order
+    assert main(["train", "rl.lr=0.001", "--config", CONFIG]) == 0 and not calls[-1][1]
+    for bad in (["--bogus"], ["--resume", "--bogus", "rl.lr=0.1"]):
+        with pytest.raises(SystemExit) as err:
+            main(["train", "--config", CONFIG, "rl.lr=0.001", *bad])
+        assert err.value.code == 2
+    assert main(["train", "--config", CONFIG, "--resume", "rl.lr=0.001", "not-an-override"]) == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.model_name_or_path.num_attention_heads=3", "num_attention_heads=3 does not divide hidden_size=64"),
+        ("rl.temperature=.inf", "config key 'rl.temperature': got float inf, expected float (finite)"),
+        ("rl.max_new_tokens=100", "more than the model's max_position_embeddings=64"),
+    ],
+)
+def test_config_gaps_exit_2_with_one_line_before_any_work(override, message, capsys, monkeypatch):
+    # Issue 18, defect 14: the trainer must not start (train is never called).
+    calls: list = []
+    monkeypatch.setattr(trainer, "train", _fake_train(calls))
+    assert main(["train", "--config", CONFIG, override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not calls
+
+
+def test_dead_reward_worker_exits_2_naming_the_reward_and_the_batch(tmp_path, capsys, monkeypatch):
+    # Issue 18, defect 8: a worker killed mid-batch gave a BrokenProcessPool traceback.
+    monkeypatch.setattr(trainer, "train", functools.partial(trainer.train, reward=reward_helpers.DiesInWorker()))
+    args = [*TINY, "deploy.async_infer=true", "trainer.steps=1", f"trainer.output_dir={tmp_path}"]
+    assert main(["train", "--config", CONFIG, *args, "trainer.progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert "rlcore: error: reward 'dies' on batch 0: the reward's worker process died (exit code 9)" in err
+
+
+_STUCK_RUN = """
+import functools, sys
+sys.path.insert(0, {tests!r})
+import reward_helpers
+from rlcore.train import cli, trainer
+trainer.train = functools.partial(trainer.train, reward=reward_helpers.StuckInC({marker!r}))
+sys.exit(cli.main({argv!r}))
+"""
+
+
+def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
+    # Issue 18, defect 3: SIGTERM unwound into a shutdown that waited for the stuck call.
+    marker = tmp_path / "pid"
+    argv = ["train", "--config", CONFIG, *TINY, "deploy.async_infer=true", "trainer.progress=false"]
+    argv += ["trainer.plot=false", f"trainer.output_dir={tmp_path / 'run'}"]
+    script = _STUCK_RUN.format(tests=TESTS, marker=str(marker), argv=argv)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
+    )
+    try:
+        assert reward_helpers.wait_for(marker.is_file, 180), "the reward never started"
+        worker = int(marker.read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)  # guards against the hang; the run stops in about a second
+        assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
+        assert reward_helpers.wait_for(lambda: not reward_helpers.alive(worker), 30)
+    finally:
+        proc.kill()
+        proc.communicate()

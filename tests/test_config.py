@@ -179,3 +179,67 @@ def test_local_directory_model_path_and_copy(tmp_path, tiny_model_dir):
     moved = shutil.copytree(tiny_model_dir, tmp_path / "copy")
     cfg = parse_config({"model": {"model_name_or_path": str(moved)}})
     assert cfg.model.model_name_or_path == str(moved)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (
+            {"model": {"model_name_or_path": {**INLINE, "num_attention_heads": 3}}},
+            r"config key 'model.model_name_or_path': num_attention_heads=3 does not divide hidden_size=16$",
+        ),
+        (
+            {"model": {"model_name_or_path": {**INLINE, "num_attention_heads": 4, "num_key_value_heads": 3}}},
+            r"config key 'model.model_name_or_path': num_key_value_heads=3 does not divide num_attention_heads=4$",
+        ),
+        (
+            {"model": {"model_name_or_path": {"model_type": "no_such_model"}}},
+            r"config key 'model.model_name_or_path': not a valid model config \(.*no_such_model",
+        ),
+        (
+            {"rl": {"temperature": float("inf")}},
+            r"config key 'rl.temperature': got float inf, expected float \(finite\)",
+        ),
+        (
+            {"rl": {"temperature": float("nan")}},
+            r"config key 'rl.temperature': got float nan, expected float \(finite\)",
+        ),
+        ({"rl": {"lr": float("nan")}}, r"config key 'rl.lr': got float nan, expected float \(finite\)"),
+        (
+            {
+                "model": {"model_name_or_path": {**INLINE, "max_position_embeddings": 32}},
+                "data": {"task": "reversal", "length": 6},
+                "rl": {"max_new_tokens": 26},
+            },
+            r"config key 'rl.max_new_tokens': got 26; prompts of up to 7 tokens \(data.task='reversal'\) then need "
+            r"33 positions, more than the model's max_position_embeddings=32$",
+        ),
+        ({"trainer": {"reward_timeout": 0}}, r"config key 'trainer.reward_timeout': got 0.0, expected > 0"),
+        (
+            {"trainer": {"reward_timeout": float("inf")}},
+            r"config key 'trainer.reward_timeout': got float inf, expected float \(finite\) or null",
+        ),
+    ],
+)
+def test_config_gaps_are_one_line_errors_before_any_work(raw, message):
+    # Issue 18, defect 14: these configs got past validation and failed (or ran wrong) later.
+    raw = {"model": {"model_name_or_path": INLINE}, **raw} if "model" not in raw else raw
+    with pytest.raises(ValueError, match=message) as err:
+        parse_config(raw)
+    assert "\n" not in str(err.value)
+
+
+def test_config_gaps_in_yaml_text_top_level_list_and_inf(tmp_path):
+    # Issue 18, defect 14: a top-level YAML list was an AttributeError traceback; `.inf` was accepted.
+    with pytest.raises(ValueError, match=r"config: '.*c.yaml' holds a list at the top level, expected a mapping"):
+        load_config(_write(tmp_path, "- model\n- rl\n"), ["rl.temperature=1.0"])
+    with pytest.raises(ValueError, match=r"config: '.*c.yaml' holds a str at the top level"):
+        load_config(_write(tmp_path, "just text\n"))
+    with pytest.raises(ValueError, match=r"config: got list, expected a mapping of sections"):
+        apply_overrides([1], ["rl.temperature=1.0"])  # type: ignore[arg-type]
+    path = _write(tmp_path, {"model": {"model_name_or_path": INLINE}})
+    with pytest.raises(ValueError, match=r"config key 'rl.temperature': got float inf, expected float \(finite\)"):
+        load_config(path, ["rl.temperature=.inf"])
+    assert load_config(path, ["trainer.reward_timeout=null"]).trainer.reward_timeout is None
+    assert load_config(path, ["trainer.reward_timeout=5"]).trainer.reward_timeout == 5.0
+    assert load_config(path).trainer.reward_timeout == 300.0

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+import dist_helpers
 from rlcore.dataflow import balanced_partition, shard_samples
 from rlcore.testing.dataflow_strategies import token_lengths
 from rlcore.testing.reference import balanced_partition_ref
@@ -151,16 +151,17 @@ def _worker(rank, world, store_path, out_path):
             shard_samples(_row_fn, src=world)(batch)
         except ValueError as err:
             results["bad src"] = str(err)
-        # Every rank leaves its collectives before teardown: gloo can abort at exit otherwise.
-        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
     finally:
         torch.save(results, f"{out_path}.{rank}")
-        dist.destroy_process_group()
+    dist_helpers.leave()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_shard_samples_on_gloo(tmp_path, world):
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=world, join=True)
+    dist_helpers.spawn(_worker, (world, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=world)
     outs = [torch.load(f"{tmp_path / 'out'}.{r}") for r in range(world)]
     batch = _batch(64)
     # The reference is fn on the unsharded batch: row-wise outputs must match row for row.

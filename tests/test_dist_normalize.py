@@ -7,7 +7,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+import dist_helpers
 
 WORLD = 2
 
@@ -147,12 +148,12 @@ def _worker(rank: int, init_file: str) -> None:
         _check_batch_normalize(rank, pg)
         _check_gradients(rank, pg)
         _check_estimators(rank, pg, mesh)
-        # Every rank leaves its collectives before teardown: gloo can abort at exit otherwise.
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    dist_helpers.leave()
 
 
 def test_cross_rank_whitening_equals_whole_batch():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+        dist_helpers.spawn(_worker, (os.path.join(tmp, "rendezvous"),), nprocs=WORLD)

@@ -6,10 +6,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dist_helpers
 from rlcore.dataflow.layout import Layout, Placement, decoder_layout, param_meta
 from rlcore.dataflow.reshard import allocate_buckets, plan_reshard, reshard
 from rlcore.testing.reference.resharding import local_shard_ref
@@ -105,13 +105,13 @@ def _worker(rank, world, tmp, checks):
             # Peers may be waiting in a collective this rank left: stop rather than mismatch them.
             os._exit(0)
         dist.barrier()
-    dist.destroy_process_group()
+    dist_helpers.leave()
 
 
 def run_group(world, checks, tmp):
     """Run every check on one spawned gloo group of ``world`` CPU processes; rank -> {check: outcome}."""
     os.makedirs(tmp, exist_ok=True)
-    mp.spawn(_worker, args=(world, str(tmp), checks), nprocs=world, join=True)
+    dist_helpers.spawn(_worker, (world, str(tmp), checks), nprocs=world)
     out = {}
     for r in range(world):
         path = os.path.join(tmp, f"result_{r}.json")

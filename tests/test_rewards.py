@@ -1,10 +1,18 @@
 """rlcore.rewards: protocol, rule rewards, weighted composition, the process pool, error messages."""
 
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import CancelledError
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reward_helpers
 from rlcore.rewards import (
     AnswerMatch,
     FormatMatch,
@@ -16,6 +24,8 @@ from rlcore.rewards import (
     extract_answer,
 )
 from rlcore.testing.reference import length_reward_ref, weighted_ref
+
+TESTS = str(Path(__file__).resolve().parent)
 
 
 class BaseReward:
@@ -105,6 +115,103 @@ def test_pool_rejects_unpicklable_reward_by_name():
         RewardPool(lambda p, r: [0.0] * len(r), num_workers=1)
     with pytest.raises(ValueError, match="num_workers: got -1"):
         RewardPool(count_a, num_workers=-1)
+
+
+def test_stuck_reward_times_out_naming_the_reward_and_the_batch():
+    # Issue 18, defect 3: waiting for scores had no timeout.
+    with RewardPool(reward_helpers.Sleeps(600), num_workers=1, timeout=1) as pool:
+        stuck = pool.submit(["p", "q"], ["slow", "x"], batch=3)
+        # result(timeout=...) only guards the test against a hang; the pool raises first.
+        with pytest.raises(RewardError, match=r"reward 'sleeps' on batch 3 did not finish within 1 s"):
+            stuck.result(timeout=120)
+        # The stuck worker was replaced: the pool keeps scoring.
+        assert pool(["p"], ["fine"], batch=4).tolist() == [1.0]
+    with RewardPool(reward_helpers.Sleeps(600), num_workers=0, timeout=0.2) as pool:
+        with pytest.raises(RewardError, match=r"reward 'sleeps' on batch 5 did not finish within 0.2 s"):
+            pool.submit(["p"], ["slow"], batch=5).result(timeout=120)
+        with pytest.raises(RewardError, match=r"reward 'sleeps' on batch #1 \(unnamed\) did not finish"):
+            pool(["p"], ["slow"])
+        assert pool(["p"], ["fine"]).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), True, "10"])
+def test_pool_rejects_a_bad_timeout(timeout):
+    with pytest.raises(ValueError, match=r"timeout: got .*expected a finite number of seconds > 0, or None"):
+        RewardPool(count_a, num_workers=0, timeout=timeout)
+
+
+def test_dead_reward_worker_is_the_named_reward_error():
+    # Issue 18, defect 8: a dead worker surfaced as a BrokenProcessPool traceback.
+    with (
+        RewardPool(reward_helpers.DiesInWorker(), num_workers=1) as pool,
+        pytest.raises(RewardError, match=r"reward 'dies' on batch 2: the reward's worker process died \(exit code 9\)"),
+    ):
+        pool.submit(["p"], ["a"], batch=2).result(timeout=120)
+
+
+def test_close_never_waits_for_a_running_call_and_fails_what_is_left(tmp_path):
+    marker = tmp_path / "pid"
+    pool = RewardPool(reward_helpers.StuckInC(str(marker)), num_workers=1)
+    running = pool.submit(["p"], ["a"], batch=0)
+    queued = pool.submit(["p"], ["a"], batch=1)
+    assert reward_helpers.wait_for(marker.is_file, 120)
+    pool.close()  # returns although the reward is stuck in C code
+    for future in (running, queued):
+        with pytest.raises((RewardError, CancelledError)):
+            future.result(timeout=30)
+    assert reward_helpers.wait_for(lambda: not reward_helpers.alive(int(marker.read_text())), 30)
+    with pytest.raises(RuntimeError, match="submit after close"):
+        pool.submit(["p"], ["a"])
+
+
+_OWNER = """
+import sys
+sys.path.insert(0, {tests!r})
+import reward_helpers
+from rlcore.rewards import RewardPool
+with RewardPool(reward_helpers.StuckInC({marker!r}), num_workers=1) as pool:
+    pool.submit(["p"], ["a"], batch=0).result()
+"""
+
+
+def _start_owner(tmp_path):
+    marker = tmp_path / "pid"
+    script = _OWNER.format(tests=TESTS, marker=str(marker))
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    if not reward_helpers.wait_for(marker.is_file, 120):
+        proc.kill()
+        raise AssertionError(f"the reward never started: {proc.communicate()[1]}")
+    return proc, int(marker.read_text())
+
+
+def test_stuck_reward_ctrl_c_stops_the_owner_within_seconds(tmp_path):
+    # Issue 18, defect 3: shutdown waited for the running call, so Ctrl-C hung.
+    proc, worker = _start_owner(tmp_path)
+    try:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert "KeyboardInterrupt" in err
+        assert reward_helpers.wait_for(lambda: not reward_helpers.alive(worker), 30)
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_stuck_reward_kill_9_of_the_owner_leaves_no_orphan_worker_or_tracker(tmp_path):
+    # Issue 18, defect 3: workers blocked for ever once their parent was killed.
+    proc, worker = _start_owner(tmp_path)
+    below = reward_helpers.descendants(proc.pid)
+    try:
+        assert worker in below  # with the resource tracker, when multiprocessing starts one
+        proc.kill()
+        proc.communicate()
+        assert reward_helpers.wait_for(lambda: not any(reward_helpers.alive(p) for p in below), 30), [
+            p for p in below if reward_helpers.alive(p)
+        ]
+    finally:
+        for pid in below:
+            if reward_helpers.alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(

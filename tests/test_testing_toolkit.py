@@ -53,3 +53,21 @@ def test_import_rlcore_does_not_need_the_test_extra():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "masked_mean"
+
+
+def test_testing_without_the_test_extra_names_the_extra():
+    # Issue 18, defect 15: a bare "No module named 'hypothesis'" did not say what to install.
+    code = "import sys; sys.modules['hypothesis'] = None; import rlcore.testing"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("ModuleNotFoundError: rlcore.testing needs hypothesis") and 'pip install "rlcore[test]"' in last
+    )
+
+
+def test_testing_docs_carry_the_hypothesis_deadline_note():
+    import rlcore.testing
+
+    doc = rlcore.testing.__doc__
+    assert "deadline=None" in doc and "DeadlineExceeded" in doc and 'pip install "rlcore[test]"' in doc

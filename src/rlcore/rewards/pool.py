@@ -1,23 +1,300 @@
-"""Rewards evaluated off the training thread, in a pool of worker processes."""
+"""Rewards evaluated off the training thread, in worker processes that a stuck or dead reward cannot hang."""
 
 from __future__ import annotations
 
+import atexit
+import collections
+import contextlib
+import ctypes
+import math
 import multiprocessing
+import multiprocessing.connection
+import os
 import pickle
+import signal
+import sys
+import threading
+import time
+import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import torch
 
-from rlcore.rewards.protocol import evaluate, reward_name
+from rlcore.rewards.protocol import RewardError, evaluate, reward_name
 
 __all__ = ["RewardPool"]
 
+_PR_SET_PDEATHSIG = 1
+# Seconds a stopped worker gets to exit on SIGTERM before it is killed.
+_GRACE = 1.0
 
-def _score(reward: Any, prompts: list[str], responses: list[str], batch: Any, columns: dict[str, Any]) -> list[float]:
-    # Lists cross the process boundary more cheaply than tensors (no shared-memory handles).
-    return evaluate(reward, prompts, responses, batch=batch, **columns).tolist()
+
+def _die_with_parent() -> None:
+    """Exit when the process that started this worker dies, even by ``kill -9``, whatever the reward is doing."""
+    if sys.platform.startswith("linux"):
+        # The kernel kills this worker when the thread that started it exits (the pool's
+        # dispatcher thread, which lives as long as the pool), even while the reward holds
+        # the GIL in C code, where no Python thread could run.
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        # Portable fallback (and the race where the parent died before prctl above).
+        multiprocessing.connection.wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="rlcore-reward-parent-watch").start()
+
+
+def _sendable(err: BaseException, where: str) -> BaseException:
+    """``err`` if it survives pickling, else a :class:`RewardError` carrying its text."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RewardError(f"{where} raised {type(err).__name__}: {err}")
+
+
+def _worker(conn: multiprocessing.connection.Connection, payload: bytes, name: str) -> None:
+    # Ctrl-C reaches the whole process group; the pool stops its workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    try:
+        reward = pickle.loads(payload)
+    except Exception as err:
+        conn.send(("error", f"cannot be unpickled in a worker process ({type(err).__name__}: {err})"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            prompts, responses, batch, columns = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the pool closed the pipe, or its process is gone
+            return
+        try:
+            # Lists cross the process boundary more cheaply than tensors (no shared-memory handles).
+            msg: tuple[str, Any] = ("ok", evaluate(reward, prompts, responses, batch=batch, **columns).tolist())
+        except Exception as err:
+            msg = ("raised", _sendable(err, f"reward {name!r} on batch {batch!r}"))
+        conn.send(msg)
+
+
+def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` unless it is already done (a timeout and a late result can race)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+class _Job:
+    __slots__ = ("deadline", "future", "payload", "where")
+
+    def __init__(self, payload: bytes, future: Future, where: str):
+        self.payload, self.future, self.where = payload, future, where
+        self.deadline = math.inf
+
+
+class _Worker:
+    __slots__ = ("conn", "eof", "job", "process", "ready")
+
+    def __init__(self, process: Any, conn: multiprocessing.connection.Connection):
+        self.process, self.conn = process, conn
+        self.job: _Job | None = None
+        self.ready = self.eof = False
+
+
+class _Dispatcher:
+    """Owns the worker processes: hands out jobs, enforces the timeout, replaces dead workers, stops them all on close.
+
+    One thread runs the loop; it starts every worker, so on Linux the workers' death
+    signal is tied to it (see ``_die_with_parent``).
+    """
+
+    def __init__(self, payload: bytes, name: str, num_workers: int, timeout: float | None):
+        self._payload, self._name, self._num_workers, self._timeout = payload, name, num_workers, timeout
+        self._ctx = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._woken = False
+        self._closing = False
+        self._broken: str | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rlcore-reward-pool")
+        self._thread.start()
+
+    # --- called from user threads -------------------------------------------------
+    def submit(self, job: _Job) -> None:
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("RewardPool: submit after close")
+            if self._broken is not None:
+                _settle(job.future, error=RewardError(self._broken))
+                return
+            self._queue.append(job)
+            self._wake()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake()
+        atexit.unregister(self.close)
+        if threading.current_thread() is not self._thread:
+            # Never waits for a running call: the loop stops the workers within about _GRACE seconds.
+            self._thread.join(timeout=_GRACE + 5)
+
+    def _wake(self) -> None:  # with self._lock held
+        if not self._woken:
+            self._woken = True
+            self._wake_w.send_bytes(b"")
+
+    # --- the dispatcher thread ----------------------------------------------------
+    def _start(self) -> _Worker:
+        parent_end, child_end = self._ctx.Pipe()
+        process = self._ctx.Process(
+            target=_worker, args=(child_end, self._payload, self._name), name="rlcore-reward-worker"
+        )
+        process.start()
+        child_end.close()
+        return _Worker(process, parent_end)
+
+    def _fail_queued(self, message: str) -> None:
+        with self._lock:
+            jobs, self._queue = list(self._queue), collections.deque()
+        for job in jobs:
+            _settle(job.future, error=RewardError(f"{job.where}: {message}"))
+
+    def _run(self) -> None:
+        workers: list[_Worker] = []
+        try:
+            self._loop(workers)
+            self._fail_queued("the reward pool was closed before it was scored")
+        except BaseException as err:  # a bug here must not leave futures waiting forever
+            with self._lock:
+                self._broken = f"reward {self._name!r}: the reward pool stopped ({type(err).__name__}: {err})"
+            self._fail_queued(self._broken)
+        finally:
+            self._stop(workers)
+
+    def _stop(self, workers: list[_Worker]) -> None:
+        for w in workers:
+            if w.process.is_alive():
+                w.process.terminate()
+        deadline = time.monotonic() + _GRACE
+        for w in workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(1.0)
+            if w.job is not None:
+                _settle(w.job.future, error=RewardError(f"{w.job.where}: the reward pool was closed while scoring it"))
+            w.conn.close()
+        workers.clear()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _loop(self, workers: list[_Worker]) -> None:
+        while True:
+            started: list[_Worker] = []
+            with self._lock:
+                if self._closing:
+                    return
+                if self._broken is None:
+                    while len(workers) < self._num_workers:
+                        workers.append(self._start())
+                for w in workers:
+                    while w.ready and w.job is None and self._queue:
+                        job = self._queue.popleft()
+                        if job.future.set_running_or_notify_cancel():  # else cancelled while queued
+                            w.job = job
+                            started.append(w)
+            for w in started:
+                assert w.job is not None
+                w.job.deadline = time.monotonic() + (self._timeout if self._timeout is not None else math.inf)
+                with contextlib.suppress(OSError):  # the worker died; its sentinel reports it below
+                    w.conn.send_bytes(w.job.payload)
+            deadline = min((w.job.deadline for w in workers if w.job is not None), default=math.inf)
+            wait = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+            waitables: list[Any] = [self._wake_r]
+            for w in workers:
+                waitables += [w.process.sentinel] if w.eof else [w.conn, w.process.sentinel]
+            ready = set(multiprocessing.connection.wait(waitables, wait))
+            if self._wake_r in ready:
+                with self._lock:
+                    self._wake_r.recv_bytes()
+                    self._woken = False
+            for w in list(workers):
+                if w.conn in ready:
+                    self._receive(w)
+                if w.process.sentinel in ready and (w.eof or not w.conn.poll()):
+                    self._died(w)
+                    workers.remove(w)
+                elif w.job is not None and time.monotonic() >= w.job.deadline:
+                    self._timed_out(w)
+                    workers.remove(w)
+
+    def _receive(self, w: _Worker) -> None:
+        try:
+            kind, value = w.conn.recv()
+        except (EOFError, OSError):
+            w.eof = True  # the process ended; its sentinel reports it
+            return
+        except Exception as err:  # the reward's exception cannot be rebuilt here
+            kind, value = "raised", RewardError(f"{w.job.where if w.job else self._name}: {err}")
+        if kind == "ready":
+            w.ready = True
+        elif kind == "error":
+            with self._lock:
+                self._broken = f"reward {self._name!r} {value}"
+            self._fail_queued(f"reward {self._name!r} {value}")
+        elif w.job is not None:
+            job, w.job = w.job, None
+            if kind == "ok":
+                _settle(job.future, result=torch.tensor(value, dtype=torch.float32))
+            else:
+                _settle(job.future, error=value)
+
+    def _died(self, w: _Worker) -> None:
+        w.process.join(_GRACE)  # the sentinel can fire just before the exit status is ready
+        code = w.process.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        if w.job is not None:
+            _settle(
+                w.job.future,
+                error=RewardError(f"{w.job.where}: the reward's worker process died ({how}) while scoring it"),
+            )
+            w.job = None
+        elif not w.ready:
+            message = f"reward {self._name!r}: its worker process died at start ({how})"
+            with self._lock:
+                self._broken = message
+            self._fail_queued(message)
+        w.conn.close()
+
+    def _timed_out(self, w: _Worker) -> None:
+        job = w.job
+        assert job is not None
+        w.job = None
+        w.process.kill()
+        w.process.join(_GRACE)
+        _settle(
+            job.future,
+            error=RewardError(
+                f"{job.where} did not finish within {self._timeout:g} s (the reward timeout); "
+                "its worker process was stopped"
+            ),
+        )
+        w.conn.close()
 
 
 class RewardPool:
@@ -26,57 +303,121 @@ class RewardPool:
     ``submit`` returns at once with a future of the float32 scores ``[B]``; rule rewards
     that parse text (regexes, a sandboxed verifier) then overlap the reference and
     old-policy forward passes instead of stalling them. Workers are started with
-    ``spawn`` (safe with torch's threads); the reward is pickled once per batch, so it
-    must be a module-level function or an instance of a module-level class.
-    Errors raised in a worker come back from ``result()`` naming the reward and the batch.
+    ``spawn`` (safe with torch's threads); the reward is pickled once, when each worker
+    starts, so it must be a module-level function or an instance of a module-level class.
+
+    Failures come back from ``result()`` as :class:`rlcore.rewards.RewardError` naming
+    the reward and the batch: the reward raised, returned bad scores, ran past
+    ``timeout`` (its worker is killed and replaced), or its worker process died (it is
+    replaced). :meth:`close` never waits for a running call: it stops the workers
+    (SIGTERM, then SIGKILL after a second). Workers exit by themselves when the process
+    that owns the pool dies, even by ``kill -9`` (on Linux through the kernel's
+    parent-death signal, so also while a reward is stuck in C code); Ctrl-C is left to
+    the owning process.
 
     Args:
       reward: a :class:`rlcore.rewards.Reward` or ``BaseReward``-style object.
-      num_workers: worker processes; ``0`` scores in the calling thread (for debugging).
+      num_workers: worker processes; ``0`` scores in this process -- in the calling
+        thread without a timeout (for debugging), or in a helper thread with one (a
+        call past the timeout is abandoned, not stopped: use workers for rewards that
+        can hang).
+      timeout: seconds one batch may run (from the moment a worker takes it) before
+        ``result()`` raises; ``None`` waits for ever.
 
     Use as a context manager, or call :meth:`close`.
+
+    >>> from rlcore.rewards import LengthReward
+    >>> with RewardPool(LengthReward(max_length=2), num_workers=0, timeout=60) as pool:
+    ...     pool.submit(["q", "q"], ["ab", "abc"], batch=0).result()
+    tensor([1., 0.])
     """
 
-    def __init__(self, reward: Any, *, num_workers: int = 1):
+    def __init__(self, reward: Any, *, num_workers: int = 1, timeout: float | None = None):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers: got {num_workers!r}, expected an int >= 0")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(f"timeout: got {timeout!r}, expected a finite number of seconds > 0, or None")
+        self.reward, self.num_workers, self.timeout = reward, num_workers, timeout
+        self._name = reward_name(reward)
+        self._submitted = 0
+        self._dispatcher: _Dispatcher | None = None
+        self._closed = False
         if num_workers:
             try:
-                pickle.dumps(reward)
+                payload = pickle.dumps(reward)
             except Exception as err:
                 raise ValueError(
-                    f"reward: {reward_name(reward)!r} cannot be pickled for a worker process ({err}); "
+                    f"reward: {self._name!r} cannot be pickled for a worker process ({err}); "
                     "define it at module level, or use num_workers=0"
                 ) from err
-        self.reward = reward
-        self._executor = (
-            ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn")) if num_workers else None
-        )
+            self._dispatcher = _Dispatcher(payload, self._name, num_workers, timeout)
+            # Close at interpreter exit before multiprocessing joins its children, and when
+            # the pool is garbage-collected without close().
+            atexit.register(self._dispatcher.close)
+            weakref.finalize(self, self._dispatcher.close).atexit = False
+
+    def _where(self, batch: Any, index: int) -> str:
+        label = repr(batch) if batch is not None else f"#{index} (unnamed)"
+        return f"reward {self._name!r} on batch {label}"
 
     def submit(self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any) -> Future:
-        """Start scoring one batch; ``.result()`` is the float32 tensor ``[B]``."""
-        if self._executor is None:
-            done: Future = Future()
+        """Start scoring one batch; ``.result()`` is the float32 tensor ``[B]``.
+
+        ``batch`` (e.g. the step) names the batch in errors.
+        """
+        if self._closed:
+            raise RuntimeError("RewardPool: submit after close")
+        index, self._submitted = self._submitted, self._submitted + 1
+        where = self._where(batch, index)
+        future: Future = Future()
+        if self._dispatcher is not None:
             try:
-                done.set_result(evaluate(self.reward, prompts, responses, batch=batch, **columns))
+                payload = pickle.dumps((list(prompts), list(responses), batch, columns))
             except Exception as err:
-                done.set_exception(err)
-            return done
-        inner = self._executor.submit(_score, self.reward, list(prompts), list(responses), batch, columns)
-        outer: Future = Future()
+                raise ValueError(
+                    f"columns: {where} cannot be sent to a worker process ({type(err).__name__}: {err}); "
+                    "pass picklable values (lists of strings or numbers)"
+                ) from err
+            self._dispatcher.submit(_Job(payload, future, where))
+            return future
+        if self.timeout is None:
+            try:
+                _settle(future, result=evaluate(self.reward, prompts, responses, batch=batch, **columns))
+            except Exception as err:
+                _settle(future, error=err)
+            return future
+        return self._submit_in_thread(future, where, list(prompts), list(responses), batch, columns)
 
-        def convert(f: Future) -> None:
-            if f.cancelled():
-                outer.cancel()
-                return
-            err = f.exception()
-            if err is not None:
-                outer.set_exception(err)
-            else:
-                outer.set_result(torch.tensor(f.result(), dtype=torch.float32))
+    def _submit_in_thread(
+        self, future: Future, where: str, prompts: list[str], responses: list[str], batch: Any, columns: dict
+    ) -> Future:
+        def run() -> None:
+            try:
+                _settle(future, result=evaluate(self.reward, prompts, responses, batch=batch, **columns))
+            except Exception as err:
+                _settle(future, error=err)
 
-        inner.add_done_callback(convert)
-        return outer
+        def expire() -> None:
+            _settle(
+                future,
+                error=RewardError(
+                    f"{where} did not finish within {self.timeout:g} s (the reward timeout); "
+                    "the call was abandoned in its thread"
+                ),
+            )
+
+        threading.Thread(target=run, daemon=True, name="rlcore-reward-call").start()
+        assert self.timeout is not None
+        timer = threading.Timer(self.timeout, expire)
+        timer.daemon = True
+        timer.start()
+        future.add_done_callback(lambda _: timer.cancel())
+        return future
 
     def __call__(
         self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
@@ -84,9 +425,10 @@ class RewardPool:
         return self.submit(prompts, responses, batch=batch, **columns).result()
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        """Stop the workers without waiting for running calls; pending futures fail or are cancelled."""
+        self._closed = True
+        if self._dispatcher is not None:
+            self._dispatcher.close()
 
     def __enter__(self) -> RewardPool:
         return self

@@ -34,7 +34,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cause and exit with status 2 and 3; Ctrl-C exits with 130, leaving the last
     checkpoint loadable (SIGTERM is treated as Ctrl-C).
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Options may follow the overrides (``... rl.lr=1e-4 --resume trainer.steps=9``): argparse
+    # stops the positional list at the first option, so the rest are gathered here.
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *rest]
     signal.signal(signal.SIGTERM, _interrupt)
     from rlcore.train.config import load_config
     from rlcore.train.trainer import train

@@ -19,12 +19,14 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     data.task (addition | reversal), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
     trainer.progress, trainer.plot, trainer.threads (torch threads; 0 leaves torch's default)
+    trainer.reward_timeout                   seconds one batch's reward may run (null: no limit)
     trainer.warmup_steps, trainer.warmup_lr, trainer.warmup_batch_size   supervised warm-up first
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -102,6 +104,7 @@ class TrainerConfig:
     progress: bool = True
     plot: bool = True
     threads: int = 0
+    reward_timeout: float | None = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,8 @@ class Config:
 
 
 def _type_name(tp: Any) -> str:
+    if tp is float:
+        return "float (finite)"
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
@@ -141,11 +146,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value is None:
             return None
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         # PyYAML follows YAML 1.1, which reads exponents without a dot (1e-4) as strings.
-        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
-            return float(value)
+        numeric = isinstance(value, str) and _EXPONENT.fullmatch(value.strip())
+        if numeric or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            number = float(value)
+            # NaN would pass every range check below, and no key means anything by inf.
+            if math.isfinite(number):
+                return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -194,6 +201,8 @@ def _validate(cfg: Config) -> None:
         _positive(key, value, strict=False)
     for key in ("warmup_lr", "warmup_batch_size"):
         _positive(f"trainer.{key}", getattr(tr, key))
+    if tr.reward_timeout is not None:
+        _positive("trainer.reward_timeout", tr.reward_timeout)
     if not 0 < rl.top_p <= 1:
         raise ValueError(f"config key 'rl.top_p': got {rl.top_p!r}, expected a value in (0, 1]")
     if rl.beta is not None:
@@ -217,6 +226,56 @@ def _validate(cfg: Config) -> None:
             f"config key 'model.model_name_or_path': got {path!r}, expected a local model directory or an inline "
             "config mapping (rlcore downloads nothing; save the model locally first)"
         )
+    _check_model(cfg)
+
+
+def _hf_config(path: str | dict) -> Any:
+    """The Hugging Face config the model will be built from, or None when transformers is not installed."""
+    try:
+        import transformers  # the optional dependency the trainer builds models with
+    except ImportError:
+        return None
+    try:
+        if isinstance(path, dict):
+            fields = dict(path)
+            return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise ValueError(
+            f"config key 'model.model_name_or_path': not a valid model config ({lines[-1] if lines else type(err).__name__})"
+        ) from err
+
+
+def _longest_sequences(data: DataConfig) -> tuple[int, int]:
+    """Tokens of the longest prompt and the longest answer of the task (one token per character, see tasks.py)."""
+    if data.task == "addition":  # "a+b=" -> "c", a and b of up to `digits` digits
+        return 2 * data.digits + 2, data.digits + 1
+    return data.length + 1, data.length  # "abc>" -> "cba"
+
+
+def _check_model(cfg: Config) -> None:
+    """Refuse a model that cannot run the config: head counts that do not divide, too few positions."""
+    hf = _hf_config(cfg.model.model_name_or_path)
+    key = "config key 'model.model_name_or_path'"
+    hidden, heads = getattr(hf, "hidden_size", None), getattr(hf, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int):
+        if heads < 1 or (getattr(hf, "head_dim", None) is None and hidden % heads):
+            raise ValueError(f"{key}: num_attention_heads={heads} does not divide hidden_size={hidden}")
+        kv = getattr(hf, "num_key_value_heads", None)
+        if isinstance(kv, int) and (kv < 1 or heads % kv):
+            raise ValueError(f"{key}: num_key_value_heads={kv} does not divide num_attention_heads={heads}")
+    positions = getattr(hf, "max_position_embeddings", None)
+    if isinstance(positions, int):
+        prompt, answer = _longest_sequences(cfg.data)
+        # The warm-up and DPO sequences hold the answer, one more token and the end of sequence.
+        need = prompt + max(cfg.rl.max_new_tokens, answer + 2)
+        if need > positions:
+            raise ValueError(
+                f"config key 'rl.max_new_tokens': got {cfg.rl.max_new_tokens}; prompts of up to {prompt} tokens "
+                f"(data.task={cfg.data.task!r}) then need {need} positions, more than the model's "
+                f"max_position_embeddings={positions}"
+            )
 
 
 def parse_config(raw: Mapping[str, Any]) -> Config:
@@ -247,6 +306,8 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
     >>> apply_overrides({"rl": {"temperature": 1.0}}, ["rl.temperature=0.7", "trainer.steps=3"])
     {'rl': {'temperature': 0.7}, 'trainer': {'steps': 3}}
     """
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections (model, rl, ...)")
     out: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -275,6 +336,11 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
         raise ValueError(f"config: cannot read {str(path)!r}: {err.strerror}") from err
     except yaml.YAMLError as err:
         raise ValueError(f"config: {str(path)!r} is not valid YAML: {err}") from err
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"config: {str(path)!r} holds a {type(raw).__name__} at the top level, expected a mapping of sections "
+            "(model, rl, parallel, deploy, data, trainer)"
+        )
     return parse_config(apply_overrides(raw, overrides))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,37 @@ _BAR_KEYS = {
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a metrics JSONL file (empty if it does not exist)."""
+    """All records of a metrics JSONL file (empty if it does not exist).
+
+    A last line cut short (a run killed while appending) is dropped with a warning;
+    any other unreadable line is a ``ValueError`` naming the file and the line.
+    """
     path = Path(path)
     if not path.is_file():
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"metrics file {str(path)!r}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    records = []
+    for k, (number, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with an integer 'step'")
+        except ValueError as err:
+            if k == len(numbered) - 1:
+                warnings.warn(
+                    f"metrics file {str(path)!r}: dropped its last line {number}, cut short "
+                    f"({len(line)} characters: {line[:40]!r}...)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                break
+            raise ValueError(f"metrics file {str(path)!r}: line {number} is not a metrics record ({err})") from err
+        records.append(record)
+    return records
 
 
 class MetricsLog:
@@ -39,7 +65,8 @@ class MetricsLog:
     ):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(self.path) if resume_step is not None and r["step"] <= resume_step]
+        # A fresh run overwrites whatever an earlier run left, readable or not.
+        kept = [] if resume_step is None else [r for r in read_metrics(self.path) if r["step"] <= resume_step]
         with open(self.path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         self._bar = None

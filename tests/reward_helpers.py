@@ -1,0 +1,84 @@
+"""Rewards that hang or die, importable by worker processes (tests/ is on their path), and process probes."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+
+class StuckInC:
+    """Writes its worker's pid to ``marker``, then backtracks in ``re`` for ever: C code holding the GIL."""
+
+    name = "stuck_in_c"
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __call__(self, prompts, responses, **columns):
+        Path(self.marker).write_text(str(os.getpid()))
+        re.match(r"(a+)+$", "a" * 64 + "b")
+        return [0.0] * len(responses)
+
+
+class Sleeps:
+    """Sleeps ``seconds`` in Python when a response is ``"slow"``, then scores 1.0."""
+
+    name = "sleeps"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, prompts, responses, **columns):
+        if "slow" in responses:
+            time.sleep(self.seconds)
+        return [1.0] * len(responses)
+
+
+class DiesInWorker:
+    """Ends its process at once (as an out-of-memory kill or a segfault would) when called."""
+
+    name = "dies"
+
+    def __call__(self, prompts, responses, **columns):
+        os._exit(9)
+
+
+def count_chars(prompts, responses, **columns):
+    return [float(len(r)) for r in responses]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every living process below ``pid`` (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return {p for p in found if alive(p)}
+
+
+def wait_for(predicate, seconds: float, poll: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``seconds`` pass; returns its last value."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
