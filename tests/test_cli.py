@@ -23,6 +23,7 @@ TINY = [
     "trainer.warmup_batch_size=4",
     "trainer.threads=1",
     "deploy.async_infer=false",
+    "trainer.reward_workers=0",
 ]
 
 

@@ -36,6 +36,7 @@ TINY = [
     "trainer.progress=false",
     "trainer.threads=1",
     "deploy.async_infer=false",
+    "trainer.reward_workers=0",
 ]
 TIME_KEYS = {"step_time_s", "tokens_per_s_device"}
 

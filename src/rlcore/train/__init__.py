@@ -6,37 +6,74 @@ from rlcore's primitives.
 
 from rlcore.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
-from rlcore.train.metrics import MetricsLog, plot_curves, read_metrics
+from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
+from rlcore.train.stages import (
+    PAIR_COLUMNS,
+    PreferenceRecipe,
+    advantages_stage,
+    eval_mode,
+    logprob_stage,
+    preference_forward,
+    preference_logps,
+    preference_logps_stage,
+    recipe_counts,
+    response_logprobs,
+    response_values,
+    reward_stage,
+    rl_forward,
+    rollout_stage,
+    update_stage,
+    values_stage,
+)
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
-from rlcore.train.trainer import Run, build_algorithm, build_model, train
+from rlcore.train.trainer import Run, build_algorithm, build_model, make_generator, supervised_warmup, train
 
 __all__ = [
     "ALGOS",
-    "CHECKPOINT_NAME",
-    "TASKS",
     "Addition",
+    "CHECKPOINT_NAME",
     "CharTokenizer",
     "Config",
     "InferenceEngine",
     "MetricsLog",
+    "PAIR_COLUMNS",
+    "PreferenceRecipe",
     "Reversal",
     "Rollout",
     "Run",
+    "TASKS",
     "TorchEngine",
+    "advantages_stage",
     "apply_overrides",
     "build_algorithm",
     "build_model",
     "check_launch",
+    "eval_mode",
     "filter_logits",
     "generate",
     "left_pad",
     "load_checkpoint",
     "load_config",
+    "logprob_stage",
+    "make_generator",
     "make_task",
     "parse_config",
     "plot_curves",
+    "plot_timeline",
+    "preference_forward",
+    "preference_logps",
+    "preference_logps_stage",
     "read_metrics",
+    "recipe_counts",
+    "response_logprobs",
+    "response_values",
+    "reward_stage",
+    "rl_forward",
+    "rollout_stage",
     "save_checkpoint",
+    "supervised_warmup",
     "train",
+    "update_stage",
+    "values_stage",
 ]
