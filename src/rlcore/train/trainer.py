@@ -282,6 +282,12 @@ def _restore(checkpoint: dict[str, Any], models: _Models, opt: _Optimiser) -> in
         models.critic.load_state_dict(checkpoint["critic"])
     for o, saved in zip(opt.opts, checkpoint["optimizers"]):
         o.load_state_dict(saved)
+        # Loaded tensors may share the file's storage, which cannot be resized: the
+        # co-located swap offloads the optimiser state by resizing storages to 0.
+        for values in o.state.values():
+            for k, v in values.items():
+                if isinstance(v, torch.Tensor):
+                    values[k] = v.clone()
     if checkpoint.get("torch_rng") is not None:
         torch.set_rng_state(checkpoint["torch_rng"])
     return int(checkpoint["step"]) + 1
@@ -402,8 +408,8 @@ def _pairs_stage(task: Any, cfg: Config, rank: int) -> Stage:
 class _Steps:
     """Accumulates one step's metrics over its updates; at the step's end, the record (logged, checkpointed)."""
 
-    def __init__(self, updates: int):
-        self.updates = updates
+    def __init__(self, updates: int, start: int):
+        self.updates, self.start = updates, start
         self.lock = threading.Lock()
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.spans: list[tuple[str, str, float, float]] = []
@@ -422,8 +428,9 @@ class _Steps:
             "_tokens": mask.float().sum(),
             "_response_length": lengths.sum(),
             "_prompt_length": (b["prompt_mask"] != 0).sum().float(),
-            "_lag": (b["iteration"] - b["version"]).float().sum(),
-            "_lag_max": (b["iteration"] - b["version"]).float().max(),
+            # The scheduler counts versions from this run's first step.
+            "_lag": (b["iteration"] - self.start - b["version"]).float().sum(),
+            "_lag_max": (b["iteration"] - self.start - b["version"]).float().max(),
         }
         with self.lock:
             acc = self.sums.setdefault(step, {})
@@ -727,7 +734,7 @@ def train(
     start = _restore(checkpoint, models, opt) if checkpoint is not None else 0
     n = 1 if rl.algo == "dpo" else rl.num_rollouts
     recipe = algo or build_algorithm(cfg)
-    steps = _Steps(updates=rl.batch_size // rl.mini_batch_size)
+    steps = _Steps(updates=rl.batch_size // rl.mini_batch_size, start=start)
     log = (
         MetricsLog(
             out / "metrics.jsonl",

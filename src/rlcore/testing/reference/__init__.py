@@ -68,6 +68,7 @@ from rlcore.testing.reference.resharding import (
     unshard_ref,
 )
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
+from rlcore.testing.reference.trainer_loop import LoopRun, train_loop_ref
 from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
 from rlcore.testing.reference.shaping import (
     RunningNormalizerRef,
@@ -77,6 +78,7 @@ from rlcore.testing.reference.shaping import (
 )
 
 __all__ = [
+    "LoopRun",
     "RunningNormalizerRef",
     "TransferDockRef",
     "adaptive_kl_coefs_ref",
@@ -143,5 +145,6 @@ __all__ = [
     "unpack_ref",
     "unshard_ref",
     "value_loss_ref",
+    "train_loop_ref",
     "weighted_ref",
 ]
