@@ -69,7 +69,9 @@ def test_async_rollout_never_exceeds_the_staleness_bound(mode, tmp_path):
     assert len(lags) == 4 and max(lags) <= 1 and min(lags) >= 0
     assert [r["step"] for r in run.records] == [0, 1, 2, 3]
     assert all(r["sync_bytes"] > 0 and r["sync_s"] >= 0 for r in run.records)
-    assert any(k.startswith("bubble/") for k in run.records[-1]) and any(k.startswith("busy_s/") for k in run.records[-1])
+    assert any(k.startswith("bubble/") for k in run.records[-1]) and any(
+        k.startswith("busy_s/") for k in run.records[-1]
+    )
 
 
 def test_disaggregated_blocking_run_equals_the_colocated_one(tmp_path):
@@ -129,8 +131,9 @@ def test_worker_weights_equal_the_trainers_after_every_sync(tmp_path):
                 stage(update, inputs=["weights"], outputs=["loss"], role="update", on_iteration_end=end),
             ]
         )
-        res = run_pipeline(graph, lambda j: {"prompts": torch.zeros(2)}, num_prompts=2, num_iterations=3,
-                           collect=["weights"])
+        res = run_pipeline(
+            graph, lambda j: {"prompts": torch.zeros(2)}, num_prompts=2, num_iterations=3, collect=["weights"]
+        )
     start = torch.cat([p.detach().reshape(-1) for p in build_model_at_init(cfg, vocab).parameters()])
     expected = [start, *seen[:-1]]
     for j, b in enumerate(res.batches):
@@ -159,8 +162,14 @@ class KillsTheWorker:
 
 
 def test_killed_rollout_worker_stops_the_run_naming_the_stage(tmp_path):
-    cfg = tiny("grpo_tiny", tmp_path, "trainer.steps=6", "trainer.save_every=1", "deploy.mode=disaggregated",
-               "deploy.rollout_timeout=60")
+    cfg = tiny(
+        "grpo_tiny",
+        tmp_path,
+        "trainer.steps=6",
+        "trainer.save_every=1",
+        "deploy.mode=disaggregated",
+        "deploy.rollout_timeout=60",
+    )
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"stage 'rollout': rollout worker process exited with code -9"):
         train(cfg, reward=KillsTheWorker())
@@ -174,7 +183,11 @@ def test_resume_is_bit_exact_for_every_shipped_config(name, tmp_path):
     whole = train(tiny(name, tmp_path / "a", "trainer.steps=4"))
     train(tiny(name, tmp_path / "b", "trainer.steps=2"))
     resumed = train(tiny(name, tmp_path / "b", "trainer.steps=4"), resume=True)
-    keep = lambda r: {k: v for k, v in r.items() if not k.startswith(("busy_s/", "bubble/", "sync_s")) and k not in ("step_time_s", "tokens_per_s_device")}  # noqa: E731
+    timing = ("busy_s/", "bubble/", "sync_s", "step_time_s", "tokens_per_s_device")
+
+    def keep(r):
+        return {k: v for k, v in r.items() if not k.startswith(timing)}
+
     assert [keep(r) for r in read_metrics(tmp_path / "b" / "metrics.jsonl")] == [keep(r) for r in whole.records]
     for (k, a), b in zip(whole.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), k

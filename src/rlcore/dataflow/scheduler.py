@@ -445,20 +445,25 @@ def run_pipeline(
     ]
     for t in threads:
         t.start()
-    with cond:
-        while not core.done and state["error"] is None:
-            now = time.perf_counter() - t0
-            for tasks in core.running.values():
-                for task in tasks:
-                    limit = task.stage.timeout
-                    if limit is not None and now - task.start > limit:
-                        fail(StageTimeout(task.stage.name, task.iteration, limit))
-            cond.wait(0.05)
-        state["stop"] = True
-        cond.notify_all()
-    makespan = time.perf_counter() - t0
-    for t in threads:
-        t.join(join_timeout)
+    try:
+        with cond:
+            while not core.done and state["error"] is None:
+                now = time.perf_counter() - t0
+                for tasks in core.running.values():
+                    for task in tasks:
+                        limit = task.stage.timeout
+                        if limit is not None and now - task.start > limit:
+                            fail(StageTimeout(task.stage.name, task.iteration, limit))
+                cond.wait(0.05)
+    finally:
+        # Also on Ctrl-C / SIGTERM in this thread: workers finish their current call and
+        # exit, so the process never ends with a worker thread inside a stage.
+        with cond:
+            state["stop"] = True
+            cond.notify_all()
+        makespan = time.perf_counter() - t0
+        for t in threads:
+            t.join(join_timeout)
     if state["error"] is not None:
         raise state["error"]
     return core.result(makespan)

@@ -153,4 +153,3 @@ class WeightSync:
         record = SyncRecord(version, time.perf_counter() - t0, packet.nbytes)
         self.records.append(record)
         return record
-

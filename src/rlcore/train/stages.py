@@ -102,11 +102,11 @@ def response_logprobs(
         "input_ids": torch.cat([batch["prompts"], batch["responses"]], 1),
         "attention_mask": torch.cat([batch["prompt_mask"].long(), (batch["mask"] != 0).long()], 1),
     }
-    out = token_logprobs(apply, params, seq, temperature=temperature, with_entropy=with_entropy)
     # token_logprobs puts each value on the token it scores: the responses are the last R columns.
     if with_entropy:
-        return out[0][:, width:].float(), out[1][:, width:].float()
-    return out[:, width:].float()
+        logp, entropy = token_logprobs(apply, params, seq, temperature=temperature, with_entropy=True)
+        return logp[:, width:].float(), entropy[:, width:].float()
+    return token_logprobs(apply, params, seq, temperature=temperature)[:, width:].float()
 
 
 def response_values(critic: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -422,7 +422,9 @@ class PreferenceRecipe:
 
     def loss(self, batch: Batch, *, num_pairs: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         pc, pr = batch["chosen_logps"], batch["rejected_logps"]
-        per_pair, loss_metrics = self.dpo.loss(pc, pr, batch["ref_chosen_logps"].to(pc.dtype), batch["ref_rejected_logps"].to(pc.dtype))
+        per_pair, loss_metrics = self.dpo.loss(
+            pc, pr, batch["ref_chosen_logps"].to(pc.dtype), batch["ref_rejected_logps"].to(pc.dtype)
+        )
         loss = per_pair.sum() / (per_pair.shape[0] if num_pairs is None else num_pairs)
         metrics = {k: v.float().mean() for k, v in loss_metrics.items()}
         metrics["logps_chosen"] = pc.detach().mean()

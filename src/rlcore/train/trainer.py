@@ -384,7 +384,9 @@ def _pairs_stage(task: Any, cfg: Config, rank: int) -> Stage:
         noise = torch.randint(
             0, len(tok.alphabet), (len(prompts),), generator=make_generator(cfg.trainer.seed, rank, step, PERTURB)
         ).tolist()
-        rejected = [t if s < 1 else a + tok.alphabet[k] for t, s, a, k in zip(texts, b["scores"].tolist(), answers, noise)]
+        rejected = [
+            t if s < 1 else a + tok.alphabet[k] for t, s, a, k in zip(texts, b["scores"].tolist(), answers, noise)
+        ]
         out: dict[str, Any] = {}
         for side, responses in (("chosen", answers), ("rejected", rejected)):
             seq = _sequences(tok, prompts, responses, torch.device("cpu"))
@@ -620,7 +622,7 @@ class _Deployment:
             seconds, nbytes = self.syncs[-1]
             out.update({"sync_s": seconds, "sync_bytes": float(nbytes)})
         stats = memory_stats(self.device)
-        if stats.tracked:
+        if stats.tracked and stats.peak_allocated is not None:
             out["memory/measured_peak_bytes"] = float(stats.peak_allocated)
         return out
 
@@ -728,7 +730,9 @@ def train(
     leader = world.rank == 0
     checkpoint = load_checkpoint(out) if resume else None
     if checkpoint is None and tr.warmup_steps:
-        supervised_warmup(policy, task, cfg, process_group=world.group, rank=world.rank, progress=tr.progress and leader)
+        supervised_warmup(
+            policy, task, cfg, process_group=world.group, rank=world.rank, progress=tr.progress and leader
+        )
     models = _Models(policy, copy.deepcopy(policy).eval().requires_grad_(False), critic)
     opt = _Optimiser(models, cfg, world)
     start = _restore(checkpoint, models, opt) if checkpoint is not None else 0
@@ -808,4 +812,3 @@ def _task_options(cfg: Config) -> dict[str, Any]:
     if d.task == "addition":
         return {"digits": d.digits}
     return {"length": d.length, "min_length": d.min_length, "letters": d.letters}
-

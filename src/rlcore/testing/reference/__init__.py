@@ -68,7 +68,6 @@ from rlcore.testing.reference.resharding import (
     unshard_ref,
 )
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
-from rlcore.testing.reference.trainer_loop import LoopRun, train_loop_ref
 from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
 from rlcore.testing.reference.shaping import (
     RunningNormalizerRef,
@@ -76,6 +75,7 @@ from rlcore.testing.reference.shaping import (
     overlong_penalty_ref,
     scores_to_token_rewards_ref,
 )
+from rlcore.testing.reference.trainer_loop import LoopRun, train_loop_ref
 
 __all__ = [
     "LoopRun",
@@ -140,11 +140,11 @@ __all__ = [
     "simpo_loss_ref",
     "swap_roundtrip_ref",
     "synchronous_loop_ref",
+    "train_loop_ref",
     "transition_peak_ref",
     "truncated_is_weights_ref",
     "unpack_ref",
     "unshard_ref",
     "value_loss_ref",
-    "train_loop_ref",
     "weighted_ref",
 ]

@@ -25,7 +25,14 @@ class LoopRun(NamedTuple):
     critic: torch.nn.Module | None
 
 
-def _logprobs(model: Any, prompts: torch.Tensor, pmask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _logprobs(
+    model: Any,
+    prompts: torch.Tensor,
+    pmask: torch.Tensor,
+    responses: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from rlcore.models import token_logprobs
 
     apply, params = model
@@ -35,10 +42,16 @@ def _logprobs(model: Any, prompts: torch.Tensor, pmask: torch.Tensor, responses:
     return logp[:, width:].float(), entropy[:, width:].float()
 
 
-def _values(critic: torch.nn.Module, prompts: torch.Tensor, pmask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _values(
+    critic: torch.nn.Module, prompts: torch.Tensor, pmask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     ids, attention = torch.cat([prompts, responses], 1), torch.cat([pmask, mask.long()], 1)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    return critic(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, prompts.shape[1] - 1 : -1, 0].float()
+    return (
+        critic(input_ids=ids, attention_mask=attention, position_ids=positions)
+        .logits[:, prompts.shape[1] - 1 : -1, 0]
+        .float()
+    )
 
 
 def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
@@ -51,7 +64,15 @@ def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
     # imported here so that importing rlcore.testing does not load transformers.
     from rlcore import algos
     from rlcore.rewards import RewardPool
-    from rlcore.train import TorchEngine, build_algorithm, build_model, left_pad, make_generator, make_task, supervised_warmup
+    from rlcore.train import (
+        TorchEngine,
+        build_algorithm,
+        build_model,
+        left_pad,
+        make_generator,
+        make_task,
+        supervised_warmup,
+    )
     from rlcore.train.trainer import DATA, SAMPLING, _task_options
 
     rl, tr = cfg.rl, cfg.trainer
@@ -71,12 +92,18 @@ def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
         params += list(critic.parameters())
         opts.append(torch.optim.AdamW(critic.parameters(), lr=rl.critic_lr, weight_decay=rl.weight_decay))
     algo = build_algorithm(cfg)
+    assert isinstance(algo, algos.Algorithm), "DPO was refused above"
     from rlcore.models import from_hf
 
     policy_lm, reference_lm = from_hf(policy), from_hf(reference)
     engine = TorchEngine(
-        policy, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=rl.max_new_tokens,
-        temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
+        policy,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=rl.top_k,
     )
     rewards = RewardPool(task.reward if reward is None else reward, num_workers=0)
     n, losses = rl.num_rollouts, []
@@ -89,7 +116,9 @@ def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
         r = engine.generate(prompts, pmask, n=n, generator=make_generator(tr.seed, 0, step, SAMPLING))
         texts = [tok.decode(row) for row in r.responses.tolist()]
         repeated = [s for s in samples for _ in range(n)]
-        scores = rewards.submit([s["prompt"] for s in repeated], texts, batch=step, answers=[s["answer"] for s in repeated]).result()
+        scores = rewards.submit(
+            [s["prompt"] for s in repeated], texts, batch=step, answers=[s["answer"] for s in repeated]
+        ).result()
         mask = r.mask.float()
         for m in (policy, reference, critic):
             if m is not None:
@@ -97,18 +126,30 @@ def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
         with torch.no_grad():
             old_logp, _ = _logprobs(policy_lm, r.prompts, r.prompt_mask, r.responses, mask, rl.temperature)
             ref_logp, _ = _logprobs(reference_lm, r.prompts, r.prompt_mask, r.responses, mask, rl.temperature)
-            extra = {"old_values": _values(critic, r.prompts, r.prompt_mask, r.responses, mask)} if critic is not None else {}
+            extra = (
+                {"old_values": _values(critic, r.prompts, r.prompt_mask, r.responses, mask)}
+                if critic is not None
+                else {}
+            )
         policy.train()
         if critic is not None:
             critic.train()
-        batch = {"scores": scores.float(), "group_ids": torch.arange(rl.batch_size).repeat_interleave(n), "mask": mask,
-                 "old_logp": old_logp, "ref_logp": ref_logp, **extra}
+        batch = {
+            "scores": scores.float(),
+            "group_ids": torch.arange(rl.batch_size).repeat_interleave(n),
+            "mask": mask,
+            "old_logp": old_logp,
+            "ref_logp": ref_logp,
+            **extra,
+        }
         batch = algo.advantages(batch)
         per_update, step_losses = rl.mini_batch_size * n, []
         for start in range(0, rl.batch_size * n, per_update):
             idx = slice(start, start + per_update)
             mb = {k: v[idx] for k, v in batch.items() if k not in ("scores", "group_ids", "rewards")}
-            mb["logp"], mb["entropy"] = _logprobs(policy_lm, r.prompts[idx], r.prompt_mask[idx], r.responses[idx], mask[idx], rl.temperature)
+            mb["logp"], mb["entropy"] = _logprobs(
+                policy_lm, r.prompts[idx], r.prompt_mask[idx], r.responses[idx], mask[idx], rl.temperature
+            )
             if critic is not None:
                 mb["values"] = _values(critic, r.prompts[idx], r.prompt_mask[idx], r.responses[idx], mask[idx])
             loss, _ = algo.loss(mb, **algos.global_counts(mb["mask"]))
