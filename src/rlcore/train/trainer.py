@@ -554,6 +554,8 @@ class _Deployment:
                 threads=max(1, cfg.trainer.threads),
                 join_timeout=5.0,
             )
+            # Start-up (spawn, imports, model build) happens before the first step, not inside it.
+            self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
             sync = WeightSync(dict(policy.named_parameters()))
             worker = self.worker
             self.publish = lambda version: self._record(sync.sync(version, partial(worker.publish, version)))
