@@ -28,6 +28,7 @@ TINY = [
     "trainer.warmup_batch_size=4",
     "trainer.threads=1",
     "deploy.async_infer=false",
+    "trainer.reward_workers=0",
 ]
 
 
@@ -60,6 +61,7 @@ def test_train_then_resume_in_process(tmp_path, capsys):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]
     captured = capsys.readouterr()
     assert "done: step 1" in captured.out
+    assert "mean reward of steps 1-1" in captured.out  # the resumed run's steps, named as such
     assert "reward=" in captured.err  # the progress bar's postfix
     assert (out / "curves.png").is_file()
 
@@ -106,7 +108,7 @@ def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
         "trainer.save_every=1",
         f"trainer.output_dir={out}",
         "trainer.progress=false",
-        "deploy.async_infer=true",
+        "trainer.reward_workers=1",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 90

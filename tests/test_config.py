@@ -133,7 +133,7 @@ def test_every_error_names_the_key(raw, message):
     [
         ("parallel", "tensor_parallel", 2, r"'parallel.data_parallel' \(1\) x 'parallel.tensor_parallel' \(2\) = 2"),
         ("parallel", "pipeline_parallel", 2, r"'parallel.pipeline_parallel': got 2, expected 1 \(supported:"),
-        ("deploy", "mode", "disaggregated", r"'deploy.mode': got 'disaggregated', expected 'co-located'"),
+        ("deploy", "backend", "ray", r"'deploy.backend': got 'ray', expected 'local'"),
     ],
 )
 def test_launch_refuses_what_the_reference_trainer_cannot_run(section, key, value, message):

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlcore.dataflow import ColocatedSwitch, RolloutWorker, StageGraph, StageTimeout, colocate, run_pipeline, stage
+from rlcore.dataflow import RolloutWorker, StageGraph, StageTimeout, colocate, run_pipeline, stage
 from rlcore.dataflow.layout import decoder_layout
 from rlcore.dataflow.reshard import plan_reshard
-from rlcore.memory import TrainState, allgather_swap_plan
+from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
 
 # --------------------------------------------------------------------------- co-located
 

@@ -1,6 +1,6 @@
-"""Data movement: sequence packing, the Transfer Dock, dispatch, resharding, pipelines."""
+"""Data movement: sequence packing, the Transfer Dock, dispatch, resharding, weight sync, pipelines."""
 
-from rlcore.dataflow.deploy import ColocatedSwitch, RolloutWorker, colocate
+from rlcore.dataflow.deploy import RolloutWorker, colocate
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, shard_samples
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse
 from rlcore.dataflow.layout import (
@@ -26,9 +26,10 @@ from rlcore.dataflow.reshard import (
     reshard,
     reshard_bucket,
 )
-from rlcore.dataflow.scheduler import PipelineResult, StageTimeout, TaskRecord, run_pipeline
+from rlcore.dataflow.scheduler import PipelineResult, StageTimeout, TaskRecord, add_note, run_pipeline
 from rlcore.dataflow.simulate import LinearCost, SimReport, critical_path_bound, fit_costs, simulate
 from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, stage
+from rlcore.dataflow.weight_sync import SyncRecord, WeightPacket, WeightSync, load_into, unpack_weights
 
 __all__: list[str] = [
     "BALANCE_MODES",
@@ -37,7 +38,6 @@ __all__: list[str] = [
     "PHASES",
     "ROLES",
     "Bucket",
-    "ColocatedSwitch",
     "DockController",
     "DockHost",
     "Layout",
@@ -54,9 +54,13 @@ __all__: list[str] = [
     "Stage",
     "StageGraph",
     "StageTimeout",
+    "SyncRecord",
     "TaskRecord",
     "TransferDock",
     "Warehouse",
+    "WeightPacket",
+    "WeightSync",
+    "add_note",
     "allocate_buckets",
     "balanced_partition",
     "bucket_views",
@@ -66,6 +70,7 @@ __all__: list[str] = [
     "decoder_param_meta",
     "fit_costs",
     "infer_dp",
+    "load_into",
     "pack",
     "pack_to_budget",
     "param_meta",
@@ -79,4 +84,5 @@ __all__: list[str] = [
     "simulate",
     "stage",
     "unpack",
+    "unpack_weights",
 ]

@@ -2,17 +2,18 @@
 
 MindSpeed-RL (Feng et al., 2025, arXiv:2507.19017) runs the same stage graph either way:
 
-* **Co-located** (:func:`colocate`, :class:`ColocatedSwitch`): every device stage runs on
-  one shared device group. The scheduler keeps working in the group's current memory
-  phase while it can and switches only when nothing of that phase is runnable (see
-  :mod:`rlcore.dataflow.scheduler`); each switch runs the memory plan's AllGather-Swap
-  transition (:func:`rlcore.memory.enter_rollout` / :func:`rlcore.memory.enter_train`).
+* **Co-located** (:func:`colocate`): every device stage runs on one shared device
+  group. The scheduler keeps working in the group's current memory phase while it can
+  and switches only when nothing of that phase is runnable (see
+  :mod:`rlcore.dataflow.scheduler`); the ``switch`` hook that runs the memory plan's
+  AllGather-Swap transition lives in :mod:`rlcore.memory` (``ColocatedSwitch``), which
+  builds on this package, never the other way round.
 * **Disaggregated** (:class:`RolloutWorker`): the rollout runs in another process, fed
   micro-batches by a proxy stage; the trainer publishes new weights after each update
-  and they travel to the worker asynchronously (shared-memory tensors through a queue,
-  the transport of a one-process-per-side resharding flow), while the rollout keeps
-  generating under the staleness bound with exactly the version the scheduler stamped
-  on its rows.
+  through the weight-sync path (:class:`~rlcore.dataflow.WeightSync`: the reshard
+  plan's flat buckets, sent as shared-memory tensors through a queue), while the
+  rollout keeps generating under the staleness bound with exactly the version the
+  scheduler stamped on its rows.
 """
 
 from __future__ import annotations
@@ -22,18 +23,16 @@ import multiprocessing as std_mp
 import queue
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from rlcore.dataflow.scheduler import _note
+from rlcore.dataflow.scheduler import add_note
 from rlcore.dataflow.stages import Stage, stage
+from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
-if TYPE_CHECKING:
-    from rlcore.memory import AllGatherSwapPlan, RolloutState, TrainState
-
-__all__ = ["ColocatedSwitch", "RolloutWorker", "colocate"]
+__all__ = ["RolloutWorker", "colocate"]
 
 
 def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequence[str] = ("cpu",)) -> list[Stage]:
@@ -50,58 +49,6 @@ def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequenc
     ['device', 'cpu']
     """
     return [s if s.resource in keep else dataclasses.replace(s, resource=resource) for s in stages]
-
-
-class ColocatedSwitch:
-    """The ``switch`` hook of a co-located pipeline: AllGather-Swap between training and rollout.
-
-    ``switch(resource, src, dst)`` moving to ``"rollout"`` calls
-    :func:`~rlcore.memory.enter_rollout` (training state swapped out, inference weights
-    built bucket by bucket); moving to ``"train"`` calls
-    :func:`~rlcore.memory.enter_train` (inference weights freed, training state reloaded
-    into its own tensors). Rollout stages read :attr:`weights`.
-
-    Args:
-      state: the rank's :class:`~rlcore.memory.TrainState`, resident (phase ``"train"``).
-      plan: the :class:`~rlcore.memory.AllGatherSwapPlan`.
-
-    Attributes:
-      phase: the current phase.
-      transitions: ``(src, dst)`` of every transition run.
-    """
-
-    def __init__(self, state: TrainState, plan: AllGatherSwapPlan) -> None:
-        self.state: TrainState | RolloutState = state
-        self.plan = plan
-        self.phase = "train"
-        self.transitions: list[tuple[str, str]] = []
-
-    def __call__(self, resource: str, src: str | None, dst: str) -> None:
-        # rlcore.memory builds on rlcore.dataflow.reshard: imported here, not at module top, to avoid a cycle.
-        from rlcore.memory import RolloutState, TrainState, enter_rollout, enter_train
-
-        if dst == self.phase:
-            return
-        if dst == "rollout":
-            assert isinstance(self.state, TrainState)
-            self.state = enter_rollout(self.state, self.plan)
-        elif dst == "train":
-            assert isinstance(self.state, RolloutState)
-            self.state = enter_train(self.state, self.plan)
-        else:
-            raise ValueError(f"switch: got phase {dst!r} on resource {resource!r}, expected 'rollout' or 'train'")
-        self.transitions.append((self.phase, dst))
-        self.phase = dst
-
-    @property
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The inference weights (name -> this rank's shard), in the rollout phase."""
-        if self.phase != "rollout":
-            raise ValueError(f"weights: the switch is in phase {self.phase!r}, expected 'rollout'")
-        from rlcore.memory import RolloutState
-
-        assert isinstance(self.state, RolloutState)
-        return self.state.weights
 
 
 def _worker_main(factory: Callable[..., Any], args: tuple, threads: int, jobs: Any, weights: Any, results: Any) -> None:
@@ -121,7 +68,8 @@ def _worker_main(factory: Callable[..., Any], args: tuple, threads: int, jobs: A
         batch, want = job
         try:
             while version < want:  # weights of `want` were published before the scheduler could stamp it
-                version, params = weights.get()
+                packet = weights.get()
+                version, params = packet.version, unpack_weights(packet)
             results.put(("ok", fn(batch, params)))
         except BaseException as err:
             results.put(("error", _picklable(err)))
@@ -178,17 +126,24 @@ class RolloutWorker:
         self.published = -1
         self._ready = False
 
-    def publish(self, version: int, params: Mapping[str, torch.Tensor]) -> None:
-        """Send weights ``version`` (a copy of ``params``) to the worker; returns at once.
+    def publish(self, version: int, weights: WeightPacket | Mapping[str, torch.Tensor]) -> None:
+        """Send weights ``version`` to the worker; returns at once.
 
-        Versions go 0, 1, 2, ... with none skipped, so the worker can stop at exactly the
-        version a row is stamped with.
+        ``weights`` is a :class:`~rlcore.dataflow.WeightPacket` from
+        :meth:`WeightSync.sync <rlcore.dataflow.WeightSync.sync>` (the trainer's path), or
+        name -> tensor, which goes through a :class:`~rlcore.dataflow.WeightSync` of its
+        own. The packet's flat buckets are copied into shared memory and queued. Versions
+        go 0, 1, 2, ... with none skipped, so the worker can stop at exactly the version a
+        row is stamped with.
         """
         if version != self.published + 1:
             raise ValueError(
                 f"version: got {version}, expected {self.published + 1} (the next version after {self.published})"
             )
-        self._weights.put((version, {n: t.detach().clone() for n, t in params.items()}))
+        if not isinstance(weights, WeightPacket):
+            weights = WeightSync(weights).gather()
+        buffers = tuple(b.detach().clone().share_memory_() for b in weights.buffers)
+        self._weights.put(weights._replace(version=version, buffers=buffers))
         self.published = version
 
     def _call(self, name: str, batch: dict[str, torch.Tensor]) -> Mapping[str, Any]:
@@ -216,7 +171,7 @@ class RolloutWorker:
                     raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
                 continue
             if status == "error":
-                raise _note(value, f"raised in the rollout worker process of stage {name!r}")
+                raise add_note(value, f"raised in the rollout worker process of stage {name!r}")
             if status == "ready":
                 self._ready = True
                 if timeout is not None:

@@ -40,7 +40,7 @@ from rlcore._checks import check_positive
 from rlcore.dataflow.dock import TransferDock
 from rlcore.dataflow.stages import Stage, StageGraph
 
-__all__ = ["PipelineResult", "StageTimeout", "TaskRecord", "run_pipeline"]
+__all__ = ["PipelineResult", "StageTimeout", "TaskRecord", "add_note", "run_pipeline"]
 
 _COLLECT = "__collect__"
 Loader = Callable[[int], Mapping[str, Any]]
@@ -96,8 +96,12 @@ class _Task:
     start: float = 0.0
 
 
-def _note(err: BaseException, where: str) -> BaseException:
-    """Add a PEP 678 note saying where ``err`` happened (``add_note`` is Python 3.11+)."""
+def add_note(err: BaseException, where: str) -> BaseException:
+    """Add a PEP 678 note saying where ``err`` happened and return ``err`` (``BaseException.add_note`` is 3.11+).
+
+    >>> add_note(ValueError("bad"), "in stage 'reward'").__notes__
+    ["in stage 'reward'"]
+    """
     if hasattr(err, "add_note"):
         err.add_note(where)
     else:
@@ -201,7 +205,7 @@ class _Core:
             try:
                 dock.put(dict(columns), range(self.capacity))
             except ValueError as err:
-                raise _note(err, f"in the rows the prompt loader gave for iteration {j}") from None
+                raise add_note(err, f"in the rows the prompt loader gave for iteration {j}") from None
             self.docks[j] = dock
             self.finished[j] = set()
             for name in self.graph.names:
@@ -270,7 +274,7 @@ class _Core:
         try:
             self.docks[task.iteration].put(columns, task.rows)
         except ValueError as err:
-            raise _note(err, f"in the output of stage {s.name!r} at iteration {task.iteration}") from None
+            raise add_note(err, f"in the output of stage {s.name!r} at iteration {task.iteration}") from None
         self.left[s.name, task.iteration] -= task.rows.numel()
         return self.left[s.name, task.iteration] == 0
 
@@ -349,7 +353,7 @@ def run_pipeline(
       collect: columns to return per iteration in :attr:`PipelineResult.batches`.
       switch: ``switch(resource, from_phase, to_phase)``, called on the worker before
         the first call in a new memory phase (``from_phase`` None the first time);
-        see :class:`rlcore.dataflow.ColocatedSwitch`.
+        see :class:`rlcore.memory.ColocatedSwitch`.
       join_timeout: seconds to wait for each worker thread at the end.
 
     Returns:
@@ -422,7 +426,7 @@ def run_pipeline(
                     s.on_iteration_end(task.iteration)
             except BaseException as err:
                 with cond:
-                    fail(_note(err, f"in stage {s.name!r} at iteration {task.iteration}"))
+                    fail(add_note(err, f"in stage {s.name!r} at iteration {task.iteration}"))
                 return
             with cond:
                 try:
@@ -441,20 +445,25 @@ def run_pipeline(
     ]
     for t in threads:
         t.start()
-    with cond:
-        while not core.done and state["error"] is None:
-            now = time.perf_counter() - t0
-            for tasks in core.running.values():
-                for task in tasks:
-                    limit = task.stage.timeout
-                    if limit is not None and now - task.start > limit:
-                        fail(StageTimeout(task.stage.name, task.iteration, limit))
-            cond.wait(0.05)
-        state["stop"] = True
-        cond.notify_all()
-    makespan = time.perf_counter() - t0
-    for t in threads:
-        t.join(join_timeout)
+    try:
+        with cond:
+            while not core.done and state["error"] is None:
+                now = time.perf_counter() - t0
+                for tasks in core.running.values():
+                    for task in tasks:
+                        limit = task.stage.timeout
+                        if limit is not None and now - task.start > limit:
+                            fail(StageTimeout(task.stage.name, task.iteration, limit))
+                cond.wait(0.05)
+    finally:
+        # Also on Ctrl-C / SIGTERM in this thread: workers finish their current call and
+        # exit, so the process never ends with a worker thread inside a stage.
+        with cond:
+            state["stop"] = True
+            cond.notify_all()
+        makespan = time.perf_counter() - t0
+        for t in threads:
+            t.join(join_timeout)
     if state["error"] is not None:
         raise state["error"]
     return core.result(makespan)

@@ -1,4 +1,4 @@
-"""Memory: host<->device swap of pytrees, the per-phase memory plan, AllGather-Swap."""
+"""Memory: host<->device swap of pytrees, the per-phase memory plan, AllGather-Swap, phase transforms."""
 
 from rlcore.memory.allgather_swap import (
     AllGatherSwapPlan,
@@ -8,6 +8,7 @@ from rlcore.memory.allgather_swap import (
     enter_rollout,
     enter_train,
 )
+from rlcore.memory.phases import ColocatedSwitch, in_phase
 from rlcore.memory.plan import ORDERS, RESIDENCIES, MemoryPlan, StateGroup, Step, Transition, colocated_plan
 from rlcore.memory.swap import SwapHandle, offload, reload
 
@@ -15,6 +16,7 @@ __all__ = [
     "ORDERS",
     "RESIDENCIES",
     "AllGatherSwapPlan",
+    "ColocatedSwitch",
     "MemoryPlan",
     "RolloutState",
     "StateGroup",
@@ -26,6 +28,7 @@ __all__ = [
     "colocated_plan",
     "enter_rollout",
     "enter_train",
+    "in_phase",
     "offload",
     "reload",
 ]

@@ -13,7 +13,6 @@ from rlcore.train.checkpoint import (
     set_rng_state,
 )
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
-from rlcore.train.metrics import MetricsLog, plot_curves, read_metrics
 from rlcore.train.parallel import (
     MESH_DIMS,
     check_parallel_sizes,
@@ -22,14 +21,34 @@ from rlcore.train.parallel import (
     full_state_dict,
     parallelize,
 )
+from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
+from rlcore.train.stages import (
+    PAIR_COLUMNS,
+    PreferenceRecipe,
+    advantages_stage,
+    eval_mode,
+    logprob_stage,
+    preference_forward,
+    preference_logps,
+    preference_logps_stage,
+    recipe_counts,
+    response_logprobs,
+    response_values,
+    reward_stage,
+    rl_forward,
+    rollout_stage,
+    update_stage,
+    values_stage,
+)
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
-from rlcore.train.trainer import Run, build_algorithm, build_model, train
+from rlcore.train.trainer import Run, build_algorithm, build_model, make_generator, supervised_warmup, train
 
 __all__ = [
     "ALGOS",
     "CHECKPOINT_NAME",
     "MESH_DIMS",
+    "PAIR_COLUMNS",
     "TASKS",
     "Addition",
     "CharTokenizer",
@@ -37,10 +56,12 @@ __all__ = [
     "Config",
     "InferenceEngine",
     "MetricsLog",
+    "PreferenceRecipe",
     "Reversal",
     "Rollout",
     "Run",
     "TorchEngine",
+    "advantages_stage",
     "apply_overrides",
     "build_algorithm",
     "build_model",
@@ -48,19 +69,35 @@ __all__ = [
     "check_parallel_sizes",
     "clip_grad_norm",
     "device_mesh",
+    "eval_mode",
     "filter_logits",
     "full_state_dict",
     "generate",
     "left_pad",
     "load_checkpoint",
     "load_config",
+    "logprob_stage",
+    "make_generator",
     "make_task",
     "parallelize",
     "parse_config",
     "plot_curves",
+    "plot_timeline",
+    "preference_forward",
+    "preference_logps",
+    "preference_logps_stage",
     "read_metrics",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
+    "recipe_counts",
+    "response_logprobs",
+    "response_values",
+    "reward_stage",
+    "rl_forward",
+    "rollout_stage",
+    "supervised_warmup",
     "train",
+    "update_stage",
+    "values_stage",
 ]

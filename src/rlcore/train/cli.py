@@ -60,9 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if records and cfg.trainer.progress and os.environ.get("RANK", "0") == "0":
         k = max(1, len(records) // 10)
-        first, last = (sum(r["reward"] for r in part) / len(part) for part in (records[:k], records[-k:]))
+        head, tail = records[:k], records[-k:]
+        first, last = (sum(r["reward"] for r in part) / len(part) for part in (head, tail))
+        # After a resume the records start at the checkpoint's step: name the steps, not "the first k".
+        span = lambda part: f"steps {part[0]['step']}-{part[-1]['step']}"  # noqa: E731
         print(
-            f"done: step {records[-1]['step']}; mean reward of the first {k} steps {first:.3f}, "
-            f"of the last {k} steps {last:.3f}; metrics, curves.png and checkpoint in {cfg.trainer.output_dir}"
+            f"done: step {records[-1]['step']}; mean reward of {span(head)} {first:.3f}, "
+            f"of {span(tail)} {last:.3f}; metrics, curves.png, timeline.png and checkpoint in {cfg.trainer.output_dir}"
         )
     return 0

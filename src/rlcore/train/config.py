@@ -15,11 +15,18 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     rl.top_p, rl.top_k, rl.max_new_tokens    sampling controls of the rollout
     rl.beta                                  KL coefficient (DPO's beta for algo dpo); unset: the recipe's
     rl.lr, rl.critic_lr, rl.weight_decay, rl.grad_clip, rl.epochs    optimisation (AdamW)
-    deploy.async_infer                       score rewards in worker processes while the forward passes run
+    deploy.mode                              co-located (one device group, AllGather-Swap between phases) or
+                                             disaggregated (rollout in its own process, weights synced to it)
+    deploy.async_infer                       the next iterations' rollout overlaps the current update
+    deploy.staleness                         with async_infer: how many versions a rollout may lag (default 1)
+    deploy.backend                           local (torch.multiprocessing) or ray
+    deploy.rollout_timeout                   seconds one rollout call may take before the run stops (0: none)
     data.task (addition | reversal), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
     trainer.progress, trainer.plot, trainer.threads (torch threads; 0 leaves torch's default)
     trainer.reward_timeout                   seconds one batch's reward may run (null: no limit)
+    trainer.reward_workers                   reward worker processes (0: score in the trainer's process)
+    trainer.timeline_iterations              iterations shown in the output directory's timeline.png
     trainer.warmup_steps, trainer.warmup_lr, trainer.warmup_batch_size   supervised warm-up first
 """
 
@@ -80,6 +87,9 @@ class ParallelConfig:
 class DeployConfig:
     mode: Literal["co-located", "disaggregated"] = "co-located"
     async_infer: bool = False
+    staleness: int = 1
+    backend: Literal["local", "ray"] = "local"
+    rollout_timeout: float = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +115,7 @@ class TrainerConfig:
     plot: bool = True
     threads: int = 0
     reward_timeout: float | None = 300.0
+    timeline_iterations: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +207,9 @@ def _validate(cfg: Config) -> None:
         ("trainer.save_every", tr.save_every),
         ("trainer.reward_workers", tr.reward_workers),
         ("trainer.threads", tr.threads),
+        ("trainer.timeline_iterations", tr.timeline_iterations),
+        ("deploy.staleness", cfg.deploy.staleness),
+        ("deploy.rollout_timeout", cfg.deploy.rollout_timeout),
         ("trainer.steps", tr.steps),
     ):
         _positive(key, value, strict=False)
@@ -362,8 +376,8 @@ def check_launch(cfg: Config, world_size: int) -> None:
             f"config key 'rl.num_rollouts': got {cfg.rl.num_rollouts}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt)"
         )
-    if cfg.deploy.mode == "disaggregated":
+    if cfg.deploy.backend == "ray":
         raise ValueError(
-            "config key 'deploy.mode': got 'disaggregated', expected 'co-located' for the built-in engine "
-            "(pass an InferenceEngine to rlcore.train.train for a separate inference fleet)"
+            "config key 'deploy.backend': got 'ray', expected 'local' (the reference trainer runs its rollout "
+            "worker with torch.multiprocessing; rlcore.dataflow.RayTransferDock serves a Ray fleet in your own loop)"
         )

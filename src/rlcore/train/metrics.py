@@ -1,14 +1,15 @@
-"""Run metrics: JSONL lines, a tqdm progress bar, and a PNG of the reward and KL curves."""
+"""Run metrics: JSONL lines, a tqdm progress bar, a PNG of the reward and KL curves, and a Gantt timeline PNG."""
 
 from __future__ import annotations
 
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "plot_curves", "read_metrics"]
+__all__ = ["MetricsLog", "plot_curves", "plot_timeline", "read_metrics"]
 
 _BAR_KEYS = {
     "reward": "reward",
@@ -16,6 +17,7 @@ _BAR_KEYS = {
     "entropy": "ent",
     "response_length": "len",
     "tokens_per_s_device": "tok/s/dev",
+    "policy_lag": "lag",
 }
 
 
@@ -107,6 +109,46 @@ def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     axes[1].set_title("KL to the reference policy")
     fig.tight_layout()
     path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_timeline(tasks: Sequence[Any], path: str | os.PathLike, *, last: int = 4, offset: int = 0) -> Path:
+    """Save a Gantt chart of the last ``last`` iterations: one row per stage, one bar per call, coloured by iteration.
+
+    Args:
+      tasks: the pipeline's :class:`rlcore.dataflow.TaskRecord` s (``stage``, ``resource``,
+        ``iteration``, ``start``, ``end``).
+      path: the PNG to write.
+      last: how many of the final iterations to show.
+      offset: added to iteration numbers in the legend (the first step of a resumed run).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    shown = sorted({t.iteration for t in tasks})[-max(1, last) :]
+    keep = [t for t in tasks if t.iteration in shown]
+    rows = list(dict.fromkeys(f"{t.resource}: {t.stage}" for t in sorted(keep, key=lambda t: t.start)))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
+    colours = plt.get_cmap("tab10")
+    t0 = min((t.start for t in keep), default=0.0)
+    for t in keep:
+        y = rows.index(f"{t.resource}: {t.stage}")
+        c = colours(shown.index(t.iteration) % 10)
+        ax.barh(y, t.end - t.start, left=t.start - t0, color=c, edgecolor="black", linewidth=0.3)
+    for k, it in enumerate(shown):
+        ax.barh(0, 0, color=colours(k % 10), label=f"step {it + offset}")
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title("pipeline timeline (bars: stage calls; gaps: idle)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -1,30 +1,45 @@
-"""The reference trainer: rlcore's pieces assembled into an RL loop you can read in one sitting.
+"""The reference trainer: rlcore's stages assembled into a pipeline over the Transfer Dock.
 
-One step, for the policy-gradient algorithms (``rl.algo`` = grpo, dapo, ppo, ...)::
+One RL step is a :class:`rlcore.dataflow.StageGraph` of the stages in
+:mod:`rlcore.train.stages`, run by :func:`rlcore.dataflow.run_pipeline`::
 
-    prompts   = task.sample(...)                          # on-the-fly verifiable task
-    rollout   = engine.generate(prompts, n=num_rollouts)  # KV-cached sampling
-    scores    = rewards.submit(prompts, responses)        # process pool, overlaps the next two lines
-    old_logp  = logprobs(policy, rollout)                 # rlcore.models.token_logprobs: packed, padding-free
-    ref_logp  = logprobs(reference, rollout)
-    batch     = algo.advantages(batch)                    # rlcore.algos recipe: shaping + estimator
-    for mini-batch: loss = algo.loss(mb, **global_counts) -> backward -> all-reduce -> optimiser step
+    loader(step)      -> prompts, prompt_mask, answers, group, iteration   (the task, seeded per step)
+    rollout           -> responses, mask, version     (in-process engine, or a worker process)
+    reward            -> scores                       (RewardPool; CPU resource, overlaps the forwards)
+    old_logp          -> old_logp, entropy            (policy, eval mode)
+    ref_logp          -> ref_logp                     (reference, eval mode)
+    old_values        -> old_values                   (critic, PPO)
+    advantages        -> advantages, loss_mask (+ returns)   (the recipe, whole groups)
+    update            -> loss    forward -> algo.loss(batch, **counts) -> backward -> optimiser step
 
-and for ``dpo`` the step scores (correct answer, sampled answer) pairs with
-:func:`rlcore.algos.dpo`. Nothing here is a framework: copy the file and change the loop.
-Data parallelism (``torchrun``) splits the prompts; the loss is normalised by global
-token / sequence counts, so summing gradients over ranks gives exactly the gradient of
-the global batch and the parameters stay identical on every rank.
+DPO replaces the scoring stages after the reward by ``pairs`` (chosen / rejected
+sequences) and ``ref_pair_logps``, and runs the same update stage with the preference
+recipe. The deployment (``deploy.*``) decides only how the pieces are placed:
+
+* ``co-located``: one device resource; every switch to the rollout phase runs the
+  memory plan's AllGather-Swap (:class:`rlcore.memory.ColocatedSwitch`): optimiser
+  state, gradients and training weights are offloaded and the engine's weights are
+  built bucket by bucket; the predicted peak of each phase is logged.
+* ``disaggregated``: the rollout runs in a :class:`rlcore.dataflow.RolloutWorker`
+  process, receiving weights through :class:`rlcore.dataflow.WeightSync`.
+* ``async_infer``: the rollout of the next iterations overlaps the current update, up
+  to ``deploy.staleness`` versions behind; otherwise the pipeline is blocking with
+  staleness 0, which is exactly the synchronous loop
+  (:func:`rlcore.testing.reference.train_loop_ref`).
+
+Nothing here is a framework: copy the file and change the assembly.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -34,17 +49,43 @@ import torch
 import torch.distributed as dist
 
 from rlcore import algos
-from rlcore.device import collective_backend, get_device
-from rlcore.models import HFCausalLM, from_hf, token_logprobs
-from rlcore.ops import masked_mean
+from rlcore.dataflow import (
+    RolloutWorker,
+    Stage,
+    StageGraph,
+    WeightSync,
+    decoder_layout,
+    param_meta,
+    plan_reshard,
+    run_pipeline,
+    stage,
+    unpack_weights,
+)
+from rlcore.device import collective_backend, get_device, memory_stats
+from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
+from rlcore.models import from_hf, token_logprobs
+from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool
 from rlcore.train.checkpoint import load_checkpoint, save_checkpoint
 from rlcore.train.config import Config, check_launch
-from rlcore.train.metrics import MetricsLog, plot_curves, read_metrics
-from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, left_pad
+from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
+from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
+from rlcore.train.stages import (
+    PAIR_COLUMNS,
+    PreferenceRecipe,
+    advantages_stage,
+    logprob_stage,
+    preference_forward,
+    preference_logps_stage,
+    reward_stage,
+    rl_forward,
+    rollout_stage,
+    update_stage,
+    values_stage,
+)
 from rlcore.train.tasks import make_task
 
-__all__ = ["Run", "build_algorithm", "build_model", "train"]
+__all__ = ["Run", "build_algorithm", "build_model", "make_generator", "supervised_warmup", "train"]
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -54,6 +95,9 @@ _DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+# Random streams, one per (phase, step, rank): the task's prompts, the warm-up's, the
+# rollout's sampling, DPO's perturbed answers.
+DATA, WARMUP, SAMPLING, PERTURB = 0, 1, 2, 3
 
 
 class Run(NamedTuple):
@@ -120,17 +164,37 @@ def build_algorithm(cfg: Config) -> algos.Algorithm | algos.DPO:
     return algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
 
 
+def make_generator(seed: int, rank: int, step: int, phase: int) -> torch.Generator:
+    """The random stream of one (phase, step, rank): a resumed run replays data and sampling noise exactly."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + phase) * 1_000_003 + step) * 1_009 + rank)
+
+
 class _World:
-    """This process's place in the data-parallel group (a single process when not launched by torchrun)."""
+    """This process's place in the data-parallel group (a single process when not launched by torchrun).
+
+    The one place gradients cross ranks (:meth:`sum_grads`): FSDP2 replaces it.
+    """
 
     def __init__(self, device: torch.device):
         self.size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.group = None
+        self.owns_group = False
         if self.size > 1:
             if not dist.is_initialized():
                 dist.init_process_group(collective_backend(device))
             self.group = dist.group.WORLD
+
+    def local_group(self) -> None:
+        """A one-rank gloo group for the co-located swap's reshard when not launched by torchrun."""
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self.owns_group = True
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
 
     def sum_grads(self, params: Sequence[torch.Tensor]) -> None:
         # Losses are normalised by global counts, so the global gradient is the sum.
@@ -140,7 +204,7 @@ class _World:
                     dist.all_reduce(p.grad, group=self.group)
 
     def mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        stacked = torch.stack([v.detach().float() for v in values.values()])
+        stacked = torch.stack([torch.as_tensor(v).detach().float() for v in values.values()])
         if self.group is not None:
             dist.all_reduce(stacked, group=self.group)
             stacked /= self.size
@@ -152,43 +216,84 @@ class _World:
                 dist.broadcast(p.data, 0, group=self.group)
 
 
-def _generator(seed: int, rank: int, step: int, phase: int) -> torch.Generator:
-    # Each (phase, step, rank) gets its own stream, so a resumed run replays the data
-    # and the sampling noise of an uninterrupted one exactly.
-    return torch.Generator().manual_seed(((seed * 1_000_003 + phase) * 1_000_003 + step) * 1_009 + rank)
+class _Models(NamedTuple):
+    policy: torch.nn.Module
+    reference: torch.nn.Module
+    critic: torch.nn.Module | None
 
 
-def _forward(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+class _Optimiser:
+    """Backward, the data-parallel gradient sum, clipping and the optimiser steps: the update stage's ``step``."""
+
+    def __init__(self, models: _Models, cfg: Config, world: _World):
+        rl = cfg.rl
+        self.params = list(models.policy.parameters())
+        self.opts = [torch.optim.AdamW(self.params, lr=rl.lr, weight_decay=rl.weight_decay)]
+        if models.critic is not None:
+            self.params += list(models.critic.parameters())
+            self.opts.append(
+                torch.optim.AdamW(models.critic.parameters(), lr=rl.critic_lr, weight_decay=rl.weight_decay)
+            )
+        self.world, self.grad_clip = world, rl.grad_clip
+
+    def __call__(self, loss: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+        step = int(rows["iteration"][0])
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.world.group is not None:
+            dist.all_reduce(bad, group=self.world.group)
+        if bad.item() > 0:  # sync-ok: the trainer stops the run on a non-finite loss, before any update
+            raise FloatingPointError(
+                f"step {step}: the loss is not finite ({loss.item()}); stopped before the optimiser step, "
+                "the last checkpoint is untouched"
+            )
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.world.sum_grads(self.params)
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        for opt in self.opts:
+            opt.step()
 
 
-# A causal LM as rlcore.models.from_hf gives it: the packed forward and its parameters.
-_LM = tuple[HFCausalLM, dict[str, torch.Tensor]]
+# --- checkpoints: the one place the run's state is saved and restored -------------------------
 
 
-def _logprobs(model: _LM, r: Rollout, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies ``[N, R]`` of the response tokens under ``model`` (one packed forward pass).
-
-    The padding-free path: pack the real prompt + response tokens into one row, run the
-    backbone with packed attention, and score them with the fused hidden x lm_head
-    kernel (the ``[N, T, V]`` logits are never built). Padding scores 0.
-    """
-    apply, params = model
-    batch = {
-        "input_ids": torch.cat([r.prompts, r.responses], 1),
-        "attention_mask": torch.cat([r.prompt_mask, r.mask], 1),
-    }
-    logp, entropy = token_logprobs(apply, params, batch, temperature=temperature, with_entropy=True)
-    # token_logprobs puts each value on the token it scores: the responses are the last R columns.
-    width = r.prompts.shape[1]
-    return logp[:, width:].float(), entropy[:, width:].float()
+def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config) -> None:
+    save_checkpoint(
+        out,
+        {
+            "step": step,
+            "policy": models.policy.state_dict(),
+            "reference": models.reference.state_dict(),
+            "critic": models.critic.state_dict() if models.critic is not None else None,
+            "optimizers": [o.state_dict() for o in opt.opts],
+            # The global stream: the update's dropout (critic) draws from it.
+            "torch_rng": torch.get_rng_state(),
+            "config": cfg.to_dict(),
+        },
+    )
 
 
-def _values(critic: torch.nn.Module, r: Rollout) -> torch.Tensor:
-    """Critic values ``[N, R]`` of the states before each response token."""
-    out = _forward(critic, torch.cat([r.prompts, r.responses], 1), torch.cat([r.prompt_mask, r.mask], 1))
-    return out[:, r.prompts.shape[1] - 1 : -1, 0].float()
+def _restore(checkpoint: dict[str, Any], models: _Models, opt: _Optimiser) -> int:
+    models.policy.load_state_dict(checkpoint["policy"])
+    models.reference.load_state_dict(checkpoint["reference"])
+    if models.critic is not None:
+        models.critic.load_state_dict(checkpoint["critic"])
+    for o, saved in zip(opt.opts, checkpoint["optimizers"]):
+        o.load_state_dict(saved)
+        # Loaded tensors may share the file's storage, which cannot be resized: the
+        # co-located swap offloads the optimiser state by resizing storages to 0.
+        for values in o.state.values():
+            for k, v in values.items():
+                if isinstance(v, torch.Tensor):
+                    values[k] = v.clone()
+    if checkpoint.get("torch_rng") is not None:
+        torch.set_rng_state(checkpoint["torch_rng"])
+    return int(checkpoint["step"]) + 1
+
+
+# --- the supervised warm-up ------------------------------------------------------------------
 
 
 def _sequences(tok: Any, prompts: list[str], responses: list[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -204,160 +309,390 @@ def _sequences(tok: Any, prompts: list[str], responses: list[str], device: torch
     return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "mask": scored.to(device)}
 
 
-def _warmup(policy: torch.nn.Module, task: Any, cfg: Config, world: _World, device: torch.device) -> None:
+def supervised_warmup(
+    policy: torch.nn.Module, task: Any, cfg: Config, *, process_group: Any = None, rank: int = 0, progress: bool = False
+) -> None:
     """Supervised warm-up on the task's reference answers (token-mean cross-entropy over the response)."""
     tr = cfg.trainer
     params = [p for p in policy.parameters() if p.requires_grad]
     apply, named = from_hf(policy)
     opt = torch.optim.AdamW(params, lr=tr.warmup_lr, weight_decay=cfg.rl.weight_decay)
-    per_rank = tr.warmup_batch_size
+    device = params[0].device
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=tr.warmup_steps, desc="warm-up", dynamic_ncols=True)
     policy.train()
-    for step in range(tr.warmup_steps):
-        samples = task.sample(per_rank, _generator(tr.seed, world.rank, step, phase=1))
-        seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
-        logp = token_logprobs(apply, named, seq)  # aligned with the token it scores, like seq["mask"]
-        mask = seq["mask"]
-        counts = algos.global_counts(mask, process_group=world.group)
-        loss = algos.aggregate(-logp, mask, mode="token-mean", num_tokens=counts["num_tokens"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        world.sum_grads(params)
-        torch.nn.utils.clip_grad_norm_(params, cfg.rl.grad_clip or math.inf)
-        opt.step()
+    try:
+        for step in range(tr.warmup_steps):
+            samples = task.sample(tr.warmup_batch_size, make_generator(tr.seed, rank, step, WARMUP))
+            seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
+            logp = token_logprobs(apply, named, seq)  # aligned with the token it scores, like seq["mask"]
+            mask = seq["mask"]
+            counts = algos.global_counts(mask, process_group=process_group)
+            loss = algos.aggregate(-logp, mask, mode="token-mean", num_tokens=counts["num_tokens"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if process_group is not None:
+                for p in params:
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=process_group)
+            torch.nn.utils.clip_grad_norm_(params, cfg.rl.grad_clip or math.inf)
+            opt.step()
+            if bar is not None:
+                bar.set_postfix({"loss": f"{loss.item():.3g}"}, refresh=False)  # sync-ok: progress display
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
-def _check_finite(loss: torch.Tensor, step: int, world: _World) -> None:
-    bad = (~torch.isfinite(loss.detach())).float()
-    if world.group is not None:
-        dist.all_reduce(bad, group=world.group)
-    if bad.item() > 0:  # sync-ok: the trainer stops the run on a non-finite loss, before any update
-        raise FloatingPointError(
-            f"step {step}: the loss is not finite ({loss.item()}); stopped before the optimiser step, "
-            "the last checkpoint is untouched"
+# --- the prompt loader and the DPO pairs ------------------------------------------------------
+
+
+def _loader(task: Any, cfg: Config, rank: int, start: int, n: int) -> Callable[[int], dict[str, Any]]:
+    """Pipeline iteration ``i`` -> the source columns of step ``start + i``: each prompt repeated ``n`` times."""
+    tok = task.tokenizer
+
+    def load(i: int) -> dict[str, Any]:
+        step = start + i
+        samples = task.sample(cfg.rl.batch_size, make_generator(cfg.trainer.seed, rank, step, DATA))
+        prompts, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
+        rows = len(samples) * n
+        return {
+            "prompts": prompts.repeat_interleave(n, 0),
+            "prompt_mask": pmask.repeat_interleave(n, 0),
+            "answers": [torch.tensor(tok.encode(s["answer"])) for s in samples for _ in range(n)],
+            "group": torch.arange(len(samples)).repeat_interleave(n),
+            "iteration": torch.full((rows,), step, dtype=torch.int64),
+        }
+
+    return load
+
+
+def _pairs_stage(task: Any, cfg: Config, rank: int) -> Stage:
+    """(reference answer, sampled answer) pairs; a correct sample is replaced by the answer plus a random letter."""
+    tok = task.tokenizer
+
+    def pairs(b: dict[str, torch.Tensor]) -> dict[str, Any]:
+        step = int(b["iteration"][0])
+        keep = [(row, m != 0) for row, m in zip(b["prompts"], b["prompt_mask"])]
+        prompts = [tok.decode(row[k].tolist()) for row, k in keep]
+        answers = [tok.decode(row[k].tolist()) for row, k in zip(b["answers"], b["answers_mask"])]
+        texts = [tok.decode(row[m != 0].tolist()) for row, m in zip(b["responses"], b["mask"])]
+        noise = torch.randint(
+            0, len(tok.alphabet), (len(prompts),), generator=make_generator(cfg.trainer.seed, rank, step, PERTURB)
+        ).tolist()
+        rejected = [
+            t if s < 1 else a + tok.alphabet[k] for t, s, a, k in zip(texts, b["scores"].tolist(), answers, noise)
+        ]
+        out: dict[str, Any] = {}
+        for side, responses in (("chosen", answers), ("rejected", rejected)):
+            seq = _sequences(tok, prompts, responses, torch.device("cpu"))
+            lengths = seq["attention_mask"].sum(-1).tolist()
+            for k, v in seq.items():
+                out[f"{side}_{k}"] = [row[:n] for row, n in zip(v, lengths)]
+        return out
+
+    return stage(
+        pairs,
+        inputs=["prompts", "prompt_mask", "answers", "responses", "mask", "scores", "iteration"],
+        outputs=list(PAIR_COLUMNS),
+        name="pairs",
+        resource="cpu",
+    )
+
+
+# --- per-step metrics and the timeline -------------------------------------------------------
+
+
+class _Steps:
+    """Accumulates one step's metrics over its updates; at the step's end, the record (logged, checkpointed)."""
+
+    def __init__(self, updates: int, start: int):
+        self.updates, self.start = updates, start
+        self.lock = threading.Lock()
+        self.sums: dict[int, dict[str, torch.Tensor]] = {}
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.last_end = time.perf_counter()
+
+    def on_metrics(self, b: dict[str, torch.Tensor], loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+        step = int(b["iteration"][0])
+        mask = b["mask"]
+        lengths = (mask != 0).sum(-1).float()
+        stats = {
+            **{k: v.detach().float() / self.updates for k, v in {"loss": loss, **metrics}.items()},
+            "_reward": b["scores"].float().sum(),
+            "_rows": torch.tensor(float(mask.shape[0])),
+            "_kl": masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask),
+            "_entropy": masked_sum(b["entropy"], mask),
+            "_tokens": mask.float().sum(),
+            "_response_length": lengths.sum(),
+            "_prompt_length": (b["prompt_mask"] != 0).sum().float(),
+            # The scheduler counts versions from this run's first step.
+            "_lag": (b["iteration"] - self.start - b["version"]).float().sum(),
+            "_lag_max": (b["iteration"] - self.start - b["version"]).float().max(),
+        }
+        with self.lock:
+            acc = self.sums.setdefault(step, {})
+            for k, v in stats.items():
+                if k == "_lag_max":
+                    acc[k] = torch.maximum(acc[k], v) if k in acc else v
+                else:
+                    acc[k] = acc[k] + v if k in acc else v
+
+    def timed(self, s: Stage) -> Stage:
+        fn = s.fn
+
+        def run(b: dict[str, torch.Tensor]) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(b)
+            finally:
+                with self.lock:
+                    self.spans.append((s.name, s.resource, t0, time.perf_counter()))
+
+        return dataclasses.replace(s, fn=run)
+
+    def local(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The step's metrics to average over ranks, and its timing (busy seconds per stage, idle fraction per resource)."""
+        with self.lock:
+            acc = self.sums.pop(step)
+            now = time.perf_counter()
+            window = max(now - self.last_end, 1e-9)
+            spans = [(n, r, max(a, self.last_end), min(b, now)) for n, r, a, b in self.spans if b > self.last_end]
+            self.spans = [sp for sp in self.spans if sp[3] > now]
+            self.last_end = now
+        rows = acc.pop("_rows")
+        tokens = acc.pop("_tokens")
+        out = {k: v for k, v in acc.items() if not k.startswith("_")}
+        out.update(
+            reward=acc["_reward"] / rows,  # the task reward, before any shaping
+            # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot.
+            kl=acc["_kl"] / tokens,
+            entropy=acc["_entropy"] / tokens,
+            response_length=acc["_response_length"] / rows,
+            prompt_length=acc["_prompt_length"] / rows,
+            policy_lag=acc["_lag"] / rows,
+            policy_lag_max=acc["_lag_max"],
         )
+        timing: dict[str, float] = {"step_time_s": window}
+        busy: dict[str, float] = {}
+        for name, resource, a, b in spans:
+            timing[f"busy_s/{name}"] = timing.get(f"busy_s/{name}", 0.0) + (b - a)
+            busy[resource] = busy.get(resource, 0.0) + (b - a)
+        for resource, seconds in busy.items():
+            timing[f"bubble/{resource}"] = max(0.0, 1.0 - seconds / window)
+        return out, timing
 
 
-def _optimise(
-    loss: torch.Tensor,
-    step: int,
-    params: list[torch.Tensor],
-    opts: list[torch.optim.Optimizer],
+# --- deployment -------------------------------------------------------------------------------
+
+
+def _serve_rollout(cfg_dict: dict[str, Any], vocab_size: int, rank: int) -> Callable[..., dict[str, torch.Tensor]]:
+    """Runs in the rollout worker process: an engine on a model of the config, loaded with each weights version."""
+    from rlcore.train.config import parse_config
+
+    cfg = parse_config(cfg_dict)
+    model = build_model(cfg, vocab_size).eval()
+    engine = _engine(cfg, model, make_task(cfg.data.task, **_task_options(cfg)).tokenizer)
+    params = dict(model.named_parameters())
+    loaded: list[Any] = [None]
+
+    def generate(batch: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if loaded[0] is not weights:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(weights[name])
+            loaded[0] = weights
+        g = make_generator(cfg.trainer.seed, rank, int(batch["iteration"][0]), SAMPLING)
+        r = engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=g)
+        return {"responses": r.responses, "mask": r.mask.float(), "version": batch["policy_version"].clone()}
+
+    return generate
+
+
+def _engine(cfg: Config, model: torch.nn.Module, tok: Any) -> TorchEngine:
+    rl = cfg.rl
+    return TorchEngine(
+        model,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=rl.top_k,
+    )
+
+
+class _Deployment:
+    """Where the rollout runs and how weights reach it: the pipeline's rollout stage, switch hook and sync."""
+
+    def __init__(
+        self, cfg: Config, models: _Models, opt: _Optimiser, world: _World, task: Any, engine: InferenceEngine | None
+    ):
+        self.cfg, self.world = cfg, world
+        self.worker: RolloutWorker | None = None
+        self.switch: Callable[[str, str | None, str], None] | None = None
+        self.syncs: list[tuple[float, int]] = []
+        self.memory: dict[str, float] = {}
+        self.device = next(models.policy.parameters()).device
+        policy = models.policy
+        sampling = partial(self._generator, cfg.trainer.seed, world.rank)
+        timeout = cfg.deploy.rollout_timeout or None
+        if engine is not None:  # a user's engine: weights after every update, through the sync path
+            sync = WeightSync(dict(policy.named_parameters()))
+            self.publish = lambda version: self._record(
+                sync.sync(version, lambda p: engine.load_weights(unpack_weights(p)))
+            )
+            self.rollout = rollout_stage(engine, generator=sampling, timeout=timeout)
+        elif cfg.deploy.mode == "disaggregated":
+            self.worker = RolloutWorker(
+                _serve_rollout,
+                args=(cfg.to_dict(), task.tokenizer.vocab_size, world.rank),
+                threads=max(1, cfg.trainer.threads),
+                join_timeout=5.0,
+            )
+            # Start-up (spawn, imports, model build) happens before the first step, not inside it.
+            self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
+            sync = WeightSync(dict(policy.named_parameters()))
+            worker = self.worker
+            self.publish = lambda version: self._record(sync.sync(version, partial(worker.publish, version)))
+            self.publish(0)
+            self.rollout = worker.stage(
+                inputs=["prompts", "prompt_mask", "iteration"],
+                outputs=["responses", "mask", "version"],
+                resource="rollout",
+                timeout=timeout,
+            )
+        else:  # co-located: the engine's weights are built by the AllGather-Swap at each switch to rollout
+            infer = copy.deepcopy(policy).eval().requires_grad_(False)
+            engine_params = dict(infer.named_parameters())
+            for p in engine_params.values():
+                p.data = p.data.new_empty(0)  # bound to the inference buckets at each switch
+            world.local_group()
+            named = dict(policy.named_parameters())
+            layout = decoder_layout(param_meta(named), dp=dist.get_world_size())
+            plan = allgather_swap_plan(
+                plan_reshard(param_meta(named), layout, layout),
+                mesh=None,
+                device=next(policy.parameters()).device,
+                rank=dist.get_rank(),
+            )
+            state = TrainState(named)
+
+            def bind(weights: dict[str, torch.Tensor]) -> None:
+                for name, p in engine_params.items():
+                    p.data = weights[name]
+
+            swap = ColocatedSwitch(state, plan, on_rollout=bind)
+            peak = {
+                "rollout": plan.memory.transition("train", "rollout").peak_bytes,
+                "train": plan.memory.transition("rollout", "train").peak_bytes,
+            }
+            self.memory = {f"memory/predicted_peak_{k}_bytes": float(v) for k, v in peak.items()}
+
+            def switch(resource: str, src: str | None, dst: str) -> None:
+                if dst == "rollout":
+                    # The optimiser creates grads and its state lazily: the swap takes the current tensors.
+                    state.grads = [p.grad for p in policy.parameters()]
+                    state.optimizer = list(opt.opts[0].state.values())
+                    t0 = time.perf_counter()
+                    swap(resource, src, dst)
+                    self._record_sync(time.perf_counter() - t0, sum(b.nbytes for b in plan.reshard.buckets))
+                else:
+                    swap(resource, src, dst)
+
+            self.switch = switch
+            self.publish = lambda version: None
+            self.rollout = rollout_stage(_engine(cfg, infer, task.tokenizer), generator=sampling, timeout=timeout)
+
+    @staticmethod
+    def _generator(seed: int, rank: int, b: dict[str, torch.Tensor]) -> torch.Generator:
+        return make_generator(seed, rank, int(b["iteration"][0]), SAMPLING)
+
+    def _record(self, record: Any) -> None:
+        self._record_sync(record.seconds, record.nbytes)
+
+    def _record_sync(self, seconds: float, nbytes: int) -> None:
+        self.syncs.append((seconds, nbytes))
+
+    def step_metrics(self) -> dict[str, float]:
+        out = dict(self.memory)
+        if self.syncs:
+            seconds, nbytes = self.syncs[-1]
+            out.update({"sync_s": seconds, "sync_bytes": float(nbytes)})
+        stats = memory_stats(self.device)
+        if stats.tracked and stats.peak_allocated is not None:
+            out["memory/measured_peak_bytes"] = float(stats.peak_allocated)
+        return out
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        self.world.close()
+
+
+# --- the assembly -----------------------------------------------------------------------------
+
+
+def _graph(
+    cfg: Config,
+    models: _Models,
+    algo: Any,
+    opt: _Optimiser,
+    steps: _Steps,
+    rollout: Stage,
+    rewards: RewardPool,
+    task: Any,
     world: _World,
-    grad_clip: float,
-) -> None:
-    _check_finite(loss, step, world)
-    for opt in opts:
-        opt.zero_grad(set_to_none=True)
-    loss.backward()
-    world.sum_grads(params)
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    for opt in opts:
-        opt.step()
-
-
-def _rl_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> dict[str, torch.Tensor]:
-    """One policy-gradient step; returns the local metrics to average over ranks."""
-    rl, task, device = cfg.rl, state["task"], state["device"]
-    n, local_prompts = rl.num_rollouts, rl.batch_size
-    g = _generator(cfg.trainer.seed, world.rank, step, phase=0)
-    samples = task.sample(local_prompts, g)
-    prompts, pmask = left_pad([task.tokenizer.encode(s["prompt"]) for s in samples], task.tokenizer.pad_token_id)
-    rollout = state["engine"].generate(prompts.to(device), pmask.to(device), n=n, generator=g)
-    texts = [task.tokenizer.decode(row) for row in rollout.responses.tolist()]
-    repeated = [s for s in samples for _ in range(n)]
-    scores = state["rewards"].submit(
-        [s["prompt"] for s in repeated], texts, batch=step, answers=[s["answer"] for s in repeated]
-    )
-    with torch.no_grad():  # overlaps the reward workers
-        old_logp, entropy = _logprobs(state["policy_lm"], rollout, rl.temperature)
-        ref_logp, _ = _logprobs(state["reference_lm"], rollout, rl.temperature)
-        extra = {"old_values": _values(state["critic"], rollout)} if state["critic"] is not None else {}
-    mask = rollout.mask.float()
-    raw_scores = scores.result().to(device)
-    batch = {
-        "scores": raw_scores,
-        "group_ids": torch.arange(local_prompts, device=device).repeat_interleave(n),
-        "mask": mask,
-        "old_logp": old_logp,
-        "ref_logp": ref_logp,
-        **extra,
-    }
-    batch = state["algo"].advantages(batch)
-    rows = local_prompts * n
-    per_update = rl.mini_batch_size * n
-    sums: dict[str, torch.Tensor] = {}
-    for _ in range(rl.epochs):
-        for start in range(0, rows, per_update):
-            idx = slice(start, start + per_update)
-            mb = {k: v[idx] for k, v in batch.items()}
-            sub = Rollout(*(x[idx] for x in rollout))
-            mb["logp"], mb["entropy"] = _logprobs(state["policy_lm"], sub, rl.temperature)
-            if state["critic"] is not None:
-                mb["values"] = _values(state["critic"], sub)
-            counts = algos.global_counts(mb["mask"], process_group=world.group)
-            loss, metrics = state["algo"].loss(mb, **counts)
-            _optimise(loss, step, state["params"], state["opts"], world, rl.grad_clip)
-            for k, v in {"loss": loss.detach(), **metrics}.items():
-                sums[k] = sums.get(k, 0) + v.float() / (rows // per_update * rl.epochs)
-    lengths = rollout.mask.sum(-1).float()
-    return {
-        **sums,
-        "reward": raw_scores.mean(),  # the task reward, before any shaping
-        # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot.
-        "kl": masked_mean(algos.kl_penalty(old_logp, ref_logp, estimator="k3"), mask),
-        "entropy": masked_mean(entropy, mask),
-        "response_length": lengths.mean(),
-        "prompt_length": rollout.prompt_mask.sum(-1).float().mean(),
-    }
-
-
-def _dpo_step(step: int, state: dict[str, Any], cfg: Config, world: _World) -> dict[str, torch.Tensor]:
-    """One DPO step on (reference answer, sampled answer) pairs; a correct sample is replaced by a perturbed answer."""
-    rl, task, device = cfg.rl, state["task"], state["device"]
-    local_prompts = rl.batch_size
-    g = _generator(cfg.trainer.seed, world.rank, step, phase=0)
-    samples = task.sample(local_prompts, g)
-    prompts, pmask = left_pad([task.tokenizer.encode(s["prompt"]) for s in samples], task.tokenizer.pad_token_id)
-    rollout = state["engine"].generate(prompts.to(device), pmask.to(device), n=1, generator=g)
-    texts = [task.tokenizer.decode(row) for row in rollout.responses.tolist()]
-    scores = (
-        state["rewards"]
-        .submit([s["prompt"] for s in samples], texts, batch=step, answers=[s["answer"] for s in samples])
-        .result()
-    )
-    alphabet = task.tokenizer.alphabet
-    noise = torch.randint(0, len(alphabet), (local_prompts,), generator=g).tolist()
-    rejected = [
-        t if s < 1 else s_["answer"] + alphabet[k] for t, s, s_, k in zip(texts, scores.tolist(), samples, noise)
+    on_step_end: Callable[[int], Any],
+) -> StageGraph:
+    """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update."""
+    rl, tok = cfg.rl, task.tokenizer
+    n = 1 if rl.algo == "dpo" else rl.num_rollouts
+    stages = [
+        rollout,
+        reward_stage(rewards, tok.decode),
+        logprob_stage(models.policy, temperature=rl.temperature),
+        logprob_stage(models.reference, outputs=("ref_logp",), temperature=rl.temperature),
     ]
-    pairs = {}
-    for side, answers in (("chosen", [s["answer"] for s in samples]), ("rejected", rejected)):
-        seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], answers, device)
-        pairs.update({f"{side}_{k}": v for k, v in seq.items()})
-    mask = rollout.mask.float()
-    with torch.no_grad():
-        old_logp, entropy = _logprobs(state["policy_lm"], rollout, rl.temperature)
-        ref_logp, _ = _logprobs(state["reference_lm"], rollout, rl.temperature)
-    model = lambda m: lambda ids, am: _forward(m, ids, am)  # noqa: E731 -- the DPO recipe's model callable
-    sums: dict[str, torch.Tensor] = {}
-    per_update = rl.mini_batch_size
-    for start in range(0, local_prompts, per_update):
-        mb = {k: v[start : start + per_update] for k, v in pairs.items()}
-        loss, metrics = state["algo"](
-            model(state["policy"]), mb, model(state["reference"]), num_pairs=rl.mini_batch_size * world.size
+    logged = ["scores", "mask", "old_logp", "ref_logp", "entropy", "prompt_mask", "iteration", "version"]
+    if isinstance(algo, algos.DPO):
+        recipe: Any = PreferenceRecipe(algo)
+        stages += [
+            _pairs_stage(task, cfg, world.rank),
+            preference_logps_stage(models.reference, reduce=algo.reduce, temperature=algo.temperature),
+        ]
+        forward = preference_forward(models.policy, reduce=algo.reduce, temperature=algo.temperature)
+        inputs = [*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", *logged]
+    else:
+        recipe = algo
+        scored = ["scores", "mask", "group", "old_logp", "ref_logp"]
+        produced = ["advantages", "loss_mask"]
+        if models.critic is not None:
+            stages.append(values_stage(models.critic))
+            scored.append("old_values")
+            produced.append("returns")
+        stages.append(advantages_stage(algo, inputs=scored, outputs=produced))
+        forward = rl_forward(models.policy, critic=models.critic, temperature=rl.temperature)
+        extra = ["old_values", "returns"] if models.critic is not None else []
+        inputs = ["prompts", "responses", *produced[:2], *extra, *logged]
+    stages.append(
+        update_stage(
+            forward,
+            recipe,
+            opt,
+            inputs=list(dict.fromkeys(inputs)),
+            micro_batch=rl.mini_batch_size * n,
+            process_group=world.group,
+            on_metrics=steps.on_metrics,
+            on_iteration_end=on_step_end,
         )
-        _optimise(loss, step, state["params"], state["opts"], world, rl.grad_clip)
-        for k, v in {"loss": loss.detach(), **metrics}.items():
-            sums[k] = sums.get(k, 0) + v.float() / (local_prompts // per_update)
-    return {
-        **sums,
-        "reward": scores.to(device).mean(),
-        "kl": masked_mean(algos.kl_penalty(old_logp, ref_logp, estimator="k3"), mask),
-        "entropy": masked_mean(entropy, mask),
-        "response_length": mask.sum(-1).mean(),
-        "prompt_length": rollout.prompt_mask.sum(-1).float().mean(),
-    }
+    )
+    sources = ("prompts", "prompt_mask", "answers", "group", "iteration")
+    return StageGraph([steps.timed(s) for s in stages], sources=sources)
 
 
 def train(
@@ -368,129 +703,109 @@ def train(
     algo: algos.Algorithm | None = None,
     reward: Any = None,
 ) -> Run:
-    """Run the config's training job; rank 0 writes metrics JSONL, checkpoints and the plot to ``trainer.output_dir``.
+    """Run the config's training job; rank 0 writes metrics JSONL, checkpoints and the plots to ``trainer.output_dir``.
 
     Args:
       cfg: a validated :class:`rlcore.train.config.Config`.
       resume: continue from ``trainer.output_dir/checkpoint.pt`` (same seed, same data order).
-      engine: an :class:`InferenceEngine` to sample with instead of the in-process one.
+      engine: an :class:`InferenceEngine` to sample with instead of the in-process one
+        (it receives the weights after every update through the weight-sync path).
       algo: an :class:`rlcore.algos.Algorithm` replacing the recipe named by ``rl.algo``.
       reward: a reward replacing the task's rule reward (a ``(prompts, responses, **columns)``
         callable or a ``BaseReward``-style object; it receives ``answers``).
     """
-    tr = cfg.trainer
+    tr, rl = cfg.trainer, cfg.rl
     if tr.threads:
         torch.set_num_threads(tr.threads)
     device = get_device()
     if device.type != "cpu":
         device = get_device(index=int(os.environ.get("LOCAL_RANK", "0")))
     world = _World(device)
-    if engine is None:
-        check_launch(cfg, world.size)
-    else:
-        check_launch(replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), world.size)
+    check_launch(cfg if engine is None else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), world.size)
     task = make_task(cfg.data.task, **_task_options(cfg))
     torch.manual_seed(tr.seed)
+    # Model building: the one place to shard the models (FSDP2, tensor parallel).
     policy = build_model(cfg, task.tokenizer.vocab_size).to(device)
-    critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if cfg.rl.algo == "ppo" else None
+    critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if rl.algo == "ppo" else None
     world.broadcast(list(policy.parameters()) + (list(critic.parameters()) if critic is not None else []))
     out = Path(tr.output_dir)
+    leader = world.rank == 0
     checkpoint = load_checkpoint(out) if resume else None
     if checkpoint is None and tr.warmup_steps:
-        _warmup(policy, task, cfg, world, device)
-    reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    params = list(policy.parameters())
-    opts = [torch.optim.AdamW(params, lr=cfg.rl.lr, weight_decay=cfg.rl.weight_decay)]
-    if critic is not None:
-        params += list(critic.parameters())
-        opts.append(torch.optim.AdamW(critic.parameters(), lr=cfg.rl.critic_lr, weight_decay=cfg.rl.weight_decay))
-    start = 0
-    if checkpoint is not None:
-        policy.load_state_dict(checkpoint["policy"])
-        reference.load_state_dict(checkpoint["reference"])
-        if critic is not None:
-            critic.load_state_dict(checkpoint["critic"])
-        for opt, saved in zip(opts, checkpoint["optimizers"]):
-            opt.load_state_dict(saved)
-        start = checkpoint["step"] + 1
-    rl = cfg.rl
-    sampler = engine or TorchEngine(
-        policy,
-        eos_token_id=task.tokenizer.eos_token_id,
-        pad_token_id=task.tokenizer.pad_token_id,
-        max_new_tokens=rl.max_new_tokens,
-        temperature=rl.temperature,
-        top_p=rl.top_p,
-        top_k=rl.top_k,
-    )
-    workers = max(1, tr.reward_workers) if cfg.deploy.async_infer else 0
-    rewards = RewardPool(reward if reward is not None else task.reward, num_workers=workers)
-    state: dict[str, Any] = {
-        "task": task,
-        "policy": policy,
-        "reference": reference,
-        # The packed forwards read the modules' own parameter tensors, which the optimiser
-        # and load_state_dict update in place, so they are built once.
-        "policy_lm": from_hf(policy),
-        "reference_lm": from_hf(reference),
-        "critic": critic,
-        "device": device,
-        "engine": sampler,
-        "algo": algo or build_algorithm(cfg),
-        "params": params,
-        "opts": opts,
-        "rewards": rewards,
-    }
-    step_fn = _dpo_step if rl.algo == "dpo" else _rl_step
-    leader = world.rank == 0
+        supervised_warmup(
+            policy, task, cfg, process_group=world.group, rank=world.rank, progress=tr.progress and leader
+        )
+    models = _Models(policy, copy.deepcopy(policy).eval().requires_grad_(False), critic)
+    opt = _Optimiser(models, cfg, world)
+    start = _restore(checkpoint, models, opt) if checkpoint is not None else 0
+    n = 1 if rl.algo == "dpo" else rl.num_rollouts
+    recipe = algo or build_algorithm(cfg)
+    steps = _Steps(updates=rl.batch_size // rl.mini_batch_size, start=start)
     log = (
         MetricsLog(
             out / "metrics.jsonl",
             total=tr.steps,
             start=start,
-            progress=tr.progress and leader,
+            progress=tr.progress,
             resume_step=start - 1 if checkpoint is not None else None,
         )
         if leader
         else None
     )
     records: list[dict[str, Any]] = []
+    rewards = RewardPool(reward if reward is not None else task.reward, num_workers=tr.reward_workers)
+    deployment: _Deployment | None = None
     try:
-        policy.train()
-        for step in range(start, tr.steps):
-            t0 = time.perf_counter()
-            local = step_fn(step, state, cfg, world)
-            if engine is not None:
-                engine.load_weights(dict(policy.named_parameters()))
+        deployment = _Deployment(cfg, models, opt, world, task, engine)
+        dep = deployment
+
+        def on_step_end(i: int) -> None:
+            step = start + i
+            dep.publish(i + 1)  # weights version i + 1 for the rows the scheduler stamps next
+            local, timing = steps.local(step)
             metrics = world.mean(local)
-            seconds = time.perf_counter() - t0
-            samples = world.size * rl.batch_size * (1 if rl.algo == "dpo" else rl.num_rollouts)
+            samples = world.size * rl.batch_size * n
             # As the seed system defines it: (prompt + response tokens) x samples / devices / step time.
             metrics["tokens_per_s_device"] = (
-                (metrics["prompt_length"] + metrics["response_length"]) * samples / world.size / seconds
+                (metrics["prompt_length"] + metrics["response_length"]) * samples / world.size / timing["step_time_s"]
             )
-            record = {"step": step, **metrics, "step_time_s": seconds}
+            record = {"step": step, **metrics, **timing, **dep.step_metrics()}
             records.append(record)
             if log is not None:
                 log.write(record)
                 if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
-                    save_checkpoint(
-                        out,
-                        {
-                            "step": step,
-                            "policy": policy.state_dict(),
-                            "reference": reference.state_dict(),
-                            "critic": critic.state_dict() if critic is not None else None,
-                            "optimizers": [o.state_dict() for o in opts],
-                            "config": cfg.to_dict(),
-                        },
-                    )
+                    _save(out, step, models, opt, cfg)
+
+        graph = _graph(cfg, models, recipe, opt, steps, dep.rollout, rewards, task, world, on_step_end)
+        policy.train()
+        if critic is not None:
+            critic.train()
+        steps.last_end = time.perf_counter()
+        result = None
+        if tr.steps > start:
+            blocking = not cfg.deploy.async_infer
+            result = run_pipeline(
+                graph,
+                _loader(task, cfg, world.rank, start, n),
+                num_prompts=rl.batch_size,
+                n_samples=n,
+                num_iterations=tr.steps - start,
+                staleness=0 if blocking else cfg.deploy.staleness,
+                blocking=blocking,
+                switch=dep.switch,
+            )
     finally:
         rewards.close()
+        if deployment is not None:
+            deployment.close()
+        else:
+            world.close()
         if log is not None:
             log.close()
     if leader and tr.plot:
         plot_curves(read_metrics(out / "metrics.jsonl"), out / "curves.png")
+        if result is not None:
+            plot_timeline(result.tasks, out / "timeline.png", last=tr.timeline_iterations, offset=start)
     return Run(records, policy, critic)
 
 

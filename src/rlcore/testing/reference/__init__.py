@@ -75,8 +75,10 @@ from rlcore.testing.reference.shaping import (
     overlong_penalty_ref,
     scores_to_token_rewards_ref,
 )
+from rlcore.testing.reference.trainer_loop import LoopRun, train_loop_ref
 
 __all__ = [
+    "LoopRun",
     "RunningNormalizerRef",
     "TransferDockRef",
     "adaptive_kl_coefs_ref",
@@ -138,6 +140,7 @@ __all__ = [
     "simpo_loss_ref",
     "swap_roundtrip_ref",
     "synchronous_loop_ref",
+    "train_loop_ref",
     "transition_peak_ref",
     "truncated_is_weights_ref",
     "unpack_ref",

@@ -1,0 +1,470 @@
+"""The stages of an RL step as library functions: each returns a :func:`rlcore.dataflow.stage` over the dock.
+
+MindSpeed-RL (Feng et al., 2025, arXiv:2507.19017) runs one RL iteration as stages
+that read and write columns of the Transfer Dock. Each function here builds one such
+stage from the objects it needs (an engine, a reward pool, a model, a recipe), so a
+notebook assembles its own pipeline and :mod:`rlcore.train.trainer` is nothing but
+that assembly::
+
+    rollout_stage(engine)                -> responses, mask, version
+    reward_stage(pool, decode)           -> scores
+    logprob_stage(policy)                -> old_logp, entropy     (eval mode, no grad)
+    logprob_stage(reference, outputs=("ref_logp",))
+    values_stage(critic)                 -> old_values
+    advantages_stage(algo)               -> advantages, loss_mask (+ returns)
+    update_stage(forward, algo, step)    -> loss
+
+**The mask convention at the dock / recipe seam.** The prompt loader puts
+``prompts`` / ``prompt_mask`` (left-padded ids, ``[N, P]``), ``answers`` (token ids of
+the reference answer, one 1-D row each), ``group`` (the prompt's index, ``[N]``) and
+``iteration`` (``[N]``). Token columns (``responses``, ``mask``, ``old_logp``,
+``ref_logp``, ``old_values``, ``advantages``, ``loss_mask``, ``returns``) hold one row
+per sample over the response positions; ``mask`` is the response mask (1.0 on the
+sampled tokens up to and including ``<eos>``). When the dock hands out rows of
+different widths it right-pads them with zeros, so a padded ``mask`` is still the
+recipe's ``mask``; the dock's own ``<column>_mask`` companions are never given to a
+recipe. A recipe's shaping may zero samples (DAPO's dynamic sampling): the mask it
+returns is written as ``loss_mask`` (a column has one writer), and the update trains
+on ``loss_mask``; metrics of the rollout (KL, entropy, lengths) use ``mask``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rlcore import algos
+from rlcore.dataflow import Stage, stage
+from rlcore.models import from_hf, token_logprobs
+
+__all__ = [
+    "PAIR_COLUMNS",
+    "PreferenceRecipe",
+    "advantages_stage",
+    "eval_mode",
+    "logprob_stage",
+    "preference_forward",
+    "preference_logps",
+    "preference_logps_stage",
+    "recipe_counts",
+    "response_logprobs",
+    "response_values",
+    "reward_stage",
+    "rl_forward",
+    "rollout_stage",
+    "update_stage",
+    "values_stage",
+]
+
+Batch = dict[str, torch.Tensor]
+
+
+@contextlib.contextmanager
+def eval_mode(*models: torch.nn.Module | None) -> Iterator[None]:
+    """Run the block with ``models`` in eval mode (dropout off) and no grad; restore their modes after.
+
+    Models used for scoring (old-policy and reference log-probs, critic values) must
+    not draw dropout noise: it would bias the values and make a resumed run differ.
+    """
+    present = [m for m in models if m is not None]
+    modes = [m.training for m in present]
+    for m in present:
+        m.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, mode in zip(present, modes):
+            m.train(mode)
+
+
+def response_logprobs(
+    model: Any, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0, with_entropy: bool = False
+) -> Any:
+    """Log-probs (and entropies) ``[N, R]`` of the response tokens: one padding-free packed forward.
+
+    Args:
+      model: ``(apply, params)`` from :func:`rlcore.models.from_hf`.
+      batch: ``prompts`` / ``prompt_mask`` ``[N, P]`` (left-padded), ``responses`` /
+        ``mask`` ``[N, R]``.
+      temperature: the sampling temperature.
+      with_entropy: also return the per-token entropy.
+
+    Returns:
+      ``logp [N, R]`` float32 (``(logp, entropy)`` with ``with_entropy``); 0 on padding.
+    """
+    apply, params = model
+    width = batch["prompts"].shape[1]
+    seq = {
+        "input_ids": torch.cat([batch["prompts"], batch["responses"]], 1),
+        "attention_mask": torch.cat([batch["prompt_mask"].long(), (batch["mask"] != 0).long()], 1),
+    }
+    # token_logprobs puts each value on the token it scores: the responses are the last R columns.
+    if with_entropy:
+        logp, entropy = token_logprobs(apply, params, seq, temperature=temperature, with_entropy=True)
+        return logp[:, width:].float(), entropy[:, width:].float()
+    return token_logprobs(apply, params, seq, temperature=temperature)[:, width:].float()
+
+
+def response_values(critic: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Critic values ``[N, R]`` of the states before each response token (a one-output token-classification head)."""
+    ids = torch.cat([batch["prompts"], batch["responses"]], 1)
+    attention = torch.cat([batch["prompt_mask"].long(), (batch["mask"] != 0).long()], 1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    out = critic(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+    return out[:, batch["prompts"].shape[1] - 1 : -1, 0].float()
+
+
+def rollout_stage(
+    engine: Any,
+    *,
+    generator: Callable[[Batch], torch.Generator | None] | None = None,
+    micro_batch: int | None = None,
+    resource: str = "device",
+    timeout: float | None = None,
+) -> Stage:
+    """Sample one response per row with ``engine`` (rows are already repeated ``n`` times per prompt).
+
+    Args:
+      engine: an :class:`rlcore.train.InferenceEngine` (``generate(prompts, prompt_mask, n=, generator=)``).
+      generator: ``generator(batch)`` -> the random stream of a call (seeded from the
+        batch's ``iteration`` for a reproducible run), or None.
+      micro_batch, resource, timeout: as in :func:`rlcore.dataflow.stage`.
+
+    Returns:
+      A rollout-role stage ``prompts, prompt_mask, iteration -> responses, mask, version``;
+      ``version`` is the policy version the rows were generated with.
+    """
+
+    def rollout(b: Batch) -> dict[str, torch.Tensor]:
+        g = generator(b) if generator is not None else None
+        r = engine.generate(b["prompts"], b["prompt_mask"], n=1, generator=g)
+        return {"responses": r.responses, "mask": r.mask.float(), "version": b["policy_version"].clone()}
+
+    return stage(
+        rollout,
+        inputs=["prompts", "prompt_mask", "iteration"],
+        outputs=["responses", "mask", "version"],
+        micro_batch=micro_batch,
+        resource=resource,
+        role="rollout",
+        timeout=timeout,
+    )
+
+
+def _rows(x: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
+    return [row[k].tolist() for row, k in zip(x, keep != 0)]
+
+
+def reward_stage(
+    pool: Any, decode: Callable[[list[int]], str], *, resource: str = "cpu", timeout: float | None = None
+) -> Stage:
+    """Score the decoded responses with a :class:`rlcore.rewards.RewardPool` (answers passed as ``answers=``).
+
+    Takes the whole iteration per call, so a reward error names the iteration as its batch.
+
+    Args:
+      pool: ``pool.submit(prompts, responses, batch=, answers=)`` -> a future of ``[N]`` scores.
+      decode: token ids -> text (the tokenizer's ``decode``).
+      resource, timeout: as in :func:`rlcore.dataflow.stage`.
+
+    Returns:
+      A stage ``prompts, prompt_mask, responses, mask, answers, iteration -> scores``.
+    """
+
+    def reward(b: Batch) -> dict[str, torch.Tensor]:
+        prompts = [decode(r) for r in _rows(b["prompts"], b["prompt_mask"])]
+        texts = [decode(r) for r in _rows(b["responses"], b["mask"])]
+        answers = [decode(r) for r in _rows(b["answers"], b["answers_mask"])]
+        scores = pool.submit(prompts, texts, batch=int(b["iteration"][0]), answers=answers).result()
+        return {"scores": scores.float()}
+
+    return stage(
+        reward,
+        inputs=["prompts", "prompt_mask", "responses", "mask", "answers", "iteration"],
+        outputs=["scores"],
+        resource=resource,
+        timeout=timeout,
+    )
+
+
+def logprob_stage(
+    model: torch.nn.Module,
+    *,
+    outputs: Sequence[str] = ("old_logp", "entropy"),
+    name: str | None = None,
+    temperature: float = 1.0,
+    micro_batch: int | None = None,
+    resource: str = "device",
+) -> Stage:
+    """Response log-probs under ``model`` in eval mode (the old policy, or the reference with ``("ref_logp",)``).
+
+    Args:
+      model: a ``transformers`` causal LM.
+      outputs: ``(logp column,)`` or ``(logp column, entropy column)``.
+      name: the stage name (default ``outputs[0]``).
+      temperature: the sampling temperature.
+      micro_batch, resource: as in :func:`rlcore.dataflow.stage`.
+
+    Returns:
+      A stage in the ``"train"`` memory phase (it reads the training weights).
+    """
+    lm = from_hf(model)
+    outputs = tuple(outputs)
+    if len(outputs) not in (1, 2):
+        raise ValueError(f"outputs: got {outputs!r}, expected (logp,) or (logp, entropy) column names")
+
+    def logprobs(b: Batch) -> dict[str, torch.Tensor]:
+        with eval_mode(model):
+            if len(outputs) == 1:
+                return {outputs[0]: response_logprobs(lm, b, temperature=temperature)}
+            logp, entropy = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
+        return {outputs[0]: logp, outputs[1]: entropy}
+
+    return stage(
+        logprobs,
+        inputs=["prompts", "prompt_mask", "responses", "mask"],
+        outputs=outputs,
+        name=name or outputs[0],
+        micro_batch=micro_batch,
+        resource=resource,
+        phase="train",
+    )
+
+
+def values_stage(
+    critic: torch.nn.Module, *, output: str = "old_values", micro_batch: int | None = None, resource: str = "device"
+) -> Stage:
+    """Critic values of the responses in eval mode (dropout off: GAE's ``old_values`` carry no noise)."""
+
+    def values(b: Batch) -> dict[str, torch.Tensor]:
+        with eval_mode(critic):
+            return {output: response_values(critic, b)}
+
+    return stage(
+        values,
+        inputs=["prompts", "prompt_mask", "responses", "mask"],
+        outputs=[output],
+        name=output,
+        micro_batch=micro_batch,
+        resource=resource,
+        phase="train",
+    )
+
+
+def advantages_stage(
+    algo: algos.Algorithm,
+    *,
+    inputs: Sequence[str] = ("scores", "mask", "group", "old_logp", "ref_logp"),
+    outputs: Sequence[str] = ("advantages", "loss_mask"),
+    resource: str = "device",
+) -> Stage:
+    """The recipe's shaping and advantage estimator over whole groups, adapted to the dock.
+
+    The stage takes whole groups (``by_group``), renumbers the dock's ``group`` column
+    to ``group_ids`` 0..G-1, calls ``algo.advantages`` and writes only its declared
+    columns: ``advantages``, ``loss_mask`` (the mask after shaping) and, for GAE,
+    ``returns``.
+
+    Args:
+      algo: an :class:`rlcore.algos.Algorithm`.
+      inputs: dock columns the recipe reads (``group`` becomes ``group_ids``).
+      outputs: a subset of ``advantages``, ``loss_mask``, ``returns``.
+      resource: as in :func:`rlcore.dataflow.stage`.
+
+    >>> s = advantages_stage(algos.grpo(), inputs=("scores", "mask", "group"))
+    >>> out = s.fn({"scores": torch.tensor([1.0, 0.0, 1.0, 1.0]), "mask": torch.ones(4, 2),
+    ...             "group": torch.tensor([7, 7, 9, 9])})
+    >>> out["advantages"][:, 0]
+    tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
+    """
+    known = {"advantages": "advantages", "loss_mask": "mask", "returns": "returns"}
+    bad = [c for c in outputs if c not in known]
+    if bad:
+        raise ValueError(f"outputs: got {bad}, expected some of {list(known)}")
+
+    def advantages(b: Batch) -> dict[str, torch.Tensor]:
+        batch = {c: b[c] for c in inputs if c != "group"}
+        if "group" in inputs:
+            batch["group_ids"] = torch.unique(b["group"], return_inverse=True)[1]
+        out = algo.advantages(batch)
+        return {c: out[known[c]] for c in outputs}
+
+    return stage(advantages, inputs=inputs, outputs=outputs, by_group=True, resource=resource)
+
+
+def rl_forward(
+    policy: torch.nn.Module, *, critic: torch.nn.Module | None = None, temperature: float = 1.0
+) -> Callable[[Batch], Batch]:
+    """The update's forward for policy-gradient recipes: dock rows -> the recipe's batch, with ``logp`` (and ``values``).
+
+    The recipe's ``mask`` is the dock's ``loss_mask``; the other columns keep their names.
+    """
+    lm = from_hf(policy)
+    carried = ("old_logp", "ref_logp", "advantages", "returns", "old_values", "entropy")
+
+    def forward(b: Batch) -> Batch:
+        batch = {k: b[k] for k in carried if k in b}
+        batch["mask"] = b["loss_mask"]
+        batch["logp"], batch["entropy"] = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
+        if critic is not None:
+            batch["values"] = response_values(critic, b)
+        return batch
+
+    return forward
+
+
+def recipe_counts(recipe: Any, batch: Batch, *, process_group: Any = None) -> dict[str, Any]:
+    """The global counts ``recipe.loss`` takes: ``recipe.global_counts`` when it has one, else token / sequence counts."""
+    counts = getattr(recipe, "global_counts", None)
+    if callable(counts):
+        return counts(batch, process_group=process_group)
+    return algos.global_counts(batch["mask"], process_group=process_group)
+
+
+def update_stage(
+    forward: Callable[[Batch], Batch],
+    recipe: Any,
+    step: Callable[[torch.Tensor, Batch], Any],
+    *,
+    inputs: Sequence[str],
+    micro_batch: int | None = None,
+    process_group: Any = None,
+    on_metrics: Callable[[Batch, torch.Tensor, dict[str, torch.Tensor]], Any] | None = None,
+    on_iteration_end: Callable[[int], Any] | None = None,
+    name: str = "update",
+    resource: str = "device",
+) -> Stage:
+    """The one update shape for every recipe: forward -> ``loss, metrics = recipe.loss(batch, **counts)`` -> step.
+
+    Each call is one optimiser update on ``micro_batch`` rows (PPO's mini-batch; with
+    ``micro_batch=None`` one update per iteration).
+
+    Args:
+      forward: dock rows -> the recipe's batch with the model outputs (gradient on).
+      recipe: anything with ``loss(batch, **counts) -> (loss, metrics)`` (an
+        :class:`rlcore.algos.Algorithm`, a preference recipe).
+      step: ``step(loss, rows)``: backward, gradient reduction, clipping, optimiser step.
+      inputs: dock columns read.
+      micro_batch: rows per update.
+      process_group: the data-parallel group the counts are summed over.
+      on_metrics: ``on_metrics(rows, loss, metrics)`` after each update (logging).
+      on_iteration_end: as in :func:`rlcore.dataflow.stage`.
+      name, resource: as in :func:`rlcore.dataflow.stage`.
+
+    Returns:
+      An update-role stage writing the per-row ``loss`` (the update's scalar loss).
+    """
+
+    def update(b: Batch) -> dict[str, torch.Tensor]:
+        batch = forward(b)
+        loss, metrics = recipe.loss(batch, **recipe_counts(recipe, batch, process_group=process_group))
+        step(loss, b)
+        if on_metrics is not None:
+            on_metrics(b, loss.detach(), metrics)
+        rows = next(iter(b.values())).shape[0]
+        return {"loss": loss.detach().float().expand(rows).clone()}
+
+    return stage(
+        update,
+        inputs=inputs,
+        outputs=["loss"],
+        name=name,
+        micro_batch=micro_batch,
+        resource=resource,
+        role="update",
+        on_iteration_end=on_iteration_end,
+    )
+
+
+# --- preference (DPO) ---------------------------------------------------------------------------
+# Temporary: the preference recipe's tensor-in ``loss(batch, **counts)`` / ``global_counts``
+# and ``rlcore.models.preference_logps`` are being added to rlcore.algos / rlcore.models;
+# this adapter wraps today's ``rlcore.algos.DPO`` to that contract and goes when they land.
+
+_PREF_SIDES = ("chosen", "rejected")
+
+
+def preference_logps(
+    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *, reduce: str = "sum", temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """``chosen_logps`` / ``rejected_logps`` ``[P]`` and their response lengths, from one stacked forward."""
+
+    def run(ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        return model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+
+    chosen, rejected = algos.concatenated_logps(run, batch, reduce=reduce, temperature=temperature)
+    return {
+        "chosen_logps": chosen,
+        "rejected_logps": rejected,
+        "chosen_lengths": (batch["chosen_mask"] != 0).sum(-1),
+        "rejected_lengths": (batch["rejected_mask"] != 0).sum(-1),
+    }
+
+
+class PreferenceRecipe:
+    """Temporary adapter: :class:`rlcore.algos.DPO` with the tensor-in ``loss(batch, *, num_pairs)`` contract."""
+
+    def __init__(self, dpo: algos.DPO) -> None:
+        self.dpo = dpo
+
+    def global_counts(self, batch: Batch, *, process_group: Any = None) -> dict[str, torch.Tensor]:
+        count = torch.tensor(batch["chosen_logps"].shape[0])
+        if process_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(count, group=process_group)
+        return {"num_pairs": count}
+
+    def loss(self, batch: Batch, *, num_pairs: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        pc, pr = batch["chosen_logps"], batch["rejected_logps"]
+        per_pair, loss_metrics = self.dpo.loss(
+            pc, pr, batch["ref_chosen_logps"].to(pc.dtype), batch["ref_rejected_logps"].to(pc.dtype)
+        )
+        loss = per_pair.sum() / (per_pair.shape[0] if num_pairs is None else num_pairs)
+        metrics = {k: v.float().mean() for k, v in loss_metrics.items()}
+        metrics["logps_chosen"] = pc.detach().mean()
+        metrics["logps_rejected"] = pr.detach().mean()
+        return loss, metrics
+
+
+def _pair_columns() -> list[str]:
+    return [f"{side}_{k}" for side in _PREF_SIDES for k in ("input_ids", "attention_mask", "mask")]
+
+
+def preference_logps_stage(
+    reference: torch.nn.Module, *, reduce: str = "sum", temperature: float = 1.0, resource: str = "device"
+) -> Stage:
+    """Reference log-probs of the chosen / rejected pairs (eval mode): ``ref_chosen_logps``, ``ref_rejected_logps``."""
+
+    def ref(b: Batch) -> dict[str, torch.Tensor]:
+        with eval_mode(reference):
+            out = preference_logps(reference, b, reduce=reduce, temperature=temperature)
+        return {"ref_chosen_logps": out["chosen_logps"], "ref_rejected_logps": out["rejected_logps"]}
+
+    return stage(
+        ref,
+        inputs=_pair_columns(),
+        outputs=["ref_chosen_logps", "ref_rejected_logps"],
+        name="ref_pair_logps",
+        resource=resource,
+    )
+
+
+def preference_forward(
+    policy: torch.nn.Module, *, reduce: str = "sum", temperature: float = 1.0
+) -> Callable[[Batch], Batch]:
+    """The update's forward for preference recipes: the policy's pair log-probs beside the reference columns."""
+
+    def forward(b: Batch) -> Batch:
+        out = preference_logps(policy, b, reduce=reduce, temperature=temperature)
+        return {**out, "ref_chosen_logps": b["ref_chosen_logps"], "ref_rejected_logps": b["ref_rejected_logps"]}
+
+    return forward
+
+
+PAIR_COLUMNS = tuple(_pair_columns())
