@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "agent",
     "algos",
     "dataflow",
     "device",
@@ -30,8 +31,9 @@ __all__ = [
 ]
 
 # Imported on first use: they pull in heavier or optional packages (hypothesis for
-# testing; transformers, YAML, plotting and process pools for models, rewards, train).
-_LAZY = {"models", "rewards", "testing", "train"}
+# testing; transformers, YAML, plotting and process pools for models, rewards, train;
+# threads and the rollout loop for agent).
+_LAZY = {"agent", "models", "rewards", "testing", "train"}
 
 
 def __getattr__(name: str) -> Any:
