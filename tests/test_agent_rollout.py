@@ -1,7 +1,6 @@
 """rlcore.agent.multi_turn_rollout on a tiny random Qwen2: single-turn equivalence, token order, budgets, gradients, faults, stage."""
 
 import time
-from functools import partial
 
 import pytest
 import torch
@@ -83,7 +82,9 @@ class Scripted:
         k = len(self.actions) - 1
         if k == len(self.obs):
             return StepResult("", 10.0, True, {"tool_calls": 0})
-        return StepResult(self.obs[k], float(k + 1), False, {"tool_calls": 1, "tool_errors": k % 2, "tool_latency": 0.01})
+        return StepResult(
+            self.obs[k], float(k + 1), False, {"tool_calls": 1, "tool_errors": k % 2, "tool_latency": 0.01}
+        )
 
 
 prompt_lists = st.lists(st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=5), min_size=1, max_size=4)
@@ -101,14 +102,33 @@ def test_single_turn_equals_generate(model, runner, prompts, seed, max_new_token
     top_k, top_p = top
     ids, mask = left_pad(prompts, PAD)
     ref = generate(
-        model, ids, mask, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(seed),
+        model,
+        ids,
+        mask,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=torch.Generator().manual_seed(seed),
     )
     out = multi_turn_rollout(
-        model, prompts, [OneShot() for _ in prompts], decode=ids_text, encode_observation=list,
-        eos_token_id=EOS, pad_token_id=PAD, max_turns=1, max_new_tokens=max_new_tokens,
-        max_total_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        generator=torch.Generator().manual_seed(seed), runner=runner,
+        model,
+        prompts,
+        [OneShot() for _ in prompts],
+        decode=ids_text,
+        encode_observation=list,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        max_turns=1,
+        max_new_tokens=max_new_tokens,
+        max_total_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=torch.Generator().manual_seed(seed),
+        runner=runner,
     )
     assert torch.equal(out["prompts"], ref.prompts) and torch.equal(out["prompt_mask"], ref.prompt_mask)
     assert torch.equal(out["responses"], ref.responses)
@@ -121,8 +141,14 @@ def test_single_turn_equals_generate(model, runner, prompts, seed, max_new_token
     logp = ref.logp + 0.01 * torch.arange(ref.logp.numel()).reshape(ref.logp.shape).sin()
     losses = []
     for r_mask, r_logp in ((ref.mask, ref.logp), (out["mask"], out["rollout_logp"])):
-        batch = {"scores": scores, "group_ids": torch.zeros(n, dtype=torch.long), "mask": r_mask.float(),
-                 "old_logp": r_logp, "ref_logp": r_logp, "logp": logp}
+        batch = {
+            "scores": scores,
+            "group_ids": torch.zeros(n, dtype=torch.long),
+            "mask": r_mask.float(),
+            "old_logp": r_logp,
+            "ref_logp": r_logp,
+            "logp": logp,
+        }
         losses.append(algos.grpo().loss(batch)[0])
     assert torch.equal(losses[0], losses[1])
 
@@ -174,9 +200,19 @@ def test_trajectories_concatenate_policy_and_observation_ids_within_budgets(
     obs = [data.draw(st.lists(tokens, min_size=0, max_size=4)) for _ in prompts]
     envs = [Scripted(o) for o in obs]
     out = multi_turn_rollout(
-        model, prompts, envs, decode=ids_text, encode_observation=list, eos_token_id=EOS, pad_token_id=PAD,
-        stop_token_ids=[2], max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
-        generator=torch.Generator().manual_seed(seed), runner=runner,
+        model,
+        prompts,
+        envs,
+        decode=ids_text,
+        encode_observation=list,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        stop_token_ids=[2],
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_total_tokens=max_total_tokens,
+        generator=torch.Generator().manual_seed(seed),
+        runner=runner,
     )
     _check_trajectory(
         model, out, envs, obs, max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens
@@ -206,8 +242,17 @@ def test_observation_and_prompt_tokens_get_no_gradient(recipe):
     with torch.no_grad():
         model.eval()
         out = multi_turn_rollout(
-            model, prompts, envs, decode=ids_text, encode_observation=list, eos_token_id=EOS, pad_token_id=PAD,
-            stop_token_ids=[2], max_turns=3, max_new_tokens=4, max_total_tokens=24,
+            model,
+            prompts,
+            envs,
+            decode=ids_text,
+            encode_observation=list,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            stop_token_ids=[2],
+            max_turns=3,
+            max_new_tokens=4,
+            max_total_tokens=24,
             generator=torch.Generator().manual_seed(0),
         )
         model.train()
@@ -215,15 +260,22 @@ def test_observation_and_prompt_tokens_get_no_gradient(recipe):
     logits, logp, entropy = _full_logits(model, out)
     mask = out["mask"].float()
     batch = {
-        "scores": out["scores"], "group_ids": torch.tensor([0, 0, 1, 1]), "mask": mask, "logp": logp,
-        "old_logp": out["rollout_logp"], "ref_logp": out["rollout_logp"] - 0.1 * mask, "entropy": entropy,
+        "scores": out["scores"],
+        "group_ids": torch.tensor([0, 0, 1, 1]),
+        "mask": mask,
+        "logp": logp,
+        "old_logp": out["rollout_logp"],
+        "ref_logp": out["rollout_logp"] - 0.1 * mask,
+        "entropy": entropy,
         "rewards": out["rewards"],
     }
     if recipe == "ppo":
         values = torch.linspace(-1, 1, mask.numel()).reshape(mask.shape)
         batch.update(old_values=values, values=values + 0.1)
     algo = {
-        "grpo": algos.grpo(), "rloo": algos.rloo(), "dapo": algos.dapo(max_length=12, cache_length=4),
+        "grpo": algos.grpo(),
+        "rloo": algos.rloo(),
+        "dapo": algos.dapo(max_length=12, cache_length=4),
         "ppo": algos.ppo(),
     }[recipe]._replace(entropy_coef=0.01)
     batch = algo.advantages(batch)
@@ -247,7 +299,9 @@ def test_gae_carries_through_observation_tokens():
     values = torch.where(mask == 1, torch.randn(1, 10, generator=g), torch.nan)
     adv, ret = algos.gae(rewards, values, mask, gamma=0.9, lam=0.8)
     keep = mask[0] == 1
-    dense_adv, dense_ret = algos.gae(rewards[:, keep], values[:, keep], torch.ones(1, int(keep.sum())), gamma=0.9, lam=0.8)
+    dense_adv, dense_ret = algos.gae(
+        rewards[:, keep], values[:, keep], torch.ones(1, int(keep.sum())), gamma=0.9, lam=0.8
+    )
     torch.testing.assert_close(adv[:, keep], dense_adv)
     torch.testing.assert_close(ret[:, keep], dense_ret)
     assert adv[:, ~keep].eq(0).all() and ret[:, ~keep].eq(0).all()
@@ -279,9 +333,18 @@ def test_failing_environments_end_their_trajectory_only(model):
     t0 = time.perf_counter()
     with StepRunner(max_concurrency=8, timeout=0.2) as runner:
         out = multi_turn_rollout(
-            model, [[3, 4]] * len(hows), [Broken(h) for h in hows], decode=ids_text, encode_observation=list,
-            eos_token_id=EOS, pad_token_id=PAD, max_turns=3, max_new_tokens=4, max_total_tokens=20,
-            generator=torch.Generator().manual_seed(0), runner=runner,
+            model,
+            [[3, 4]] * len(hows),
+            [Broken(h) for h in hows],
+            decode=ids_text,
+            encode_observation=list,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            max_turns=3,
+            max_new_tokens=4,
+            max_total_tokens=20,
+            generator=torch.Generator().manual_seed(0),
+            runner=runner,
         )
     assert time.perf_counter() - t0 < 5
     assert out["num_env_errors"].tolist() == [1, 1, 1, 1, 1, 0]
@@ -322,9 +385,18 @@ def test_tool_faults_are_counted_through_the_rollout(model, runner):
     ]
     t0 = time.perf_counter()
     out = multi_turn_rollout(
-        model, [[3, 4]] * 4, [FaultyCaller(tools, a, timeout=0.1) for a in actions], decode=ids_text,
-        encode_observation=lambda text: [5] * min(len(text), 6), eos_token_id=EOS, pad_token_id=PAD,
-        max_turns=2, max_new_tokens=3, max_total_tokens=20, generator=torch.Generator().manual_seed(0), runner=runner,
+        model,
+        [[3, 4]] * 4,
+        [FaultyCaller(tools, a, timeout=0.1) for a in actions],
+        decode=ids_text,
+        encode_observation=lambda text: [5] * min(len(text), 6),
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        max_turns=2,
+        max_new_tokens=3,
+        max_total_tokens=20,
+        generator=torch.Generator().manual_seed(0),
+        runner=runner,
     )
     assert time.perf_counter() - t0 < 5
     assert out["num_tool_calls"].tolist() == [1, 1, 1, 1]
@@ -374,7 +446,9 @@ def test_stage_in_a_pipeline():
         assert batch["policy_mask"].shape == batch["responses"].shape
         return {"loss": batch["scores"].float()}
 
-    graph = StageGraph([roll, stage(update, inputs=["responses", "policy_mask", "scores"], outputs=["loss"], role="update")])
+    graph = StageGraph(
+        [roll, stage(update, inputs=["responses", "policy_mask", "scores"], outputs=["loss"], role="update")]
+    )
     samples = task.sample(4, torch.Generator().manual_seed(0))
 
     def loader(iteration):

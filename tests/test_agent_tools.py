@@ -40,9 +40,7 @@ json_values = st.recursive(
     filler=st.text(alphabet="abc \n", max_size=6),
 )
 def test_hermes_parser_round_trip(calls, filler):
-    text = filler.join(
-        f"<tool_call>{json.dumps({'name': n, 'arguments': a})}</tool_call>" for n, a in calls
-    )
+    text = filler.join(f"<tool_call>{json.dumps({'name': n, 'arguments': a})}</tool_call>" for n, a in calls)
     parsed = HermesParser()(filler + text)
     assert parsed.errors == []
     assert parsed.calls == [ToolCall(n, a) for n, a in calls]
@@ -150,7 +148,7 @@ def test_tool_env_runs_calls_concurrently_and_scores_the_answer():
     obs, _, done, info = asyncio.run(env.step("".join(_call("nap", x=i) for i in range(5))))
     assert time.perf_counter() - t0 < 0.8 and not done
     assert obs.count("<tool_response>") == 5 and info["tool_errors"] == 0
-    assert 5 * 0.2 * 0.9 <= info["tool_latency"]
+    assert info["tool_latency"] >= 5 * 0.2 * 0.9
     assert asyncio.run(env.step("42")) == ("", 1.0, True, {"tool_calls": 0, "tool_errors": 0, "tool_latency": 0.0})
     assert asyncio.run(env.step("41"))[1] == 0.0
 
@@ -209,7 +207,7 @@ def test_calc_trace_replays_through_its_environment():
         env = task.make_env()
         env.reset(s)
         (call, _), (response, _), (answer, _) = task.trace(s)
-        obs, reward, done, info = asyncio.run(env.step(call))
+        obs, _, done, info = asyncio.run(env.step(call))
         assert obs == response and not done and info["tool_errors"] == 0
         assert asyncio.run(env.step(answer))[1:3] == (1.0, True)
         # The tokenizer spells every observation the environment can write, errors included.

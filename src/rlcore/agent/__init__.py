@@ -17,6 +17,7 @@ The trajectories carry ``mask`` = 1 on policy tokens only, so every recipe of
 from rlcore.agent.calc import Multiplication, calculator, evaluate_arithmetic
 from rlcore.agent.config import MultiTurnConfig, build_env_factory, build_tools, parse_multi_turn, stop_token_ids
 from rlcore.agent.decode import Turn, sample_turn
+from rlcore.agent.logprobs import trajectory_logprobs
 from rlcore.agent.observation import observation_encoder
 from rlcore.agent.parsers import HermesParser, ParsedCalls, ToolCall, ToolCallParser
 from rlcore.agent.protocols import Environment, Observation, StepResult
@@ -33,8 +34,8 @@ __all__ = [
     "TRAJECTORY_KEYS",
     "Environment",
     "HermesParser",
-    "Multiplication",
     "MultiTurnConfig",
+    "Multiplication",
     "Observation",
     "ParsedCalls",
     "SpecialCharTokenizer",
@@ -59,5 +60,6 @@ __all__ = [
     "sample_turn",
     "stop_token_ids",
     "tool",
+    "trajectory_logprobs",
     "trajectory_rows",
 ]

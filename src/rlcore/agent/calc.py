@@ -3,10 +3,10 @@
 A tiny model cannot multiply two 4-digit numbers token by token, but it can learn to
 copy them into a Hermes tool call, read the calculator's answer back and repeat it::
 
-    prompt   4821*307=
-    policy   <tool_call>{"name":"calculator","arguments":{"expression":"4821*307"}}</tool_call>
-    tool     <tool_response>1480047</tool_response>
-    policy   1480047<eos>
+    prompt   4821*3307=
+    policy   <tool_call>{"name":"calculator","arguments":{"expression":"4821*3307"}}</tool_call>
+    tool     <tool_response>15943047</tool_response>
+    policy   15943047<eos>
 
 The reward is 1 for the exact product in the last turn. A short supervised warm-up on
 such traces (:meth:`Multiplication.warmup_batch`) teaches the format; GRPO does the rest.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -70,7 +71,11 @@ calculator = Tool(
 
 
 class Multiplication:
-    """``"a*b="`` with operands of up to ``digits`` digits, a calculator tool and an exact-match reward.
+    """``"a*b="`` with ``digits``-digit operands, a calculator tool and an exact-match reward.
+
+    Operands are drawn from ``[ceil(sqrt(10**(2 * digits - 1))), 10**digits)``, so every
+    product has exactly ``2 * digits`` digits and every trace the same layout: what the
+    model must learn is to copy, never to multiply.
 
     Attributes: ``tokenizer`` (:class:`rlcore.agent.SpecialCharTokenizer`), ``tools``,
     ``stop_tokens`` (``</tool_call>`` ends a turn), ``response_format`` (how the
@@ -79,8 +84,8 @@ class Multiplication:
     >>> task = Multiplication(digits=3)
     >>> s = task.sample(1, torch.Generator().manual_seed(0))[0]
     >>> a, b = s["prompt"].rstrip("=").split("*")
-    >>> int(s["answer"]) == int(a) * int(b), task.reward(s, s["answer"])
-    (True, 1.0)
+    >>> int(s["answer"]) == int(a) * int(b), len(s["answer"]), task.reward(s, s["answer"])
+    (True, 6, 1.0)
     """
 
     alphabet = "0123456789*=+-{}:,\""
@@ -98,18 +103,17 @@ class Multiplication:
     response_format = "<tool_response>{}</tool_response>"
     stop_tokens = ("</tool_call>",)
 
-    def __init__(self, *, digits: int = 4, min_digits: int = 1):
-        if not 1 <= min_digits <= digits:
-            raise ValueError(f"min_digits, digits: got {min_digits}, {digits}, expected 1 <= min_digits <= digits")
-        self.digits, self.min_digits = digits, min_digits
+    def __init__(self, *, digits: int = 4):
+        if not isinstance(digits, int) or not 1 <= digits <= 9:
+            raise ValueError(f"digits: got {digits!r}, expected an int in [1, 9]")
+        self.digits = digits
+        self.low = math.isqrt(10 ** (2 * digits - 1) - 1) + 1
         self.tokenizer = SpecialCharTokenizer(self.alphabet, specials=self.specials)
         self.tools = [calculator]
 
     def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
-        """``n`` samples ``{"prompt": "a*b=", "answer": str(a*b)}``; each operand's digit count is uniform."""
-        counts = torch.randint(self.min_digits, self.digits + 1, (n, 2), generator=generator)
-        low = torch.where(counts == 1, 0, 10 ** (counts - 1))
-        values = low + (torch.rand((n, 2), generator=generator, dtype=torch.float64) * (10**counts - low)).long()
+        """``n`` samples ``{"prompt": "a*b=", "answer": str(a*b)}``."""
+        values = torch.randint(self.low, 10**self.digits, (n, 2), generator=generator)
         return [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in values.tolist()]
 
     def reward(self, sample: Mapping[str, Any], text: str) -> float:

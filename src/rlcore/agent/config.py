@@ -109,7 +109,9 @@ def build_tools(cfg: MultiTurnConfig, *, base_dir: str | os.PathLike | None = No
         elif callable(obj):
             tools.append(tool(obj))
         else:
-            raise ValueError(f"rl.multi_turn.tools[{i}]: {ref!r} is a {type(obj).__name__}, expected a Tool or a function")
+            raise ValueError(
+                f"rl.multi_turn.tools[{i}]: {ref!r} is a {type(obj).__name__}, expected a Tool or a function"
+            )
     return tools
 
 

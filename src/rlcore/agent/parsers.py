@@ -7,6 +7,7 @@ A parser is any callable ``text -> ParsedCalls``. The Hermes function-calling fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Mapping
@@ -82,10 +83,8 @@ class HermesParser:
                 continue
             arguments = obj.get("arguments", {})
             if isinstance(arguments, str):  # some models emit the arguments as a JSON string
-                try:
+                with contextlib.suppress(json.JSONDecodeError):
                     arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    pass
             if not isinstance(arguments, dict):
                 errors.append(f"malformed tool call: arguments of {obj['name']!r} are not a JSON object")
                 continue

@@ -59,4 +59,7 @@ class Environment(Protocol):
 
     def step(
         self, action: str
-    ) -> tuple[Observation, float, bool, Mapping[str, Any]] | Awaitable[tuple[Observation, float, bool, Mapping[str, Any]]]: ...
+    ) -> (
+        tuple[Observation, float, bool, Mapping[str, Any]]
+        | Awaitable[tuple[Observation, float, bool, Mapping[str, Any]]]
+    ): ...

@@ -180,7 +180,9 @@ def multi_turn_rollout(
         _check("tokenizer", tokenizer, callable(getattr(tokenizer, "decode", None)), "a tokenizer, or decode=")
         decode = tokenizer.decode
     if encode_observation is None:
-        _check("tokenizer", tokenizer, callable(getattr(tokenizer, "encode", None)), "a tokenizer, or encode_observation=")
+        _check(
+            "tokenizer", tokenizer, callable(getattr(tokenizer, "encode", None)), "a tokenizer, or encode_observation="
+        )
         encode_observation = observation_encoder(tokenizer)
     device = next(model.parameters()).device
     own_runner = runner is None
@@ -203,7 +205,12 @@ def multi_turn_rollout(
             ids, attention = _left_pad([trajs[i].prompt + trajs[i].tokens for i in active], pad_token_id)
             futures: dict[int, concurrent.futures.Future] = {}
 
-            def hand_over(row: int, tokens: list[int], active: list[int] = active) -> None:
+            def hand_over(
+                row: int,
+                tokens: list[int],
+                active: list[int] = active,
+                futures: dict[int, concurrent.futures.Future] = futures,
+            ) -> None:
                 try:
                     futures[row] = run.submit(envs[active[row]].step, decode(tokens))
                 except Exception as err:  # a decode that raises fails this trajectory's step only
