@@ -457,3 +457,41 @@ def test_stage_in_a_pipeline():
     result = run_pipeline(graph, loader, num_prompts=4, n_samples=2, num_iterations=2, collect=["num_turns", "loss"])
     assert len(result.batches) == 2
     assert all(b["num_turns"].ge(1).all() for b in result.batches)
+
+
+def test_trajectory_logprobs_and_metrics(model, runner):
+    from rlcore.agent import trajectory_logprobs, trajectory_metrics
+    from rlcore.models import from_hf
+
+    prompts = [[3, 4, 5], [6], [7, 8]]
+    obs = [[[5, 5]], [[9, 9, 9], [4]], []]
+    envs = [Scripted(o) for o in obs]
+    out = multi_turn_rollout(
+        model,
+        prompts,
+        envs,
+        decode=ids_text,
+        encode_observation=list,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        stop_token_ids=[2],
+        max_turns=3,
+        max_new_tokens=5,
+        max_total_tokens=30,
+        generator=torch.Generator().manual_seed(4),
+        runner=runner,
+    )
+    apply, params = from_hf(model)
+    with torch.no_grad():
+        logp, entropy = trajectory_logprobs(apply, params, out, with_entropy=True)
+    on = out["mask"] == 1
+    torch.testing.assert_close(logp[on], out["rollout_logp"][on], atol=1e-4, rtol=0)
+    assert logp[out["responses_mask"] == 0].eq(0).all() and entropy.shape == logp.shape
+    m = trajectory_metrics(out)
+    turns = [len(e.actions) for e in envs]
+    calls = [min(t, len(o)) for t, o in zip(turns, obs)]
+    assert m["turns"] == torch.tensor(sum(turns) / 3)
+    assert m["tool_calls"] == torch.tensor(sum(calls) / 3)
+    assert m["tool_call_rate"] == torch.tensor(sum(c > 0 for c in calls) / 3)
+    observed = sum(len(t) for o, e in zip(obs, envs) for t in o[: len(e.actions) - 1])
+    torch.testing.assert_close(m["observation_tokens"], torch.tensor(observed / 3))

@@ -271,3 +271,38 @@ def test_parse_multi_turn_rejects(raw, key):
 def test_parse_multi_turn_defaults():
     assert parse_multi_turn(None) == MultiTurnConfig()
     assert parse_multi_turn({"stop_tokens": []}).stop_tokens == ()
+
+
+def _chat_tokenizer():
+    """A character-level ``transformers`` tokenizer with a Qwen-style chat template, built in memory."""
+    import tokenizers
+    import transformers
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz<>/_\n 0123456789"))
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = tokenizers.decoders.Fuse()
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"]
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tok
+
+
+def test_observation_encoder_uses_the_chat_template_role_markers():
+    from rlcore.agent import observation_encoder
+
+    tok = _chat_tokenizer()
+    encode = observation_encoder(tok)
+    expected = tok.encode("<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert encode("<tool_response>\n42\n</tool_response>") == expected
+    assert encode("ok")[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert observation_encoder(tok, role="tool")("x") == tok.encode(
+        "<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n"
+    )
+    tok.chat_template = None  # without a template: the text alone, no special tokens
+    assert observation_encoder(tok)("ab") == tok.encode("ab", add_special_tokens=False)

@@ -18,6 +18,7 @@ from rlcore.agent.calc import Multiplication, calculator, evaluate_arithmetic
 from rlcore.agent.config import MultiTurnConfig, build_env_factory, build_tools, parse_multi_turn, stop_token_ids
 from rlcore.agent.decode import Turn, sample_turn
 from rlcore.agent.logprobs import trajectory_logprobs
+from rlcore.agent.metrics import trajectory_metrics
 from rlcore.agent.observation import observation_encoder
 from rlcore.agent.parsers import HermesParser, ParsedCalls, ToolCall, ToolCallParser
 from rlcore.agent.protocols import Environment, Observation, StepResult
@@ -61,5 +62,6 @@ __all__ = [
     "stop_token_ids",
     "tool",
     "trajectory_logprobs",
+    "trajectory_metrics",
     "trajectory_rows",
 ]

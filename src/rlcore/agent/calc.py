@@ -88,7 +88,7 @@ class Multiplication:
     (True, 6, 1.0)
     """
 
-    alphabet = "0123456789*=+-{}:,\""
+    alphabet = '0123456789*=+-{}:,"'
     specials = (
         "<tool_call>",
         "</tool_call>",
