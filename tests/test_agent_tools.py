@@ -306,3 +306,16 @@ def test_observation_encoder_uses_the_chat_template_role_markers():
     )
     tok.chat_template = None  # without a template: the text alone, no special tokens
     assert observation_encoder(tok)("ab") == tok.encode("ab", add_special_tokens=False)
+
+
+def test_step_runner_close_cancels_pending_calls():
+    async def forever():
+        await asyncio.sleep(60)
+
+    runner = StepRunner(max_concurrency=2)
+    pending = [runner.submit(forever) for _ in range(3)]
+    t0 = time.perf_counter()
+    runner.close()
+    assert time.perf_counter() - t0 < 5
+    assert all(f.cancelled() or f.done() for f in pending)
+    runner.close()  # idempotent

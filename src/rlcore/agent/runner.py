@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import threading
 from collections.abc import Callable
@@ -70,10 +71,19 @@ class StepRunner:
             raise RuntimeError("StepRunner: submit after close()")
         return asyncio.run_coroutine_threadsafe(self._call(fn, args), self._loop)
 
+    async def _cancel_pending(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def close(self) -> None:
-        """Stop the loop and release the workers (a thread stuck in a sync call is left to finish alone)."""
+        """Cancel pending calls, stop the loop and release the workers (a thread stuck in a sync call is left to finish alone)."""
         if self._loop.is_closed():
             return
+        # A coroutine that ignores cancellation does not keep the loop alive.
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            asyncio.run_coroutine_threadsafe(self._cancel_pending(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
