@@ -319,3 +319,29 @@ def test_step_runner_close_cancels_pending_calls():
     assert time.perf_counter() - t0 < 5
     assert all(f.cancelled() or f.done() for f in pending)
     runner.close()  # idempotent
+
+
+def test_shipped_agent_config():
+    """configs/agent_calc_tiny.yaml: rl.multi_turn builds, the rest is a valid trainer config but for the task name."""
+    import pathlib
+
+    import yaml
+
+    from rlcore.agent import stop_token_ids
+    from rlcore.train import parse_config
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "agent_calc_tiny.yaml"
+    raw = yaml.safe_load(path.read_text())
+    mt = parse_multi_turn(raw["rl"].pop("multi_turn"))
+    task = Multiplication(digits=raw["data"].pop("digits"))
+    assert raw["data"].pop("task") == "multiplication"
+    parse_config(raw)
+    env = build_env_factory(mt, reward=task.reward, base_dir=path.parent)()
+    assert stop_token_ids(mt, task.tokenizer) == [task.tokenizer.token_id("</tool_call>")]
+    assert env.reset(task.sample(1, __import__("torch").Generator().manual_seed(0))[0]) == ""
+    trace_call = task.trace({"prompt": "1234*5678=", "answer": str(1234 * 5678)})[0][0]
+    obs = asyncio.run(env.step(trace_call))[0]
+    assert obs == f"<tool_response>{1234 * 5678}</tool_response>"
+    assert mt.max_total_tokens >= len(
+        task.warmup_batch(task.sample(64, __import__("torch").Generator()))["input_ids"][0]
+    )

@@ -115,7 +115,6 @@ def multi_turn_stage(
     if not inputs:
         raise ValueError("inputs: got no columns, expected the prompt column first")
     stops = stop_token_ids(cfg, tokenizer)
-    runner: list[StepRunner] = []
     calls = [0]
 
     def default_sample(batch: dict[str, Any], row: int) -> dict[str, Any]:
@@ -132,8 +131,6 @@ def multi_turn_stage(
     sample_of = to_sample if to_sample is not None else default_sample
 
     def rollout(batch: dict[str, Any]) -> dict[str, Any]:
-        if not runner:  # one runner for the stage's lifetime: its threads are reused across calls
-            runner.append(StepRunner(max_concurrency=cfg.max_concurrency, timeout=cfg.step_timeout))
         ids = batch[inputs[0]]
         mask = batch.get(f"{inputs[0]}_mask", torch.ones_like(ids))
         prompts = _rows(ids, mask)
@@ -145,6 +142,8 @@ def multi_turn_stage(
         samples = [sample_of(batch, row) for row in range(len(prompts))]
         was_training = model.training
         model.eval()
+        # A runner per call: its threads end with the call, nothing outlives the pipeline.
+        runner = StepRunner(max_concurrency=min(cfg.max_concurrency, max(1, len(prompts))), timeout=cfg.step_timeout)
         try:
             traj = multi_turn_rollout(
                 model,
@@ -160,9 +159,10 @@ def multi_turn_stage(
                 top_p=top_p,
                 top_k=top_k,
                 generator=generator,
-                runner=runner[0],
+                runner=runner,
             )
         finally:
+            runner.close()
             model.train(was_training)
         return trajectory_rows(traj)
 
