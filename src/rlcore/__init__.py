@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "agent",
     "algos",
     "dataflow",
     "device",
@@ -33,9 +34,10 @@ __all__ = [
 
 # Imported on first use: they pull in heavier or optional packages (hypothesis for
 # testing; transformers, YAML, plotting and process pools for models, rewards, train;
-# the dock, scheduler and collectives of dataflow and memory), none of which the maths
-# (algos, ops) needs: ``import rlcore.algos`` loads the tensor primitives only.
-_LAZY = {"dataflow", "memory", "models", "rewards", "testing", "train"}
+# the dock, scheduler and collectives of dataflow and memory; threads and the rollout
+# loop for agent), none of which the maths (algos, ops) needs: ``import rlcore.algos``
+# loads the tensor primitives only.
+_LAZY = {"agent", "dataflow", "memory", "models", "rewards", "testing", "train"}
 
 
 def __getattr__(name: str) -> Any:

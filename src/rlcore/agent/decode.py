@@ -1,0 +1,133 @@
+"""One turn of batched, KV-cached sampling that reports each row the moment it stops."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Turn", "sample_turn"]
+
+
+def _filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
+    # The truncation of rlcore.train.rollout.filter_logits (top-k, then the top-p nucleus),
+    # kept here so that this package does not import the trainer that uses it.
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class Turn(NamedTuple):
+    """The tokens one turn sampled: row ``i`` wrote ``tokens[i, :lengths[i]]``.
+
+    Fields:
+      tokens: ``[B, S]`` int64, the pad id after each row's end.
+      logp: ``[B, S]`` float32 log-probs of the sampled tokens (temperature-scaled
+        policy, before top-k / top-p), 0 after each row's end.
+      lengths: ``[B]`` int64 tokens per row.
+    """
+
+    tokens: torch.Tensor
+    logp: torch.Tensor
+    lengths: torch.Tensor
+
+
+@torch.no_grad()
+def sample_turn(
+    model: Any,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    budgets: Sequence[int],
+    *,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+    on_stop: Callable[[int, list[int]], None] | None = None,
+) -> Turn:
+    """Sample until each row emits a stop token or spends its budget; call ``on_stop(row, tokens)`` as each row stops.
+
+    The decoding steps are those of :func:`rlcore.train.rollout.generate` (one prefill,
+    then one cached token per row per step, every row drawing from the same generator
+    each step), so with the end-of-sequence id as the only stop token and equal
+    budgets the two sample the same tokens. ``on_stop`` runs on this thread between
+    steps; it is where the rollout hands a finished turn to the environment, so tool
+    calls run while the other rows keep decoding.
+
+    Args:
+      model: a ``transformers`` causal LM (``.logits`` and a KV cache).
+      ids: ``[B, L]`` left-padded context ids; attention: ``[B, L]``.
+      budgets: per-row maximum of new tokens (each >= 1).
+      stop_token_ids: ids that end a turn (kept as the turn's last token).
+      pad_token_id, temperature, top_p, top_k, generator: as in ``generate``.
+      on_stop: callback ``(row, tokens)``.
+
+    Returns:
+      a :class:`Turn`.
+    """
+    rows = ids.shape[0]
+    device = ids.device
+    if len(budgets) != rows or min(budgets, default=1) < 1:
+        raise ValueError(f"budgets: got {list(budgets)}, expected {rows} ints >= 1")
+    steps = max(budgets, default=0)
+    if rows == 0:
+        empty = torch.zeros((0, 0), dtype=torch.long, device=device)
+        return Turn(empty, empty.float(), torch.zeros(0, dtype=torch.long, device=device))
+    budget = torch.tensor(list(budgets), device=device)
+    stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+    attention = attention.to(torch.long)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    tokens = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
+    logps = torch.zeros((rows, steps), dtype=torch.float32, device=device)
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    reported = [False] * rows
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    next_position = positions[:, -1:] + 1
+    width = steps
+    for step in range(steps):
+        logits = out.logits[:, -1].float()
+        scaled = logits / temperature if temperature > 0 else logits
+        logp_all = torch.log_softmax(scaled, dim=-1)
+        if temperature == 0:
+            token = logits.argmax(-1)
+        else:
+            probs = torch.softmax(_filter_logits(scaled, top_k=top_k, top_p=top_p), dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        alive = ~done
+        token = torch.where(alive, token, pad_token_id)
+        tokens[:, step] = token
+        logps[:, step] = torch.where(alive, logp_all.gather(-1, token[:, None]).squeeze(-1), 0.0)
+        lengths += alive.to(torch.long)
+        done = done | torch.isin(token, stops) | (lengths >= budget)
+        stopped = done.tolist()  # sync-ok: the decode loop hands finished rows to the environment
+        for row, now in enumerate(stopped):
+            if now and not reported[row]:
+                reported[row] = True
+                if on_stop is not None:
+                    on_stop(row, tokens[row, : step + 1].tolist())
+        if all(stopped):
+            width = step + 1
+            break
+        attention = torch.cat([attention, torch.ones(rows, 1, dtype=attention.dtype, device=device)], dim=1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=attention,
+            position_ids=next_position,
+            use_cache=True,
+            **{cache: getattr(out, cache)},
+        )
+        next_position = next_position + 1
+    return Turn(tokens[:, :width], logps[:, :width], lengths)
