@@ -18,20 +18,22 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "algos",
+    "data",
     "dataflow",
     "device",
     "memory",
     "models",
     "ops",
     "pytree",
+    "references",
     "rewards",
     "testing",
     "train",
 ]
 
 # Imported on first use: they pull in heavier or optional packages (hypothesis for
-# testing; transformers, YAML, plotting and process pools for models, rewards, train).
-_LAZY = {"models", "rewards", "testing", "train"}
+# testing; datasets, transformers, YAML, plotting and process pools for data, models, rewards, train).
+_LAZY = {"data", "models", "references", "rewards", "testing", "train"}
 
 
 def __getattr__(name: str) -> Any:
