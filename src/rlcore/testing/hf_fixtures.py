@@ -47,7 +47,13 @@ def arithmetic_rows(n: int, *, seed: int = 0, low: int = 0, high: int = 20) -> l
     return rows
 
 
-def tiny_tokenizer(texts: Sequence[str], *, vocab_size: int = 320, chat_template: str | None = CHATML_TEMPLATE) -> Any:
+def tiny_tokenizer(
+    texts: Sequence[str],
+    *,
+    vocab_size: int = 320,
+    chat_template: str | None = CHATML_TEMPLATE,
+    pad_token: str | None = "<|endoftext|>",
+) -> Any:
     """A byte-level BPE tokenizer trained on ``texts``, with ChatML special tokens and a chat template.
 
     EOS is ``<|im_end|>`` and padding ``<|endoftext|>`` (Qwen2.5-Instruct's choices).
@@ -56,6 +62,7 @@ def tiny_tokenizer(texts: Sequence[str], *, vocab_size: int = 320, chat_template
       texts: the training text.
       vocab_size: the BPE vocabulary size (at least the 256 bytes plus the 3 special tokens).
       chat_template: a Jinja chat template, or ``None`` for a tokenizer without one.
+      pad_token: the padding token, or ``None`` for a tokenizer without one.
 
     Returns:
       A ``transformers.PreTrainedTokenizerFast``.
@@ -73,7 +80,9 @@ def tiny_tokenizer(texts: Sequence[str], *, vocab_size: int = 320, chat_template
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    if pad_token is not None:
+        out.pad_token = pad_token
     if chat_template is not None:
         out.chat_template = chat_template
     return out
@@ -94,6 +103,7 @@ def build_tiny_qwen2(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     chat_template: str | None = CHATML_TEMPLATE,
+    pad_token: str | None = "<|endoftext|>",
     with_tokenizer: bool = True,
     seed: int = 0,
 ) -> Path:
@@ -105,6 +115,7 @@ def build_tiny_qwen2(
       vocab_size: BPE vocabulary size; the model's vocabulary is the tokenizer's.
       hidden_size, num_layers, num_heads, num_kv_heads: the model's shape.
       chat_template: the tokenizer's chat template (``None``: none).
+      pad_token: the tokenizer's padding token (``None``: none).
       with_tokenizer: ``False`` writes the model alone (a directory without a tokenizer).
       seed: seed of the weights.
 
@@ -117,7 +128,10 @@ def build_tiny_qwen2(
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = tiny_tokenizer(
-        _corpus(arithmetic_rows(200)) if texts is None else texts, vocab_size=vocab_size, chat_template=chat_template
+        _corpus(arithmetic_rows(200)) if texts is None else texts,
+        vocab_size=vocab_size,
+        chat_template=chat_template,
+        pad_token=pad_token,
     )
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -166,9 +180,9 @@ def build_tiny_reward_model(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        num_labels=1,
         pad_token_id=tokenizer.pad_token_id,
     )
+    config.num_labels = 1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForSequenceClassification(config)
