@@ -185,7 +185,7 @@ def load_policy(
     tokenizer = load_tokenizer(path, what=what)
     dtype = resolve_dtype(torch_dtype, path=path)
     try:
-        model = load_causal_lm(path, dtype=dtype)
+        model: Any = load_causal_lm(path, dtype=dtype)
     except ValueError:
         raise
     except Exception as err:
