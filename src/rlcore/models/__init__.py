@@ -5,6 +5,7 @@ imported on first use.
 """
 
 from rlcore.models.attention import check_cu_seqlens, packed_causal_attention
+from rlcore.models.export import export_hf
 from rlcore.models.hf import ATTENTION_NAME, HFCausalLM, from_hf, load_causal_lm
 from rlcore.models.loading import (
     TokenIds,
@@ -14,6 +15,14 @@ from rlcore.models.loading import (
     resolve_dtype,
     token_ids,
 )
+from rlcore.models.lora import (
+    adapter_state_dict,
+    adapters_disabled,
+    apply_lora,
+    is_lora,
+    load_adapter_state_dict,
+    merged_state_dict,
+)
 from rlcore.models.preference import PREFERENCE_SIDES, preference_logps
 from rlcore.models.token_logprobs import token_logprobs
 
@@ -22,12 +31,19 @@ __all__ = [
     "PREFERENCE_SIDES",
     "HFCausalLM",
     "TokenIds",
+    "adapter_state_dict",
+    "adapters_disabled",
+    "apply_lora",
     "attention_implementation",
     "check_cu_seqlens",
+    "export_hf",
     "from_hf",
+    "is_lora",
+    "load_adapter_state_dict",
     "load_causal_lm",
     "load_policy",
     "load_tokenizer",
+    "merged_state_dict",
     "packed_causal_attention",
     "preference_logps",
     "resolve_dtype",
