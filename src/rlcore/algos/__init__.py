@@ -31,6 +31,7 @@ from rlcore.algos.kl import (
     kl_penalty,
 )
 from rlcore.algos.kto import kto_loss
+from rlcore.algos.pass_at_k import pass_at_k
 from rlcore.algos.policy_losses import (
     cispo_loss,
     gmpo_loss,
@@ -121,6 +122,7 @@ __all__: list[str] = [
     "outcome_advantages",
     "overlong_penalty",
     "overlong_shaping",
+    "pass_at_k",
     "passk_advantages",
     "ppo",
     "ppo_clip_loss",
