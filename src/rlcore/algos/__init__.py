@@ -20,6 +20,7 @@ from rlcore.algos.advantages import (
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
 from rlcore.algos.collectives import group_sum, resolve_process_group
 from rlcore.algos.dpo_recipe import DPO, PAIR_COLUMNS, dpo
+from rlcore.algos.evaluation import pass_at_k
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
     KL_ESTIMATORS,
@@ -31,7 +32,6 @@ from rlcore.algos.kl import (
     kl_penalty,
 )
 from rlcore.algos.kto import kto_loss
-from rlcore.algos.pass_at_k import pass_at_k
 from rlcore.algos.policy_losses import (
     cispo_loss,
     gmpo_loss,

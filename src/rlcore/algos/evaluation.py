@@ -1,4 +1,4 @@
-"""Pass@k estimation: the unbiased estimate of the chance that at least one of k samples is correct."""
+"""Evaluation metrics: pass@k, the unbiased estimate of the chance that at least one of k samples is correct."""
 
 from __future__ import annotations
 
