@@ -21,23 +21,25 @@ __all__ = [
     "__version__",
     "agent",
     "algos",
+    "data",
     "dataflow",
     "device",
     "memory",
     "models",
     "ops",
     "pytree",
+    "references",
     "rewards",
     "testing",
     "train",
 ]
 
 # Imported on first use: they pull in heavier or optional packages (hypothesis for
-# testing; transformers, YAML, plotting and process pools for models, rewards, train;
-# the dock, scheduler and collectives of dataflow and memory; threads and the rollout
-# loop for agent), none of which the maths (algos, ops) needs: ``import rlcore.algos``
-# loads the tensor primitives only.
-_LAZY = {"agent", "dataflow", "memory", "models", "rewards", "testing", "train"}
+# testing; datasets, transformers, YAML, plotting and process pools for data, models,
+# rewards, train; the dock, scheduler and collectives of dataflow and memory; threads
+# and the rollout loop for agent), none of which the maths (algos, ops) needs:
+# ``import rlcore.algos`` loads the tensor primitives only.
+_LAZY = {"agent", "data", "dataflow", "memory", "models", "references", "rewards", "testing", "train"}
 
 
 def __getattr__(name: str) -> Any:

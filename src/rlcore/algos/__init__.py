@@ -20,6 +20,7 @@ from rlcore.algos.advantages import (
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
 from rlcore.algos.collectives import group_sum, resolve_process_group
 from rlcore.algos.dpo_recipe import DPO, PAIR_COLUMNS, dpo
+from rlcore.algos.evaluation import pass_at_k
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
     KL_ESTIMATORS,
@@ -122,6 +123,7 @@ __all__: list[str] = [
     "outcome_advantages",
     "overlong_penalty",
     "overlong_shaping",
+    "pass_at_k",
     "passk_advantages",
     "ppo",
     "ppo_clip_loss",

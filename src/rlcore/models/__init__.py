@@ -13,7 +13,24 @@ from rlcore.models.context_parallel import (
     shard_packed,
     sharded_token_logprobs,
 )
+from rlcore.models.export import export_hf
 from rlcore.models.hf import ATTENTION_NAME, HFCausalLM, from_hf, load_causal_lm
+from rlcore.models.loading import (
+    TokenIds,
+    attention_implementation,
+    load_policy,
+    load_tokenizer,
+    resolve_dtype,
+    token_ids,
+)
+from rlcore.models.lora import (
+    adapter_state_dict,
+    adapters_disabled,
+    apply_lora,
+    is_lora,
+    load_adapter_state_dict,
+    merged_state_dict,
+)
 from rlcore.models.preference import PREFERENCE_SIDES, preference_logps
 from rlcore.models.ring_attention import ring_attention
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
@@ -22,21 +39,34 @@ from rlcore.models.ulysses import ulysses_attention
 
 __all__ = [
     "ATTENTION_NAME",
-    "PREFERENCE_SIDES",
     "CP_MODES",
+    "PREFERENCE_SIDES",
     "ContextParallelShard",
     "HFCausalLM",
     "SequenceShards",
     "ShardedLogprobs",
+    "TokenIds",
+    "adapter_state_dict",
+    "adapters_disabled",
+    "apply_lora",
+    "attention_implementation",
     "check_cu_seqlens",
+    "export_hf",
     "from_hf",
+    "is_lora",
+    "load_adapter_state_dict",
     "load_causal_lm",
+    "load_policy",
+    "load_tokenizer",
+    "merged_state_dict",
     "packed_causal_attention",
-    "preference_logps",
     "plan_sequence_shards",
+    "preference_logps",
+    "resolve_dtype",
     "ring_attention",
     "shard_packed",
     "sharded_token_logprobs",
+    "token_ids",
     "token_logprobs",
     "ulysses_attention",
 ]

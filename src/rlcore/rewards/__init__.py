@@ -1,19 +1,40 @@
 """Rewards: the ``(prompts, responses, **columns) -> tensor [B]`` protocol, rule rewards, composition, a process pool."""
 
+from rlcore.rewards.base import BaseReward
 from rlcore.rewards.compose import Weighted
 from rlcore.rewards.pool import RewardPool
 from rlcore.rewards.protocol import Reward, RewardError, evaluate, reward_name
+from rlcore.rewards.registry import (
+    REWARDS,
+    ConfiguredReward,
+    build_reward,
+    close_reward,
+    register_reward,
+    reward_metrics,
+)
+from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward, extract_answer
+from rlcore.rewards.verified_math import VerifiedMath, extract_final_answer
 
 __all__ = [
+    "REWARDS",
     "AnswerMatch",
+    "BaseReward",
+    "ConfiguredReward",
     "FormatMatch",
     "LengthReward",
     "Reward",
     "RewardError",
+    "RewardModel",
     "RewardPool",
+    "VerifiedMath",
     "Weighted",
+    "build_reward",
+    "close_reward",
     "evaluate",
     "extract_answer",
+    "extract_final_answer",
+    "register_reward",
+    "reward_metrics",
     "reward_name",
 ]

@@ -32,6 +32,7 @@ from rlcore.testing.reference.losses import (
     sapo_loss_ref,
     value_loss_ref,
 )
+from rlcore.testing.reference.metrics import pass_at_k_ref
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -120,6 +121,7 @@ __all__ = [
     "pack_ref",
     "packed_attention_ref",
     "pair_logps_ref",
+    "pass_at_k_ref",
     "passk_advantages_ref",
     "ppo_clip_loss_ref",
     "reinforce_loss_ref",

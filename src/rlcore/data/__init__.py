@@ -1,0 +1,17 @@
+"""Prompt datasets: local JSONL / Parquet / saved datasets with chat templates, and a seeded, resumable order.
+
+``datasets`` is needed only by :func:`load_prompts` / :func:`read_table` and is imported on first use.
+"""
+
+from rlcore.data.prompts import OVERLONG, PromptSet, load_prompts, read_table
+from rlcore.data.sampling import PromptDraw, epoch_permutation, sample_indices
+
+__all__ = [
+    "OVERLONG",
+    "PromptDraw",
+    "PromptSet",
+    "epoch_permutation",
+    "load_prompts",
+    "read_table",
+    "sample_indices",
+]

@@ -1,0 +1,194 @@
+"""Prompt datasets: JSONL / Parquet / saved datasets, chat templates, length limits, errors, seeded resumable order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.data import epoch_permutation, load_prompts, read_table, sample_indices
+from rlcore.testing.hf_fixtures import arithmetic_rows, tiny_tokenizer, write_prompt_files
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return arithmetic_rows(12, seed=5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(rows):
+    return tiny_tokenizer([r["prompt"] for r in rows] * 3, vocab_size=290)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_parquet_and_saved_dataset_agree(tmp_path, rows):
+    import datasets
+
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "p.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "saved_dict"))
+    sources = [
+        _write_jsonl(tmp_path / "p.jsonl", rows),
+        tmp_path / "p.parquet",
+        tmp_path / "saved",
+        tmp_path / "saved_dict",
+    ]
+    loaded = [load_prompts(s) for s in sources]
+    for data in loaded:
+        assert data.prompts == tuple(r["prompt"] for r in rows)
+        assert data.texts == data.prompts  # no tokenizer: no template
+        assert data.prompt_ids is None
+        assert data.reward_columns([3, 0]) == {
+            "answers": [rows[3]["answer"], rows[0]["answer"]],
+            "a": [rows[3]["a"], rows[0]["a"]],
+            "b": [rows[3]["b"], rows[0]["b"]],
+        }
+
+
+def test_answer_key_none_and_other_keys(tmp_path, rows):
+    path = _write_jsonl(tmp_path / "q.jsonl", [{"question": r["prompt"], "sol": r["answer"]} for r in rows])
+    data = load_prompts(path, prompt_key="question", answer_key="sol")
+    assert data.columns["answers"] == tuple(r["answer"] for r in rows)
+    assert set(data.columns) == {"answers"}
+    assert set(load_prompts(path, prompt_key="question", answer_key=None).columns) == {"sol"}
+
+
+def test_chat_template_applied_when_present(tmp_path, rows, tokenizer):
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    data = load_prompts(path, tokenizer=tokenizer)
+    expected = f"<|im_start|>user\n{rows[0]['prompt']}<|im_end|>\n<|im_start|>assistant\n"
+    assert data.texts[0] == expected
+    assert list(data.prompt_ids[0]) == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert data.prompts[0] == rows[0]["prompt"]  # rewards see the user's prompt
+    plain = load_prompts(path, tokenizer=tokenizer, apply_chat_template=False)
+    assert plain.texts[0] == rows[0]["prompt"]
+    system = load_prompts(path, tokenizer=tokenizer, system_prompt="Be brief.")
+    assert system.texts[0].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+
+
+def test_messages_prompts(tmp_path, tokenizer):
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    path = _write_jsonl(tmp_path / "m.jsonl", [{"prompt": chat, "answer": "1"}])
+    data = load_prompts(path, tokenizer=tokenizer)
+    assert data.texts[0] == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match=r"prompt_key: row 0 .* holds list"):
+        load_prompts(path)
+
+
+def test_no_template_tokenizer(tmp_path, rows):
+    bare = tiny_tokenizer([r["prompt"] for r in rows], vocab_size=280, chat_template=None)
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    assert load_prompts(path, tokenizer=bare).texts[0] == rows[0]["prompt"]
+    with pytest.raises(ValueError, match="apply_chat_template: got True, but the tokenizer has no chat template"):
+        load_prompts(path, tokenizer=bare, apply_chat_template=True)
+
+
+def test_max_prompt_length_drop_truncate_error(tmp_path, tokenizer):
+    rows = [{"prompt": "1 + 1?", "answer": "2"}, {"prompt": "What is 12 + 13 + 14 + 15 + 16?", "answer": "70"}]
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    lengths = [len(ids) for ids in load_prompts(path, tokenizer=tokenizer).prompt_ids]
+    limit = (lengths[0] + lengths[1]) // 2
+    assert lengths[0] <= limit < lengths[1]
+
+    dropped = load_prompts(path, tokenizer=tokenizer, max_prompt_length=limit)
+    assert (dropped.num_dropped, dropped.num_truncated, len(dropped)) == (1, 0, 1)
+    assert dropped.columns["answers"] == ("2",)
+
+    full = load_prompts(path, tokenizer=tokenizer).prompt_ids[1]
+    left = load_prompts(path, tokenizer=tokenizer, max_prompt_length=limit, overlong="truncate_left")
+    assert (left.num_dropped, left.num_truncated, len(left)) == (0, 1, 2)
+    assert left.prompt_ids[1] == full[-limit:]
+    assert left.texts[1].endswith("<|im_start|>assistant\n")  # the generation prompt survives
+    right = load_prompts(path, tokenizer=tokenizer, max_prompt_length=limit, overlong="truncate_right")
+    assert right.prompt_ids[1] == full[:limit]
+
+    with pytest.raises(ValueError, match=r"max_prompt_length: 1 prompts of .*p\.jsonl.* row 1"):
+        load_prompts(path, tokenizer=tokenizer, max_prompt_length=limit, overlong="error")
+    with pytest.raises(ValueError, match="max_prompt_length: all 2 prompts"):
+        load_prompts(path, tokenizer=tokenizer, max_prompt_length=1)
+    with pytest.raises(ValueError, match="max_prompt_length: counts tokens"):
+        load_prompts(path, max_prompt_length=4)
+    with pytest.raises(ValueError, match="overlong: got 'cut'"):
+        load_prompts(path, tokenizer=tokenizer, overlong="cut")
+
+
+def test_errors_are_one_line_and_name_the_thing(tmp_path, rows):
+    import datasets
+
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    cases = [
+        (lambda: load_prompts(tmp_path / "nope.jsonl"), r"data\.path: got '.*nope\.jsonl', which does not exist"),
+        (lambda: load_prompts(path, prompt_key="question"), r"prompt_key: column 'question' is not in '.*p\.jsonl'"),
+        (lambda: load_prompts(path, answer_key="solution"), r"answer_key: column 'solution' is not in '.*p\.jsonl'"),
+        (lambda: load_prompts((tmp_path / "e.jsonl").open("w").close() or tmp_path / "e.jsonl"), "is empty"),
+        (lambda: load_prompts(tmp_path / "p.txt"), "expected a file ending in"),
+        (lambda: read_table(tmp_path / "bad.jsonl", what="data.val_path"), r"data\.val_path: reading .* failed with"),
+    ]
+    (tmp_path / "p.txt").write_text("x")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{not json\n')
+    datasets.Dataset.from_dict({"prompt": [], "answer": []}).save_to_disk(str(tmp_path / "empty_saved"))
+    cases.append((lambda: load_prompts(tmp_path / "empty_saved"), "is empty, expected at least one prompt"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    cases.append((lambda: load_prompts(tmp_path / "dd"), r"holds splits \['test'\], expected one named 'train'"))
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern) as info:
+            call()
+        assert "\n" not in str(info.value), str(info.value)
+
+
+def test_fixture_files_load(tmp_path):
+    train, val = write_prompt_files(tmp_path, num_train=30, num_val=5)
+    assert len(load_prompts(train)) == 30
+    assert len(load_prompts(val)) == 5
+
+
+@settings(max_examples=30)
+@given(
+    n=st.integers(1, 9),
+    seed=st.integers(0, 2**40),
+    start=st.integers(0, 30),
+    cuts=st.lists(st.integers(0, 12), max_size=4),
+    shuffle=st.booleans(),
+)
+def test_sample_indices_is_resumable_and_a_permutation_per_epoch(n, seed, start, cuts, shuffle):
+    total = sum(cuts)
+    whole = sample_indices(n, total, seed=seed, position=start, shuffle=shuffle)
+    # the definition, position by position
+    assert whole.indices == [
+        epoch_permutation(n, seed=seed, epoch=p // n, shuffle=shuffle)[p % n] for p in range(start, start + total)
+    ]
+    assert whole.epochs == [p // n for p in range(start, start + total)]
+    # drawing in pieces, resuming from next_position each time, gives the same prompts
+    pieces, position = [], start
+    for c in cuts:
+        draw = sample_indices(n, c, seed=seed, position=position, shuffle=shuffle)
+        pieces += draw.indices
+        position = draw.next_position
+    assert pieces == whole.indices and position == start + total
+    for epoch in range(3):
+        assert sorted(epoch_permutation(n, seed=seed, epoch=epoch, shuffle=shuffle)) == list(range(n))
+
+
+def test_epochs_and_seeds_shuffle_differently():
+    orders = {tuple(epoch_permutation(50, seed=s, epoch=e)) for s in range(3) for e in range(3)}
+    assert len(orders) == 9
+    assert epoch_permutation(50, seed=1, epoch=2) == epoch_permutation(50, seed=1, epoch=2)
+
+
+def test_sample_indices_rejects_bad_input():
+    for kwargs, pattern in [
+        (dict(num_prompts=0, count=1, seed=0, position=0), "num_prompts: got 0"),
+        (dict(num_prompts=3, count=-1, seed=0, position=0), "count: got -1"),
+        (dict(num_prompts=3, count=1, seed=-2, position=0), "seed: got -2"),
+        (dict(num_prompts=3, count=1, seed=0, position=True), "position: got True"),
+    ]:
+        with pytest.raises(ValueError, match=pattern):
+            sample_indices(**kwargs)

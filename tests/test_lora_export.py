@@ -1,0 +1,146 @@
+"""LoRA through peft (adapters only trainable, reference = adapters off, merged weights, adapter checkpoints) and HF export."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from rlcore.models import (
+    adapter_state_dict,
+    adapters_disabled,
+    apply_lora,
+    export_hf,
+    from_hf,
+    load_adapter_state_dict,
+    load_policy,
+    merged_state_dict,
+)
+from rlcore.testing.hf_fixtures import build_tiny_qwen2
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("qwen2"), seed=3)
+
+
+def _lora(model_dir, *, r=4, seed=0):
+    base, tokenizer = load_policy(model_dir)
+    original = copy.deepcopy(base)
+    model = apply_lora(base, r=r, alpha=8, target_modules=TARGETS)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # as after some training: B starts at 0
+                p.normal_(0, 0.5)
+    return model, original, tokenizer
+
+
+def _logp(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=ids).logits.double(), dim=-1)
+
+
+def test_only_adapters_train_and_their_count_is_r_times_in_plus_out(model_dir):
+    model, original, _ = _lora(model_dir)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    expected = sum(
+        4 * (m.in_features + m.out_features)
+        for name, m in original.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS
+    )
+    assert sum(p.numel() for p in trainable.values()) == expected
+
+
+def test_reference_logprobs_are_the_base_models(model_dir):
+    model, original, _ = _lora(model_dir)
+    ids = torch.randint(0, original.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with adapters_disabled(model):
+        ref = _logp(model, ids)
+    torch.testing.assert_close(ref, _logp(original, ids), atol=1e-6, rtol=0)
+    assert (_logp(model, ids) - ref).abs().max() > 1e-3  # the adapters are on again outside the block
+
+
+def test_merged_weights_reproduce_the_adapted_model_and_carry_gradients(model_dir):
+    model, original, _ = _lora(model_dir)
+    ids = torch.randint(0, original.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        merged = merged_state_dict(model)
+    assert set(merged) == set(original.state_dict())
+    rollout = copy.deepcopy(original)
+    rollout.load_state_dict(merged)
+    torch.testing.assert_close(_logp(rollout, ids), _logp(model, ids), atol=1e-5, rtol=0)
+    with adapters_disabled(model), torch.no_grad():
+        for name, value in merged_state_dict(model).items():
+            assert torch.equal(value, original.state_dict()[name]), name
+
+    # the packed functional forward on merged weights trains the adapters
+    apply, _ = from_hf(original)
+    params = merged_state_dict(model)
+    n = ids.shape[1]
+    hidden = apply(params, ids[0], position_ids=torch.arange(n), cu_seqlens=torch.tensor([0, n], dtype=torch.int32))
+    logits = hidden @ apply.output_weight(params).T
+    torch.testing.assert_close(torch.log_softmax(logits.double(), -1), _logp(model, ids)[0], atol=1e-5, rtol=0)
+    logits.square().mean().backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_adapter_checkpoint_is_small_and_round_trips(model_dir):
+    model, original, _ = _lora(model_dir)
+    state = adapter_state_dict(model)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    full_bytes = sum(t.numel() * t.element_size() for t in original.state_dict().values())
+    assert adapter_bytes < 0.1 * full_bytes, (adapter_bytes, full_bytes)
+    fresh, _, _ = _lora(model_dir, seed=9)
+    load_adapter_state_dict(fresh, state)
+    ids = torch.randint(0, original.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logp(fresh, ids), _logp(model, ids), atol=1e-6, rtol=0)
+
+
+def test_apply_lora_rejects_bad_settings(model_dir):
+    base, _ = load_policy(model_dir)
+    with pytest.raises(ValueError, match=r"model\.lora\.r: got 0"):
+        apply_lora(base, r=0)
+    with pytest.raises(ValueError, match=r"model\.lora\.dropout: got 1\.5"):
+        apply_lora(base, dropout=1.5)
+    with pytest.raises(ValueError, match=r"model\.lora\.target_modules: got \['nope_proj'\]"):
+        apply_lora(base, target_modules=["nope_proj"])
+    with pytest.raises(ValueError, match="expected a peft.PeftModel"):
+        merged_state_dict(base)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_export_loads_with_transformers_and_generates(tmp_path, model_dir, lora):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if lora:
+        model, _, tokenizer = _lora(model_dir)
+    else:
+        model, tokenizer = load_policy(model_dir)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.5)  # as after training
+    out = export_hf(model, tmp_path / "export", tokenizer=tokenizer)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tok.chat_template == tokenizer.chat_template
+    assert "lora" not in " ".join(n for n, _ in loaded.named_parameters())
+    ids = torch.tensor(
+        [
+            tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True)[
+                "input_ids"
+            ]
+        ]
+    )
+    torch.testing.assert_close(_logp(loaded, ids), _logp(model, ids), atol=1e-5, rtol=0)
+    generated = loaded.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert generated.shape[1] > ids.shape[1]
+    half = export_hf(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert next(AutoModelForCausalLM.from_pretrained(half, dtype="auto").parameters()).dtype == torch.bfloat16
+    assert math.isfinite(float(_logp(loaded, ids).sum()))

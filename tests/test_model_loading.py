@@ -1,0 +1,93 @@
+"""Policy and tokenizer from a local Hugging Face directory: dtype names, attention fallback, special ids, errors."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from rlcore.models import attention_implementation, load_policy, load_tokenizer, resolve_dtype, token_ids
+from rlcore.testing.hf_fixtures import build_tiny_qwen2, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("qwen2"))
+
+
+def test_load_policy_and_tokenizer(model_dir):
+    model, tokenizer = load_policy(model_dir, torch_dtype="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == "sdpa"
+    assert tokenizer.chat_template
+    ids = token_ids(tokenizer, generation_config=model.generation_config)
+    assert ids.eos == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids.pad == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert ids.stop == (ids.eos,)
+    # the loaded weights are the saved ones
+    from safetensors.torch import load_file
+
+    saved = load_file(str(model_dir / "model.safetensors"))
+    loaded, _ = load_policy(model_dir, torch_dtype=torch.float32)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, saved[name]), name
+    auto, _ = load_policy(model_dir, torch_dtype="auto")
+    assert next(auto.parameters()).dtype == torch.float32
+
+
+def test_flash_attention_falls_back_to_sdpa_with_a_warning(model_dir):
+    with pytest.warns(UserWarning, match="use_flash_attention: .*using SDPA attention instead"):
+        model, _ = load_policy(model_dir, use_flash_attention=True, device="cpu")
+    assert model.config._attn_implementation == "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert attention_implementation(False, device="cpu") == "sdpa"
+
+
+def test_pad_falls_back_to_eos_and_generation_config_adds_stop_ids(tmp_path):
+    # a tokenizer directory without a model config: transformers keeps the tokenizer's own (absent) pad
+    tiny_tokenizer(["1 + 2 = 3"], vocab_size=270, pad_token=None).save_pretrained(tmp_path / "nopad")
+    tokenizer = load_tokenizer(tmp_path / "nopad")
+    ids = token_ids(tokenizer)
+    assert ids.pad == ids.eos == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig(eos_token_id=[ids.eos, 0])
+    assert token_ids(tokenizer, generation_config=generation).stop == (ids.eos, 0)
+
+
+def test_resolve_dtype():
+    table = {"bf16": torch.bfloat16, "BFloat16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}
+    for name, dtype in table.items():
+        assert resolve_dtype(name) is dtype
+    assert resolve_dtype(torch.float16) is torch.float16
+    assert resolve_dtype("auto") is torch.float32
+    with pytest.raises(ValueError, match="torch_dtype: got 'int8'"):
+        resolve_dtype("int8")
+    with pytest.raises(ValueError, match="torch_dtype: got torch.int64"):
+        resolve_dtype(torch.int64)
+
+
+def test_errors_name_the_setting_and_the_directory(tmp_path, model_dir):
+    no_tok = tmp_path / "no_tokenizer"
+    shutil.copytree(model_dir, no_tok)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (no_tok / name).unlink(missing_ok=True)
+    grown = tmp_path / "grown_tokenizer"
+    shutil.copytree(model_dir, grown)
+    tokenizer = load_tokenizer(grown)
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(5)])
+    tokenizer.save_pretrained(grown)
+    cases = [
+        (lambda: load_policy(no_tok), r"model\.model_name_or_path: '.*no_tokenizer' has no tokenizer"),
+        (lambda: load_tokenizer(tmp_path / "absent"), r"model\.model_name_or_path: got '.*absent', expected a local"),
+        (lambda: load_policy("Qwen/Qwen2.5-7B-Instruct"), r"got 'Qwen/Qwen2\.5-7B-Instruct', expected a local model"),
+        (lambda: load_policy(grown), r"'.*grown_tokenizer' has 325 tokens, more than the model's 320 embeddings"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern) as info:
+            call()
+        assert "\n" not in str(info.value)
