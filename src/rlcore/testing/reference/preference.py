@@ -30,11 +30,19 @@ __all__ = [
 
 
 def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x))
+    # Both branches exponentiate a non-positive number: no overflow for any finite x.
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
+
+
+def _log_sigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
 def _cdpo(x: float, eps: float) -> float:
-    return -(1.0 - eps) * math.log(_sigmoid(x)) - eps * math.log(_sigmoid(-x))
+    return -(1.0 - eps) * _log_sigmoid(x) - eps * _log_sigmoid(-x)
 
 
 def _floats(*tensors: torch.Tensor) -> list[list[float]]:
@@ -107,7 +115,7 @@ def _pair_ref(loss_type: str, sc: float, sr: float, beta: float, eps: float, tau
     if loss_type == "sigmoid":  # DPO eq. 7; cDPO for eps > 0
         return _cdpo(x, eps)
     if loss_type == "robust":  # rDPO, arXiv:2403.00409 eq. 8
-        return ((1 - eps) * -math.log(_sigmoid(x)) - eps * -math.log(_sigmoid(-x))) / (1 - 2 * eps)
+        return ((1 - eps) * -_log_sigmoid(x) - eps * -_log_sigmoid(-x)) / (1 - 2 * eps)
     if loss_type == "hinge":
         return max(0.0, 1.0 - x)
     if loss_type == "ipo":  # IPO eq. 17
@@ -118,10 +126,10 @@ def _pair_ref(loss_type: str, sc: float, sr: float, beta: float, eps: float, tau
         return sum(qi * math.log(qi / pi) for qi, pi in zip(q, p) if qi > 0)
     if loss_type == "nca_pair":
         cr, rr = beta * sc, beta * sr
-        return -math.log(_sigmoid(cr)) - 0.5 * (math.log(_sigmoid(-cr)) + math.log(_sigmoid(-rr)))
+        return -_log_sigmoid(cr) - 0.5 * (_log_sigmoid(-cr) + _log_sigmoid(-rr))
     if loss_type == "bco_pair":
         assert delta is not None
-        return -math.log(_sigmoid(beta * sc - delta)) - math.log(_sigmoid(-(beta * sr - delta)))
+        return -_log_sigmoid(beta * sc - delta) - _log_sigmoid(-(beta * sr - delta))
     if loss_type == "sppo_hard":  # SPPO eq. 4.7 with P(y_w > y_l) = 1
         return (sc - 0.5 / beta) ** 2 + (sr + 0.5 / beta) ** 2
     if loss_type == "apo_zero":  # APO eq. 7
@@ -130,7 +138,7 @@ def _pair_ref(loss_type: str, sc: float, sr: float, beta: float, eps: float, tau
         return _sigmoid(beta * sc) + 1.0 - _sigmoid(x)
     if loss_type == "discopop":  # DiscoPOP eq. 5 (log-ratio modulated loss)
         m = _sigmoid(x / tau)
-        return (1.0 - m) * -math.log(_sigmoid(x)) + m * math.exp(-x)
+        return (1.0 - m) * -_log_sigmoid(x) + m * math.exp(-x)
     raise ValueError(f"loss_type: got {loss_type!r}")
 
 
@@ -172,7 +180,7 @@ def orpo_loss_ref(
         odds_l = math.exp(r) / (1.0 - math.exp(r))
         ratio = math.log(odds_w / odds_l)
         ratios.append(ratio)
-        losses.append(n - lam * math.log(_sigmoid(ratio)))
+        losses.append(n - lam * _log_sigmoid(ratio))
     return _t(losses), _t(ratios)
 
 
