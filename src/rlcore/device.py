@@ -1,7 +1,7 @@
 """Backend detection and device facts: NPU -> CUDA -> CPU, through ``torch.accelerator``.
 
 torch-npu is never imported at module top level. It is touched in exactly one
-place, :func:`_import_torch_npu`, so ``import rlcore`` works on machines where
+place, :func:`import_torch_npu`, so ``import rlcore`` works on machines where
 torch-npu is installed but the Ascend toolkit (CANN) is missing, which makes
 ``import torch_npu`` itself raise.
 """
@@ -26,6 +26,7 @@ __all__ = [
     "device_kind",
     "empty_cache",
     "get_device",
+    "import_torch_npu",
     "memory_stats",
     "npu_available",
     "reset_peak_memory_stats",
@@ -39,7 +40,7 @@ _BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
 # --- NPU-only: the single place that imports torch_npu ----------------------------
 @functools.cache
-def _import_torch_npu() -> tuple[types.ModuleType | None, str | None]:
+def import_torch_npu() -> tuple[types.ModuleType | None, str | None]:
     """Import torch_npu once. Returns ``(module, None)`` or ``(None, reason)``."""
     if importlib.util.find_spec("torch_npu") is None:
         return None, "torch-npu is not installed (pip install 'rlcore[npu]' with the torch-npu matching your torch)"
@@ -55,7 +56,7 @@ def _import_torch_npu() -> tuple[types.ModuleType | None, str | None]:
 
 
 def _npu_state() -> tuple[bool, str | None]:
-    module, reason = _import_torch_npu()
+    module, reason = import_torch_npu()
     if module is None:
         return False, reason
     npu = getattr(torch, "npu", None)

@@ -2,7 +2,7 @@
 
 from rlcore.dataflow.deploy import RolloutWorker, colocate
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, shard_samples
-from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse
+from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse, flatten_rows, unflatten_rows
 from rlcore.dataflow.layout import (
     MESH_DIMS,
     Layout,
@@ -21,6 +21,7 @@ from rlcore.dataflow.reshard import (
     ReshardPlan,
     allocate_buckets,
     bucket_views,
+    check_reshard_params,
     plan_fingerprint,
     plan_reshard,
     reshard,
@@ -64,11 +65,13 @@ __all__: list[str] = [
     "allocate_buckets",
     "balanced_partition",
     "bucket_views",
+    "check_reshard_params",
     "colocate",
     "critical_path_bound",
     "decoder_layout",
     "decoder_param_meta",
     "fit_costs",
+    "flatten_rows",
     "infer_dp",
     "load_into",
     "pack",
@@ -83,6 +86,7 @@ __all__: list[str] = [
     "shift_labels",
     "simulate",
     "stage",
+    "unflatten_rows",
     "unpack",
     "unpack_weights",
 ]

@@ -36,7 +36,14 @@ import torch
 from rlcore._checks import check_choice, check_ndim, check_positive
 from rlcore.dataflow.packing import pack
 
-__all__ = ["BALANCE_MODES", "DockController", "TransferDock", "Warehouse"]
+__all__ = [
+    "BALANCE_MODES",
+    "DockController",
+    "TransferDock",
+    "Warehouse",
+    "flatten_rows",
+    "unflatten_rows",
+]
 
 BALANCE_MODES = ("random", "tokens", "fifo")
 
@@ -696,15 +703,15 @@ class Warehouse:
                     store[i] = row
 
     def put_flat(self, columns: Mapping[str, tuple[torch.Tensor, list[int] | None]], indexes: torch.Tensor) -> None:
-        """:meth:`put` for rows sent as one ``(flat, lengths)`` pair per column (see :func:`_flatten_rows`)."""
-        self.put({c: _unflatten_rows(flat, lengths) for c, (flat, lengths) in columns.items()}, indexes)
+        """:meth:`put` for rows sent as one ``(flat, lengths)`` pair per column (see :func:`flatten_rows`)."""
+        self.put({c: unflatten_rows(flat, lengths) for c, (flat, lengths) in columns.items()}, indexes)
 
     def get(self, columns: Sequence[str], indexes: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int] | None]]:
-        """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`_flatten_rows`."""
+        """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`flatten_rows`."""
         local = (indexes - self.start).tolist()
         with self._lock:
             rows = {c: [self._data[c][i] for i in local] for c in columns}
-        return {c: _flatten_rows(values) for c, values in rows.items()}
+        return {c: flatten_rows(values) for c, values in rows.items()}
 
     def clear(self, cleared: torch.Tensor, kept: torch.Tensor, keep: Sequence[str]) -> None:
         """Drop every column of ``cleared`` rows and all but ``keep`` of ``kept`` rows."""
@@ -716,7 +723,7 @@ class Warehouse:
                     store[i] = None
 
 
-def _flatten_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
+def flatten_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
     """Rows as one tensor: 0-d rows stacked (lengths None), others concatenated along dim 0 with their lengths.
 
     One tensor per column crosses a process boundary far faster than one per row.
@@ -726,8 +733,8 @@ def _flatten_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | N
     return torch.cat(rows), [row.shape[0] for row in rows]
 
 
-def _unflatten_rows(flat: torch.Tensor, lengths: list[int] | None) -> list[torch.Tensor]:
-    """Inverse of :func:`_flatten_rows`."""
+def unflatten_rows(flat: torch.Tensor, lengths: list[int] | None) -> list[torch.Tensor]:
+    """Inverse of :func:`flatten_rows`."""
     return list(flat.unbind(0) if lengths is None else flat.split(lengths))
 
 

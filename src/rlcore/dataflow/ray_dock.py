@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rlcore.dataflow.dock import DockController, TransferDock, Warehouse, _flatten_rows
+from rlcore.dataflow.dock import DockController, TransferDock, Warehouse, flatten_rows
 
 __all__ = ["DockHost", "RayTransferDock"]
 
@@ -193,7 +193,7 @@ class RayTransferDock(TransferDock):
         self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor
     ) -> tuple[Any, str, tuple[Any, ...]]:
         # Across processes, send one flat tensor per column rather than one per row.
-        return self.warehouses[w], "put_flat", ({c: _flatten_rows(v) for c, v in rows.items()}, indexes)
+        return self.warehouses[w], "put_flat", ({c: flatten_rows(v) for c, v in rows.items()}, indexes)
 
     def _call(self, target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         host, key = target

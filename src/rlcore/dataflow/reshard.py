@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from rlcore._checks import check_positive
-from rlcore.dataflow.layout import Layout, _shape
+from rlcore.dataflow.layout import Layout
 
 __all__ = [
     "Bucket",
@@ -44,6 +44,7 @@ __all__ = [
     "ReshardPlan",
     "allocate_buckets",
     "bucket_views",
+    "check_reshard_params",
     "plan_fingerprint",
     "plan_reshard",
     "reshard",
@@ -203,7 +204,9 @@ def plan_reshard(
     """
     check_positive("bucket_bytes", bucket_bytes)
     _check_pair(param_meta, src_layout, dst_layout)
-    params = {n: _moves(n, _shape(m), m.dtype, src_layout, dst_layout) for n, m in param_meta.items()}
+    params = {
+        n: _moves(n, tuple(int(s) for s in m.shape), m.dtype, src_layout, dst_layout) for n, m in param_meta.items()
+    }
     buckets: list[Bucket] = []
     cur: list[ParamMove] = []
 
@@ -304,7 +307,7 @@ def _all_to_all(x: torch.Tensor, mesh: Any, move: Move, plan: ReshardPlan, rank:
     return out.view(shape)
 
 
-def _check_params(params: Mapping[str, torch.Tensor], plan: ReshardPlan, rank: int, names: Any) -> None:
+def check_reshard_params(params: Mapping[str, torch.Tensor], plan: ReshardPlan, rank: int, names: Any) -> None:
     """Reject a mismatch before any collective starts, so bad input moves nothing."""
     for name in names:
         pm = plan.params[name]
@@ -438,7 +441,7 @@ def _checked_bucket(
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"out: got {type(out).__name__}, expected the bucket's flat buffer (allocate_buckets)")
         views = bucket_views(plan, index, out)
-        _check_params(params, plan, rank, views)
+        check_reshard_params(params, plan, rank, views)
     except ValueError as err:
         local = err
     _agree(plan, index if isinstance(index, int) else -1, _device(params, out), local)
@@ -516,7 +519,7 @@ def reshard(
             if not isinstance(buf, torch.Tensor):
                 raise ValueError(f"out[{i}]: got {type(buf).__name__}, expected a flat tensor (allocate_buckets)")
             bucket_views(plan, i, buf)
-        _check_params(params, plan, rank, plan.params)
+        check_reshard_params(params, plan, rank, plan.params)
     except ValueError as err:
         local = err
     # One agreement for the whole plan; the buckets then run without further checks.

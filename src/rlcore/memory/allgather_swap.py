@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rlcore.dataflow.reshard import ReshardPlan, _check_params, reshard_bucket
+from rlcore.dataflow.reshard import ReshardPlan, check_reshard_params, reshard_bucket
 from rlcore.memory.plan import MemoryPlan, colocated_plan
 from rlcore.memory.swap import SwapHandle, offload, reload
 
@@ -138,7 +138,7 @@ def enter_rollout(state: TrainState, plan: AllGatherSwapPlan) -> RolloutState:
     """
     import torch.distributed as dist
 
-    _check_params(state.params, plan.reshard, dist.get_rank(), plan.reshard.params)
+    check_reshard_params(state.params, plan.reshard, dist.get_rank(), plan.reshard.params)
     steps = plan.memory.transition("train", "rollout").steps
     _check_steps(
         steps,

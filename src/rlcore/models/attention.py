@@ -26,9 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from rlcore._checks import check_integer, check_ndim, check_tensor
-from rlcore.device import _import_torch_npu
+from rlcore.device import import_torch_npu
 
-__all__ = ["check_cu_seqlens", "packed_causal_attention"]
+__all__ = [
+    "attend_packed",
+    "check_cu_seqlens",
+    "packed_causal_attention",
+]
 
 # The compressed causal mask npu_fusion_attention requires with sparse_mode=3.
 _NPU_MASK_SIZE = 2048
@@ -163,7 +167,7 @@ def _cuda(
 
 def _npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float) -> torch.Tensor:
     # Ascend NPU only; not run by the CPU test suite.
-    torch_npu, reason = _import_torch_npu()
+    torch_npu, reason = import_torch_npu()
     if torch_npu is None:
         raise RuntimeError(f"packed attention on an NPU tensor needs torch-npu: {reason}")
     mask = torch.triu(torch.ones(_NPU_MASK_SIZE, _NPU_MASK_SIZE, dtype=torch.bool, device=q.device), diagonal=1)
@@ -228,10 +232,10 @@ def packed_causal_attention(
             f"with Hkv dividing {hq} (the query heads)"
         )
     bounds = check_cu_seqlens(cu_seqlens, n)
-    return _attend(query, key, value, cu_seqlens, max_seqlen, bounds, d**-0.5 if scale is None else scale)
+    return attend_packed(query, key, value, cu_seqlens, max_seqlen, bounds, d**-0.5 if scale is None else scale)
 
 
-def _attend(
+def attend_packed(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

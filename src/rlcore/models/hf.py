@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from rlcore._checks import check_integer, check_ndim, check_same_shape
-from rlcore.models.attention import _attend, check_cu_seqlens
+from rlcore.models.attention import attend_packed, check_cu_seqlens
 from rlcore.models.context_parallel import ContextParallelShard
 
 __all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf", "load_causal_lm"]
@@ -65,7 +65,7 @@ def _hf_attention(
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         return packing.attend(q, k, v, scale=scale).unsqueeze(0), None
     cu_seqlens, max_seqlen, bounds = packing
-    out = _attend(
+    out = attend_packed(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
