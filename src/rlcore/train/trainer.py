@@ -732,7 +732,9 @@ def train(
     world = _World(device)
     check_launch(cfg if engine is None else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), world.size)
     if engine is not None and rl.multi_turn is not None:
-        raise ValueError("engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)")
+        raise ValueError(
+            "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
+        )
     task = make_task(cfg.data.task, **_task_options(cfg))
     torch.manual_seed(tr.seed)
     # Model building: the one place to shard the models (FSDP2, tensor parallel).
