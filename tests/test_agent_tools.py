@@ -322,7 +322,7 @@ def test_step_runner_close_cancels_pending_calls():
 
 
 def test_shipped_agent_config():
-    """configs/agent_calc_tiny.yaml: rl.multi_turn builds, the rest is a valid trainer config but for the task name."""
+    """configs/agent_calc_tiny.yaml: a trainer config whose rl.multi_turn builds the calculator environment."""
     import pathlib
 
     import yaml
@@ -331,11 +331,10 @@ def test_shipped_agent_config():
     from rlcore.train import parse_config
 
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "agent_calc_tiny.yaml"
-    raw = yaml.safe_load(path.read_text())
-    mt = parse_multi_turn(raw["rl"].pop("multi_turn"))
-    task = Multiplication(digits=raw["data"].pop("digits"))
-    assert raw["data"].pop("task") == "multiplication"
-    parse_config(raw)
+    cfg = parse_config(yaml.safe_load(path.read_text()))
+    mt = parse_multi_turn(cfg.rl.multi_turn)
+    task = Multiplication(digits=cfg.data.digits)
+    assert cfg.data.task == "multiplication"
     env = build_env_factory(mt, reward=task.reward, base_dir=path.parent)()
     assert stop_token_ids(mt, task.tokenizer) == [task.tokenizer.token_id("</tool_call>")]
     assert env.reset(task.sample(1, __import__("torch").Generator().manual_seed(0))[0]) == ""

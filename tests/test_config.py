@@ -77,8 +77,6 @@ def test_seed_example_with_hub_name_is_refused():
 
 def test_shipped_configs_load():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
-        if "multi_turn" in (yaml.safe_load(path.read_text()).get("rl") or {}):
-            continue  # agent configs: tests/test_agent_tools.py validates them until the trainer reads rl.multi_turn
         cfg = load_config(path)
         check_launch(cfg, cfg.parallel.data_parallel)
 

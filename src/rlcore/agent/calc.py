@@ -57,9 +57,13 @@ def evaluate_arithmetic(expression: str) -> int:
     return ev(tree)
 
 
+def _calculate(expression: str) -> str:
+    return str(evaluate_arithmetic(expression))
+
+
 calculator = Tool(
     name="calculator",
-    fn=lambda expression: str(evaluate_arithmetic(expression)),
+    fn=_calculate,  # module level: the task pickles (reward worker processes)
     description="Evaluate an integer arithmetic expression with + - *.",
     parameters={
         "type": "object",

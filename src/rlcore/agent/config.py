@@ -35,6 +35,10 @@ class MultiTurnConfig:
       step_timeout: seconds per environment call (reset or step).
       max_concurrency: environment calls in flight at once.
       stop_tokens: strings (single tokens of the tokenizer) that end a turn besides ``<eos>``.
+      eval_every: the trainer's greedy evaluation: every ``eval_every`` steps (and at the
+        last step) a temperature-0 rollout on a fixed set of the task's prompts is
+        logged as ``greedy_accuracy``; 0: none.
+      eval_size: prompts in that fixed set.
     """
 
     max_turns: int = 4
@@ -47,6 +51,8 @@ class MultiTurnConfig:
     step_timeout: float = 60.0
     max_concurrency: int = 64
     stop_tokens: tuple[str, ...] = ("</tool_call>",)
+    eval_every: int = 0
+    eval_size: int = 128
 
 
 def parse_multi_turn(raw: Mapping[str, Any] | None, *, key: str = "rl.multi_turn") -> MultiTurnConfig:
@@ -60,7 +66,7 @@ def parse_multi_turn(raw: Mapping[str, Any] | None, *, key: str = "rl.multi_turn
     >>> parse_multi_turn({"max_turn": 2})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.multi_turn.max_turn': unknown, expected one of max_turns, max_new_tokens, max_total_tokens, tools, env, env_options, tool_timeout, step_timeout, max_concurrency, stop_tokens
+    ValueError: config key 'rl.multi_turn.max_turn': unknown, expected one of max_turns, max_new_tokens, max_total_tokens, tools, env, env_options, tool_timeout, step_timeout, max_concurrency, stop_tokens, eval_every, eval_size
     """
     if raw is None:
         raw = {}
@@ -72,9 +78,12 @@ def parse_multi_turn(raw: Mapping[str, Any] | None, *, key: str = "rl.multi_turn
         where = f"config key '{key}.{name}'"
         if name not in names:
             raise ValueError(f"{where}: unknown, expected one of {', '.join(names)}")
-        if name in ("max_turns", "max_new_tokens", "max_total_tokens", "max_concurrency"):
+        if name in ("max_turns", "max_new_tokens", "max_total_tokens", "max_concurrency", "eval_size"):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{where}: got {value!r}, expected an int >= 1")
+        elif name == "eval_every":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{where}: got {value!r}, expected an int >= 0")
         elif name in ("tool_timeout", "step_timeout"):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{where}: got {value!r}, expected a number > 0")

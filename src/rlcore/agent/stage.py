@@ -26,6 +26,8 @@ STAGE_OUTPUTS = (
     "num_tool_calls",
     "num_tool_errors",
     "tool_latency",
+    "num_env_errors",
+    "truncated",
 )
 
 
@@ -40,7 +42,8 @@ def trajectory_rows(traj: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     >>> rows = trajectory_rows({"responses": torch.tensor([[5, 6], [7, 0]]), "responses_mask": torch.tensor([[1, 1], [1, 0]]),
     ...     "mask": torch.tensor([[1, 0], [1, 0]]), "rollout_logp": torch.zeros(2, 2), "rewards": torch.zeros(2, 2),
     ...     "scores": torch.ones(2), "num_turns": torch.ones(2), "num_tool_calls": torch.zeros(2),
-    ...     "num_tool_errors": torch.zeros(2), "tool_latency": torch.zeros(2)})
+    ...     "num_tool_errors": torch.zeros(2), "tool_latency": torch.zeros(2), "num_env_errors": torch.zeros(2),
+    ...     "truncated": torch.zeros(2, dtype=torch.bool)})
     >>> [r.tolist() for r in rows["responses"]], [r.tolist() for r in rows["policy_mask"]]
     ([[5, 6], [7]], [[1, 0], [1]])
     """

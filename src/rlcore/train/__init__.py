@@ -4,6 +4,7 @@ Read :mod:`rlcore.train.trainer` as the worked example of assembling your own lo
 from rlcore's primitives.
 """
 
+from rlcore.train.agent_stages import ROLLOUT_COLUMNS, MultiTurnRollout, multi_turn_graph, multi_turn_rollout_stage
 from rlcore.train.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -49,6 +50,7 @@ __all__ = [
     "CHECKPOINT_NAME",
     "MESH_DIMS",
     "PAIR_COLUMNS",
+    "ROLLOUT_COLUMNS",
     "TASKS",
     "Addition",
     "CharTokenizer",
@@ -56,6 +58,7 @@ __all__ = [
     "Config",
     "InferenceEngine",
     "MetricsLog",
+    "MultiTurnRollout",
     "PreferenceRecipe",
     "Reversal",
     "Rollout",
@@ -79,6 +82,8 @@ __all__ = [
     "logprob_stage",
     "make_generator",
     "make_task",
+    "multi_turn_graph",
+    "multi_turn_rollout_stage",
     "parallelize",
     "parse_config",
     "plot_curves",

@@ -21,7 +21,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     deploy.staleness                         with async_infer: how many versions a rollout may lag (default 1)
     deploy.backend                           local (torch.multiprocessing) or ray
     deploy.rollout_timeout                   seconds one rollout call may take before the run stops (0: none)
-    data.task (addition | reversal), data.digits, data.length, data.min_length, data.letters
+    rl.multi_turn                            multi-turn rollouts with tools (rlcore.agent.MultiTurnConfig)
+    data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
     trainer.progress, trainer.plot, trainer.threads (torch threads; 0 leaves torch's default)
     trainer.reward_timeout                   seconds one batch's reward may run (null: no limit)
@@ -43,6 +44,7 @@ from typing import Any, Literal
 
 import yaml
 
+from rlcore.agent import parse_multi_turn
 from rlcore.train.parallel import check_parallel_sizes
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "parse_config"]
@@ -74,6 +76,7 @@ class RLConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     epochs: int = 1
+    multi_turn: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +97,7 @@ class DeployConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    task: Literal["addition", "reversal"] = "addition"
+    task: Literal["addition", "reversal", "multiplication"] = "addition"
     digits: int = 2
     length: int = 4
     min_length: int = 2
@@ -229,6 +232,8 @@ def _validate(cfg: Config) -> None:
         raise ValueError(
             f"config key 'rl.num_rollouts': got {rl.num_rollouts}, expected 1 for dpo (one pair per prompt)"
         )
+    if rl.multi_turn is not None:
+        _check_multi_turn(cfg)
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
@@ -265,6 +270,8 @@ def _longest_sequences(data: DataConfig) -> tuple[int, int]:
     """Tokens of the longest prompt and the longest answer of the task (one token per character, see tasks.py)."""
     if data.task == "addition":  # "a+b=" -> "c", a and b of up to `digits` digits
         return 2 * data.digits + 2, data.digits + 1
+    if data.task == "multiplication":  # "a*b=" -> "c", a and b of `digits` digits, c of 2 * digits
+        return 2 * data.digits + 2, 2 * data.digits
     return data.length + 1, data.length  # "abc>" -> "cba"
 
 
@@ -284,12 +291,31 @@ def _check_model(cfg: Config) -> None:
         prompt, answer = _longest_sequences(cfg.data)
         # The warm-up and DPO sequences hold the answer, one more token and the end of sequence.
         need = prompt + max(cfg.rl.max_new_tokens, answer + 2)
+        if cfg.rl.multi_turn is not None:  # a trajectory: policy and observation tokens after the prompt
+            total = parse_multi_turn(cfg.rl.multi_turn).max_total_tokens
+            if prompt + total > positions:
+                raise ValueError(
+                    f"config key 'rl.multi_turn.max_total_tokens': got {total}; prompts of up to {prompt} tokens "
+                    f"then need {prompt + total} positions, more than the model's max_position_embeddings={positions}"
+                )
         if need > positions:
             raise ValueError(
                 f"config key 'rl.max_new_tokens': got {cfg.rl.max_new_tokens}; prompts of up to {prompt} tokens "
                 f"(data.task={cfg.data.task!r}) then need {need} positions, more than the model's "
                 f"max_position_embeddings={positions}"
             )
+
+
+def _check_multi_turn(cfg: Config) -> None:
+    """``rl.multi_turn``: a valid section (:func:`rlcore.agent.parse_multi_turn`) and a setup that can run it."""
+    parse_multi_turn(cfg.rl.multi_turn)
+    if cfg.rl.algo == "dpo":
+        raise ValueError("config key 'rl.multi_turn': got a section with rl.algo 'dpo', expected an RL recipe")
+    if cfg.deploy.mode != "co-located":
+        raise ValueError(
+            f"config key 'deploy.mode': got {cfg.deploy.mode!r} with rl.multi_turn, expected 'co-located' "
+            "(the multi-turn rollout runs its environments in the trainer's process)"
+        )
 
 
 def parse_config(raw: Mapping[str, Any]) -> Config:
@@ -301,7 +327,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")

@@ -106,6 +106,13 @@ def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[0].set_title("mean reward")
+    # Multi-turn runs: the tool-call rate and the greedy evaluations beside the reward.
+    if any("tool_call_rate" in r for r in records):
+        axes[0].plot(steps, [r.get("tool_call_rate", float("nan")) for r in records], lw=1.2, label="tool-call rate")
+        evals = [r for r in records if "greedy_reward" in r]
+        axes[0].plot([r["step"] for r in evals], [r["greedy_reward"] for r in evals], "o-", ms=3, label="greedy reward")
+        axes[0].lines[0].set_label("reward (T-sampled)")
+        axes[0].legend(loc="lower right", fontsize=8)
     axes[1].set_title("KL to the reference policy")
     fig.tight_layout()
     path = Path(path)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rlcore.agent import Multiplication
 from rlcore.rewards import AnswerMatch
 
 __all__ = ["TASKS", "Addition", "CharTokenizer", "Reversal", "make_task"]
@@ -109,11 +110,11 @@ class Reversal:
         return out
 
 
-TASKS = {"addition": Addition, "reversal": Reversal}
+TASKS = {"addition": Addition, "reversal": Reversal, "multiplication": Multiplication}
 
 
-def make_task(name: str, **options: Any) -> Addition | Reversal:
-    """Build a task by name (``"addition"`` or ``"reversal"``) with its options."""
+def make_task(name: str, **options: Any) -> Addition | Reversal | Multiplication:
+    """Build a task by name (``"addition"``, ``"reversal"`` or ``"multiplication"``, the agent task with a calculator) with its options."""
     if name not in TASKS:
         raise ValueError(f"task: got {name!r}, expected one of {', '.join(repr(t) for t in TASKS)}")
     return TASKS[name](**options)

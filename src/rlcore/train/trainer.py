@@ -66,6 +66,7 @@ from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
 from rlcore.models import from_hf, token_logprobs
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool
+from rlcore.train.agent_stages import multi_turn_graph, multi_turn_rollout_stage
 from rlcore.train.checkpoint import load_checkpoint, save_checkpoint
 from rlcore.train.config import Config, check_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
@@ -328,6 +329,8 @@ def supervised_warmup(
         for step in range(tr.warmup_steps):
             samples = task.sample(tr.warmup_batch_size, make_generator(tr.seed, rank, step, WARMUP))
             seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
+            if hasattr(task, "warmup_batch"):  # a task with its own traces (rlcore.agent.Multiplication: tool calls)
+                seq = {k: v.to(device) for k, v in task.warmup_batch(samples).items()}
             logp = token_logprobs(apply, named, seq)  # aligned with the token it scores, like seq["mask"]
             mask = seq["mask"]
             counts = algos.global_counts(mask, process_group=process_group)
@@ -537,6 +540,7 @@ class _Deployment:
         self.switch: Callable[[str, str | None, str], None] | None = None
         self.syncs: list[tuple[float, int]] = []
         self.memory: dict[str, float] = {}
+        self.rollout_metrics: Callable[[int], dict[str, torch.Tensor]] = lambda step: {}
         self.device = next(models.policy.parameters()).device
         policy = models.policy
         sampling = partial(self._generator, cfg.trainer.seed, world.rank)
@@ -607,6 +611,9 @@ class _Deployment:
             self.switch = switch
             self.publish = lambda version: None
             self.rollout = rollout_stage(_engine(cfg, infer, task.tokenizer), generator=sampling, timeout=timeout)
+            if cfg.rl.multi_turn is not None:  # rlcore.agent's multi-turn rollout, on the same swapped-in weights
+                agent = multi_turn_rollout_stage(cfg, infer, task, rank=world.rank, timeout=timeout)
+                self.rollout, self.rollout_metrics = agent.stage, agent.pop_metrics
 
     @staticmethod
     def _generator(seed: int, rank: int, b: dict[str, torch.Tensor]) -> torch.Generator:
@@ -679,6 +686,8 @@ def _graph(
         forward = rl_forward(models.policy, critic=models.critic, temperature=rl.temperature)
         extra = ["old_values", "returns"] if models.critic is not None else []
         inputs = ["prompts", "responses", *produced[:2], *extra, *logged]
+    if rl.multi_turn is not None:  # the environments score; the forwards attend the observation tokens
+        stages, forward, inputs = multi_turn_graph(stages, forward, inputs, recipe)
     stages.append(
         update_stage(
             forward,
@@ -722,6 +731,10 @@ def train(
         device = get_device(index=int(os.environ.get("LOCAL_RANK", "0")))
     world = _World(device)
     check_launch(cfg if engine is None else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), world.size)
+    if engine is not None and rl.multi_turn is not None:
+        raise ValueError(
+            "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
+        )
     task = make_task(cfg.data.task, **_task_options(cfg))
     torch.manual_seed(tr.seed)
     # Model building: the one place to shard the models (FSDP2, tensor parallel).
@@ -763,6 +776,7 @@ def train(
             step = start + i
             dep.publish(i + 1)  # weights version i + 1 for the rows the scheduler stamps next
             local, timing = steps.local(step)
+            local.update(dep.rollout_metrics(step))
             metrics = world.mean(local)
             samples = world.size * rl.batch_size * n
             # As the seed system defines it: (prompt + response tokens) x samples / devices / step time.
@@ -811,6 +825,6 @@ def train(
 
 def _task_options(cfg: Config) -> dict[str, Any]:
     d = cfg.data
-    if d.task == "addition":
+    if d.task in ("addition", "multiplication"):
         return {"digits": d.digits}
     return {"length": d.length, "min_length": d.min_length, "letters": d.letters}

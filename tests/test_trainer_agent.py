@@ -1,0 +1,128 @@
+"""The trainer with rl.multi_turn: the shipped agent config runs through the pipeline; the forwards attend the observations."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcore import algos
+from rlcore.dataflow import StageGraph, run_pipeline, stage
+from rlcore.train import (
+    build_model,
+    left_pad,
+    load_config,
+    logprob_stage,
+    make_task,
+    multi_turn_graph,
+    multi_turn_rollout_stage,
+    read_metrics,
+    rl_forward,
+    train,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "agent_calc_tiny.yaml"
+TINY = [
+    "model.model_name_or_path.hidden_size=32",
+    "model.model_name_or_path.intermediate_size=64",
+    "model.model_name_or_path.num_hidden_layers=1",
+    "rl.batch_size=4",
+    "rl.mini_batch_size=2",
+    "rl.num_rollouts=2",
+    "data.digits=2",
+    "rl.multi_turn.max_new_tokens=24",
+    "rl.multi_turn.max_total_tokens=40",
+    "rl.multi_turn.eval_every=1",
+    "rl.multi_turn.eval_size=4",
+    "trainer.warmup_steps=10",
+    "trainer.warmup_batch_size=16",
+    "trainer.progress=false",
+    "trainer.steps=2",
+]
+MULTI_TURN_KEYS = ("turns", "tool_calls", "tool_call_rate", "tool_errors", "tool_error_rate", "tool_latency_s")
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_shipped_agent_config_trains_through_the_pipeline(algo, tmp_path):
+    cfg = load_config(CONFIG, [*TINY, f"rl.algo={algo}", f"trainer.output_dir={tmp_path}"])
+    run = train(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1] and len(run.records) == 2
+    for r in records:
+        for key in (*MULTI_TURN_KEYS, "greedy_reward", "reward", "loss", "kl", "entropy", "response_length"):
+            assert torch.isfinite(torch.tensor(r[key])), (key, r)
+        assert 1 <= r["turns"] <= 3 and 0 <= r["tool_call_rate"] <= 1 and 0 <= r["reward"] <= 1
+        assert r["policy_tokens"] + r["observation_tokens"] <= 40
+    assert max(r["tool_calls"] for r in records) > 0  # the environments ran tool calls
+    assert records[0]["kl"] == pytest.approx(0, abs=1e-6)
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_training_forwards_reproduce_the_rollout_logprobs():
+    """Scoring stages and the update's forward adapted by multi_turn_graph give the rollout's log-probs on policy tokens."""
+    cfg = load_config(CONFIG, [*TINY, "rl.multi_turn.eval_every=0"])
+    task = make_task("multiplication", digits=2)
+    tok = task.tokenizer
+    torch.manual_seed(0)
+    model = build_model(cfg, tok.vocab_size).eval()
+    # A little supervision so trajectories hold tool calls and responses after them.
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    from rlcore.models import from_hf, token_logprobs
+
+    apply, params = from_hf(model)
+    for step in range(40):
+        batch = task.warmup_batch(task.sample(16, torch.Generator().manual_seed(step)))
+        loss = algos.aggregate(-token_logprobs(apply, params, batch), batch["mask"], mode="token-mean")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    rollout = multi_turn_rollout_stage(cfg, model, task)
+    seen = {}
+
+    def update(b):
+        with torch.no_grad():
+            seen["logp"] = forward(b)["logp"]  # the update's forward, adapted below
+        seen.update({k: b[k] for k in ("old_logp", "rollout_logp", "mask", "trajectory_mask", "plain_logp")})
+        return {"loss": torch.zeros(b["mask"].shape[0])}
+
+    scoring = [rollout.stage, logprob_stage(model), logprob_stage(model, outputs=("ref_logp",))]
+    scoring.append(stage(lambda b: {"loss_mask": b["mask"]}, inputs=["mask"], outputs=["loss_mask"], name="lm"))
+    stages, forward, inputs = multi_turn_graph(
+        scoring, rl_forward(model), ["prompts", "responses", "loss_mask"], algos.grpo()
+    )
+    assert [s.name for s in stages] == ["rollout", "old_logp", "ref_logp", "lm"] and "trajectory_mask" in inputs
+    # The unadapted stage (attention = policy tokens only) as a control.
+    plain = logprob_stage(model, outputs=("plain_logp",))
+    cols = [*inputs, "prompt_mask", "old_logp", "rollout_logp", "mask", "plain_logp", "ref_logp"]
+    update_stage = stage(update, inputs=cols, outputs=["loss"], role="update")
+    graph = StageGraph([*stages, plain, update_stage], sources=("prompts", "prompt_mask", "answers", "iteration"))
+    samples = task.sample(4, torch.Generator().manual_seed(1))
+    ids, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
+
+    def loader(i):
+        return {
+            "prompts": ids.repeat_interleave(2, 0),
+            "prompt_mask": pmask.repeat_interleave(2, 0),
+            "answers": [torch.tensor(tok.encode(s["answer"])) for s in samples for _ in range(2)],
+            "iteration": torch.zeros(8, dtype=torch.long),
+        }
+
+    run_pipeline(graph, loader, num_prompts=4, n_samples=2, num_iterations=1)
+    policy = seen["mask"] != 0
+    observed = (seen["trajectory_mask"] != 0) & ~policy
+    assert observed.any(), "no trajectory called the tool: the check below would not see an observation"
+    torch.testing.assert_close(seen["old_logp"][policy], seen["rollout_logp"][policy], atol=2e-4, rtol=0)
+    torch.testing.assert_close(seen["logp"][policy], seen["rollout_logp"][policy], atol=2e-4, rtol=0)
+    # Without the observations attended, the tokens after a tool response are scored differently.
+    after = policy & (observed.long().cumsum(-1) > 0)
+    assert (seen["plain_logp"][after] - seen["rollout_logp"][after]).abs().max() > 1e-3
+
+
+def test_multi_turn_config_is_validated(tmp_path):
+    with pytest.raises(ValueError, match=r"rl.multi_turn.max_turn"):
+        load_config(CONFIG, ["rl.multi_turn.max_turn=2"])
+    with pytest.raises(ValueError, match=r"'deploy.mode': got 'disaggregated' with rl.multi_turn"):
+        load_config(CONFIG, ["deploy.mode=disaggregated"])
+    with pytest.raises(ValueError, match=r"rl.multi_turn.max_total_tokens': got 200"):
+        load_config(CONFIG, ["rl.multi_turn.max_total_tokens=200"])
