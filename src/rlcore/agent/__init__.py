@@ -6,7 +6,7 @@
 * :mod:`~rlcore.agent.tool_env` -- :class:`ToolEnv`, an environment made of tools;
 * :mod:`~rlcore.agent.runner` -- :class:`StepRunner`, environment calls off the generation thread;
 * :mod:`~rlcore.agent.rollout` -- :func:`multi_turn_rollout`; :mod:`~rlcore.agent.stage` -- :func:`multi_turn_stage`;
-* :mod:`~rlcore.agent.config` -- the ``rl.multi_turn`` section; :func:`load_reference` for ``"file.py:Name"``;
+* :mod:`~rlcore.agent.config` -- the ``rl.multi_turn`` section; :func:`rlcore.references.load_reference` for ``"file.py:Name"``;
 * :mod:`~rlcore.agent.calc` -- the shipped task (multiplication with a calculator).
 
 The trajectories carry ``mask`` = 1 on policy tokens only, so every recipe of
@@ -22,7 +22,6 @@ from rlcore.agent.metrics import trajectory_metrics
 from rlcore.agent.observation import observation_encoder
 from rlcore.agent.parsers import HermesParser, ParsedCalls, ToolCall, ToolCallParser
 from rlcore.agent.protocols import Environment, Observation, StepResult
-from rlcore.agent.references import load_reference
 from rlcore.agent.rollout import TRAJECTORY_KEYS, multi_turn_rollout
 from rlcore.agent.runner import StepRunner
 from rlcore.agent.stage import STAGE_OUTPUTS, multi_turn_stage, trajectory_rows
@@ -53,7 +52,6 @@ __all__ = [
     "calculator",
     "call_tool",
     "evaluate_arithmetic",
-    "load_reference",
     "multi_turn_rollout",
     "multi_turn_stage",
     "observation_encoder",

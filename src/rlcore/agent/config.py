@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlcore.agent.protocols import Environment
-from rlcore.agent.references import load_reference
 from rlcore.agent.tool_env import ToolEnv
 from rlcore.agent.tools import Tool, tool
+from rlcore.references import load_reference
 
 __all__ = ["MultiTurnConfig", "build_env_factory", "build_tools", "parse_multi_turn", "stop_token_ids"]
 
