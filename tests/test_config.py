@@ -53,7 +53,7 @@ def test_seed_example_loads_with_a_local_model(tmp_path, tiny_model_dir):
         0.8,
         0.05,
     )
-    assert (cfg.parallel.data_parallel, cfg.deploy.mode, cfg.deploy.async_infer, cfg.rl.num_rollouts) == (
+    assert (cfg.parallel.data_parallel, cfg.deploy.mode, cfg.deploy.async_infer, cfg.rl.n_samples) == (
         8,
         "co-located",
         True,
@@ -243,3 +243,13 @@ def test_config_gaps_in_yaml_text_top_level_list_and_inf(tmp_path):
     assert load_config(path, ["trainer.reward_timeout=null"]).trainer.reward_timeout is None
     assert load_config(path, ["trainer.reward_timeout=5"]).trainer.reward_timeout == 5.0
     assert load_config(path).trainer.reward_timeout == 300.0
+
+
+def test_num_rollouts_is_n_samples_and_to_dict_round_trips():
+    cfg = parse_config({"model": {"model_name_or_path": {"model_type": "qwen2"}}, "rl": {"num_rollouts": 3}})
+    assert cfg.rl.n_samples == 3
+    raw = cfg.to_dict()
+    assert raw["rl"]["num_rollouts"] == 3 and "n_samples" not in raw["rl"]
+    assert parse_config(raw) == cfg
+    with pytest.raises(ValueError, match=r"config key 'rl.n_samples': unknown"):
+        parse_config({"rl": {"n_samples": 3}})

@@ -72,7 +72,6 @@ from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_me
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
 from rlcore.train.stages import (
     PAIR_COLUMNS,
-    PreferenceRecipe,
     advantages_stage,
     logprob_stage,
     preference_forward,
@@ -651,7 +650,7 @@ def _graph(
 ) -> StageGraph:
     """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update."""
     rl, tok = cfg.rl, task.tokenizer
-    n = 1 if rl.algo == "dpo" else rl.num_rollouts
+    n = 1 if rl.algo == "dpo" else rl.n_samples
     stages = [
         rollout,
         reward_stage(rewards, tok.decode),
@@ -660,12 +659,9 @@ def _graph(
     ]
     logged = ["scores", "mask", "old_logp", "ref_logp", "entropy", "prompt_mask", "iteration", "version"]
     if isinstance(algo, algos.DPO):
-        recipe: Any = PreferenceRecipe(algo)
-        stages += [
-            _pairs_stage(task, cfg, world.rank),
-            preference_logps_stage(models.reference, reduce=algo.reduce, temperature=algo.temperature),
-        ]
-        forward = preference_forward(models.policy, reduce=algo.reduce, temperature=algo.temperature)
+        recipe: Any = algo
+        stages += [_pairs_stage(task, cfg, world.rank), preference_logps_stage(models.reference)]
+        forward = preference_forward(models.policy)
         inputs = [*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", *logged]
     else:
         recipe = algo
@@ -738,7 +734,7 @@ def train(
     models = _Models(policy, copy.deepcopy(policy).eval().requires_grad_(False), critic)
     opt = _Optimiser(models, cfg, world)
     start = _restore(checkpoint, models, opt) if checkpoint is not None else 0
-    n = 1 if rl.algo == "dpo" else rl.num_rollouts
+    n = 1 if rl.algo == "dpo" else rl.n_samples
     recipe = algo or build_algorithm(cfg)
     steps = _Steps(updates=rl.batch_size // rl.mini_batch_size, start=start)
     log = (
