@@ -154,6 +154,31 @@ def test_failing_reward_names_the_reward_and_the_step(tmp_path):
         train(tiny("grpo_tiny", tmp_path, "trainer.steps=1"), reward=Explodes())
 
 
+class Sleeps:
+    name = "sleeps"
+
+    def __call__(self, prompts, responses, **columns):
+        import time
+
+        time.sleep(30)
+        return [0.0] * len(responses)
+
+
+def test_reward_timeout_from_the_config_stops_the_run(tmp_path):
+    cfg = tiny(
+        "grpo_tiny",
+        tmp_path,
+        "trainer.steps=1",
+        "trainer.reward_timeout=0.5",
+        "trainer.plot=false",
+        "trainer.warmup_steps=0",
+    )
+    with pytest.raises(
+        RewardError, match=r"reward 'sleeps' on batch 0 .* did not finish within 0.5 s \(the reward timeout\)"
+    ):
+        train(cfg, reward=Sleeps())
+
+
 def test_seed_style_reward_and_external_engine(tmp_path):
     class CountingEngine(TorchEngine):
         loads = 0
@@ -177,13 +202,14 @@ def test_world_size_mismatch_is_refused(tmp_path):
 
 
 WORKER = """
-import sys, torch
+import os, sys, torch
+import torch.distributed as dist
 from rlcore.train import load_config, train
 cfg = load_config(sys.argv[1], sys.argv[3:])
 run = train(cfg)
-import torch.distributed as dist
-torch.save({"rank": dist.get_rank(), "policy": run.policy.state_dict(), "records": run.records},
-           f"{sys.argv[2]}/rank{dist.get_rank()}.pt")
+assert not dist.is_initialized()  # the trainer destroyed the group it started
+rank = int(os.environ["RANK"])
+torch.save({"rank": rank, "policy": run.policy.state_dict(), "records": run.records}, f"{sys.argv[2]}/rank{rank}.pt")
 """
 
 

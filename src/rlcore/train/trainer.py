@@ -182,6 +182,7 @@ class _World:
         if self.size > 1:
             if not dist.is_initialized():
                 dist.init_process_group(collective_backend(device))
+                self.owns_group = True
             self.group = dist.group.WORLD
 
     def local_group(self) -> None:
@@ -190,8 +191,15 @@ class _World:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self.owns_group = True
 
-    def close(self) -> None:
+    def close(self, *, ok: bool = True) -> None:
+        """Destroy the process group this trainer started: after a barrier when the run succeeded.
+
+        After an error no barrier is entered (a peer may never reach it); the group is
+        destroyed all the same so that the process can exit.
+        """
         if self.owns_group and dist.is_initialized():
+            if ok:
+                dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
 
@@ -630,7 +638,6 @@ class _Deployment:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
-        self.world.close()
 
 
 # --- the assembly -----------------------------------------------------------------------------
@@ -749,8 +756,13 @@ def train(
         else None
     )
     records: list[dict[str, Any]] = []
-    rewards = RewardPool(reward if reward is not None else task.reward, num_workers=tr.reward_workers)
+    rewards = RewardPool(
+        reward if reward is not None else task.reward, num_workers=tr.reward_workers, timeout=tr.reward_timeout
+    )
     deployment: _Deployment | None = None
+    ok = False
+    # KeyboardInterrupt (Ctrl-C, and SIGTERM through the CLI) is not caught: it unwinds through
+    # the finally below, which stops the reward workers and the rollout worker.
     try:
         deployment = _Deployment(cfg, models, opt, world, task, engine)
         dep = deployment
@@ -790,14 +802,14 @@ def train(
                 blocking=blocking,
                 switch=dep.switch,
             )
+        ok = True
     finally:
         rewards.close()
         if deployment is not None:
             deployment.close()
-        else:
-            world.close()
         if log is not None:
             log.close()
+        world.close(ok=ok)
     if leader and tr.plot:
         plot_curves(read_metrics(out / "metrics.jsonl"), out / "curves.png")
         if result is not None:
