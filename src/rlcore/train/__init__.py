@@ -13,6 +13,7 @@ from rlcore.train.checkpoint import (
     set_rng_state,
 )
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
+from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import (
     MESH_DIMS,
     check_parallel_sizes,
@@ -21,7 +22,6 @@ from rlcore.train.parallel import (
     full_state_dict,
     parallelize,
 )
-from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
 from rlcore.train.stages import (
     PAIR_COLUMNS,
@@ -82,14 +82,14 @@ __all__ = [
     "preference_forward",
     "preference_logps_stage",
     "read_metrics",
-    "rng_state",
-    "save_checkpoint",
-    "set_rng_state",
     "response_logprobs",
     "response_values",
     "reward_stage",
     "rl_forward",
+    "rng_state",
     "rollout_stage",
+    "save_checkpoint",
+    "set_rng_state",
     "supervised_warmup",
     "train",
     "update_stage",

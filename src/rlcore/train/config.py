@@ -239,9 +239,7 @@ def _validate(cfg: Config) -> None:
             f"config key 'rl.mini_batch_size': got {rl.mini_batch_size}, expected a divisor of rl.batch_size={rl.batch_size}"
         )
     if rl.algo == "dpo" and rl.n_samples != 1:
-        raise ValueError(
-            f"config key 'rl.num_rollouts': got {rl.n_samples}, expected 1 for dpo (one pair per prompt)"
-        )
+        raise ValueError(f"config key 'rl.num_rollouts': got {rl.n_samples}, expected 1 for dpo (one pair per prompt)")
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:

@@ -381,9 +381,7 @@ def _pair_columns() -> list[str]:
     return [f"{side}_{k}" for side in _PREF_SIDES for k in ("input_ids", "attention_mask", "mask")]
 
 
-def preference_logps_stage(
-    reference: torch.nn.Module, *, temperature: float = 1.0, resource: str = "device"
-) -> Stage:
+def preference_logps_stage(reference: torch.nn.Module, *, temperature: float = 1.0, resource: str = "device") -> Stage:
     """Reference log-probs of the chosen / rejected pairs (eval mode): ``ref_chosen_logps``, ``ref_rejected_logps``.
 
     One packed forward of both sides (:func:`rlcore.models.preference_logps`).
