@@ -22,8 +22,8 @@ from rlcore.models.ulysses import ulysses_attention
 
 __all__ = [
     "ATTENTION_NAME",
-    "PREFERENCE_SIDES",
     "CP_MODES",
+    "PREFERENCE_SIDES",
     "ContextParallelShard",
     "HFCausalLM",
     "SequenceShards",
@@ -32,8 +32,8 @@ __all__ = [
     "from_hf",
     "load_causal_lm",
     "packed_causal_attention",
-    "preference_logps",
     "plan_sequence_shards",
+    "preference_logps",
     "ring_attention",
     "shard_packed",
     "sharded_token_logprobs",

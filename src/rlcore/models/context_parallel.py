@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from rlcore._checks import check_choice
-from rlcore.ops import Packed, pack, shift_labels
 from rlcore.models._group import as_process_group
 from rlcore.models.ring_attention import ring_attention
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
 from rlcore.models.ulysses import ulysses_attention
+from rlcore.ops import Packed, pack, shift_labels
 from rlcore.ops.linear_logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
 
 __all__ = ["CP_MODES", "ContextParallelShard", "ShardedLogprobs", "shard_packed", "sharded_token_logprobs"]
