@@ -164,7 +164,7 @@ def test_config_gaps_exit_2_with_one_line_before_any_work(override, message, cap
 def test_dead_reward_worker_exits_2_naming_the_reward_and_the_batch(tmp_path, capsys, monkeypatch):
     # Issue 18, defect 8: a worker killed mid-batch gave a BrokenProcessPool traceback.
     monkeypatch.setattr(trainer, "train", functools.partial(trainer.train, reward=reward_helpers.DiesInWorker()))
-    args = [*TINY, "deploy.async_infer=true", "trainer.steps=1", f"trainer.output_dir={tmp_path}"]
+    args = [*TINY, "trainer.reward_workers=1", "trainer.steps=1", f"trainer.output_dir={tmp_path}"]
     assert main(["train", "--config", CONFIG, *args, "trainer.progress=false"]) == 2
     err = capsys.readouterr().err
     assert "rlcore: error: reward 'dies' on batch 0: the reward's worker process died (exit code 9)" in err
@@ -183,7 +183,7 @@ sys.exit(cli.main({argv!r}))
 def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
     # Issue 18, defect 3: SIGTERM unwound into a shutdown that waited for the stuck call.
     marker = tmp_path / "pid"
-    argv = ["train", "--config", CONFIG, *TINY, "deploy.async_infer=true", "trainer.progress=false"]
+    argv = ["train", "--config", CONFIG, *TINY, "trainer.reward_workers=1", "trainer.progress=false"]
     argv += ["trainer.plot=false", f"trainer.output_dir={tmp_path / 'run'}"]
     script = _STUCK_RUN.format(tests=TESTS, marker=str(marker), argv=argv)
     proc = subprocess.Popen(
