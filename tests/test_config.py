@@ -253,3 +253,17 @@ def test_num_rollouts_is_n_samples_and_to_dict_round_trips():
     assert parse_config(raw) == cfg
     with pytest.raises(ValueError, match=r"config key 'rl.n_samples': unknown"):
         parse_config({"rl": {"n_samples": 3}})
+
+
+def test_context_parallel_keys_load_and_cp_above_one_is_refused():
+    raw = {"model": {"model_name_or_path": {"model_type": "qwen2"}}}
+    cfg = parse_config({**raw, "parallel": {"context_parallel": 1, "cp_mode": "ulysses"}})
+    assert (cfg.parallel.context_parallel, cfg.parallel.cp_mode) == (1, "ulysses")
+    check_launch(cfg, 1)
+    with pytest.raises(ValueError, match=r"'parallel.cp_mode': got str 'zigzag', expected one of 'ring', 'ulysses'"):
+        parse_config({**raw, "parallel": {"cp_mode": "zigzag"}})
+    with pytest.raises(ValueError, match=r"'parallel.context_parallel': got 0, expected > 0"):
+        parse_config({**raw, "parallel": {"context_parallel": 0}})
+    two = parse_config({**raw, "parallel": {"context_parallel": 2}})
+    with pytest.raises(ValueError, match=r"'parallel.context_parallel': got 2, expected 1 \(the reference trainer"):
+        check_launch(two, 2)

@@ -15,6 +15,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     rl.top_p, rl.top_k, rl.max_new_tokens    sampling controls of the rollout
     rl.beta                                  KL coefficient (DPO's beta for algo dpo); unset: the recipe's
     rl.lr, rl.critic_lr, rl.weight_decay, rl.grad_clip, rl.epochs    optimisation (AdamW)
+    parallel.context_parallel, parallel.cp_mode   context parallelism (ring | ulysses): only 1 is accepted by
+                                             the reference trainer for now (a clear error otherwise)
     deploy.mode                              co-located (one device group, AllGather-Swap between phases) or
                                              disaggregated (rollout in its own process, weights synced to it)
     deploy.async_infer                       the next iterations' rollout overlaps the current update
@@ -82,6 +84,8 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
+    context_parallel: int = 1
+    cp_mode: Literal["ring", "ulysses"] = "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +213,7 @@ def _validate(cfg: Config) -> None:
     for key in ("batch_size", "mini_batch_size", "max_new_tokens", "lr", "epochs", "critic_lr"):
         _positive(f"rl.{key}", getattr(rl, key))
     _positive("rl.num_rollouts", rl.n_samples)
-    for key in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+    for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel"):
         _positive(f"parallel.{key}", getattr(cfg.parallel, key))
     for key, value in (
         ("rl.temperature", rl.temperature),
@@ -376,6 +380,12 @@ def check_launch(cfg: Config, world_size: int) -> None:
     sets ``num_rollouts: 1``, which loads but would give every advantage 0).
     """
     par = cfg.parallel
+    if par.context_parallel != 1:
+        raise ValueError(
+            f"config key 'parallel.context_parallel': got {par.context_parallel}, expected 1 (the reference trainer "
+            "does not split sequences yet; the library's pieces are rlcore.models.sharded_token_logprobs and "
+            "rlcore.algos.sequence_sharded_counts / sequence_sharded_aggregate)"
+        )
     check_parallel_sizes(
         data_parallel=par.data_parallel,
         tensor_parallel=par.tensor_parallel,
