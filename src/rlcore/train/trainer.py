@@ -254,7 +254,8 @@ def _shard_critic(critic: torch.nn.Module, world: _World) -> None:
         )
     if world.dp_size == 1:
         return
-    layers = getattr(critic, critic.base_model_prefix).layers
+    backbone: Any = getattr(critic, str(critic.base_model_prefix))
+    layers = backbone.layers
     units = [fully_shard(layer, mesh=world.mesh["dp"]) for layer in layers]
     units.append(fully_shard(critic, mesh=world.mesh["dp"]))
     for unit in units:
