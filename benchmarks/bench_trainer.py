@@ -53,7 +53,7 @@ def run(overrides: list[str]) -> tuple[float, float, float]:
     """samples/s over the RL steps, final reward (last 10% of steps), mean policy lag."""
     cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", overrides)
     records = train(cfg).records
-    samples = len(records) * cfg.rl.batch_size * cfg.rl.num_rollouts
+    samples = len(records) * cfg.rl.batch_size * cfg.rl.n_samples
     seconds = sum(r["step_time_s"] for r in records)
     k = max(1, len(records) // 10)
     return (

@@ -53,7 +53,7 @@ def test_seed_example_loads_with_a_local_model(tmp_path, tiny_model_dir):
         0.8,
         0.05,
     )
-    assert (cfg.parallel.data_parallel, cfg.deploy.mode, cfg.deploy.async_infer, cfg.rl.num_rollouts) == (
+    assert (cfg.parallel.data_parallel, cfg.deploy.mode, cfg.deploy.async_infer, cfg.rl.n_samples) == (
         8,
         "co-located",
         True,
@@ -243,3 +243,27 @@ def test_config_gaps_in_yaml_text_top_level_list_and_inf(tmp_path):
     assert load_config(path, ["trainer.reward_timeout=null"]).trainer.reward_timeout is None
     assert load_config(path, ["trainer.reward_timeout=5"]).trainer.reward_timeout == 5.0
     assert load_config(path).trainer.reward_timeout == 300.0
+
+
+def test_num_rollouts_is_n_samples_and_to_dict_round_trips():
+    cfg = parse_config({"model": {"model_name_or_path": {"model_type": "qwen2"}}, "rl": {"num_rollouts": 3}})
+    assert cfg.rl.n_samples == 3
+    raw = cfg.to_dict()
+    assert raw["rl"]["num_rollouts"] == 3 and "n_samples" not in raw["rl"]
+    assert parse_config(raw) == cfg
+    with pytest.raises(ValueError, match=r"config key 'rl.n_samples': unknown"):
+        parse_config({"rl": {"n_samples": 3}})
+
+
+def test_context_parallel_keys_load_and_cp_above_one_is_refused():
+    raw = {"model": {"model_name_or_path": {"model_type": "qwen2"}}}
+    cfg = parse_config({**raw, "parallel": {"context_parallel": 1, "cp_mode": "ulysses"}})
+    assert (cfg.parallel.context_parallel, cfg.parallel.cp_mode) == (1, "ulysses")
+    check_launch(cfg, 1)
+    with pytest.raises(ValueError, match=r"'parallel.cp_mode': got str 'zigzag', expected one of 'ring', 'ulysses'"):
+        parse_config({**raw, "parallel": {"cp_mode": "zigzag"}})
+    with pytest.raises(ValueError, match=r"'parallel.context_parallel': got 0, expected > 0"):
+        parse_config({**raw, "parallel": {"context_parallel": 0}})
+    two = parse_config({**raw, "parallel": {"context_parallel": 2}})
+    with pytest.raises(ValueError, match=r"'parallel.context_parallel': got 2, expected 1 \(the reference trainer"):
+        check_launch(two, 2)

@@ -70,8 +70,9 @@ def test_shipped_config_runs_a_few_steps(name, tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 1000
     state = load_checkpoint(tmp_path)
     assert state["step"] == 1
-    assert (state["critic"] is not None) == (name == "ppo_tiny")
-    assert all(torch.equal(v, run.policy.state_dict()[k]) for k, v in state["policy"].items())
+    assert ("critic" in state) == (name == "ppo_tiny")
+    assert state["policy"]["optim"]["state"]  # the optimiser's moments are saved beside the weights
+    assert all(torch.equal(v, run.policy.state_dict()[k]) for k, v in state["policy"]["model"].items())
 
 
 def test_rewards_in_a_worker_process(tmp_path):
@@ -109,7 +110,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path):
         train(cfg, algo=base._replace(policy_loss=poisoned))
     state = load_checkpoint(tmp_path)
     assert state["step"] == 1
-    assert all(torch.isfinite(v).all() for v in state["policy"].values())
+    assert all(torch.isfinite(v).all() for v in state["policy"]["model"].values())
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
 
 
@@ -154,6 +155,31 @@ def test_failing_reward_names_the_reward_and_the_step(tmp_path):
         train(tiny("grpo_tiny", tmp_path, "trainer.steps=1"), reward=Explodes())
 
 
+class Sleeps:
+    name = "sleeps"
+
+    def __call__(self, prompts, responses, **columns):
+        import time
+
+        time.sleep(30)
+        return [0.0] * len(responses)
+
+
+def test_reward_timeout_from_the_config_stops_the_run(tmp_path):
+    cfg = tiny(
+        "grpo_tiny",
+        tmp_path,
+        "trainer.steps=1",
+        "trainer.reward_timeout=0.5",
+        "trainer.plot=false",
+        "trainer.warmup_steps=0",
+    )
+    with pytest.raises(
+        RewardError, match=r"reward 'sleeps' on batch 0 did not finish within 0.5 s \(the reward timeout\)"
+    ):
+        train(cfg, reward=Sleeps())
+
+
 def test_seed_style_reward_and_external_engine(tmp_path):
     class CountingEngine(TorchEngine):
         loads = 0
@@ -167,7 +193,7 @@ def test_seed_style_reward_and_external_engine(tmp_path):
     )
     engine = CountingEngine(probe.policy, eos_token_id=1, max_new_tokens=6)
     run = train(cfg, reward=NonEmpty(), engine=engine)
-    assert CountingEngine.loads == 2
+    assert CountingEngine.loads == 3  # the warmed-up weights, then after each of the 2 updates
     assert all(0 <= r["reward"] <= 1 for r in run.records)
 
 
@@ -177,17 +203,21 @@ def test_world_size_mismatch_is_refused(tmp_path):
 
 
 WORKER = """
-import sys, torch
+import os, sys, torch
+import torch.distributed as dist
 from rlcore.train import load_config, train
 cfg = load_config(sys.argv[1], sys.argv[3:])
 run = train(cfg)
-import torch.distributed as dist
-torch.save({"rank": dist.get_rank(), "policy": run.policy.state_dict(), "records": run.records},
-           f"{sys.argv[2]}/rank{dist.get_rank()}.pt")
+assert not dist.is_initialized()  # the trainer destroyed the group it started
+rank = int(os.environ["RANK"])
+# FSDP2 shards the policy over the two ranks: each holds half of every parameter's rows.
+shards = {k: (v.to_local().shape[0], v.shape[0]) for k, v in run.policy.state_dict().items() if v.dim()}
+torch.save({"rank": rank, "shards": shards, "records": run.records}, f"{sys.argv[2]}/rank{rank}.pt")
 """
 
 
-def test_torchrun_two_ranks_keep_identical_parameters(tmp_path):
+def test_torchrun_two_ranks_train_one_sharded_model(tmp_path):
+    """torchrun: the trainer starts and destroys the group, shards the policy, and saves one full checkpoint."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     overrides = list(TINY) + [
@@ -213,9 +243,10 @@ def test_torchrun_two_ranks_keep_identical_parameters(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1))
     assert (r0["rank"], r1["rank"]) == (0, 1)
-    for k, v in r0["policy"].items():
-        assert torch.equal(v, r1["policy"][k]), k
-    assert _curve(r0["records"]) == _curve(r1["records"])  # metrics are averaged over the ranks
+    for k, (local, full) in r0["shards"].items():
+        assert local + r1["shards"][k][0] == full and local < full, k
+    assert _curve(r0["records"]) == _curve(r1["records"])  # metrics are reduced over the ranks
+    saved = load_checkpoint(tmp_path / "out")["policy"]["model"]  # the DCP shards of both ranks, whole
     cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", TINY)
     torch.manual_seed(cfg.trainer.seed)
     init = build_model(
@@ -224,8 +255,8 @@ def test_torchrun_two_ranks_keep_identical_parameters(tmp_path):
             cfg.data.task, length=cfg.data.length, min_length=cfg.data.min_length, letters=cfg.data.letters
         ).tokenizer.vocab_size,
     )
-    moved = [not torch.equal(v, r0["policy"][k]) for k, v in init.state_dict().items()]
-    assert all(moved)
+    moved = [not torch.equal(v, saved[k]) for k, v in init.state_dict().items()]
+    assert all(moved) and saved.keys() >= init.state_dict().keys()
 
 
 def test_bfloat16_model_trains(tmp_path):

@@ -16,7 +16,11 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train with a YAML config (torchrun for data parallelism)")
     train.add_argument("--config", required=True, help="YAML file: model / rl / parallel / deploy / data / trainer")
-    train.add_argument("--resume", action="store_true", help="continue from trainer.output_dir/checkpoint.pt")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the DCP checkpoint in trainer.output_dir/checkpoint/ (any world size)",
+    )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rl.temperature=0.7")
     return parser
 

@@ -15,6 +15,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     rl.top_p, rl.top_k, rl.max_new_tokens    sampling controls of the rollout
     rl.beta                                  KL coefficient (DPO's beta for algo dpo); unset: the recipe's
     rl.lr, rl.critic_lr, rl.weight_decay, rl.grad_clip, rl.epochs    optimisation (AdamW)
+    parallel.context_parallel, parallel.cp_mode   context parallelism (ring | ulysses): only 1 is accepted by
+                                             the reference trainer for now (a clear error otherwise)
     deploy.mode                              co-located (one device group, AllGather-Swap between phases) or
                                              disaggregated (rollout in its own process, weights synced to it)
     deploy.async_infer                       the next iterations' rollout overlaps the current update
@@ -65,7 +67,8 @@ class RLConfig:
     algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo"] = "grpo"
     batch_size: int = 8
     mini_batch_size: int = 8
-    num_rollouts: int = 8
+    # The YAML's ``rl.num_rollouts`` (the seed's name); the library's name is ``n_samples``.
+    n_samples: int = dataclasses.field(default=8, metadata={"key": "num_rollouts"})
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -84,6 +87,8 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
+    context_parallel: int = 1
+    cp_mode: Literal["ring", "ulysses"] = "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +136,17 @@ class Config:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as a mapping with the YAML's key names (``parse_config(cfg.to_dict()) == cfg``)."""
+        return {
+            f.name: {_key(g): v for g, v in zip(dataclasses.fields(section), dataclasses.astuple(section))}
+            for f in dataclasses.fields(self)
+            for section in [getattr(self, f.name)]
+        }
+
+
+def _key(f: dataclasses.Field) -> str:
+    """The YAML key of a config field: its ``key`` metadata (``n_samples`` is ``num_rollouts``), else its name."""
+    return f.metadata.get("key", f.name)
 
 
 def _type_name(tp: Any) -> str:
@@ -180,13 +195,14 @@ def _section(cls: type, key: str, raw: Any) -> Any:
         raw = {}
     if not isinstance(raw, Mapping):
         raise ValueError(f"config key {key!r}: got {type(raw).__name__}, expected a mapping of keys")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {}
     for name, value in raw.items():
         if name not in fields:
             raise ValueError(f"config key '{key}.{name}': unknown, expected one of {', '.join(fields)}")
-        values[name] = _coerce(f"{key}.{name}", value, hints[name])
+        field = fields[name]
+        values[field.name] = _coerce(f"{key}.{name}", value, hints[field.name])
     return cls(**values)
 
 
@@ -197,9 +213,10 @@ def _positive(key: str, value: float, *, strict: bool = True) -> None:
 
 def _validate(cfg: Config) -> None:
     rl, tr = cfg.rl, cfg.trainer
-    for key in ("batch_size", "mini_batch_size", "num_rollouts", "max_new_tokens", "lr", "epochs", "critic_lr"):
+    for key in ("batch_size", "mini_batch_size", "max_new_tokens", "lr", "epochs", "critic_lr"):
         _positive(f"rl.{key}", getattr(rl, key))
-    for key in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+    _positive("rl.num_rollouts", rl.n_samples)
+    for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel"):
         _positive(f"parallel.{key}", getattr(cfg.parallel, key))
     for key, value in (
         ("rl.temperature", rl.temperature),
@@ -228,10 +245,8 @@ def _validate(cfg: Config) -> None:
         raise ValueError(
             f"config key 'rl.mini_batch_size': got {rl.mini_batch_size}, expected a divisor of rl.batch_size={rl.batch_size}"
         )
-    if rl.algo == "dpo" and rl.num_rollouts != 1:
-        raise ValueError(
-            f"config key 'rl.num_rollouts': got {rl.num_rollouts}, expected 1 for dpo (one pair per prompt)"
-        )
+    if rl.algo == "dpo" and rl.n_samples != 1:
+        raise ValueError(f"config key 'rl.num_rollouts': got {rl.n_samples}, expected 1 for dpo (one pair per prompt)")
     if rl.multi_turn is not None:
         _check_multi_turn(cfg)
     path = cfg.model.model_name_or_path
@@ -322,7 +337,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     """Validate a config mapping (as loaded from YAML) into a :class:`Config`.
 
     >>> cfg = parse_config({"model": {"model_name_or_path": {"model_type": "qwen2"}}, "rl": {"algo": "grpo"}})
-    >>> cfg.rl.num_rollouts
+    >>> cfg.rl.n_samples  # the YAML's rl.num_rollouts
     8
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
@@ -391,15 +406,21 @@ def check_launch(cfg: Config, world_size: int) -> None:
     sets ``num_rollouts: 1``, which loads but would give every advantage 0).
     """
     par = cfg.parallel
+    if par.context_parallel != 1:
+        raise ValueError(
+            f"config key 'parallel.context_parallel': got {par.context_parallel}, expected 1 (the reference trainer "
+            "does not split sequences yet; the library's pieces are rlcore.models.sharded_token_logprobs and "
+            "rlcore.algos.sequence_sharded_counts / sequence_sharded_aggregate)"
+        )
     check_parallel_sizes(
         data_parallel=par.data_parallel,
         tensor_parallel=par.tensor_parallel,
         pipeline_parallel=par.pipeline_parallel,
         world_size=world_size,
     )
-    if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and cfg.rl.num_rollouts < 2:
+    if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and cfg.rl.n_samples < 2:
         raise ValueError(
-            f"config key 'rl.num_rollouts': got {cfg.rl.num_rollouts}, expected >= 2 for {cfg.rl.algo} "
+            f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt)"
         )
     if cfg.deploy.backend == "ray":

@@ -38,18 +38,15 @@ import torch
 
 from rlcore import algos
 from rlcore.dataflow import Stage, stage
-from rlcore.models import from_hf, token_logprobs
+from rlcore.models import from_hf, preference_logps, token_logprobs
 
 __all__ = [
     "PAIR_COLUMNS",
-    "PreferenceRecipe",
     "advantages_stage",
     "eval_mode",
     "logprob_stage",
     "preference_forward",
-    "preference_logps",
     "preference_logps_stage",
-    "recipe_counts",
     "response_logprobs",
     "response_values",
     "reward_stage",
@@ -317,14 +314,6 @@ def rl_forward(
     return forward
 
 
-def recipe_counts(recipe: Any, batch: Batch, *, process_group: Any = None) -> dict[str, Any]:
-    """The global counts ``recipe.loss`` takes: ``recipe.global_counts`` when it has one, else token / sequence counts."""
-    counts = getattr(recipe, "global_counts", None)
-    if callable(counts):
-        return counts(batch, process_group=process_group)
-    return algos.global_counts(batch["mask"], process_group=process_group)
-
-
 def update_stage(
     forward: Callable[[Batch], Batch],
     recipe: Any,
@@ -345,8 +334,9 @@ def update_stage(
 
     Args:
       forward: dock rows -> the recipe's batch with the model outputs (gradient on).
-      recipe: anything with ``loss(batch, **counts) -> (loss, metrics)`` (an
-        :class:`rlcore.algos.Algorithm`, a preference recipe).
+      recipe: anything with ``global_counts(batch, *, process_group)`` and
+        ``loss(batch, **counts) -> (loss, metrics)`` (an :class:`rlcore.algos.Algorithm`,
+        an :class:`rlcore.algos.DPO`).
       step: ``step(loss, rows)``: backward, gradient reduction, clipping, optimiser step.
       inputs: dock columns read.
       micro_batch: rows per update.
@@ -361,7 +351,7 @@ def update_stage(
 
     def update(b: Batch) -> dict[str, torch.Tensor]:
         batch = forward(b)
-        loss, metrics = recipe.loss(batch, **recipe_counts(recipe, batch, process_group=process_group))
+        loss, metrics = recipe.loss(batch, **recipe.global_counts(batch, process_group=process_group))
         step(loss, b)
         if on_metrics is not None:
             on_metrics(b, loss.detach(), metrics)
@@ -381,69 +371,26 @@ def update_stage(
 
 
 # --- preference (DPO) ---------------------------------------------------------------------------
-# Temporary: the preference recipe's tensor-in ``loss(batch, **counts)`` / ``global_counts``
-# and ``rlcore.models.preference_logps`` are being added to rlcore.algos / rlcore.models;
-# this adapter wraps today's ``rlcore.algos.DPO`` to that contract and goes when they land.
+# The preference recipe (rlcore.algos.dpo) is tensor-in like every Algorithm; its model half is
+# rlcore.models.preference_logps, so DPO runs the same update stage as the RL recipes.
 
 _PREF_SIDES = ("chosen", "rejected")
-
-
-def preference_logps(
-    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *, reduce: str = "sum", temperature: float = 1.0
-) -> dict[str, torch.Tensor]:
-    """``chosen_logps`` / ``rejected_logps`` ``[P]`` and their response lengths, from one stacked forward."""
-
-    def run(ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        return model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
-
-    chosen, rejected = algos.concatenated_logps(run, batch, reduce=reduce, temperature=temperature)
-    return {
-        "chosen_logps": chosen,
-        "rejected_logps": rejected,
-        "chosen_lengths": (batch["chosen_mask"] != 0).sum(-1),
-        "rejected_lengths": (batch["rejected_mask"] != 0).sum(-1),
-    }
-
-
-class PreferenceRecipe:
-    """Temporary adapter: :class:`rlcore.algos.DPO` with the tensor-in ``loss(batch, *, num_pairs)`` contract."""
-
-    def __init__(self, dpo: algos.DPO) -> None:
-        self.dpo = dpo
-
-    def global_counts(self, batch: Batch, *, process_group: Any = None) -> dict[str, torch.Tensor]:
-        count = torch.tensor(batch["chosen_logps"].shape[0])
-        if process_group is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(count, group=process_group)
-        return {"num_pairs": count}
-
-    def loss(self, batch: Batch, *, num_pairs: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        pc, pr = batch["chosen_logps"], batch["rejected_logps"]
-        per_pair, loss_metrics = self.dpo.loss(
-            pc, pr, batch["ref_chosen_logps"].to(pc.dtype), batch["ref_rejected_logps"].to(pc.dtype)
-        )
-        loss = per_pair.sum() / (per_pair.shape[0] if num_pairs is None else num_pairs)
-        metrics = {k: v.float().mean() for k, v in loss_metrics.items()}
-        metrics["logps_chosen"] = pc.detach().mean()
-        metrics["logps_rejected"] = pr.detach().mean()
-        return loss, metrics
 
 
 def _pair_columns() -> list[str]:
     return [f"{side}_{k}" for side in _PREF_SIDES for k in ("input_ids", "attention_mask", "mask")]
 
 
-def preference_logps_stage(
-    reference: torch.nn.Module, *, reduce: str = "sum", temperature: float = 1.0, resource: str = "device"
-) -> Stage:
-    """Reference log-probs of the chosen / rejected pairs (eval mode): ``ref_chosen_logps``, ``ref_rejected_logps``."""
+def preference_logps_stage(reference: torch.nn.Module, *, temperature: float = 1.0, resource: str = "device") -> Stage:
+    """Reference log-probs of the chosen / rejected pairs (eval mode): ``ref_chosen_logps``, ``ref_rejected_logps``.
+
+    One packed forward of both sides (:func:`rlcore.models.preference_logps`).
+    """
+    apply, params = from_hf(reference)
 
     def ref(b: Batch) -> dict[str, torch.Tensor]:
         with eval_mode(reference):
-            out = preference_logps(reference, b, reduce=reduce, temperature=temperature)
+            out = preference_logps(apply, params, b, temperature=temperature)
         return {"ref_chosen_logps": out["chosen_logps"], "ref_rejected_logps": out["rejected_logps"]}
 
     return stage(
@@ -455,13 +402,15 @@ def preference_logps_stage(
     )
 
 
-def preference_forward(
-    policy: torch.nn.Module, *, reduce: str = "sum", temperature: float = 1.0
-) -> Callable[[Batch], Batch]:
-    """The update's forward for preference recipes: the policy's pair log-probs beside the reference columns."""
+def preference_forward(policy: torch.nn.Module, *, temperature: float = 1.0) -> Callable[[Batch], Batch]:
+    """The update's forward for preference recipes: the policy's pair log-probs and lengths beside the reference columns.
+
+    The result is the batch :class:`rlcore.algos.DPO` reads.
+    """
+    apply, params = from_hf(policy)
 
     def forward(b: Batch) -> Batch:
-        out = preference_logps(policy, b, reduce=reduce, temperature=temperature)
+        out = preference_logps(apply, params, b, temperature=temperature)
         return {**out, "ref_chosen_logps": b["ref_chosen_logps"], "ref_rejected_logps": b["ref_rejected_logps"]}
 
     return forward

@@ -47,6 +47,8 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from rlcore import algos
 from rlcore.dataflow import (
@@ -55,25 +57,26 @@ from rlcore.dataflow import (
     StageGraph,
     WeightSync,
     decoder_layout,
+    load_into,
     param_meta,
     plan_reshard,
     run_pipeline,
     stage,
     unpack_weights,
 )
-from rlcore.device import collective_backend, get_device, memory_stats
+from rlcore.device import get_device, memory_stats
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
 from rlcore.models import from_hf, token_logprobs
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool
 from rlcore.train.agent_stages import multi_turn_graph, multi_turn_rollout_stage
-from rlcore.train.checkpoint import load_checkpoint, save_checkpoint
+from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rlcore.train.config import Config, check_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
+from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
 from rlcore.train.stages import (
     PAIR_COLUMNS,
-    PreferenceRecipe,
     advantages_stage,
     logprob_stage,
     preference_forward,
@@ -170,51 +173,95 @@ def make_generator(seed: int, rank: int, step: int, phase: int) -> torch.Generat
     return torch.Generator().manual_seed(((seed * 1_000_003 + phase) * 1_000_003 + step) * 1_009 + rank)
 
 
-class _World:
-    """This process's place in the data-parallel group (a single process when not launched by torchrun).
+# Metrics that are shares of a loss normalised by global counts: summed over data-parallel ranks.
+_SUMMED = frozenset({"loss", "pg_loss", "vf_loss"})
 
-    The one place gradients cross ranks (:meth:`sum_grads`): FSDP2 replaces it.
+
+class _World:
+    """This process's place in the ``("dp", "tp")`` device mesh (one process when not launched by torchrun).
+
+    Every sum over data (global counts, metric means, the data split of the prompts) uses
+    the data-parallel group; the models' gradients cross ranks only inside FSDP2 and
+    DTensor (:func:`rlcore.train.parallel.parallelize`).
     """
 
-    def __init__(self, device: torch.device):
-        self.size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.group = None
-        self.owns_group = False
-        if self.size > 1:
-            if not dist.is_initialized():
-                dist.init_process_group(collective_backend(device))
-            self.group = dist.group.WORLD
+    def __init__(self, cfg: Config, device: torch.device):
+        par = cfg.parallel
+        self.owns_group = not dist.is_initialized()
+        self.mesh = device_mesh(
+            par.data_parallel, par.tensor_parallel, pipeline_parallel=par.pipeline_parallel, device=device
+        )
+        self.size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.dp_size = self.mesh["dp"].size()
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        # The data-parallel group the counts and metrics are summed over (None: nothing to sum).
+        self.group = self.mesh.get_group("dp") if self.dp_size > 1 else None
+        self.sharded = self.size > 1
 
-    def local_group(self) -> None:
-        """A one-rank gloo group for the co-located swap's reshard when not launched by torchrun."""
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            self.owns_group = True
+    def close(self, *, ok: bool = True) -> None:
+        """Destroy the process group this trainer started: after a barrier when the run succeeded.
 
-    def close(self) -> None:
+        After an error no barrier is entered (a peer may never reach it); the group is
+        destroyed all the same so that the process can exit.
+        """
         if self.owns_group and dist.is_initialized():
+            if ok:
+                dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
 
-    def sum_grads(self, params: Sequence[torch.Tensor]) -> None:
-        # Losses are normalised by global counts, so the global gradient is the sum.
-        if self.group is not None:
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.group)
+    def any(self, flag: torch.Tensor) -> bool:
+        """True on every rank when ``flag`` (a 0-d float) is non-zero on any rank."""
+        if self.sharded:
+            dist.all_reduce(flag)
+        return bool(flag.item() > 0)  # sync-ok: the trainer's stop decision
 
-    def mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        stacked = torch.stack([torch.as_tensor(v).detach().float() for v in values.values()])
-        if self.group is not None:
-            dist.all_reduce(stacked, group=self.group)
-            stacked /= self.size
-        return dict(zip(values, stacked.tolist()))
+    def reduce(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One step's metric sums combined over the data-parallel ranks (a sum and a max all-reduce).
 
-    def broadcast(self, params: Sequence[torch.Tensor]) -> None:
-        if self.group is not None:
-            for p in params:
-                dist.broadcast(p.data, 0, group=self.group)
+        Sums (``_``-prefixed) and the losses normalised by global counts (``loss``,
+        ``pg_loss``, ``vf_loss``: each rank holds its share) are added; ``_lag_max`` is
+        the maximum; the recipe's other metrics (local means) are averaged.
+        """
+        if self.group is None:
+            return values
+        names = [k for k in values if k != "_lag_max"]
+        stacked = torch.stack([torch.as_tensor(values[k]).detach().float() for k in names])
+        dist.all_reduce(stacked, group=self.group)
+        out = {k: v if k.startswith("_") or k in _SUMMED else v / self.dp_size for k, v in zip(names, stacked)}
+        if "_lag_max" in values:
+            top = torch.as_tensor(values["_lag_max"]).detach().float().clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+            out["_lag_max"] = top
+        return out
+
+
+def _clip(params: Sequence[torch.Tensor], max_norm: float, sharded: bool) -> None:
+    """Clip the total gradient norm: DTensor-aware when the model is sharded, torch's own otherwise."""
+    if sharded:
+        clip_grad_norm(params, max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _shard_critic(critic: torch.nn.Module, world: _World) -> None:
+    """FSDP2 over ``dp`` for the critic (a token-classification head: one unit per decoder layer and the root)."""
+    if world.mesh["tp"].size() > 1:
+        raise ValueError(
+            "config key 'parallel.tensor_parallel': got "
+            f"{world.mesh['tp'].size()} with rl.algo 'ppo', expected 1 (the critic is not tensor parallel; "
+            "use data parallelism)"
+        )
+    if world.dp_size == 1:
+        return
+    backbone: Any = getattr(critic, str(critic.base_model_prefix))
+    layers = backbone.layers
+    units = [fully_shard(layer, mesh=world.mesh["dp"]) for layer in layers]
+    units.append(fully_shard(critic, mesh=world.mesh["dp"]))
+    for unit in units:
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(1.0)
 
 
 class _Models(NamedTuple):
@@ -224,7 +271,7 @@ class _Models(NamedTuple):
 
 
 class _Optimiser:
-    """Backward, the data-parallel gradient sum, clipping and the optimiser steps: the update stage's ``step``."""
+    """Backward (FSDP2 sums the gradients over ``dp``), clipping and the optimiser steps: the update stage's ``step``."""
 
     def __init__(self, models: _Models, cfg: Config, world: _World):
         rl = cfg.rl
@@ -239,10 +286,7 @@ class _Optimiser:
 
     def __call__(self, loss: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
         step = int(rows["iteration"][0])
-        bad = (~torch.isfinite(loss.detach())).float()
-        if self.world.group is not None:
-            dist.all_reduce(bad, group=self.world.group)
-        if bad.item() > 0:  # sync-ok: the trainer stops the run on a non-finite loss, before any update
+        if self.world.any((~torch.isfinite(loss.detach())).float()):
             raise FloatingPointError(
                 f"step {step}: the loss is not finite ({loss.item()}); stopped before the optimiser step, "
                 "the last checkpoint is untouched"
@@ -250,9 +294,8 @@ class _Optimiser:
         for opt in self.opts:
             opt.zero_grad(set_to_none=True)
         loss.backward()
-        self.world.sum_grads(self.params)
         if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            _clip(self.params, self.grad_clip, self.world.sharded)
         for opt in self.opts:
             opt.step()
 
@@ -260,38 +303,38 @@ class _Optimiser:
 # --- checkpoints: the one place the run's state is saved and restored -------------------------
 
 
-def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config) -> None:
-    save_checkpoint(
-        out,
-        {
-            "step": step,
-            "policy": models.policy.state_dict(),
-            "reference": models.reference.state_dict(),
-            "critic": models.critic.state_dict() if models.critic is not None else None,
-            "optimizers": [o.state_dict() for o in opt.opts],
-            # The global stream: the update's dropout (critic) draws from it.
-            "torch_rng": torch.get_rng_state(),
-            "config": cfg.to_dict(),
-        },
-    )
-
-
-def _restore(checkpoint: dict[str, Any], models: _Models, opt: _Optimiser) -> int:
-    models.policy.load_state_dict(checkpoint["policy"])
-    models.reference.load_state_dict(checkpoint["reference"])
+def _state(step: int, models: _Models, opt: _Optimiser, cfg: Config) -> dict[str, Any]:
+    """What a checkpoint holds: the models with their optimisers (DCP shards), the step, the random streams."""
+    state: dict[str, Any] = {
+        "step": step,
+        "policy": (models.policy, opt.opts[0]),
+        "reference": models.reference,
+        # The global stream: the update's dropout (critic) draws from it.
+        "rng": rng_state(),
+        "config": cfg.to_dict(),
+    }
     if models.critic is not None:
-        models.critic.load_state_dict(checkpoint["critic"])
-    for o, saved in zip(opt.opts, checkpoint["optimizers"]):
-        o.load_state_dict(saved)
+        state["critic"] = (models.critic, opt.opts[1])
+    return state
+
+
+def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config) -> None:
+    """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1)."""
+    save_checkpoint(out, _state(step, models, opt, cfg))
+
+
+def _restore(out: Path, models: _Models, opt: _Optimiser, cfg: Config) -> int:
+    """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step."""
+    data = load_checkpoint(out, _state(0, models, opt, cfg))
+    for o in opt.opts:
         # Loaded tensors may share the file's storage, which cannot be resized: the
         # co-located swap offloads the optimiser state by resizing storages to 0.
         for values in o.state.values():
             for k, v in values.items():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                     values[k] = v.clone()
-    if checkpoint.get("torch_rng") is not None:
-        torch.set_rng_state(checkpoint["torch_rng"])
-    return int(checkpoint["step"]) + 1
+    set_rng_state(data["rng"])
+    return int(data["step"]) + 1
 
 
 # --- the supervised warm-up ------------------------------------------------------------------
@@ -313,12 +356,26 @@ def _sequences(tok: Any, prompts: list[str], responses: list[str], device: torch
 def supervised_warmup(
     policy: torch.nn.Module, task: Any, cfg: Config, *, process_group: Any = None, rank: int = 0, progress: bool = False
 ) -> None:
-    """Supervised warm-up on the task's reference answers (token-mean cross-entropy over the response)."""
+    """Supervised warm-up on the task's reference answers (token-mean cross-entropy over the response).
+
+    Args:
+      policy: the policy, unsharded or sharded by :func:`rlcore.train.parallel.parallelize`
+        (FSDP2 then sums the gradients over the data-parallel ranks).
+      task: the task whose reference answers are the targets.
+      cfg: the run's config (``trainer.warmup_*``, ``rl.weight_decay``, ``rl.grad_clip``).
+      process_group: the data-parallel group (None: one data-parallel rank). Each step
+        samples ``warmup_batch_size`` prompts per rank as one global batch and this rank
+        takes its share, so the run is the same at any data-parallel size.
+      rank: this process's rank in ``process_group``.
+      progress: show a progress bar.
+    """
     tr = cfg.trainer
     params = [p for p in policy.parameters() if p.requires_grad]
+    sharded = any(isinstance(p, DTensor) for p in params)
     apply, named = from_hf(policy)
     opt = torch.optim.AdamW(params, lr=tr.warmup_lr, weight_decay=cfg.rl.weight_decay)
-    device = params[0].device
+    device = params[0].to_local().device if isinstance(params[0], DTensor) else params[0].device
+    ranks = dist.get_world_size(process_group) if process_group is not None else 1
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -327,7 +384,10 @@ def supervised_warmup(
     policy.train()
     try:
         for step in range(tr.warmup_steps):
-            samples = task.sample(tr.warmup_batch_size, make_generator(tr.seed, rank, step, WARMUP))
+            size = tr.warmup_batch_size
+            samples = task.sample(size * ranks, make_generator(tr.seed, 0, step, WARMUP))[
+                rank * size : (rank + 1) * size
+            ]
             seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
             if hasattr(task, "warmup_batch"):  # a task with its own traces (rlcore.agent.Multiplication: tool calls)
                 seq = {k: v.to(device) for k, v in task.warmup_batch(samples).items()}
@@ -337,11 +397,7 @@ def supervised_warmup(
             loss = algos.aggregate(-logp, mask, mode="token-mean", num_tokens=counts["num_tokens"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if process_group is not None:
-                for p in params:
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=process_group)
-            torch.nn.utils.clip_grad_norm_(params, cfg.rl.grad_clip or math.inf)
+            _clip(params, cfg.rl.grad_clip or math.inf, sharded)
             opt.step()
             if bar is not None:
                 bar.set_postfix({"loss": f"{loss.item():.3g}"}, refresh=False)  # sync-ok: progress display
@@ -354,13 +410,19 @@ def supervised_warmup(
 # --- the prompt loader and the DPO pairs ------------------------------------------------------
 
 
-def _loader(task: Any, cfg: Config, rank: int, start: int, n: int) -> Callable[[int], dict[str, Any]]:
-    """Pipeline iteration ``i`` -> the source columns of step ``start + i``: each prompt repeated ``n`` times."""
+def _loader(task: Any, cfg: Config, rank: int, start: int, n: int, ranks: int = 1) -> Callable[[int], dict[str, Any]]:
+    """Pipeline iteration ``i`` -> the source columns of step ``start + i``: each prompt repeated ``n`` times.
+
+    The step's global batch (``rl.batch_size`` prompts per data-parallel rank) is drawn
+    from one stream and data-parallel rank ``rank`` of ``ranks`` takes its share.
+    """
     tok = task.tokenizer
+    size = cfg.rl.batch_size
 
     def load(i: int) -> dict[str, Any]:
         step = start + i
-        samples = task.sample(cfg.rl.batch_size, make_generator(cfg.trainer.seed, rank, step, DATA))
+        drawn = task.sample(size * ranks, make_generator(cfg.trainer.seed, 0, step, DATA))
+        samples = drawn[rank * size : (rank + 1) * size]
         prompts, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
         rows = len(samples) * n
         return {
@@ -458,8 +520,14 @@ class _Steps:
 
         return dataclasses.replace(s, fn=run)
 
-    def local(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """The step's metrics to average over ranks, and its timing (busy seconds per stage, idle fraction per resource)."""
+    def local(
+        self, step: int, reduce: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The step's metrics and its timing (busy seconds per stage, idle fraction per resource).
+
+        ``reduce`` combines this rank's sums with the other data-parallel ranks' before
+        the ratios are taken (:meth:`_World.reduce`).
+        """
         with self.lock:
             acc = self.sums.pop(step)
             now = time.perf_counter()
@@ -467,6 +535,8 @@ class _Steps:
             spans = [(n, r, max(a, self.last_end), min(b, now)) for n, r, a, b in self.spans if b > self.last_end]
             self.spans = [sp for sp in self.spans if sp[3] > now]
             self.last_end = now
+        if reduce is not None:
+            acc = reduce(acc)
         rows = acc.pop("_rows")
         tokens = acc.pop("_tokens")
         out = {k: v for k, v in acc.items() if not k.startswith("_")}
@@ -530,10 +600,25 @@ def _engine(cfg: Config, model: torch.nn.Module, tok: Any) -> TorchEngine:
 
 
 class _Deployment:
-    """Where the rollout runs and how weights reach it: the pipeline's rollout stage, switch hook and sync."""
+    """Where the rollout runs and how weights reach it: the pipeline's rollout stage, switch hook and sync.
+
+    The rollout never runs on the sharded training module (ranks would run different
+    numbers of forwards in its collectives): it runs on an unsharded replica, a user's
+    engine or a worker process, fed through one :class:`rlcore.dataflow.WeightSync` from
+    :func:`rlcore.train.parallel.full_state_dict` of the policy (collective: every rank
+    publishes). A one-process co-located run instead swaps in place with the memory
+    plan's AllGather-Swap.
+    """
 
     def __init__(
-        self, cfg: Config, models: _Models, opt: _Optimiser, world: _World, task: Any, engine: InferenceEngine | None
+        self,
+        cfg: Config,
+        models: _Models,
+        opt: _Optimiser,
+        world: _World,
+        task: Any,
+        engine: InferenceEngine | None,
+        replica: torch.nn.Module,
     ):
         self.cfg, self.world = cfg, world
         self.worker: RolloutWorker | None = None
@@ -541,28 +626,46 @@ class _Deployment:
         self.syncs: list[tuple[float, int]] = []
         self.memory: dict[str, float] = {}
         self.rollout_metrics: Callable[[int], dict[str, torch.Tensor]] = lambda step: {}
-        self.device = next(models.policy.parameters()).device
         policy = models.policy
-        sampling = partial(self._generator, cfg.trainer.seed, world.rank)
+        self.device = next(replica.parameters()).device
+        sampling = partial(self._generator, cfg.trainer.seed, world.dp_rank)
         timeout = cfg.deploy.rollout_timeout or None
+        names = [name for name, _ in replica.named_parameters()]
+
+        def full_weights() -> dict[str, torch.Tensor]:
+            weights = full_state_dict(policy)
+            return {name: weights[name] for name in names}
+
+        def sync_to(receiver: Callable[[Any], Any]) -> Callable[[int], None]:
+            sync = WeightSync(full_weights())
+
+            def publish(version: int) -> None:
+                sync.params = full_weights()  # gathered anew after each update (collective when sharded)
+                self._record(sync.sync(version, receiver))
+
+            return publish
+
         if engine is not None:  # a user's engine: weights after every update, through the sync path
-            sync = WeightSync(dict(policy.named_parameters()))
-            self.publish = lambda version: self._record(
-                sync.sync(version, lambda p: engine.load_weights(unpack_weights(p)))
-            )
+            self.publish = sync_to(lambda p: engine.load_weights(unpack_weights(p)))
+            self.publish(0)
             self.rollout = rollout_stage(engine, generator=sampling, timeout=timeout)
         elif cfg.deploy.mode == "disaggregated":
             self.worker = RolloutWorker(
                 _serve_rollout,
-                args=(cfg.to_dict(), task.tokenizer.vocab_size, world.rank),
+                args=(cfg.to_dict(), task.tokenizer.vocab_size, world.dp_rank),
                 threads=max(1, cfg.trainer.threads),
                 join_timeout=5.0,
             )
             # Start-up (spawn, imports, model build) happens before the first step, not inside it.
             self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
-            sync = WeightSync(dict(policy.named_parameters()))
             worker = self.worker
-            self.publish = lambda version: self._record(sync.sync(version, partial(worker.publish, version)))
+            sync = WeightSync(full_weights())
+
+            def publish(version: int) -> None:
+                sync.params = full_weights()
+                self._record(sync.sync(version, partial(worker.publish, version)))
+
+            self.publish = publish
             self.publish(0)
             self.rollout = worker.stage(
                 inputs=["prompts", "prompt_mask", "iteration"],
@@ -570,12 +673,15 @@ class _Deployment:
                 resource="rollout",
                 timeout=timeout,
             )
+        elif world.sharded:  # co-located on sharded training: an unsharded replica fed by the weight sync
+            self.publish = sync_to(load_into(replica))
+            self.publish(0)
+            self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
         else:  # co-located: the engine's weights are built by the AllGather-Swap at each switch to rollout
-            infer = copy.deepcopy(policy).eval().requires_grad_(False)
+            infer = replica
             engine_params = dict(infer.named_parameters())
             for p in engine_params.values():
                 p.data = p.data.new_empty(0)  # bound to the inference buckets at each switch
-            world.local_group()
             named = dict(policy.named_parameters())
             layout = decoder_layout(param_meta(named), dp=dist.get_world_size())
             plan = allgather_swap_plan(
@@ -638,7 +744,6 @@ class _Deployment:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
-        self.world.close()
 
 
 # --- the assembly -----------------------------------------------------------------------------
@@ -658,7 +763,7 @@ def _graph(
 ) -> StageGraph:
     """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update."""
     rl, tok = cfg.rl, task.tokenizer
-    n = 1 if rl.algo == "dpo" else rl.num_rollouts
+    n = 1 if rl.algo == "dpo" else rl.n_samples
     stages = [
         rollout,
         reward_stage(rewards, tok.decode),
@@ -667,12 +772,9 @@ def _graph(
     ]
     logged = ["scores", "mask", "old_logp", "ref_logp", "entropy", "prompt_mask", "iteration", "version"]
     if isinstance(algo, algos.DPO):
-        recipe: Any = PreferenceRecipe(algo)
-        stages += [
-            _pairs_stage(task, cfg, world.rank),
-            preference_logps_stage(models.reference, reduce=algo.reduce, temperature=algo.temperature),
-        ]
-        forward = preference_forward(models.policy, reduce=algo.reduce, temperature=algo.temperature)
+        recipe: Any = algo
+        stages += [_pairs_stage(task, cfg, world.dp_rank), preference_logps_stage(models.reference)]
+        forward = preference_forward(models.policy)
         inputs = [*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", *logged]
     else:
         recipe = algo
@@ -716,42 +818,90 @@ def train(
 
     Args:
       cfg: a validated :class:`rlcore.train.config.Config`.
-      resume: continue from ``trainer.output_dir/checkpoint.pt`` (same seed, same data order).
+      resume: continue from the DCP checkpoint in ``trainer.output_dir/checkpoint/`` (saved at any world size; same seed, same data order).
       engine: an :class:`InferenceEngine` to sample with instead of the in-process one
         (it receives the weights after every update through the weight-sync path).
       algo: an :class:`rlcore.algos.Algorithm` replacing the recipe named by ``rl.algo``.
       reward: a reward replacing the task's rule reward (a ``(prompts, responses, **columns)``
         callable or a ``BaseReward``-style object; it receives ``answers``).
     """
-    tr, rl = cfg.trainer, cfg.rl
+    tr = cfg.trainer
     if tr.threads:
         torch.set_num_threads(tr.threads)
     device = get_device()
     if device.type != "cpu":
         device = get_device(index=int(os.environ.get("LOCAL_RANK", "0")))
-    world = _World(device)
-    check_launch(cfg if engine is None else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), world.size)
-    if engine is not None and rl.multi_turn is not None:
+    launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    check_launch(cfg if engine is None else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), launched)
+    if cfg.deploy.async_infer and launched > 1:
+        raise ValueError(
+            "config key 'deploy.async_infer': got true at world size "
+            f"{launched}, expected false (the sharded models' collectives need every rank to run the stages in one "
+            "order, which the blocking pipeline guarantees; asynchronous rollout runs at world size 1)"
+        )
+    if engine is not None and cfg.rl.multi_turn is not None:
         raise ValueError(
             "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
         )
     task = make_task(cfg.data.task, **_task_options(cfg))
+    world = _World(cfg, device)
+    ok = False
+    try:
+        run = _train(cfg, world, task, device, resume=resume, engine=engine, algo=algo, reward=reward)
+        ok = True
+    finally:
+        world.close(ok=ok)
+    out = Path(tr.output_dir)
+    if world.rank == 0 and tr.plot:
+        plot_curves(read_metrics(out / "metrics.jsonl"), out / "curves.png")
+        if run.tasks is not None:
+            plot_timeline(run.tasks, out / "timeline.png", last=tr.timeline_iterations, offset=run.start)
+    return Run(run.records, run.policy, run.critic)
+
+
+class _Trained(NamedTuple):
+    records: list[dict[str, Any]]
+    policy: torch.nn.Module
+    critic: torch.nn.Module | None
+    tasks: Any
+    start: int
+
+
+def _train(
+    cfg: Config,
+    world: _World,
+    task: Any,
+    device: torch.device,
+    *,
+    resume: bool,
+    engine: InferenceEngine | None,
+    algo: algos.Algorithm | None,
+    reward: Any,
+) -> _Trained:
+    tr, rl = cfg.trainer, cfg.rl
+    # Every rank builds the same initial weights from the seed; the models are then sharded
+    # (FSDP2 over "dp", tensor parallel over "tp"): the one place parallelism enters.
     torch.manual_seed(tr.seed)
-    # Model building: the one place to shard the models (FSDP2, tensor parallel).
     policy = build_model(cfg, task.tokenizer.vocab_size).to(device)
     critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if rl.algo == "ppo" else None
-    world.broadcast(list(policy.parameters()) + (list(critic.parameters()) if critic is not None else []))
+    replica = copy.deepcopy(policy).eval().requires_grad_(False)  # rollout / reference template, unsharded
+    parallelize(policy, world.mesh, grad_reduce="sum")
+    if critic is not None:
+        _shard_critic(critic, world)
     out = Path(tr.output_dir)
     leader = world.rank == 0
-    checkpoint = load_checkpoint(out) if resume else None
-    if checkpoint is None and tr.warmup_steps:
+    if not resume and tr.warmup_steps:
         supervised_warmup(
-            policy, task, cfg, process_group=world.group, rank=world.rank, progress=tr.progress and leader
+            policy, task, cfg, process_group=world.group, rank=world.dp_rank, progress=tr.progress and leader
         )
-    models = _Models(policy, copy.deepcopy(policy).eval().requires_grad_(False), critic)
+    # The reference: the (warmed-up) policy's weights in a model of its own, sharded the same way.
+    reference = copy.deepcopy(replica)
+    reference.load_state_dict(full_state_dict(policy))
+    parallelize(reference, world.mesh, grad_reduce="sum")
+    models = _Models(policy, reference, critic)
     opt = _Optimiser(models, cfg, world)
-    start = _restore(checkpoint, models, opt) if checkpoint is not None else 0
-    n = 1 if rl.algo == "dpo" else rl.num_rollouts
+    start = _restore(out, models, opt, cfg) if resume else 0
+    n = 1 if rl.algo == "dpo" else rl.n_samples
     recipe = algo or build_algorithm(cfg)
     steps = _Steps(updates=rl.batch_size // rl.mini_batch_size, start=start)
     log = (
@@ -760,25 +910,32 @@ def train(
             total=tr.steps,
             start=start,
             progress=tr.progress,
-            resume_step=start - 1 if checkpoint is not None else None,
+            resume_step=start - 1 if resume else None,
         )
         if leader
         else None
     )
     records: list[dict[str, Any]] = []
-    rewards = RewardPool(reward if reward is not None else task.reward, num_workers=tr.reward_workers)
+    result = None
+    rewards = RewardPool(
+        reward if reward is not None else task.reward, num_workers=tr.reward_workers, timeout=tr.reward_timeout
+    )
     deployment: _Deployment | None = None
+    # KeyboardInterrupt (Ctrl-C, and SIGTERM through the CLI) is not caught: it unwinds through
+    # the finally below, which stops the reward workers and the rollout worker.
     try:
-        deployment = _Deployment(cfg, models, opt, world, task, engine)
+        deployment = _Deployment(cfg, models, opt, world, task, engine, replica)
         dep = deployment
 
         def on_step_end(i: int) -> None:
             step = start + i
             dep.publish(i + 1)  # weights version i + 1 for the rows the scheduler stamps next
-            local, timing = steps.local(step)
-            local.update(dep.rollout_metrics(step))
-            metrics = world.mean(local)
-            samples = world.size * rl.batch_size * n
+            local, timing = steps.local(step, world.reduce)
+            extra = dep.rollout_metrics(step)
+            if extra:
+                local.update(world.reduce(extra))
+            metrics = {k: float(v) for k, v in local.items()}
+            samples = world.dp_size * rl.batch_size * n
             # As the seed system defines it: (prompt + response tokens) x samples / devices / step time.
             metrics["tokens_per_s_device"] = (
                 (metrics["prompt_length"] + metrics["response_length"]) * samples / world.size / timing["step_time_s"]
@@ -787,20 +944,19 @@ def train(
             records.append(record)
             if log is not None:
                 log.write(record)
-                if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
-                    _save(out, step, models, opt, cfg)
+            if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
+                _save(out, step, models, opt, cfg)  # every rank: DCP writes each rank's shards
 
         graph = _graph(cfg, models, recipe, opt, steps, dep.rollout, rewards, task, world, on_step_end)
         policy.train()
         if critic is not None:
             critic.train()
         steps.last_end = time.perf_counter()
-        result = None
         if tr.steps > start:
             blocking = not cfg.deploy.async_infer
             result = run_pipeline(
                 graph,
-                _loader(task, cfg, world.rank, start, n),
+                _loader(task, cfg, world.dp_rank, start, n, world.dp_size),
                 num_prompts=rl.batch_size,
                 n_samples=n,
                 num_iterations=tr.steps - start,
@@ -812,15 +968,9 @@ def train(
         rewards.close()
         if deployment is not None:
             deployment.close()
-        else:
-            world.close()
         if log is not None:
             log.close()
-    if leader and tr.plot:
-        plot_curves(read_metrics(out / "metrics.jsonl"), out / "curves.png")
-        if result is not None:
-            plot_timeline(result.tasks, out / "timeline.png", last=tr.timeline_iterations, offset=start)
-    return Run(records, policy, critic)
+    return _Trained(records, policy, critic, result.tasks if result is not None else None, start)
 
 
 def _task_options(cfg: Config) -> dict[str, Any]:

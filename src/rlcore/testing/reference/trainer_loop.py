@@ -106,7 +106,7 @@ def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
         top_k=rl.top_k,
     )
     rewards = RewardPool(task.reward if reward is None else reward, num_workers=0)
-    n, losses = rl.num_rollouts, []
+    n, losses = rl.n_samples, []
     policy.train()
     if critic is not None:
         critic.train()

@@ -1,0 +1,157 @@
+"""The trainer on torch's engines at 2 gloo ranks: FSDP2 and tensor parallel equal the 1-rank run, DCP across world sizes.
+
+One launch of 2 processes runs every multi-rank check: a data-parallel run (FSDP2, 3 steps,
+a checkpoint, then resumed to 5 steps at 2 ranks), and a tensor-parallel run (5 steps).
+The 1-rank runs with the same global batch are the oracle; the 2-rank checkpoint taken
+after 3 steps is resumed at 1 rank. Rollouts come from an engine that seeds each row from
+its prompt and its place in the group, so a batch split across ranks samples the same
+responses as the whole batch in one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist_helpers import leave, spawn
+from rlcore.train import TorchEngine, build_model, full_state_dict, generate, load_config, make_task, train
+from rlcore.train.rollout import Rollout
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 5
+BASE = [
+    "model.model_name_or_path.hidden_size=32",
+    "model.model_name_or_path.intermediate_size=64",
+    "model.model_name_or_path.num_hidden_layers=1",
+    "rl.algo=dapo",  # token-mean: the on-policy loss is a length-weighted advantage sum, not 0
+    "rl.num_rollouts=4",
+    "rl.max_new_tokens=6",
+    "trainer.warmup_steps=2",
+    "trainer.progress=false",
+    "trainer.plot=false",
+    "trainer.threads=1",
+    "trainer.reward_workers=0",
+    "deploy.async_infer=false",
+]
+# The global batch: 4 prompts x 4 samples per step, one optimiser update per step; 8 warm-up prompts.
+ONE_RANK = ["rl.batch_size=4", "rl.mini_batch_size=4", "trainer.warmup_batch_size=8"]
+DATA_PARALLEL = ["parallel.data_parallel=2", "rl.batch_size=2", "rl.mini_batch_size=2", "trainer.warmup_batch_size=4"]
+TENSOR_PARALLEL = ["parallel.tensor_parallel=2", *ONE_RANK]
+
+
+def _cfg(out: Path, *extra: str, steps: int = STEPS):
+    overrides = [*BASE, f"trainer.output_dir={out}", f"trainer.steps={steps}", *extra]
+    return load_config(ROOT / "configs" / "grpo_tiny.yaml", overrides)
+
+
+class RowSeededEngine(TorchEngine):
+    """Samples each row with its own stream, seeded by the call count, the prompt and the row's place in its group.
+
+    The trainer's own sampler draws one stream per rank; this one makes a row's response
+    independent of how the batch is split, which is what comparing world sizes needs.
+    """
+
+    def __init__(self, cfg, n: int, start: int):
+        tok = make_task(
+            cfg.data.task, length=cfg.data.length, min_length=cfg.data.min_length, letters=cfg.data.letters
+        ).tokenizer
+        torch.manual_seed(123)
+        super().__init__(
+            build_model(cfg, tok.vocab_size).eval(),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            max_new_tokens=cfg.rl.max_new_tokens,
+            temperature=cfg.rl.temperature,
+        )
+        self.n, self.calls, self.loads = n, start, 0  # one call per step
+
+    def load_weights(self, params):
+        self.loads += 1
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(params[name])
+
+    def generate(self, prompts, prompt_mask, *, n, generator):
+        self.calls += 1
+        rows = []
+        for i in range(prompts.shape[0]):
+            keep = prompt_mask[i] != 0
+            ids = prompts[i, keep]
+            digest = hashlib.sha256(f"{self.calls}/{ids.tolist()}/{i % self.n}".encode()).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
+            rows.append(
+                generate(self.model, ids[None], prompt_mask[i : i + 1, keep], n=1, generator=g, **self.sampling)
+            )
+        width = max(r.responses.shape[1] for r in rows)
+        pad = self.sampling["pad_token_id"]
+        return Rollout(
+            prompts,
+            prompt_mask,
+            torch.cat([F.pad(r.responses, (0, width - r.responses.shape[1]), value=pad) for r in rows]),
+            torch.cat([F.pad(r.logp, (0, width - r.logp.shape[1])) for r in rows]),
+            torch.cat([F.pad(r.mask, (0, width - r.mask.shape[1])) for r in rows]),
+        )
+
+
+def length_reward(prompts, responses, **columns):
+    """Rewards that differ within a group from the first step (the tiny model's answers are all wrong at first)."""
+    return [len(r) / 6 for r in responses]
+
+
+def _run(cfg, start: int = 0, **kwargs):
+    engine = RowSeededEngine(cfg, cfg.rl.n_samples, start)
+    return train(cfg, engine=engine, reward=length_reward, resume=start > 0, **kwargs)
+
+
+def _ranks(rank: int, init_file: str, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    out = Path(tmp)
+    first = _run(_cfg(out / "dp", *DATA_PARALLEL, steps=3))
+    if rank == 0:
+        shutil.copytree(out / "dp" / "checkpoint", out / "saved_at_2" / "checkpoint")
+    dist.barrier()
+    rest = _run(_cfg(out / "dp", *DATA_PARALLEL), start=3)
+    dp_weights = full_state_dict(rest.policy)  # collective: the FSDP shards gathered
+    tp = _run(_cfg(out / "tp", *TENSOR_PARALLEL))
+    tp_weights = full_state_dict(tp.policy)
+    if rank == 0:
+        torch.save(
+            {"dp": first.records + rest.records, "tp": tp.records, "dp_weights": dp_weights, "tp_weights": tp_weights},
+            out / "ranks.pt",
+        )
+    leave()
+
+
+def _losses(records):
+    return torch.tensor([r["loss"] for r in records], dtype=torch.float64)
+
+
+def test_two_ranks_fsdp2_and_tensor_parallel_equal_one_rank_and_dcp_resumes_at_one(tmp_path):
+    spawn(_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=420)
+    got = torch.load(tmp_path / "ranks.pt", weights_only=False)
+    ref = _run(_cfg(tmp_path / "one", *ONE_RANK))
+    want = _losses(ref.records)
+    assert [r["step"] for r in ref.records] == list(range(STEPS))
+    assert want.abs().max() > 1e-3  # the comparison is not between zero losses
+    for name in ("dp", "tp"):
+        records = got[name]
+        assert [r["step"] for r in records] == list(range(STEPS)), name
+        # Same rollouts (same data, same weights at every sync): same rewards; losses to 1e-4.
+        rewards = torch.tensor([r["reward"] for r in records])
+        torch.testing.assert_close(
+            rewards, torch.tensor([r["reward"] for r in ref.records]), msg=lambda m: f"{name}: {m}"
+        )
+        torch.testing.assert_close(_losses(records), want, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        final = ref.policy.state_dict()
+        for k, v in got[f"{name}_weights"].items():
+            torch.testing.assert_close(v, final[k], rtol=0, atol=1e-3, msg=lambda m: f"{name} {k}: {m}")
+    # The checkpoint the 2-rank run saved after step 2 resumes in one process.
+    resumed = _run(_cfg(tmp_path / "saved_at_2", *ONE_RANK), start=3)
+    assert [r["step"] for r in resumed.records] == [3, 4]
+    torch.testing.assert_close(_losses(resumed.records), want[3:], rtol=0, atol=1e-4)
