@@ -63,13 +63,15 @@ from rlcore.dataflow import (
 )
 from rlcore.device import collective_backend, get_device, memory_stats
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
-from rlcore.models import from_hf, token_logprobs
+from rlcore.models import export_hf, from_hf, token_logprobs
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool
 from rlcore.train.checkpoint import load_checkpoint, save_checkpoint
 from rlcore.train.config import Config, check_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
+from rlcore.train.prompts import make_prompt_source, source_tokenizer
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
+from rlcore.train.rundir import check_resume_config, prepare_run_dir
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     PreferenceRecipe,
@@ -77,13 +79,12 @@ from rlcore.train.stages import (
     logprob_stage,
     preference_forward,
     preference_logps_stage,
-    reward_stage,
     rl_forward,
     rollout_stage,
     update_stage,
     values_stage,
 )
-from rlcore.train.tasks import make_task
+from rlcore.train.validation import Validator
 
 __all__ = ["Run", "build_algorithm", "build_model", "make_generator", "supervised_warmup", "train"]
 
@@ -139,6 +140,10 @@ def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.
         model = auto.from_config(hf_config, **extra)
     else:
         model = auto.from_pretrained(spec, **extra, **head)
+        # Weights loaded from safetensors may live in the file's memory map, whose storage cannot
+        # be resized: the co-located swap offloads by resizing storages to 0.
+        for p in model.parameters():
+            p.data = p.data.clone()
     if model.config.vocab_size < vocab_size:
         raise ValueError(
             f"config key 'model.model_name_or_path': the model's vocab_size {model.config.vocab_size} is smaller "
@@ -496,7 +501,7 @@ def _serve_rollout(cfg_dict: dict[str, Any], vocab_size: int, rank: int) -> Call
 
     cfg = parse_config(cfg_dict)
     model = build_model(cfg, vocab_size).eval()
-    engine = _engine(cfg, model, make_task(cfg.data.task, **_task_options(cfg)).tokenizer)
+    engine = _engine(cfg, model, source_tokenizer(cfg, _task_options(cfg)))
     params = dict(model.named_parameters())
     loaded: list[Any] = [None]
 
@@ -650,11 +655,11 @@ def _graph(
     on_step_end: Callable[[int], Any],
 ) -> StageGraph:
     """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update."""
-    rl, tok = cfg.rl, task.tokenizer
+    rl = cfg.rl
     n = 1 if rl.algo == "dpo" else rl.num_rollouts
     stages = [
         rollout,
-        reward_stage(rewards, tok.decode),
+        task.reward_stage(rewards),
         logprob_stage(models.policy, temperature=rl.temperature),
         logprob_stage(models.reference, outputs=("ref_logp",), temperature=rl.temperature),
     ]
@@ -691,7 +696,14 @@ def _graph(
             on_iteration_end=on_step_end,
         )
     )
-    sources = ("prompts", "prompt_mask", "answers", "group", "iteration")
+    sources = (
+        "prompts",
+        "prompt_mask",
+        "answers",
+        "group",
+        "iteration",
+        *(("index",) if task.dataset is not None else ()),
+    )
     return StageGraph([steps.timed(s) for s in stages], sources=sources)
 
 
@@ -702,6 +714,8 @@ def train(
     engine: InferenceEngine | None = None,
     algo: algos.Algorithm | None = None,
     reward: Any = None,
+    overwrite: bool = False,
+    allow_config_change: bool = False,
 ) -> Run:
     """Run the config's training job; rank 0 writes metrics JSONL, checkpoints and the plots to ``trainer.output_dir``.
 
@@ -713,6 +727,8 @@ def train(
       algo: an :class:`rlcore.algos.Algorithm` replacing the recipe named by ``rl.algo``.
       reward: a reward replacing the task's rule reward (a ``(prompts, responses, **columns)``
         callable or a ``BaseReward``-style object; it receives ``answers``).
+      overwrite: replace a run already in ``trainer.output_dir`` (else a new run there is refused).
+      allow_config_change: resume with hyper-parameters that differ from the checkpoint's.
     """
     tr, rl = cfg.trainer, cfg.rl
     if tr.threads:
@@ -722,7 +738,15 @@ def train(
         device = get_device(index=int(os.environ.get("LOCAL_RANK", "0")))
     world = _World(device)
     check_launch(cfg if engine is None else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), world.size)
-    task = make_task(cfg.data.task, **_task_options(cfg))
+    prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
+    if cfg.model.lora is not None:
+        raise ValueError(
+            "model.lora: the reference trainer does not train LoRA adapters yet; rlcore.models.apply_lora, "
+            "adapters_disabled and export_hf serve LoRA in your own loop"
+        )
+    task = make_prompt_source(cfg, _task_options(cfg), world_size=world.size)
+    if task.dataset is not None and world.rank == 0:
+        print(task.summary(), flush=True)
     torch.manual_seed(tr.seed)
     # Model building: the one place to shard the models (FSDP2, tensor parallel).
     policy = build_model(cfg, task.tokenizer.vocab_size).to(device)
@@ -731,6 +755,8 @@ def train(
     out = Path(tr.output_dir)
     leader = world.rank == 0
     checkpoint = load_checkpoint(out) if resume else None
+    if checkpoint is not None:
+        check_resume_config(checkpoint.get("config"), cfg.to_dict(), allow_change=allow_config_change)
     if checkpoint is None and tr.warmup_steps:
         supervised_warmup(
             policy, task, cfg, process_group=world.group, rank=world.rank, progress=tr.progress and leader
@@ -755,6 +781,17 @@ def train(
     records: list[dict[str, Any]] = []
     rewards = RewardPool(reward if reward is not None else task.reward, num_workers=tr.reward_workers)
     deployment: _Deployment | None = None
+    validator = None
+    if tr.eval_every and task.val is not None:
+        validator = Validator(
+            cfg,
+            task.val,
+            task.tokenizer,
+            reward if reward is not None else task.reward,
+            rank=world.rank,
+            world_size=world.size,
+            group=world.group,
+        )
     try:
         deployment = _Deployment(cfg, models, opt, world, task, engine)
         dep = deployment
@@ -769,12 +806,16 @@ def train(
             metrics["tokens_per_s_device"] = (
                 (metrics["prompt_length"] + metrics["response_length"]) * samples / world.size / timing["step_time_s"]
             )
-            record = {"step": step, **metrics, **timing, **dep.step_metrics()}
+            record = {"step": step, **metrics, **timing, **dep.step_metrics(), **task.step_metrics(step)}
+            if validator is not None and validator.due(step):
+                record.update(validator(models.policy, step))
             records.append(record)
             if log is not None:
                 log.write(record)
                 if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
                     _save(out, step, models, opt, cfg)
+                    if tr.export:  # the policy as a Hugging Face directory beside the checkpoint
+                        export_hf(models.policy, out / "hf", tokenizer=task.hf_tokenizer)
 
         graph = _graph(cfg, models, recipe, opt, steps, dep.rollout, rewards, task, world, on_step_end)
         policy.train()
@@ -786,7 +827,7 @@ def train(
             blocking = not cfg.deploy.async_infer
             result = run_pipeline(
                 graph,
-                _loader(task, cfg, world.rank, start, n),
+                _loader(task, cfg, world.rank, start, n) if task.dataset is None else task.loader(world.rank, start, n),
                 num_prompts=rl.batch_size,
                 n_samples=n,
                 num_iterations=tr.steps - start,
