@@ -72,7 +72,9 @@ def _errors(capsys):
 
 
 def _train(user, out, *extra):
-    return main(["train", "--config", str(user["config"]), "--dataset", str(user["train"]), "--output_dir", str(out), *extra])
+    return main(
+        ["train", "--config", str(user["config"]), "--dataset", str(user["train"]), "--output_dir", str(out), *extra]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,9 @@ def test_seed_flags_train_validate_plot_and_export(run, tmp_path):
             assert main(["export", str(run), str(exported)]) == 0
         model = AutoModelForCausalLM.from_pretrained(exported)
         tok = AutoTokenizer.from_pretrained(exported)
-        text = tok.apply_chat_template([{"role": "user", "content": "What is 1 + 2?"}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "What is 1 + 2?"}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok(text, return_tensors="pt", add_special_tokens=False)
         out = model.generate(**ids, max_new_tokens=3, do_sample=False)
         assert out.shape[1] > ids["input_ids"].shape[1]
@@ -158,7 +162,9 @@ def test_bad_input_is_one_line_naming_the_thing(user, tmp_path, capsys):
     config.write_text(user["config"].read_text().replace("rewards/sum.py:SumReward", "missing_module_xyz:Reward"))
     err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), config=config)
     assert "rewards[0].reward" in err and "missing_module_xyz" in err and "ModuleNotFoundError" in err
-    bare = build_tiny_qwen2(tmp_path / "bare", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, with_tokenizer=False)
+    bare = build_tiny_qwen2(
+        tmp_path / "bare", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, with_tokenizer=False
+    )
     err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), f"model.model_name_or_path={bare}")
     assert "has no tokenizer" in err and str(bare) in err
     err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), "model.lora={r: 4}")
