@@ -14,6 +14,7 @@ from rlcore.train.checkpoint import (
     set_rng_state,
 )
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
+from rlcore.train.export_cli import export_checkpoint
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import (
     MESH_DIMS,
@@ -23,7 +24,16 @@ from rlcore.train.parallel import (
     full_state_dict,
     parallelize,
 )
+from rlcore.train.prompts import (
+    DatasetPrompts,
+    HFTokenizer,
+    TaskPrompts,
+    make_prompt_source,
+    source_tokenizer,
+    task_options,
+)
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
+from rlcore.train.rundir import FREE_KEYS, RUN_FILES, check_resume_config, config_changes, prepare_run_dir
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
@@ -41,6 +51,7 @@ from rlcore.train.stages import (
 )
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import Run, build_algorithm, build_model, make_generator, supervised_warmup, train
+from rlcore.train.validation import Validator, validation_keys
 
 __all__ = [
     "ALGOS",
@@ -99,4 +110,21 @@ __all__ = [
     "train",
     "update_stage",
     "values_stage",
+]
+# Your own model and data: prompt sources, validation, run directories, export.
+__all__ += [
+    "FREE_KEYS",
+    "RUN_FILES",
+    "DatasetPrompts",
+    "HFTokenizer",
+    "TaskPrompts",
+    "Validator",
+    "check_resume_config",
+    "config_changes",
+    "export_checkpoint",
+    "make_prompt_source",
+    "prepare_run_dir",
+    "source_tokenizer",
+    "task_options",
+    "validation_keys",
 ]

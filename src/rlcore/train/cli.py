@@ -1,8 +1,10 @@
-"""Command line: ``rlcore train --config FILE [--resume] [key=value ...]`` (also ``python -m rlcore.train``)."""
+"""Command line: ``rlcore train --config FILE [--dataset PATH] [--output_dir DIR] [--resume] [key=value ...]``
+(also ``python -m rlcore.train``) and ``rlcore export CHECKPOINT OUT_DIR``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -22,6 +24,17 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the DCP checkpoint in trainer.output_dir/checkpoint/ (any world size)",
     )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rl.temperature=0.7")
+    train.add_argument("--dataset", help="prompt dataset (JSONL, Parquet, save_to_disk directory): data.path")
+    train.add_argument("--output_dir", "--output-dir", dest="output_dir", help="run directory: trainer.output_dir")
+    train.add_argument("--overwrite", action="store_true", help="replace a run already in the output directory")
+    train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume with hyper-parameters that differ from the checkpoint's",
+    )
+    export = commands.add_parser("export", help="write a training checkpoint as a Hugging Face directory")
+    export.add_argument("checkpoint", help="a run's output directory (or its checkpoint folder)")
+    export.add_argument("out_dir", help="the directory to write (save_pretrained)")
     return parser
 
 
@@ -45,14 +58,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [a for a in rest if a.startswith("-") or "=" not in a]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*args.overrides, *rest]
+    if args.command == "export":
+        return _export(args.checkpoint, args.out_dir)
+    # The seed's flags are overrides too (JSON strings are YAML: any path stays a string).
+    flags = [("data.path", args.dataset), ("trainer.output_dir", args.output_dir)]
+    args.overrides = [*args.overrides, *rest, *(f"{key}={json.dumps(v)}" for key, v in flags if v is not None)]
     signal.signal(signal.SIGTERM, _interrupt)
     from rlcore.train.config import load_config
     from rlcore.train.trainer import train
 
     try:
         cfg = load_config(args.config, args.overrides)
-        records = train(cfg, resume=args.resume).records
+        records = train(
+            cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change
+        ).records
     except ValueError as err:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
@@ -72,4 +91,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"done: step {records[-1]['step']}; mean reward of {span(head)} {first:.3f}, "
             f"of {span(tail)} {last:.3f}; metrics, curves.png, timeline.png and checkpoint in {cfg.trainer.output_dir}"
         )
+    return 0
+
+
+def _export(checkpoint: str, out_dir: str) -> int:
+    from rlcore.train.export_cli import export_checkpoint
+
+    try:
+        out = export_checkpoint(checkpoint, out_dir)
+    except ValueError as err:
+        print(f"rlcore: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {checkpoint} to {out}")
     return 0

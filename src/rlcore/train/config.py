@@ -31,6 +31,17 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.reward_workers                   reward worker processes (0: score in the trainer's process)
     trainer.timeline_iterations              iterations shown in the output directory's timeline.png
     trainer.warmup_steps, trainer.warmup_lr, trainer.warmup_batch_size   supervised warm-up first
+    data.path, data.val_path                 a prompt dataset (JSONL / Parquet / save_to_disk) instead of the task,
+                                             and a validation set; the tokenizer is the model directory's
+    data.prompt_key, data.answer_key         its columns (other columns reach the rewards as keyword columns)
+    data.apply_chat_template, data.system_prompt, data.max_prompt_length, data.overlong, data.shuffle
+    rewards                                  a list of rewards with weights: built-ins (math, format, length,
+                                             answer_match, reward_model) or 'file.py:Class' references, the
+                                             files relative to the config's folder (default: the task's, or math)
+    model.lora                               {r, alpha, dropout, target_modules}: train LoRA adapters only
+    trainer.eval_every, trainer.eval_samples validation every n steps: mean reward, pass@1 (greedy) and
+                                             pass@k (k sampled); trainer.eval_threshold: a correct score's floor
+    trainer.export                           every save also writes output_dir/hf (save_pretrained)
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ class ModelConfig:
     model_name_or_path: str | dict = dataclasses.field(default_factory=dict)
     torch_dtype: Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"] = "fp32"
     use_flash_attention: bool = False
+    lora: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +119,15 @@ class DataConfig:
     length: int = 4
     min_length: int = 2
     letters: str = "abcdefgh"
+    path: str | None = None
+    val_path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str | None = "answer"
+    apply_chat_template: bool | None = None
+    system_prompt: str | None = None
+    max_prompt_length: int | None = None
+    overlong: Literal["drop", "truncate_left", "truncate_right", "error"] = "drop"
+    shuffle: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +145,10 @@ class TrainerConfig:
     threads: int = 0
     reward_timeout: float | None = 300.0
     timeline_iterations: int = 4
+    eval_every: int = 0
+    eval_samples: int = 4
+    eval_threshold: float = 0.5
+    export: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +159,7 @@ class Config:
     deploy: DeployConfig = dataclasses.field(default_factory=DeployConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    rewards: list | dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a mapping with the YAML's key names (``parse_config(cfg.to_dict()) == cfg``)."""
@@ -231,10 +257,14 @@ def _validate(cfg: Config) -> None:
         ("deploy.staleness", cfg.deploy.staleness),
         ("deploy.rollout_timeout", cfg.deploy.rollout_timeout),
         ("trainer.steps", tr.steps),
+        ("trainer.eval_every", tr.eval_every),
     ):
         _positive(key, value, strict=False)
     for key in ("warmup_lr", "warmup_batch_size"):
         _positive(f"trainer.{key}", getattr(tr, key))
+    _positive("trainer.eval_samples", tr.eval_samples)
+    if cfg.data.max_prompt_length is not None:
+        _positive("data.max_prompt_length", cfg.data.max_prompt_length)
     if tr.reward_timeout is not None:
         _positive("trainer.reward_timeout", tr.reward_timeout)
     if not 0 < rl.top_p <= 1:
@@ -302,7 +332,7 @@ def _check_model(cfg: Config) -> None:
         if isinstance(kv, int) and (kv < 1 or heads % kv):
             raise ValueError(f"{key}: num_key_value_heads={kv} does not divide num_attention_heads={heads}")
     positions = getattr(hf, "max_position_embeddings", None)
-    if isinstance(positions, int):
+    if isinstance(positions, int) and cfg.data.path is None:
         prompt, answer = _longest_sequences(cfg.data)
         # The warm-up and DPO sequences hold the answer, one more token and the end of sequence.
         need = prompt + max(cfg.rl.max_new_tokens, answer + 2)
@@ -350,7 +380,8 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     for name in raw:
         if name not in sections:
             raise ValueError(f"config key {name!r}: unknown section, expected one of {', '.join(sections)}")
-    cfg = Config(**{name: _section(cls, name, raw.get(name)) for name, cls in sections.items()})
+    rewards = _coerce("rewards", raw.get("rewards"), sections.pop("rewards"))
+    cfg = Config(**{name: _section(cls, name, raw.get(name)) for name, cls in sections.items()}, rewards=rewards)
     _validate(cfg)
     return cfg
 
@@ -396,7 +427,27 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
             f"config: {str(path)!r} holds a {type(raw).__name__} at the top level, expected a mapping of sections "
             "(model, rl, parallel, deploy, data, trainer)"
         )
-    return parse_config(apply_overrides(raw, overrides))
+    return parse_config(_resolve_reward_files(apply_overrides(raw, overrides), os.path.dirname(os.path.abspath(path))))
+
+
+def _resolve_reward_files(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    """``rewards`` entries naming ``file.py:Name`` with a relative path, made relative to the config's folder."""
+
+    def resolve(ref: Any) -> Any:
+        source, sep, name = ref.rpartition(":") if isinstance(ref, str) else ("", "", "")
+        if sep and source.endswith(".py") and not os.path.isabs(source):
+            return f"{os.path.join(base_dir, source)}:{name}"
+        return ref
+
+    spec = raw.get("rewards")
+    if isinstance(spec, list):
+        raw["rewards"] = [
+            {**item, "reward": resolve(item.get("reward"))} if isinstance(item, Mapping) else resolve(item)
+            for item in spec
+        ]
+    elif isinstance(spec, Mapping):
+        raw["rewards"] = {resolve(k): v for k, v in spec.items()}
+    return raw
 
 
 def check_launch(cfg: Config, world_size: int) -> None:

@@ -92,7 +92,7 @@ class MetricsLog:
 
 
 def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Save a two-panel PNG of reward and KL against the step (matplotlib's Agg backend, no display)."""
+    """Save a two-panel PNG of reward (with validation reward, pass@1, pass@k) and KL against the step (Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,6 +105,12 @@ def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
+    # Validation (mean reward, pass@1, pass@k) beside the training reward, where it ran.
+    for key in sorted({k for r in records for k in r if k.startswith("val/")}):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        axes[0].plot(*zip(*points), marker="o", ms=3, lw=1, label=key)
+    if any(k.startswith("val/") for r in records for k in r):
+        axes[0].legend(fontsize=7)
     axes[0].set_title("mean reward")
     # Multi-turn runs: the tool-call rate and the greedy evaluations beside the reward.
     if any("tool_call_rate" in r for r in records):

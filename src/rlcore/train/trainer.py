@@ -66,7 +66,7 @@ from rlcore.dataflow import (
 )
 from rlcore.device import get_device, memory_stats
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
-from rlcore.models import from_hf, token_logprobs
+from rlcore.models import export_hf, from_hf, token_logprobs
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool
 from rlcore.train.agent_stages import multi_turn_graph, multi_turn_rollout_stage
@@ -74,20 +74,21 @@ from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint,
 from rlcore.train.config import Config, check_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
+from rlcore.train.prompts import make_prompt_source, source_tokenizer
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
+from rlcore.train.rundir import check_resume_config, prepare_run_dir
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
     logprob_stage,
     preference_forward,
     preference_logps_stage,
-    reward_stage,
     rl_forward,
     rollout_stage,
     update_stage,
     values_stage,
 )
-from rlcore.train.tasks import make_task
+from rlcore.train.validation import Validator
 
 __all__ = ["Run", "build_algorithm", "build_model", "make_generator", "supervised_warmup", "train"]
 
@@ -143,6 +144,10 @@ def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.
         model = auto.from_config(hf_config, **extra)
     else:
         model = auto.from_pretrained(spec, **extra, **head)
+        # Weights loaded from safetensors may live in the file's memory map, whose storage cannot
+        # be resized: the co-located swap offloads by resizing storages to 0.
+        for p in model.parameters():
+            p.data = p.data.clone()
     if model.config.vocab_size < vocab_size:
         raise ValueError(
             f"config key 'model.model_name_or_path': the model's vocab_size {model.config.vocab_size} is smaller "
@@ -569,7 +574,7 @@ def _serve_rollout(cfg_dict: dict[str, Any], vocab_size: int, rank: int) -> Call
 
     cfg = parse_config(cfg_dict)
     model = build_model(cfg, vocab_size).eval()
-    engine = _engine(cfg, model, make_task(cfg.data.task, **_task_options(cfg)).tokenizer)
+    engine = _engine(cfg, model, source_tokenizer(cfg, _task_options(cfg)))
     params = dict(model.named_parameters())
     loaded: list[Any] = [None]
 
@@ -762,11 +767,11 @@ def _graph(
     on_step_end: Callable[[int], Any],
 ) -> StageGraph:
     """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update."""
-    rl, tok = cfg.rl, task.tokenizer
+    rl = cfg.rl
     n = 1 if rl.algo == "dpo" else rl.n_samples
     stages = [
         rollout,
-        reward_stage(rewards, tok.decode),
+        task.reward_stage(rewards),
         logprob_stage(models.policy, temperature=rl.temperature),
         logprob_stage(models.reference, outputs=("ref_logp",), temperature=rl.temperature),
     ]
@@ -802,7 +807,14 @@ def _graph(
             on_iteration_end=on_step_end,
         )
     )
-    sources = ("prompts", "prompt_mask", "answers", "group", "iteration")
+    sources = (
+        "prompts",
+        "prompt_mask",
+        "answers",
+        "group",
+        "iteration",
+        *(("index",) if task.dataset is not None else ()),
+    )
     return StageGraph([steps.timed(s) for s in stages], sources=sources)
 
 
@@ -813,6 +825,8 @@ def train(
     engine: InferenceEngine | None = None,
     algo: algos.Algorithm | None = None,
     reward: Any = None,
+    overwrite: bool = False,
+    allow_config_change: bool = False,
 ) -> Run:
     """Run the config's training job; rank 0 writes metrics JSONL, checkpoints and the plots to ``trainer.output_dir``.
 
@@ -824,6 +838,8 @@ def train(
       algo: an :class:`rlcore.algos.Algorithm` replacing the recipe named by ``rl.algo``.
       reward: a reward replacing the task's rule reward (a ``(prompts, responses, **columns)``
         callable or a ``BaseReward``-style object; it receives ``answers``).
+      overwrite: replace a run already in ``trainer.output_dir`` (else a new run there is refused).
+      allow_config_change: resume with hyper-parameters that differ from the checkpoint's.
     """
     tr = cfg.trainer
     if tr.threads:
@@ -843,11 +859,29 @@ def train(
         raise ValueError(
             "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
         )
-    task = make_task(cfg.data.task, **_task_options(cfg))
+    if cfg.model.lora is not None:
+        raise ValueError(
+            "model.lora: the reference trainer does not train LoRA adapters yet; rlcore.models.apply_lora, "
+            "adapters_disabled and export_hf serve LoRA in your own loop"
+        )
     world = _World(cfg, device)
     ok = False
     try:
-        run = _train(cfg, world, task, device, resume=resume, engine=engine, algo=algo, reward=reward)
+        prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
+        task = make_prompt_source(cfg, _task_options(cfg), world_size=world.dp_size)
+        if task.dataset is not None and world.rank == 0:
+            print(task.summary(), flush=True)
+        run = _train(
+            cfg,
+            world,
+            task,
+            device,
+            resume=resume,
+            engine=engine,
+            algo=algo,
+            reward=reward,
+            allow_config_change=allow_config_change,
+        )
         ok = True
     finally:
         world.close(ok=ok)
@@ -877,6 +911,7 @@ def _train(
     engine: InferenceEngine | None,
     algo: algos.Algorithm | None,
     reward: Any,
+    allow_config_change: bool,
 ) -> _Trained:
     tr, rl = cfg.trainer, cfg.rl
     # Every rank builds the same initial weights from the seed; the models are then sharded
@@ -890,6 +925,8 @@ def _train(
         _shard_critic(critic, world)
     out = Path(tr.output_dir)
     leader = world.rank == 0
+    if resume:
+        check_resume_config(load_checkpoint(out).get("config"), cfg.to_dict(), allow_change=allow_config_change)
     if not resume and tr.warmup_steps:
         supervised_warmup(
             policy, task, cfg, process_group=world.group, rank=world.dp_rank, progress=tr.progress and leader
@@ -921,6 +958,17 @@ def _train(
         reward if reward is not None else task.reward, num_workers=tr.reward_workers, timeout=tr.reward_timeout
     )
     deployment: _Deployment | None = None
+    validator = None
+    if tr.eval_every and task.val is not None:
+        validator = Validator(
+            cfg,
+            task.val,
+            task.tokenizer,
+            reward if reward is not None else task.reward,
+            rank=world.dp_rank,
+            world_size=world.dp_size,
+            group=world.group,
+        )
     # KeyboardInterrupt (Ctrl-C, and SIGTERM through the CLI) is not caught: it unwinds through
     # the finally below, which stops the reward workers and the rollout worker.
     try:
@@ -940,12 +988,21 @@ def _train(
             metrics["tokens_per_s_device"] = (
                 (metrics["prompt_length"] + metrics["response_length"]) * samples / world.size / timing["step_time_s"]
             )
-            record = {"step": step, **metrics, **timing, **dep.step_metrics()}
+            record = {"step": step, **metrics, **timing, **dep.step_metrics(), **task.step_metrics(step)}
+            if validator is not None and validator.due(step):
+                record.update(validator(models.policy if world.size == 1 else replica, step))
             records.append(record)
             if log is not None:
                 log.write(record)
             if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
                 _save(out, step, models, opt, cfg)  # every rank: DCP writes each rank's shards
+                if tr.export:  # the policy as a Hugging Face directory beside the checkpoint
+                    if world.size == 1:
+                        export_hf(models.policy, out / "hf", tokenizer=task.hf_tokenizer)
+                    else:  # gathered (collective), written into the unsharded architecture by rank 0
+                        weights = full_state_dict(models.policy)
+                        if leader:
+                            export_hf(replica, out / "hf", tokenizer=task.hf_tokenizer, params=weights)
 
         graph = _graph(cfg, models, recipe, opt, steps, dep.rollout, rewards, task, world, on_step_end)
         policy.train()
@@ -956,7 +1013,9 @@ def _train(
             blocking = not cfg.deploy.async_infer
             result = run_pipeline(
                 graph,
-                _loader(task, cfg, world.dp_rank, start, n, world.dp_size),
+                _loader(task, cfg, world.dp_rank, start, n, world.dp_size)
+                if task.dataset is None
+                else task.loader(world.dp_rank, start, n),
                 num_prompts=rl.batch_size,
                 n_samples=n,
                 num_iterations=tr.steps - start,

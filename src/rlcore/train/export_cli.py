@@ -1,0 +1,54 @@
+"""``rlcore export CHECKPOINT OUT_DIR``: a training checkpoint as a Hugging Face directory that loads anywhere.
+
+The checkpoint records its config, so the model is rebuilt from it (the local model
+directory or the inline config), its trained weights loaded, and the result written
+with ``save_pretrained`` (safetensors, config, generation config, and the tokenizer of a
+dataset run) through :func:`rlcore.models.export_hf`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rlcore.models import export_hf
+from rlcore.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from rlcore.train.config import parse_config
+from rlcore.train.prompts import source_tokenizer, task_options
+from rlcore.train.trainer import build_model
+
+__all__ = ["export_checkpoint"]
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write the policy of a training checkpoint to ``out_dir`` as a Hugging Face directory.
+
+    Args:
+      checkpoint: a run's output directory, or its ``checkpoint`` folder.
+      out_dir: the directory to write (``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it).
+
+    Returns:
+      ``out_dir`` as a ``Path``.
+
+    Raises:
+      ValueError: one line naming the checkpoint when it is missing, damaged or records no config.
+    """
+    run = Path(checkpoint)
+    if run.name == CHECKPOINT_NAME and not (run / CHECKPOINT_NAME).exists():
+        run = run.parent
+    state = load_checkpoint(run)
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint: {str(run)!r} records no config, so its model cannot be rebuilt")
+    cfg = parse_config(saved)
+    tokenizer = source_tokenizer(cfg, task_options(cfg))
+    model = build_model(cfg, tokenizer.vocab_size)
+    policy = state.get("policy")
+    if not isinstance(policy, dict):
+        raise ValueError(f"checkpoint: {str(run)!r} holds no policy weights")
+    try:
+        model.load_state_dict(policy)
+    except RuntimeError as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(f"checkpoint: the policy in {str(run)!r} does not fit its recorded model: {first}") from err
+    return export_hf(model, out_dir, tokenizer=getattr(tokenizer, "hf", None))

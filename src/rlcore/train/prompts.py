@@ -1,0 +1,241 @@
+"""Where a run's prompts come from: a built-in task or a prompt dataset, behind one interface.
+
+The trainer asks a prompt source for its tokenizer (``encode`` / ``decode`` / EOS and
+padding ids / ``vocab_size``), its reward, warm-up samples (``sample(n, generator)``:
+prompt text and reference answer), the pipeline's loader and its reward stage:
+
+* :class:`TaskPrompts` serves a generated task of :mod:`rlcore.train.tasks` (the
+  default when no dataset is given), with the task's rule reward;
+* :class:`DatasetPrompts` serves ``data.path`` through :func:`rlcore.data.load_prompts`
+  with the model directory's tokenizer (its chat template applied), in the seeded,
+  resumable order of :func:`rlcore.data.sample_indices` (one more column, ``index``,
+  says which prompt each row is, so the rewards receive the prompt as written and
+  every keyword column of the dataset).
+
+The rewards come from the config's ``rewards`` list (:func:`rlcore.rewards.build_reward`)
+when it has one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlcore.data import PromptSet, load_prompts, sample_indices
+from rlcore.dataflow import Stage, stage
+from rlcore.models import load_tokenizer, token_ids
+from rlcore.rewards import build_reward
+from rlcore.train.config import Config
+from rlcore.train.rollout import left_pad
+from rlcore.train.stages import reward_stage
+from rlcore.train.tasks import make_task
+
+__all__ = ["DatasetPrompts", "HFTokenizer", "TaskPrompts", "make_prompt_source", "source_tokenizer", "task_options"]
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer with the small interface the trainer uses (that of :class:`rlcore.train.CharTokenizer`).
+
+    ``encode`` adds no special tokens (prompts carry their chat template already);
+    ``decode`` stops at the first EOS and drops special tokens; EOS and padding ids
+    come from the tokenizer (:func:`rlcore.models.token_ids`).
+
+    Args:
+      tokenizer: a transformers tokenizer.
+      generation_config: the model's generation config (may name more stop ids), or None.
+    """
+
+    def __init__(self, tokenizer: Any, generation_config: Any = None):
+        self.hf = tokenizer
+        ids = token_ids(tokenizer, generation_config=generation_config)
+        self.eos_token_id, self.pad_token_id, self.stop_ids = ids.eos, ids.pad, ids.stop
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return self.hf.decode(ids[:cut], skip_special_tokens=True)
+
+
+def _config_reward(cfg: Config, default: Any) -> Any:
+    return default if cfg.rewards is None else build_reward(cfg.rewards, what="rewards")
+
+
+class TaskPrompts:
+    """A built-in generated task (``data.task``) as a prompt source; its rule reward unless ``rewards`` is set."""
+
+    dataset = None
+    val: PromptSet | None = None
+    hf_tokenizer: Any = None
+
+    def __init__(self, cfg: Config, options: dict[str, Any]):
+        self.task = make_task(cfg.data.task, **options)
+        self.tokenizer = self.task.tokenizer
+        self.reward = _config_reward(cfg, self.task.reward)
+
+    def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
+        return self.task.sample(n, generator)
+
+    def reward_stage(self, pool: Any) -> Stage:
+        return reward_stage(pool, self.tokenizer.decode)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return {}
+
+
+class DatasetPrompts:
+    """A prompt dataset (``data.path``, ``data.val_path``) with the model directory's tokenizer.
+
+    Args:
+      cfg: the run's config (``data.*``, ``trainer.seed``, ``rl.batch_size``).
+      world_size: data-parallel ranks; rank ``r`` of step ``s`` draws the prompts at
+        positions ``(s * world_size + r) * batch_size ...`` of the seeded order.
+    """
+
+    def __init__(self, cfg: Config, world_size: int = 1):
+        d = cfg.data
+        path = cfg.model.model_name_or_path
+        if not isinstance(path, str):
+            raise ValueError(
+                "model.model_name_or_path: a prompt dataset (data.path) needs a model directory with a tokenizer, "
+                "got an inline config"
+            )
+        if cfg.rl.algo == "dpo":
+            raise ValueError(
+                "rl.algo: dpo builds its pairs from the built-in tasks; with data.path use an RL algorithm"
+            )
+        self.hf_tokenizer = load_tokenizer(path)
+        self.tokenizer = HFTokenizer(self.hf_tokenizer)
+        options: dict[str, Any] = {
+            "tokenizer": self.hf_tokenizer,
+            "prompt_key": d.prompt_key,
+            "answer_key": d.answer_key,
+            "apply_chat_template": d.apply_chat_template,
+            "system_prompt": d.system_prompt,
+            "max_prompt_length": d.max_prompt_length,
+            "overlong": d.overlong,
+        }
+        assert d.path is not None
+        self.dataset = load_prompts(d.path, what="data.path", **options)
+        self.val = None if d.val_path is None else load_prompts(d.val_path, what="data.val_path", **options)
+        self.seed, self.shuffle, self.world_size = cfg.trainer.seed, d.shuffle, world_size
+        self.batch_size = cfg.rl.batch_size
+        if cfg.rewards is not None:
+            self.reward = build_reward(cfg.rewards, what="rewards")
+        elif d.answer_key is not None:
+            self.reward = build_reward(["math"], what="rewards")  # verified maths against the answer column
+        else:
+            raise ValueError("rewards: got none, and data.answer_key is null; list the rewards in the config")
+        answers = self.dataset.columns.get("answers")
+        self.answers = [str(a) for a in answers] if answers is not None else [""] * len(self.dataset)
+
+    @property
+    def num_dropped(self) -> int:
+        return self.dataset.num_dropped + (self.val.num_dropped if self.val is not None else 0)
+
+    def summary(self) -> str:
+        """One line for the log: prompts kept, dropped and truncated as longer than ``data.max_prompt_length``."""
+        parts = [f"data.path: {len(self.dataset)} prompts from {self.dataset.source!r}"]
+        parts.append(f"{self.dataset.num_dropped} dropped and {self.dataset.num_truncated} truncated as overlong")
+        if self.val is not None:
+            parts.append(f"data.val_path: {len(self.val)} prompts ({self.val.num_dropped} dropped)")
+        return "; ".join(parts)
+
+    def _position(self, step: int, rank: int) -> int:
+        return (step * self.world_size + rank) * self.batch_size
+
+    def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
+        """Warm-up samples: ``n`` random prompts (as the policy sees them) with their answers."""
+        rows = torch.randint(0, len(self.dataset), (n,), generator=generator).tolist()
+        return [{"prompt": self.dataset.texts[i], "answer": self.answers[i]} for i in rows]
+
+    def loader(self, rank: int, start: int, n: int) -> Callable[[int], dict[str, Any]]:
+        """Pipeline iteration ``i`` -> the source columns of step ``start + i``, each prompt repeated ``n`` times."""
+        ids = self.dataset.prompt_ids
+        assert ids is not None
+        tok = self.tokenizer
+
+        def load(i: int) -> dict[str, Any]:
+            step = start + i
+            draw = sample_indices(
+                len(self.dataset),
+                self.batch_size,
+                seed=self.seed,
+                position=self._position(step, rank),
+                shuffle=self.shuffle,
+            )
+            prompts, pmask = left_pad([list(ids[j]) for j in draw.indices], tok.pad_token_id)
+            rows = len(draw.indices) * n
+            return {
+                "prompts": prompts.repeat_interleave(n, 0),
+                "prompt_mask": pmask.repeat_interleave(n, 0),
+                "answers": [
+                    torch.tensor(tok.encode(self.answers[j]) or [tok.eos_token_id])
+                    for j in draw.indices
+                    for _ in range(n)
+                ],
+                "group": torch.arange(len(draw.indices)).repeat_interleave(n),
+                "iteration": torch.full((rows,), step, dtype=torch.int64),
+                "index": torch.tensor(draw.indices).repeat_interleave(n),
+            }
+
+        return load
+
+    def reward_stage(self, pool: Any, *, resource: str = "cpu") -> Stage:
+        """Score the decoded responses with the prompts as written and every keyword column of the dataset."""
+        data, decode = self.dataset, self.tokenizer.decode
+
+        def reward(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            rows = b["index"].tolist()
+            texts = [decode(r[m != 0].tolist()) for r, m in zip(b["responses"], b["mask"])]
+            prompts = [data.prompts[i] for i in rows]
+            columns = data.reward_columns(rows)
+            scores = pool.submit(prompts, texts, batch=int(b["iteration"][0]), **columns).result()
+            return {"scores": scores.float()}
+
+        return stage(
+            reward,
+            inputs=["responses", "mask", "index", "iteration"],
+            outputs=["scores"],
+            name="reward",
+            resource=resource,
+        )
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """The epoch counter after step ``step`` (epochs completed over the whole data-parallel group)."""
+        end = self._position(step + 1, 0)
+        return {"epoch": end / len(self.dataset), "data/dropped": float(self.dataset.num_dropped)}
+
+
+def make_prompt_source(
+    cfg: Config, task_options: dict[str, Any], *, world_size: int = 1
+) -> TaskPrompts | DatasetPrompts:
+    """The run's prompt source: the dataset at ``data.path`` when set, else the built-in task ``data.task``."""
+    if cfg.data.path is not None:
+        return DatasetPrompts(cfg, world_size)
+    return TaskPrompts(cfg, task_options)
+
+
+def source_tokenizer(cfg: Config, task_options: dict[str, Any]) -> Any:
+    """The run's tokenizer alone (what a rollout worker needs): the model directory's with a dataset, else the task's."""
+    if cfg.data.path is not None:
+        assert isinstance(cfg.model.model_name_or_path, str)
+        return HFTokenizer(load_tokenizer(os.fspath(cfg.model.model_name_or_path)))
+    return make_task(cfg.data.task, **task_options).tokenizer
+
+
+def task_options(cfg: Config) -> dict[str, Any]:
+    """The built-in task's options from ``data.*`` (digits for addition; length, letters for reversal)."""
+    d = cfg.data
+    if d.task == "addition":
+        return {"digits": d.digits}
+    return {"length": d.length, "min_length": d.min_length, "letters": d.letters}

@@ -1,0 +1,134 @@
+"""Run directories that are safe to reuse: a new run never overwrites an old one by accident, a resume checks its config.
+
+:func:`prepare_run_dir` refuses to start a new run in an output directory that holds
+one (its metrics or checkpoint), naming ``--resume`` and ``--overwrite``; with
+``overwrite`` it removes the old run's files first. :func:`config_changes` compares the
+config a checkpoint recorded with the current one: model keys (shapes, adapters) may
+never change on resume, other hyper-parameters only with ``--allow-config-change``;
+run-length and bookkeeping keys (``trainer.steps``, ``trainer.output_dir``, ...) are free.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FREE_KEYS", "RUN_FILES", "check_resume_config", "config_changes", "prepare_run_dir"]
+
+# What a run writes into its output directory.
+RUN_FILES = ("metrics.jsonl", "checkpoint", "hf", "curves.png", "timeline.png")
+# Keys a resumed run may change freely: how long, where, how it reports, how it checkpoints.
+FREE_KEYS = frozenset(
+    {
+        "trainer.steps",
+        "trainer.output_dir",
+        "trainer.progress",
+        "trainer.plot",
+        "trainer.threads",
+        "trainer.save_every",
+        "trainer.reward_workers",
+        "trainer.reward_timeout",
+        "trainer.timeline_iterations",
+        "trainer.eval_every",
+        "trainer.export",
+        "deploy.rollout_timeout",
+    }
+)
+
+
+def prepare_run_dir(output_dir: str | os.PathLike, *, resume: bool, overwrite: bool, leader: bool = True) -> None:
+    """Refuse a new run into a directory holding a run, unless ``overwrite`` (then its run files are removed).
+
+    Args:
+      output_dir: ``trainer.output_dir``.
+      resume: the run continues the one there (nothing to check).
+      overwrite: replace the run there.
+      leader: this process removes the files (rank 0); the others only check.
+
+    Raises:
+      ValueError: one line naming the directory, ``--resume`` and ``--overwrite``.
+
+    >>> import tempfile
+    >>> prepare_run_dir(tempfile.mkdtemp(), resume=False, overwrite=False)
+    """
+    if resume:
+        return
+    out = Path(output_dir)
+    found = [name for name in RUN_FILES[:2] if (out / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        raise ValueError(
+            f"trainer.output_dir: {str(out)!r} already holds a run ({', '.join(found)}); pass --resume to continue "
+            "it or --overwrite to replace it, or choose another --output_dir"
+        )
+    if leader:
+        for name in RUN_FILES:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
+def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(tree, Mapping) and tree:
+        for key, value in tree.items():
+            _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
+    else:
+        out[prefix] = tree
+    return out
+
+
+def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The keys that differ between a checkpoint's config and the current one, as ``(model keys, other keys)``.
+
+    Free keys (:data:`FREE_KEYS`) are left out.
+
+    >>> config_changes({"model": {"path": "a"}, "rl": {"lr": 1.0}}, {"model": {"path": "b"}, "rl": {"lr": 2.0}})
+    (['model.path'], ['rl.lr'])
+    """
+    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
+    keys = sorted(k for k in set(a) | set(b) if k not in FREE_KEYS and a.get(k, object()) != b.get(k, object()))
+    return [k for k in keys if k.startswith("model.")], [k for k in keys if not k.startswith("model.")]
+
+
+def _show(flat: Mapping[str, Any], key: str) -> str:
+    return repr(flat.get(key, "<unset>"))
+
+
+def check_resume_config(
+    saved: Mapping[str, Any] | None, current: Mapping[str, Any], *, allow_change: bool
+) -> list[str]:
+    """Refuse a resume whose model differs from the checkpoint's, or whose hyper-parameters do without ``allow_change``.
+
+    Args:
+      saved: the config the checkpoint recorded (``None``: an older checkpoint without one; nothing to check).
+      current: the run's config as a dict.
+      allow_change: hyper-parameter changes were asked for (``--allow-config-change``).
+
+    Returns:
+      The hyper-parameter keys that changed (allowed), for the log.
+
+    Raises:
+      ValueError: one line naming the differing keys with their saved and current values.
+    """
+    if saved is None:
+        return []
+    model, other = config_changes(saved, current)
+    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
+    diffs = lambda keys: ", ".join(f"{k} ({_show(a, k)} -> {_show(b, k)})" for k in keys)  # noqa: E731
+    if model:
+        raise ValueError(
+            f"resume: the model differs from the checkpoint's: {diffs(model)}; a checkpoint resumes only the model "
+            "it was saved from (use rlcore export and a new run to start from it)"
+        )
+    if other and not allow_change:
+        raise ValueError(
+            f"resume: the config differs from the checkpoint's: {diffs(other)}; pass --allow-config-change to "
+            "resume with the new values"
+        )
+    return other

@@ -1,0 +1,196 @@
+"""The trainer on a user's own model and data: a local Qwen2 directory, a JSONL dataset, a reward file, the seed's flags."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcore.testing.hf_fixtures import build_tiny_qwen2, write_prompt_files
+from rlcore.train import read_metrics
+from rlcore.train.cli import main
+from rlcore.train.rundir import check_resume_config, config_changes, prepare_run_dir
+
+REWARD_FILE = """
+from rlcore.rewards import BaseReward
+
+
+class SumReward(BaseReward):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, prompts, responses, **kwargs):
+        assert isinstance(prompts[0], str) and "What is" in prompts[0]  # the prompt as written, no template
+        return [r.strip() == str(a + b) for r, a, b in zip(responses, kwargs["a"], kwargs["b"])]
+"""
+
+CONFIG = """
+model:
+  model_name_or_path: {model}
+rl:
+  algo: grpo
+  batch_size: 4
+  mini_batch_size: 4
+  num_rollouts: 4
+  max_new_tokens: 3
+  beta: 0.0
+  lr: 0.001
+rewards:
+  - {{reward: rewards/sum.py:SumReward, weight: 1.0}}
+  - {{reward: length, weight: 0.0, kwargs: {{max_length: 100}}}}
+data:
+  val_path: {val}
+trainer:
+  steps: 2
+  warmup_steps: 3
+  warmup_batch_size: 8
+  eval_every: 2
+  eval_samples: 2
+  reward_workers: 0
+  threads: 1
+  progress: false
+  plot: true
+"""
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    """What a new user has: a model directory, train / val JSONL files, a reward file beside the config."""
+    root = tmp_path_factory.mktemp("user")
+    model = build_tiny_qwen2(root / "model", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+    train, val = write_prompt_files(root / "data", num_train=40, num_val=4)
+    (root / "conf" / "rewards").mkdir(parents=True)
+    (root / "conf" / "rewards" / "sum.py").write_text(REWARD_FILE)
+    config = root / "conf" / "grpo.yaml"
+    config.write_text(CONFIG.format(model=model, val=val))
+    return {"root": root, "model": model, "train": train, "val": val, "config": config}
+
+
+def _errors(capsys):
+    """The trainer's own lines on stderr (progress bars of transformers and datasets left out)."""
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlcore:")]
+
+
+def _train(user, out, *extra):
+    return main(
+        ["train", "--config", str(user["config"]), "--dataset", str(user["train"]), "--output_dir", str(out), *extra]
+    )
+
+
+@pytest.fixture(scope="module")
+def run(user):
+    out = user["root"] / "out"
+    assert _train(user, out) == 0
+    return out
+
+
+def test_seed_flags_train_validate_plot_and_export(run, tmp_path):
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    last = records[-1]
+    for key in ("val/reward", "val/pass@1", "val/pass@2"):
+        assert 0.0 <= last[key] <= 1.0, key
+    assert "val/reward" not in records[0]  # eval_every 2: after step 1 only
+    assert last["epoch"] == pytest.approx(2 * 4 / 40)  # two steps of four prompts from forty
+    assert (run / "curves.png").stat().st_size > 0
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for exported in (run / "hf", tmp_path / "exported"):
+        if exported != run / "hf":
+            assert main(["export", str(run), str(exported)]) == 0
+        model = AutoModelForCausalLM.from_pretrained(exported)
+        tok = AutoTokenizer.from_pretrained(exported)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "What is 1 + 2?"}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        out = model.generate(**ids, max_new_tokens=3, do_sample=False)
+        assert out.shape[1] > ids["input_ids"].shape[1]
+    # The export on save holds the trained policy: the same weights as `rlcore export`.
+    a = AutoModelForCausalLM.from_pretrained(run / "hf").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_existing_run_is_refused_then_overwritten_or_resumed(user, run, capsys):
+    before = (run / "metrics.jsonl").read_text()
+    assert _train(user, run) == 2
+    (err,) = _errors(capsys)
+    assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
+    assert (run / "metrics.jsonl").read_text() == before  # untouched
+    # resuming with a changed hyper-parameter names it, and runs with --allow-config-change
+    assert _train(user, run, "--resume", "rl.lr=0.01", "trainer.steps=3") == 2
+    (err,) = _errors(capsys)
+    assert "rl.lr (0.001 -> 0.01)" in err and "--allow-config-change" in err
+    assert _train(user, run, "--resume", "rl.lr=0.01", "trainer.steps=3", "--allow-config-change") == 0
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_resume_with_a_changed_hidden_size_names_the_key(user, run, tmp_path, capsys):
+    bigger = build_tiny_qwen2(tmp_path / "bigger", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    assert _train(user, run, "--resume", f"model.model_name_or_path={bigger}", "--allow-config-change") == 2
+    (err,) = _errors(capsys)
+    assert "resume: the model differs" in err and "model.model_name_or_path" in err
+
+
+def test_overwrite_replaces_the_run(user, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 7, "reward": 1.0}) + "\n")
+    assert _train(user, out, "trainer.steps=1", "trainer.eval_every=0", "trainer.plot=false", "--overwrite") == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0]
+
+
+def _bad(user, tmp_path, capsys, *args, config=None):
+    argv = ["train", "--config", str(config or user["config"]), "--output_dir", str(tmp_path / "o"), *args]
+    assert main(argv) == 2
+    (err,) = _errors(capsys)
+    assert err.startswith("rlcore: error: ")
+    return err
+
+
+def test_bad_input_is_one_line_naming_the_thing(user, tmp_path, capsys):
+    data = tmp_path / "nocol.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "2", "a": 1, "b": 1}) + "\n")
+    err = _bad(user, tmp_path, capsys, "--dataset", str(data))
+    assert "column 'prompt'" in err and str(data) in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "is empty" in _bad(user, tmp_path, capsys, "--dataset", str(empty))
+    config = tmp_path / "bad_reward.yaml"
+    config.write_text(user["config"].read_text().replace("rewards/sum.py:SumReward", "missing_module_xyz:Reward"))
+    err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), config=config)
+    assert "rewards[0].reward" in err and "missing_module_xyz" in err and "ModuleNotFoundError" in err
+    bare = build_tiny_qwen2(
+        tmp_path / "bare", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, with_tokenizer=False
+    )
+    err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), f"model.model_name_or_path={bare}")
+    assert "has no tokenizer" in err and str(bare) in err
+    err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), "model.lora={r: 4}")
+    assert "model.lora" in err
+
+
+def test_run_dir_and_config_diff_helpers(tmp_path):
+    prepare_run_dir(tmp_path, resume=False, overwrite=False)  # empty: fine
+    (tmp_path / "checkpoint").mkdir()
+    with pytest.raises(ValueError, match="already holds a run"):
+        prepare_run_dir(tmp_path, resume=False, overwrite=False)
+    prepare_run_dir(tmp_path, resume=True, overwrite=False)
+    prepare_run_dir(tmp_path, resume=False, overwrite=True)
+    assert not (tmp_path / "checkpoint").exists()
+    saved = {"model": {"model_name_or_path": {"hidden_size": 32}}, "rl": {"lr": 1.0}, "trainer": {"steps": 3}}
+    grown = {"model": {"model_name_or_path": {"hidden_size": 64}}, "rl": {"lr": 1.0}, "trainer": {"steps": 9}}
+    assert config_changes(saved, grown) == (["model.model_name_or_path.hidden_size"], [])
+    with pytest.raises(ValueError, match=r"model.model_name_or_path.hidden_size \(32 -> 64\)"):
+        check_resume_config(saved, grown, allow_change=True)
+    assert check_resume_config(saved, {**saved, "rl": {"lr": 2.0}}, allow_change=True) == ["rl.lr"]
+    assert check_resume_config(None, grown, allow_change=False) == []
+
+
+def test_the_built_in_task_stays_the_default(tmp_path):
+    from rlcore.train import load_config
+    from rlcore.train.prompts import TaskPrompts, make_prompt_source, task_options
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "grpo_tiny.yaml")
+    assert cfg.data.path is None and isinstance(make_prompt_source(cfg, task_options(cfg)), TaskPrompts)
