@@ -46,6 +46,7 @@ Keys beyond the seed's (defaults in the dataclasses below)::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -164,7 +165,11 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The config as a mapping with the YAML's key names (``parse_config(cfg.to_dict()) == cfg``)."""
         return {
-            f.name: {_key(g): v for g, v in zip(dataclasses.fields(section), dataclasses.astuple(section))}
+            f.name: (
+                {_key(g): v for g, v in zip(dataclasses.fields(section), dataclasses.astuple(section))}
+                if dataclasses.is_dataclass(section)
+                else copy.deepcopy(section)  # the top-level ``rewards`` list or mapping
+            )
             for f in dataclasses.fields(self)
             for section in [getattr(self, f.name)]
         }

@@ -44,6 +44,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
     tokenizer = source_tokenizer(cfg, task_options(cfg))
     model = build_model(cfg, tokenizer.vocab_size)
     policy = state.get("policy")
+    if isinstance(policy, dict) and isinstance(policy.get("model"), dict):  # saved with its optimiser
+        policy = policy["model"]
     if not isinstance(policy, dict):
         raise ValueError(f"checkpoint: {str(run)!r} holds no policy weights")
     try:

@@ -83,15 +83,32 @@ def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Batch sizes the config gives per data-parallel rank: a resume at another world size keeps
+# the global batch when these times ``parallel.data_parallel`` are unchanged.
+_PER_RANK_KEYS = ("rl.batch_size", "rl.mini_batch_size", "trainer.warmup_batch_size")
+
+
+def _comparable(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The flattened config as a resume compares it: ``parallel.*`` left out (checkpoints load at any layout),
+    per-rank batch sizes scaled to the global batch."""
+    flat = _flatten(config, "", {})
+    dp = flat.get("parallel.data_parallel", 1)
+    for key in _PER_RANK_KEYS:
+        if isinstance(flat.get(key), int) and isinstance(dp, int):
+            flat[key] = flat[key] * dp
+    return {k: v for k, v in flat.items() if not k.startswith("parallel.")}
+
+
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """The keys that differ between a checkpoint's config and the current one, as ``(model keys, other keys)``.
 
-    Free keys (:data:`FREE_KEYS`) are left out.
+    Free keys (:data:`FREE_KEYS`) and the layout (``parallel.*``) are left out; per-rank batch
+    sizes (:data:`_PER_RANK_KEYS`) are compared as global batches (times ``data_parallel``).
 
     >>> config_changes({"model": {"path": "a"}, "rl": {"lr": 1.0}}, {"model": {"path": "b"}, "rl": {"lr": 2.0}})
     (['model.path'], ['rl.lr'])
     """
-    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
+    a, b = _comparable(saved), _comparable(current)
     keys = sorted(k for k in set(a) | set(b) if k not in FREE_KEYS and a.get(k, object()) != b.get(k, object()))
     return [k for k in keys if k.startswith("model.")], [k for k in keys if not k.startswith("model.")]
 
@@ -119,7 +136,7 @@ def check_resume_config(
     if saved is None:
         return []
     model, other = config_changes(saved, current)
-    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
+    a, b = _comparable(saved), _comparable(current)
     diffs = lambda keys: ", ".join(f"{k} ({_show(a, k)} -> {_show(b, k)})" for k in keys)  # noqa: E731
     if model:
         raise ValueError(
