@@ -258,20 +258,36 @@ def _alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
 
 
 def bench_grpo_vs_vectorised(repeats: int) -> None:
-    scores, ids = _grouped_scores(16384, 16)
-    groups = 16384 // 16
-    torch.testing.assert_close(grpo_advantages(scores, ids), grpo_vectorised_verl(scores, ids), rtol=1e-4, atol=1e-4)
+    """Both sides on the same tensors: first as rollouts are stored (the ``n_samples`` responses
+    to a prompt side by side, which rlcore is told with ``group_size``), then shuffled (general ids)."""
+    batch, size = 16384, 16
+    groups = batch // size
+    scores, shuffled = _grouped_scores(batch, size)
+    contiguous = torch.arange(batch) // size
+    for ids in (contiguous, shuffled):
+        torch.testing.assert_close(
+            grpo_advantages(scores, ids), grpo_vectorised_verl(scores, ids), rtol=1e-4, atol=1e-4
+        )
+    torch.testing.assert_close(
+        grpo_advantages(scores, contiguous, group_size=size),
+        grpo_vectorised_verl(scores, contiguous),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     compiled = torch.compile(lambda s, i: grpo_advantages(s, i, num_groups=groups))
     fns = {
-        "ours": lambda: grpo_advantages(scores, ids, num_groups=groups),
-        "ours_default": lambda: grpo_advantages(scores, ids),
-        "ours_compiled": lambda: compiled(scores, ids),
-        "verl": lambda: grpo_vectorised_verl(scores, ids),
+        "layout": lambda: grpo_advantages(scores, contiguous, group_size=size),
+        "verl_layout": lambda: grpo_vectorised_verl(scores, contiguous),
+        "ours": lambda: grpo_advantages(scores, shuffled, num_groups=groups),
+        "ours_default": lambda: grpo_advantages(scores, shuffled),
+        "ours_compiled": lambda: compiled(scores, shuffled),
+        "verl": lambda: grpo_vectorised_verl(scores, shuffled),
     }
     t = _alternate(fns, repeats * 40)
-    report("grpo_advantages vs verl vectorised (num_groups)", t["ours"], t["verl"], target=2.0)
-    report("  same, num_groups=None (B segments)", t["ours_default"], t["verl"])
-    report("  same, torch.compile'd rlcore", t["ours_compiled"], t["verl"])
+    report("grpo_advantages vs verl vectorised (group_size)", t["layout"], t["verl_layout"], target=2.0)
+    report("  shuffled ids, num_groups=G", t["ours"], t["verl"])
+    report("  shuffled ids, num_groups=None (B segments)", t["ours_default"], t["verl"])
+    report("  shuffled ids, torch.compile'd rlcore", t["ours_compiled"], t["verl"])
 
 
 def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
