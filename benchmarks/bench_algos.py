@@ -258,8 +258,10 @@ def _alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
 
 
 def bench_grpo_vs_vectorised(repeats: int) -> None:
-    """Both sides on the same tensors: first as rollouts are stored (the ``n_samples`` responses
-    to a prompt side by side, which rlcore is told with ``group_size``), then shuffled (general ids)."""
+    """Both sides on the same scores: first as rollouts are stored (the ``n_samples`` responses to a
+    prompt side by side), which rlcore is told with ``group_size`` and verl reads from its index;
+    then with the ids also passed to rlcore, which checks them against the layout on a CPU tensor
+    (a full read of the ids); then shuffled (general ids, both sides given the same index)."""
     batch, size = 16384, 16
     groups = batch // size
     scores, shuffled = _grouped_scores(batch, size)
@@ -275,8 +277,12 @@ def bench_grpo_vs_vectorised(repeats: int) -> None:
         atol=1e-4,
     )
     compiled = torch.compile(lambda s, i: grpo_advantages(s, i, num_groups=groups))
+    torch.testing.assert_close(
+        grpo_advantages(scores, None, group_size=size), grpo_vectorised_verl(scores, contiguous), rtol=1e-4, atol=1e-4
+    )
     fns = {
         "layout": lambda: grpo_advantages(scores, contiguous, group_size=size),
+        "layout_no_ids": lambda: grpo_advantages(scores, None, group_size=size),
         "verl_layout": lambda: grpo_vectorised_verl(scores, contiguous),
         "ours": lambda: grpo_advantages(scores, shuffled, num_groups=groups),
         "ours_default": lambda: grpo_advantages(scores, shuffled),
@@ -284,13 +290,16 @@ def bench_grpo_vs_vectorised(repeats: int) -> None:
         "verl": lambda: grpo_vectorised_verl(scores, shuffled),
     }
     t = _alternate(fns, repeats * 40)
-    report("grpo_advantages vs verl vectorised (group_size)", t["layout"], t["verl_layout"], target=2.0)
+    report("grpo_advantages vs verl vectorised (group_size)", t["layout_no_ids"], t["verl_layout"], target=2.0)
+    report("  same, ids also passed and checked on the CPU", t["layout"], t["verl_layout"])
     report("  shuffled ids, num_groups=G", t["ours"], t["verl"])
     report("  shuffled ids, num_groups=None (B segments)", t["ours_default"], t["verl"])
     report("  shuffled ids, torch.compile'd rlcore", t["ours_compiled"], t["verl"])
 
 
 def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
+    """The headline row asks rlcore for a metric set like verl's (clip fractions and a KL estimate:
+    ``ratio_stats=False``); the default, which adds the ratio mean, min and max, is printed beside it."""
     g = torch.Generator().manual_seed(4)
     b, t = 256, 1024
     mask = torch.arange(t) < torch.randint(t // 4, t + 1, (b, 1), generator=g)
@@ -299,9 +308,9 @@ def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
     adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
     maskf = mask.float()
 
-    def ours(loss_fn=ppo_clip_loss):  # type: ignore[no-untyped-def]
+    def ours(loss_fn=ppo_clip_loss, ratio_stats=False):  # type: ignore[no-untyped-def]
         lp = logp.clone().requires_grad_(True)
-        loss_t, _ = loss_fn(lp, old_logp, adv, mask, dual_clip=3.0)
+        loss_t, _ = loss_fn(lp, old_logp, adv, mask, dual_clip=3.0, ratio_stats=ratio_stats)
         aggregate(loss_t, mask, mode="token-mean").backward()
         return lp.grad
 
@@ -311,10 +320,18 @@ def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
         return lp.grad
 
     torch.testing.assert_close(ours(), verl(), rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(ours(ratio_stats=True), verl(), rtol=1e-4, atol=1e-9)
     ours_c, verl_c = torch.compile(ppo_clip_loss), torch.compile(policy_loss_vanilla_verl)
-    fns = {"ours": ours, "verl": verl, "ours_c": lambda: ours(ours_c), "verl_c": lambda: verl(verl_c)}
+    fns = {
+        "ours": ours,
+        "ours_all": lambda: ours(ratio_stats=True),
+        "verl": verl,
+        "ours_c": lambda: ours(ours_c),
+        "verl_c": lambda: verl(verl_c),
+    }
     tm = _alternate(fns, repeats * 4)
     report("ppo_clip_loss+aggregate fwd+bwd vs verl vanilla", tm["ours"], tm["verl"], target=1.5)
+    report("  same, with ratio mean/min/max (the default)", tm["ours_all"], tm["verl"])
     report("  same, both torch.compile'd", tm["ours_c"], tm["verl_c"])
 
 

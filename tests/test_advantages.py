@@ -348,6 +348,7 @@ def test_grpo_declared_group_size_matches_reference(dtype, scale, scores_ids):
     assert got.dtype == dtype
     assert_close(got, ref.grpo_advantages_ref(x, layout, scale=scale), dtype=dtype, scale=_magnitude(x) + 10)
     torch.testing.assert_close(got, grpo_advantages(x, layout, scale=scale), rtol=1e-6, atol=1e-6)
+    assert torch.equal(grpo_advantages(x, None, scale=scale, group_size=size), got)
     flat = (x.view(n, size) == x.view(n, size)[:, :1]).all(1).repeat_interleave(size)
     assert torch.equal(got[flat], torch.zeros_like(got[flat]))
 
@@ -360,8 +361,12 @@ def test_grpo_group_size_bad_input_and_no_host_sync():
         grpo_advantages(s, torch.arange(8) // 4, group_size=3)
     with pytest.raises(ValueError, match="num_groups: got 3"):
         grpo_advantages(s, torch.arange(8) // 4, group_size=4, num_groups=3)
+    with pytest.raises(ValueError, match="group_ids: got None"):
+        grpo_advantages(s, None)
     assert grpo_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), group_size=4).shape == (0,)
+    assert grpo_advantages(torch.zeros(0), None, group_size=4).shape == (0,)
     assert_no_host_sync(lambda a: grpo_advantages(a, torch.arange(8) // 4, group_size=4), s)
+    assert_no_host_sync(lambda a: grpo_advantages(a, None, group_size=4), s)
 
 
 # -------------------------------------------------------------- RLOO, GPG, OPO, ReMax

@@ -175,6 +175,7 @@ def test_zscore_declared_layout_matches_reference_and_general_path(dtype, data, 
     assert_close(got, _zscore_ref(x, ids, eps, unbiased), dtype=dtype, scale=10.0)
     general = segment_zscore(x, ids, eps=eps, unbiased=unbiased)
     torch.testing.assert_close(got, general, rtol=1e-6, atol=1e-6)
+    assert torch.equal(segment_zscore(x, None, group_size=size, eps=eps, unbiased=unbiased), got)
     # Constant groups (and single-sample groups when unbiased) give exactly 0.
     rows = x.view(-1, size)
     flat = (rows == rows[:, :1]).all(1).repeat_interleave(size)
@@ -198,6 +199,7 @@ def test_zscore_empty_batch_and_gradients():
     empty = torch.zeros(0)
     assert segment_zscore(empty, torch.zeros(0, dtype=torch.long), num_segments=0).shape == (0,)
     assert segment_zscore(empty, torch.zeros(0, dtype=torch.long), group_size=4).shape == (0,)
+    assert segment_zscore(empty, None, group_size=4).shape == (0,)
     x = torch.tensor([1.0, 2.0, 4.0, 3.0, 3.5, 0.5], dtype=torch.float64, requires_grad=True)
     ids = torch.tensor([0, 0, 0, 1, 1, 2])
     assert torch.autograd.gradcheck(lambda t: segment_zscore(t, ids, num_segments=3), (x,))
@@ -218,6 +220,8 @@ def test_zscore_bad_input_and_layout_check():
         segment_zscore(x, torch.zeros(6, dtype=torch.long), group_size=0)
     with pytest.raises(ValueError, match="num_segments: got 3"):
         segment_zscore(x, torch.arange(6) // 3, group_size=3, num_segments=3)
+    with pytest.raises(ValueError, match="group_ids: got None"):
+        segment_zscore(x, None)
     with pytest.raises(ValueError, match="eps: got -1"):
         segment_zscore(x, torch.arange(6) // 3, eps=-1.0)
     with pytest.raises(ValueError, match="x: got dtype torch.int64"):
@@ -228,3 +232,4 @@ def test_zscore_no_host_sync():
     x = torch.randn(12)
     assert_no_host_sync(lambda a: segment_zscore(a, torch.arange(12) % 5, num_segments=5), x)
     assert_no_host_sync(lambda a: segment_zscore(a, torch.arange(12) // 4, group_size=4), x)
+    assert_no_host_sync(lambda a: segment_zscore(a, None, group_size=4), x)

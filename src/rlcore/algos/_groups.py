@@ -9,7 +9,7 @@ from rlcore._checks import check_floating, check_group_ids, check_integer, check
 
 def check_outcome(
     scores: torch.Tensor,
-    group_ids: torch.Tensor,
+    group_ids: torch.Tensor | None,
     num_groups: int | None,
     group_size: int | None = None,
     *,
@@ -17,15 +17,19 @@ def check_outcome(
 ) -> int:
     """Validate ``scores [B]`` and ``group_ids [B]``; return the number of segments to use.
 
-    With ``group_size`` (contiguous groups of that size) it is ``B / group_size``.
+    With ``group_size`` (contiguous groups of that size) it is ``B / group_size``, and
+    ``group_ids`` may be ``None``.
     Without ``num_groups`` the count is ``B``: every id of a valid batch is below ``B``,
     so this bound needs no read-back of ``group_ids.max()`` from the device.
     """
     check_ndim("scores", scores, 1)
     check_floating("scores", scores)
-    check_ndim("group_ids", group_ids, 1)
-    check_integer("group_ids", group_ids)
-    check_same_shape("group_ids", group_ids, "scores", scores)
+    if group_ids is None and group_size is None:
+        raise ValueError("group_ids: got None, expected a [B] integer tensor (or declare the layout with group_size)")
+    if group_ids is not None:
+        check_ndim("group_ids", group_ids, 1)
+        check_integer("group_ids", group_ids)
+        check_same_shape("group_ids", group_ids, "scores", scores)
     if group_size is not None:
         b = scores.shape[0]
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or b % group_size:
@@ -38,6 +42,6 @@ def check_outcome(
         num_groups = scores.shape[0]
     elif isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups: got {num_groups!r}, expected a non-negative int (or None for B)")
-    if check_ids:  # False where the segment op that consumes the ids checks them itself
+    if check_ids and group_ids is not None:  # False where the segment op that uses the ids checks them
         check_group_ids(group_ids, num_groups)
     return num_groups

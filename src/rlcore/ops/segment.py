@@ -271,17 +271,27 @@ def segment_centred(
     return _out(dev, x), _out(_gather(std, group_ids.long()), x)
 
 
-def _check_layout(group_ids: torch.Tensor, group_size: int) -> int:
+def _check_layout(x: torch.Tensor, group_ids: torch.Tensor | None, group_size: int) -> int:
     """Validate a declared contiguous layout; return the number of groups ``B / group_size``."""
-    b = group_ids.shape[0]
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x: got a 0-D tensor, expected [B, ...]")
+    b = x.shape[0]
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or b % group_size:
         raise ValueError(f"group_size: got {group_size!r}, expected a positive int dividing the batch size {b}")
+    if group_ids is None:
+        return b // group_size
+    check_ndim("group_ids", group_ids, 1)
+    check_integer("group_ids", group_ids)
+    if group_ids.shape[0] != b:
+        raise ValueError(f"group_ids: got shape {tuple(group_ids.shape)}, expected ({b},) (the leading dimension of x)")
     # Read only where that stalls nothing (a CPU tensor in eager mode), as the id range check.
     if b and group_ids.device.type == "cpu" and not torch.compiler.is_compiling():
-        rows = torch.arange(b // group_size, device=group_ids.device).view(-1, 1)
-        # One subtraction and a count (integer division over B is several times slower).
-        off = torch.count_nonzero(group_ids.view(-1, group_size) - rows)
-        if int(off):  # sync-ok: a CPU tensor in eager mode
+        # Each row's smallest and largest id must be its row number: one reduction with a
+        # [G] result (no [B] temporary, and no integer division over B, several times slower).
+        low, high = torch.aminmax(group_ids.view(-1, group_size), dim=1)
+        rows = torch.arange(b // group_size, device=group_ids.device, dtype=group_ids.dtype)
+        if not (torch.equal(low, rows) and torch.equal(high, rows)):  # sync-ok: a CPU tensor in eager mode
             raise ValueError(
                 f"group_ids: got ids that are not the contiguous layout declared by group_size={group_size}, "
                 f"expected group_ids[i] == i // {group_size}"
@@ -291,7 +301,7 @@ def _check_layout(group_ids: torch.Tensor, group_size: int) -> int:
 
 def segment_zscore(
     x: torch.Tensor,
-    group_ids: torch.Tensor,
+    group_ids: torch.Tensor | None,
     *,
     num_segments: int | None = None,
     group_size: int | None = None,
@@ -308,12 +318,12 @@ def segment_zscore(
 
     Args:
       x: ``[B, ...]`` values.
-      group_ids: ``[B]`` integer segment ids.
+      group_ids: ``[B]`` integer segment ids; may be ``None`` when ``group_size`` is given.
       num_segments: as in :func:`segment_sum`.
       group_size: declares the layout ``group_ids[i] == i // group_size`` (contiguous
         groups of equal size, as ``n_samples`` responses per prompt are stored); the
-        statistics are then a reshape and row reductions. Checked on CPU tensors in
-        eager mode, trusted elsewhere (no host sync).
+        statistics are then a reshape and row reductions. Given ids are checked
+        against it on CPU tensors in eager mode and trusted elsewhere (no host sync).
       eps: added to the std (>= 0).
       unbiased: Bessel-corrected std.
 
@@ -322,23 +332,25 @@ def segment_zscore(
 
     >>> segment_zscore(torch.tensor([1.0, 3.0, 5.0, 5.0]), torch.tensor([0, 0, 1, 1]), eps=0.0)
     tensor([-0.7071,  0.7071,  0.0000,  0.0000])
+    >>> segment_zscore(torch.tensor([1.0, 3.0, 5.0, 5.0]), None, group_size=2, eps=0.0)
+    tensor([-0.7071,  0.7071,  0.0000,  0.0000])
     """
     if group_size is not None:
-        check_tensor("x", x)
-        check_ndim("group_ids", group_ids, 1)
-        check_integer("group_ids", group_ids)
-        n = _check_layout(group_ids, group_size)
+        n = _check_layout(x, group_ids, group_size)
         if num_segments is not None and num_segments != n:
             raise ValueError(f"num_segments: got {num_segments!r}, expected None or {n} (B / group_size)")
-        if x.dim() == 0 or x.shape[0] != group_ids.shape[0]:
-            raise ValueError(f"x: got shape {tuple(x.shape)}, expected a leading dimension {group_ids.shape[0]}")
+    elif group_ids is None:
+        raise ValueError("group_ids: got None, expected a [B] integer tensor (or declare the layout with group_size)")
     else:
         n = _check(x, group_ids, num_segments)
     check_floating("x", x)
     if not eps >= 0.0 or eps == float("inf"):
         raise ValueError(f"eps: got {eps!r}, expected a finite number >= 0")
+    if group_size is not None and (x.requires_grad or x.dtype == torch.float64):
+        group_ids = torch.arange(x.shape[0], device=x.device) // group_size
     if x.requires_grad or x.dtype == torch.float64:
         # The general path: a safe sqrt gradient, and the exact pivot float64 input needs.
+        assert group_ids is not None
         count, _, dev, m2 = _moments(x, group_ids, n, need_m2=True)
         assert m2 is not None
         std = _std_from(count, m2, unbiased)
@@ -348,11 +360,12 @@ def segment_zscore(
     xa = x.to(torch.float64)
     if group_size is not None:
         rows = xa.view(n, group_size, *x.shape[1:])
-        dev = rows - rows.mean(1, keepdim=True)
+        dev = rows - rows.mean(1, keepdim=True)  # a constant row's float64 sum k * v is exact
         den = group_size - 1 if unbiased else group_size
         # sqrt(sum dev^2) in one reduction; float64 squares cannot overflow.
         std = torch.linalg.vector_norm(dev, dim=1, keepdim=True).mul_(1.0 / math.sqrt(max(den, 1)))
         return dev.mul_(_inverse_scale(std, eps)).view(x.shape).to(x.dtype)
+    assert group_ids is not None
     idx = group_ids.long()
     count = _count(idx, n, xa.dtype).view(n, *([1] * (x.dim() - 1)))
     dev = xa - _gather(_sum(xa, idx, n).div_(count), idx)  # 0 / 0 only in empty segments, never gathered

@@ -31,7 +31,7 @@ _SCALES = ("group", "batch", "none")
 
 def grpo_advantages(
     scores: torch.Tensor,
-    group_ids: torch.Tensor,
+    group_ids: torch.Tensor | None,
     *,
     scale: str = "group",
     eps: float = 1e-6,
@@ -57,14 +57,16 @@ def grpo_advantages(
 
     Args:
       scores: ``[B]`` sequence scores.
-      group_ids: ``[B]`` integer group of each sample, in ``[0, num_groups)``.
+      group_ids: ``[B]`` integer group of each sample, in ``[0, num_groups)``; may be
+        ``None`` when ``group_size`` declares the layout.
       scale: ``"group"``, ``"batch"`` or ``"none"``.
       eps: added to the std.
       num_groups: number of groups; ``None`` uses ``B``, a bound that needs no host sync.
       group_size: declares contiguous groups of this size (``group_ids[i] == i //
         group_size``, the layout of ``n_samples`` responses per prompt): the group
-        statistics are then a reshape and row reductions, the fastest path. Checked
-        on CPU tensors in eager mode, trusted elsewhere (no host sync).
+        statistics are then a reshape and row reductions, the fastest path. Given
+        ids are checked against it on CPU tensors in eager mode and trusted
+        elsewhere (no host sync).
       process_group: with ``scale="batch"``, take the batch std over all data-parallel
         ranks of this group (one all-reduce). Group means are always local: a group
         must live on one rank.
@@ -80,6 +82,9 @@ def grpo_advantages(
     check_positive("eps", eps, strict=False)
     if scale == "group":
         return segment_zscore(scores, group_ids, num_segments=n, group_size=group_size, eps=eps)
+    if group_ids is None:  # the declared layout (check_outcome requires group_size here)
+        assert group_size is not None
+        group_ids = torch.arange(scores.shape[0], device=scores.device) // group_size
     s = scores.to(acc_dtype(scores.dtype))
     if scale == "none":
         return segment_centred(s, group_ids, num_segments=n).to(scores.dtype)
