@@ -98,7 +98,8 @@ def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     with torch.no_grad():
         # A boolean mask serves as 0/1 weights as it is (no float copy).
         weights = mask if mask.dtype == torch.bool else mask.to(acc)
-        total = mask.sum(dtype=acc)
+        # A count, not a sum with a dtype (which first copies the whole mask to that dtype).
+        total = torch.count_nonzero(mask).to(acc) if mask.dtype == torch.bool else mask.sum(dtype=acc)
         raw = torch.where(keep, logp.detach().to(acc) - old_logp.to(acc), 0.0)
         log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         neg_adv = torch.where(keep, -advantages.detach().to(acc), 0.0)
@@ -134,25 +135,25 @@ def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, tok: _Tokens) -
 def _frac(flags: torch.Tensor, tok: _Tokens) -> torch.Tensor:
     """Weighted fraction of the counted tokens where ``flags`` (False at every mask-0 position) holds."""
     if tok.weights.dtype == torch.bool:
-        return (flags.sum() / tok.total).float()  # a count: no weights to multiply
+        return (torch.count_nonzero(flags) / tok.total).float()  # a count: no weights, no copy
     return _mean(flags, tok)
 
 
 def _ratio_sums(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
-    """As :func:`_ratio_metrics` from two plain sums (PPO: ``ratio`` is ``exp(log_ratio)``, so 1 at mask 0).
+    """As :func:`_ratio_metrics`, with fewer passes (PPO: ``ratio`` is ``exp(log_ratio)``, so 1 at mask 0).
 
     With a boolean mask the mask-0 positions hold ``log_ratio = 0`` and ``ratio = 1``,
-    so ``sum(ratio - 1 - log_ratio)`` over the counted tokens is ``sum(ratio) -
-    sum(log_ratio) - numel`` over all of them, summed in float64 (no cancellation).
+    where ``ratio - 1`` and ``ratio - 1 - log_ratio`` are 0: plain sums over all tokens
+    are the masked sums, with no weights to multiply.
     """
     if tok.weights.dtype != torch.bool or ratio.numel() == 0:
         return _ratio_metrics(ratio, tok.log_ratio, tok)
-    sum_r = ratio.sum(dtype=torch.float64)
-    kl = sum_r - tok.log_ratio.sum(dtype=torch.float64) - ratio.numel()
+    excess = ratio - 1.0  # exact near 1; the mean ratio is 1 + its mean
+    mean_excess = excess.sum() / tok.total
     rmin = torch.where(tok.keep, ratio, torch.inf).amin()
     return {
-        "approx_kl": (kl / tok.total).float(),
-        "ratio_mean": ((sum_r - ratio.numel() + tok.count) / tok.total).float(),
+        "approx_kl": (excess.sub_(tok.log_ratio).sum() / tok.total).float(),
+        "ratio_mean": torch.where(tok.count > 0, 1.0 + mean_excess, 0.0).float(),
         "ratio_min": torch.where(torch.isfinite(rmin), rmin, 0.0).float(),
         "ratio_max": torch.where(tok.keep, ratio, 0.0).amax().float(),
     }
@@ -162,8 +163,7 @@ def _kl_only(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
     """``approx_kl`` alone (see :func:`_ratio_sums`)."""
     if tok.weights.dtype != torch.bool:
         return {"approx_kl": _mean(ratio - 1.0 - tok.log_ratio, tok)}
-    kl = ratio.sum(dtype=torch.float64) - tok.log_ratio.sum(dtype=torch.float64) - ratio.numel()
-    return {"approx_kl": (kl / tok.total).float()}
+    return {"approx_kl": ((ratio - 1.0).sub_(tok.log_ratio).sum() / tok.total).float()}
 
 
 def ppo_clip_loss(
