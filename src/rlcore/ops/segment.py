@@ -360,7 +360,8 @@ def segment_zscore(
     xa = x.to(torch.float64)
     if group_size is not None:
         rows = xa.view(n, group_size, *x.shape[1:])
-        dev = rows - rows.mean(1, keepdim=True)  # a constant row's float64 sum k * v is exact
+        # In place: xa is this function's own copy. A constant row's float64 sum k * v is exact.
+        dev = rows.sub_(rows.mean(1, keepdim=True))
         den = group_size - 1 if unbiased else group_size
         # sqrt(sum dev^2) in one reduction; float64 squares cannot overflow.
         std = torch.linalg.vector_norm(dev, dim=1, keepdim=True).mul_(1.0 / math.sqrt(max(den, 1)))
@@ -368,7 +369,8 @@ def segment_zscore(
     assert group_ids is not None
     idx = group_ids.long()
     count = _count(idx, n, xa.dtype).view(n, *([1] * (x.dim() - 1)))
-    dev = xa - _gather(_sum(xa, idx, n).div_(count), idx)  # 0 / 0 only in empty segments, never gathered
+    # In place (xa is this function's own copy); 0 / 0 only in empty segments, never gathered.
+    dev = xa.sub_(_gather(_sum(xa, idx, n).div_(count), idx))
     m2 = _sum(torch.mul(dev, dev), idx, n)
     # sqrt(0) = 0 for constant groups and groups too small for the estimator.
     std = m2.div_((count - 1 if unbiased else count).clamp_(min=1)).sqrt_()
