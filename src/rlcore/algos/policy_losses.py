@@ -88,7 +88,7 @@ class _Tokens(NamedTuple):
     log_ratio: torch.Tensor  # logp - old_logp, clamped to +-20
     in_range: torch.Tensor  # bool: the clamp let the gradient through
     neg_adv: torch.Tensor  # -advantages: every loss is linear in it, and +0 at mask 0 stays +0
-    count: torch.Tensor  # total weight as it is (0 for an empty mask)
+    counted: torch.Tensor  # total weight as it is (0 for an empty mask)
 
 
 def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> _Tokens:
@@ -153,7 +153,7 @@ def _ratio_sums(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
     rmin = torch.where(tok.keep, ratio, torch.inf).amin()
     return {
         "approx_kl": (excess.sub_(tok.log_ratio).sum() / tok.total).float(),
-        "ratio_mean": torch.where(tok.count > 0, 1.0 + mean_excess, 0.0).float(),
+        "ratio_mean": torch.where(tok.counted > 0, 1.0 + mean_excess, 0.0).float(),
         "ratio_min": torch.where(torch.isfinite(rmin), rmin, 0.0).float(),
         "ratio_max": torch.where(tok.keep, ratio, 0.0).amax().float(),
     }
