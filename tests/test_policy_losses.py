@@ -294,3 +294,13 @@ def test_ppo_ratio_stats_off_keeps_loss_gradient_and_other_metrics(batch, dual, 
     assert set(metrics) - set(metrics2) == {"ratio_mean", "ratio_min", "ratio_max"}
     for key, value in metrics2.items():
         assert torch.equal(value, metrics[key]), key
+
+
+def test_ppo_ratio_stats_off_no_host_sync():
+    g = torch.Generator().manual_seed(1)
+    logp = torch.rand(4, 6, generator=g).log()
+    old = logp + 0.5 * torch.randn(4, 6, generator=g)
+    adv = torch.randn(4, 6, generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    fn = functools.partial(algos.ppo_clip_loss, dual_clip=3.0, ratio_stats=False)
+    assert_no_host_sync(fn, logp, old, adv, mask)
