@@ -13,10 +13,17 @@ Claims (issue 3):
 
 Claims (issue 17), against verl's own vectorised implementations written out below:
   * ``grpo_advantages`` at B = 16384 in groups of 16 against verl's vectorised GRPO
-    estimator (target >= 2x);
+    estimator (target >= 2x), on the same scores: the headline with the layout declared
+    (``group_size``, contiguous groups as rollouts are stored), then with the ids also
+    passed and checked, then with shuffled ids (general segment path) and compiled;
   * ``ppo_clip_loss`` + token-mean ``aggregate``, forward and backward at [256, 1024],
     against ``compute_policy_loss_vanilla`` + ``agg_loss(token-mean)`` (target >= 1.5x
-    eager), with the ``torch.compile``'d figure of each printed beside it.
+    eager): the headline asks for a metric set like verl's (``ratio_stats=False``: clip
+    fractions and a KL estimate), the default metric set is printed beside it, then
+    each side's whole composition ``torch.compile``'d.
+
+Eager rows are timed before any compiled call (a compiled function's worker threads slow
+the eager calls that follow on a busy machine).
 
 Each benchmark checks that both sides agree, then prints the median time of each over
 ``--repeats`` runs and the ratio. Run: ``python benchmarks/bench_algos.py``.
@@ -258,23 +265,50 @@ def _alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
 
 
 def bench_grpo_vs_vectorised(repeats: int) -> None:
-    scores, ids = _grouped_scores(16384, 16)
-    groups = 16384 // 16
-    torch.testing.assert_close(grpo_advantages(scores, ids), grpo_vectorised_verl(scores, ids), rtol=1e-4, atol=1e-4)
+    """Both sides on the same scores: first as rollouts are stored (the ``n_samples`` responses to a
+    prompt side by side), which rlcore is told with ``group_size`` and verl reads from its index;
+    then with the ids also passed to rlcore, which checks them against the layout on a CPU tensor
+    (a full read of the ids); then shuffled (general ids, both sides given the same index)."""
+    batch, size = 16384, 16
+    groups = batch // size
+    scores, shuffled = _grouped_scores(batch, size)
+    contiguous = torch.arange(batch) // size
+    for ids in (contiguous, shuffled):
+        torch.testing.assert_close(
+            grpo_advantages(scores, ids), grpo_vectorised_verl(scores, ids), rtol=1e-4, atol=1e-4
+        )
+    torch.testing.assert_close(
+        grpo_advantages(scores, contiguous, group_size=size),
+        grpo_vectorised_verl(scores, contiguous),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     compiled = torch.compile(lambda s, i: grpo_advantages(s, i, num_groups=groups))
+    torch.testing.assert_close(
+        grpo_advantages(scores, None, group_size=size), grpo_vectorised_verl(scores, contiguous), rtol=1e-4, atol=1e-4
+    )
     fns = {
-        "ours": lambda: grpo_advantages(scores, ids, num_groups=groups),
-        "ours_default": lambda: grpo_advantages(scores, ids),
-        "ours_compiled": lambda: compiled(scores, ids),
-        "verl": lambda: grpo_vectorised_verl(scores, ids),
+        "layout": lambda: grpo_advantages(scores, contiguous, group_size=size),
+        "layout_no_ids": lambda: grpo_advantages(scores, None, group_size=size),
+        "verl_layout": lambda: grpo_vectorised_verl(scores, contiguous),
+        "ours": lambda: grpo_advantages(scores, shuffled, num_groups=groups),
+        "ours_default": lambda: grpo_advantages(scores, shuffled),
+        "verl": lambda: grpo_vectorised_verl(scores, shuffled),
     }
     t = _alternate(fns, repeats * 40)
-    report("grpo_advantages vs verl vectorised (num_groups)", t["ours"], t["verl"], target=2.0)
-    report("  same, num_groups=None (B segments)", t["ours_default"], t["verl"])
-    report("  same, torch.compile'd rlcore", t["ours_compiled"], t["verl"])
+    # The compiled function is first called only now: its worker threads, once started, slow
+    # every eager call that follows on a busy machine, so the eager rows are timed before it.
+    t.update(_alternate({"ours_compiled": lambda: compiled(scores, shuffled), "verl": fns["verl"]}, repeats * 40))
+    report("grpo_advantages vs verl vectorised (group_size)", t["layout_no_ids"], t["verl_layout"], target=2.0)
+    report("  same, ids also passed and checked on the CPU", t["layout"], t["verl_layout"])
+    report("  shuffled ids, num_groups=G", t["ours"], t["verl"])
+    report("  shuffled ids, num_groups=None (B segments)", t["ours_default"], t["verl"])
+    report("  shuffled ids, torch.compile'd rlcore", t["ours_compiled"], t["verl"])
 
 
 def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
+    """The headline row asks rlcore for a metric set like verl's (clip fractions and a KL estimate:
+    ``ratio_stats=False``); the default, which adds the ratio mean, min and max, is printed beside it."""
     g = torch.Generator().manual_seed(4)
     b, t = 256, 1024
     mask = torch.arange(t) < torch.randint(t // 4, t + 1, (b, 1), generator=g)
@@ -283,9 +317,9 @@ def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
     adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
     maskf = mask.float()
 
-    def ours(loss_fn=ppo_clip_loss):  # type: ignore[no-untyped-def]
+    def ours(loss_fn=ppo_clip_loss, ratio_stats=False):  # type: ignore[no-untyped-def]
         lp = logp.clone().requires_grad_(True)
-        loss_t, _ = loss_fn(lp, old_logp, adv, mask, dual_clip=3.0)
+        loss_t, _ = loss_fn(lp, old_logp, adv, mask, dual_clip=3.0, ratio_stats=ratio_stats)
         aggregate(loss_t, mask, mode="token-mean").backward()
         return lp.grad
 
@@ -294,11 +328,27 @@ def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
         loss_fn(old_logp, lp, adv, maskf)[0].backward()
         return lp.grad
 
+    def ours_loss(lp, old, a, m):  # type: ignore[no-untyped-def]
+        """The same composition as verl's function: loss, metrics and the token-mean in one call."""
+        loss_t, metrics = ppo_clip_loss(lp, old, a, m, dual_clip=3.0, ratio_stats=False)
+        return aggregate(loss_t, m, mode="token-mean"), metrics
+
+    # Compiled: each side's whole composition (loss, metrics, aggregation) is one compiled function.
+    ours_c, verl_c = torch.compile(ours_loss), torch.compile(policy_loss_vanilla_verl)
+
+    def ours_compiled() -> torch.Tensor:
+        lp = logp.clone().requires_grad_(True)
+        ours_c(lp, old_logp, adv, mask)[0].backward()
+        return lp.grad
+
     torch.testing.assert_close(ours(), verl(), rtol=1e-4, atol=1e-9)
-    ours_c, verl_c = torch.compile(ppo_clip_loss), torch.compile(policy_loss_vanilla_verl)
-    fns = {"ours": ours, "verl": verl, "ours_c": lambda: ours(ours_c), "verl_c": lambda: verl(verl_c)}
-    tm = _alternate(fns, repeats * 4)
+    torch.testing.assert_close(ours(ratio_stats=True), verl(), rtol=1e-4, atol=1e-9)
+    tm = _alternate({"ours": ours, "ours_all": lambda: ours(ratio_stats=True), "verl": verl}, repeats * 4)
+    # Compiled last (see bench_grpo_vs_vectorised): the eager rows are timed before any compiled call.
+    torch.testing.assert_close(ours_compiled(), verl(verl_c), rtol=1e-4, atol=1e-9)
+    tm.update(_alternate({"ours_c": ours_compiled, "verl_c": lambda: verl(verl_c)}, repeats * 4))
     report("ppo_clip_loss+aggregate fwd+bwd vs verl vanilla", tm["ours"], tm["verl"], target=1.5)
+    report("  same, with ratio mean/min/max (the default)", tm["ours_all"], tm["verl"])
     report("  same, both torch.compile'd", tm["ours_c"], tm["verl_c"])
 
 

@@ -331,6 +331,44 @@ def test_grpo_bad_input():
         grpo_advantages(s, ids, num_groups=-1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@settings(max_examples=20)
+@given(scores_ids=grouped_scores(patterns=("constant", "binary", "normal", "offset")))
+def test_grpo_declared_group_size_matches_reference(dtype, scale, scores_ids):
+    """Contiguous equal groups declared with ``group_size``: the same advantages as the general path."""
+    scores, ids = scores_ids
+    size = int(segment_sum(torch.ones_like(scores), ids).max())
+    n = int(ids.max()) + 1
+    # Pad every group to the largest size with copies of its first score, then lay them out contiguously.
+    rows = [scores[ids == g] for g in range(n)]
+    x = torch.cat([torch.cat([r, r[:1].expand(size - len(r))]) for r in rows]).to(dtype)
+    layout = torch.arange(n * size) // size
+    got = grpo_advantages(x, layout, scale=scale, group_size=size)
+    assert got.dtype == dtype
+    assert_close(got, ref.grpo_advantages_ref(x, layout, scale=scale), dtype=dtype, scale=_magnitude(x) + 10)
+    torch.testing.assert_close(got, grpo_advantages(x, layout, scale=scale), rtol=1e-6, atol=1e-6)
+    assert torch.equal(grpo_advantages(x, None, scale=scale, group_size=size), got)
+    flat = (x.view(n, size) == x.view(n, size)[:, :1]).all(1).repeat_interleave(size)
+    assert torch.equal(got[flat], torch.zeros_like(got[flat]))
+
+
+def test_grpo_group_size_bad_input_and_no_host_sync():
+    s = torch.randn(8)
+    with pytest.raises(ValueError, match="group_ids: got ids that are not the contiguous layout"):
+        grpo_advantages(s, torch.arange(8) % 2, group_size=4)
+    with pytest.raises(ValueError, match="group_size: got 3"):
+        grpo_advantages(s, torch.arange(8) // 4, group_size=3)
+    with pytest.raises(ValueError, match="num_groups: got 3"):
+        grpo_advantages(s, torch.arange(8) // 4, group_size=4, num_groups=3)
+    with pytest.raises(ValueError, match="group_ids: got None"):
+        grpo_advantages(s, None)
+    assert grpo_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), group_size=4).shape == (0,)
+    assert grpo_advantages(torch.zeros(0), None, group_size=4).shape == (0,)
+    assert_no_host_sync(lambda a: grpo_advantages(a, torch.arange(8) // 4, group_size=4), s)
+    assert_no_host_sync(lambda a: grpo_advantages(a, None, group_size=4), s)
+
+
 # -------------------------------------------------------------- RLOO, GPG, OPO, ReMax
 
 

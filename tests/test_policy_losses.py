@@ -280,3 +280,27 @@ def test_no_host_sync(name):
     mask = torch.rand(4, 6, generator=g) > 0.3
     kw = {"dual_clip": 3.0, "is_weights": torch.rand(4, 6, generator=g)} if name == "ppo" else {}
     assert_no_host_sync(functools.partial(IMPL[name], **kw), logp, old, adv, mask)
+
+
+@settings(max_examples=20)
+@given(batch=policy_batches(), dual=st.sampled_from([None, 3.0]), weighted=st.booleans())
+def test_ppo_ratio_stats_off_keeps_loss_gradient_and_other_metrics(batch, dual, weighted):
+    """``ratio_stats=False`` drops only ratio_mean/min/max; the loss, gradient and other metrics are unchanged."""
+    if weighted:
+        batch["mask"] = batch["mask"].float() * 0.5
+    loss, grad, metrics = _run(algos.ppo_clip_loss, batch, dual_clip=dual)
+    loss2, grad2, metrics2 = _run(algos.ppo_clip_loss, batch, dual_clip=dual, ratio_stats=False)
+    assert torch.equal(loss, loss2) and torch.equal(grad, grad2)
+    assert set(metrics) - set(metrics2) == {"ratio_mean", "ratio_min", "ratio_max"}
+    for key, value in metrics2.items():
+        assert torch.equal(value, metrics[key]), key
+
+
+def test_ppo_ratio_stats_off_no_host_sync():
+    g = torch.Generator().manual_seed(1)
+    logp = torch.rand(4, 6, generator=g).log()
+    old = logp + 0.5 * torch.randn(4, 6, generator=g)
+    adv = torch.randn(4, 6, generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    fn = functools.partial(algos.ppo_clip_loss, dual_clip=3.0, ratio_stats=False)
+    assert_no_host_sync(fn, logp, old, adv, mask)

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.ops import segment_count, segment_mean, segment_mean_std, segment_std, segment_sum
+from rlcore.ops import segment_count, segment_mean, segment_mean_std, segment_std, segment_sum, segment_zscore
 from rlcore.testing import assert_close, assert_no_host_sync, grouped_scores
 from rlcore.testing.reference import segment_mean_ref, segment_std_ref, segment_sum_ref
 
@@ -123,3 +123,113 @@ def test_no_host_sync_with_num_segments():
         ),
         x,
     )
+
+
+# ------------------------------------------------------------------ segment_zscore
+
+
+def _zscore_ref(x, ids, eps, unbiased):
+    """(x - mean) / (std + eps) from the loop references; 0 where the std is 0 and eps is 0."""
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    mean = segment_mean_ref(x, ids, num_segments=n)[ids]
+    std = segment_std_ref(x, ids, num_segments=n, unbiased=unbiased)[ids]
+    dev = x.double() - mean
+    return torch.where(std + eps > 0, dev / torch.where(std + eps > 0, std + eps, 1.0), 0.0)
+
+
+def _layout(data, dtype):
+    """Scores regrouped contiguously in equal groups: ``(x, ids, group_size)``."""
+    size = data.draw(st.integers(1, 5), label="group_size")
+    groups = data.draw(st.integers(1, 6), label="groups")  # the empty batch: its own test
+    patterns = data.draw(st.lists(st.sampled_from(["normal", "constant", "binary"]), min_size=groups, max_size=groups))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    rows = []
+    for p in patterns:
+        row = {
+            "normal": torch.randn(size, generator=g) * 3 + 100.7,
+            "binary": torch.randint(0, 2, (size,), generator=g),
+        }
+        rows.append(row.get(p, torch.full((size,), 0.1)).double())
+    x = (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)).to(dtype)
+    return x, torch.arange(groups * size) // size, size
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=25)
+@given(data=grouped_scores(), unbiased=st.booleans(), eps=st.sampled_from([0.0, 1e-6, 0.5]))
+def test_zscore_matches_reference(dtype, data, unbiased, eps):
+    scores, ids = data
+    x = scores.to(dtype)
+    got = segment_zscore(x, ids, eps=eps, unbiased=unbiased)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close(got, _zscore_ref(x, ids, eps, unbiased), dtype=dtype, scale=10.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=25)
+@given(data=st.data(), unbiased=st.booleans(), eps=st.sampled_from([0.0, 1e-6]))
+def test_zscore_declared_layout_matches_reference_and_general_path(dtype, data, unbiased, eps):
+    x, ids, size = _layout(data, dtype)
+    got = segment_zscore(x, ids, group_size=size, eps=eps, unbiased=unbiased)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close(got, _zscore_ref(x, ids, eps, unbiased), dtype=dtype, scale=10.0)
+    general = segment_zscore(x, ids, eps=eps, unbiased=unbiased)
+    torch.testing.assert_close(got, general, rtol=1e-6, atol=1e-6)
+    assert torch.equal(segment_zscore(x, None, group_size=size, eps=eps, unbiased=unbiased), got)
+    # Constant groups (and single-sample groups when unbiased) give exactly 0.
+    rows = x.view(-1, size)
+    flat = (rows == rows[:, :1]).all(1).repeat_interleave(size)
+    assert torch.equal(got[flat], torch.zeros_like(got[flat]))
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zscore_constant_group_exact_zero_non_finite_confined_large_spread(group_size, dtype):
+    x = torch.tensor([100.7] * 4 + [1.0, 3.0, float("nan"), 2.0] + [1e30, -1e30, 5e29, 0.0]).to(dtype)
+    ids = torch.arange(12) // 4
+    got = segment_zscore(x, ids, group_size=group_size, eps=0.0)
+    assert torch.equal(got[:4], torch.zeros(4, dtype=dtype))
+    assert torch.isnan(got[4:8]).all()
+    want = _zscore_ref(x[8:], torch.zeros(4, dtype=torch.long), 0.0, True)
+    assert torch.isfinite(got[8:]).all() and got[8:].abs().max() > 0.5
+    assert_close(got[8:], want, dtype=dtype, scale=2.0)
+
+
+def test_zscore_empty_batch_and_gradients():
+    empty = torch.zeros(0)
+    assert segment_zscore(empty, torch.zeros(0, dtype=torch.long), num_segments=0).shape == (0,)
+    assert segment_zscore(empty, torch.zeros(0, dtype=torch.long), group_size=4).shape == (0,)
+    assert segment_zscore(empty, None, group_size=4).shape == (0,)
+    x = torch.tensor([1.0, 2.0, 4.0, 3.0, 3.5, 0.5], dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([0, 0, 0, 1, 1, 2])
+    assert torch.autograd.gradcheck(lambda t: segment_zscore(t, ids, num_segments=3), (x,))
+    y = torch.tensor([1.0, 2.0, 4.0, 3.0, 3.0, 0.5], requires_grad=True)
+    segment_zscore(y, ids, eps=0.0).sum().backward()
+    assert torch.isfinite(y.grad).all()  # constant and single-sample groups: no inf/NaN gradient
+    assert y.grad[3:].tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(segment_zscore(x.detach(), ids), segment_zscore(x.detach().float(), ids).double())
+
+
+def test_zscore_bad_input_and_layout_check():
+    x = torch.zeros(6)
+    with pytest.raises(ValueError, match="group_ids: got ids that are not the contiguous layout"):
+        segment_zscore(x, torch.tensor([0, 0, 1, 1, 2, 2]), group_size=3)
+    with pytest.raises(ValueError, match="group_size: got 4"):
+        segment_zscore(x, torch.zeros(6, dtype=torch.long), group_size=4)
+    with pytest.raises(ValueError, match="group_size: got 0"):
+        segment_zscore(x, torch.zeros(6, dtype=torch.long), group_size=0)
+    with pytest.raises(ValueError, match="num_segments: got 3"):
+        segment_zscore(x, torch.arange(6) // 3, group_size=3, num_segments=3)
+    with pytest.raises(ValueError, match="group_ids: got None"):
+        segment_zscore(x, None)
+    with pytest.raises(ValueError, match="eps: got -1"):
+        segment_zscore(x, torch.arange(6) // 3, eps=-1.0)
+    with pytest.raises(ValueError, match="x: got dtype torch.int64"):
+        segment_zscore(torch.zeros(6, dtype=torch.long), torch.arange(6) // 3)
+
+
+def test_zscore_no_host_sync():
+    x = torch.randn(12)
+    assert_no_host_sync(lambda a: segment_zscore(a, torch.arange(12) % 5, num_segments=5), x)
+    assert_no_host_sync(lambda a: segment_zscore(a, torch.arange(12) // 4, group_size=4), x)
+    assert_no_host_sync(lambda a: segment_zscore(a, None, group_size=4), x)

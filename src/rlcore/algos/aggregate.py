@@ -56,6 +56,13 @@ def _row_sums(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(loss, mask, dim=-1)
 
 
+def _weight(mask: torch.Tensor, acc: torch.dtype, dim: int | None = None) -> torch.Tensor:
+    """``mask.sum(dim)`` in ``acc``; a boolean mask is counted (a sum with a dtype first copies it)."""
+    if mask.dtype == torch.bool:
+        return torch.count_nonzero(mask, dim=dim).to(acc)
+    return mask.sum(dim=dim, dtype=acc) if dim is not None else mask.sum(dtype=acc)
+
+
 def aggregate(
     loss_t: torch.Tensor,
     mask: torch.Tensor,
@@ -121,11 +128,11 @@ def aggregate(
     per_seq = _row_sums(loss_t.to(acc), mask)
     if mode == "token-sum":
         return saturating_cast(per_seq.sum(), loss_t.dtype)
-    row_weight = mask.sum(-1, dtype=acc)
     if mode == "token-mean":
         total = per_seq.sum()
-        count = row_weight.sum() if num_tokens is None else num_tokens
+        count = _weight(mask, acc) if num_tokens is None else num_tokens
         return saturating_cast(total / _safe_den(count, total), loss_t.dtype)
+    row_weight = _weight(mask, acc, dim=-1)
     if mode == "seq-mean-token-mean":
         # A sum over a count, not ops.masked_mean: its exact-pivot shift buys accuracy
         # for variances, which a plain mean of losses does not need.

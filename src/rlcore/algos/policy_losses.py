@@ -88,6 +88,7 @@ class _Tokens(NamedTuple):
     log_ratio: torch.Tensor  # logp - old_logp, clamped to +-20
     in_range: torch.Tensor  # bool: the clamp let the gradient through
     neg_adv: torch.Tensor  # -advantages: every loss is linear in it, and +0 at mask 0 stays +0
+    counted: torch.Tensor  # total weight as it is (0 for an empty mask)
 
 
 def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> _Tokens:
@@ -97,11 +98,12 @@ def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     with torch.no_grad():
         # A boolean mask serves as 0/1 weights as it is (no float copy).
         weights = mask if mask.dtype == torch.bool else mask.to(acc)
-        total = mask.sum(dtype=acc)
+        # A count, not a sum with a dtype (which first copies the whole mask to that dtype).
+        total = torch.count_nonzero(mask).to(acc) if mask.dtype == torch.bool else mask.sum(dtype=acc)
         raw = torch.where(keep, logp.detach().to(acc) - old_logp.to(acc), 0.0)
         log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         neg_adv = torch.where(keep, -advantages.detach().to(acc), 0.0)
-    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, log_ratio == raw, neg_adv)
+    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, log_ratio == raw, neg_adv, total)
 
 
 def _mean(x: torch.Tensor, tok: _Tokens) -> torch.Tensor:
@@ -130,6 +132,40 @@ def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, tok: _Tokens) -
         }
 
 
+def _frac(flags: torch.Tensor, tok: _Tokens) -> torch.Tensor:
+    """Weighted fraction of the counted tokens where ``flags`` (False at every mask-0 position) holds."""
+    if tok.weights.dtype == torch.bool:
+        return (torch.count_nonzero(flags) / tok.total).float()  # a count: no weights, no copy
+    return _mean(flags, tok)
+
+
+def _ratio_sums(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
+    """As :func:`_ratio_metrics`, with fewer passes (PPO: ``ratio`` is ``exp(log_ratio)``, so 1 at mask 0).
+
+    With a boolean mask the mask-0 positions hold ``log_ratio = 0`` and ``ratio = 1``,
+    where ``ratio - 1`` and ``ratio - 1 - log_ratio`` are 0: plain sums over all tokens
+    are the masked sums, with no weights to multiply.
+    """
+    if tok.weights.dtype != torch.bool or ratio.numel() == 0:
+        return _ratio_metrics(ratio, tok.log_ratio, tok)
+    excess = ratio - 1.0  # exact near 1; the mean ratio is 1 + its mean
+    mean_excess = excess.sum() / tok.total
+    rmin = torch.where(tok.keep, ratio, torch.inf).amin()
+    return {
+        "approx_kl": (excess.sub_(tok.log_ratio).sum() / tok.total).float(),
+        "ratio_mean": torch.where(tok.counted > 0, 1.0 + mean_excess, 0.0).float(),
+        "ratio_min": torch.where(torch.isfinite(rmin), rmin, 0.0).float(),
+        "ratio_max": torch.where(tok.keep, ratio, 0.0).amax().float(),
+    }
+
+
+def _kl_only(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
+    """``approx_kl`` alone (see :func:`_ratio_sums`)."""
+    if tok.weights.dtype != torch.bool:
+        return {"approx_kl": _mean(ratio - 1.0 - tok.log_ratio, tok)}
+    return {"approx_kl": ((ratio - 1.0).sub_(tok.log_ratio).sum() / tok.total).float()}
+
+
 def ppo_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -140,6 +176,7 @@ def ppo_clip_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     is_weights: torch.Tensor | None = None,
+    ratio_stats: bool = True,
 ) -> tuple[torch.Tensor, Metrics]:
     """Per-token PPO clipped surrogate loss, with DAPO's clip-higher and dual-clip PPO.
 
@@ -168,11 +205,14 @@ def ppo_clip_loss(
       dual_clip: the dual-clip constant ``c`` (> 1, 3.0 in the paper), or ``None``.
       is_weights: optional ``[B, T]`` per-token importance weights (e.g. truncated IS
         weights for the rollout/training-engine mismatch), treated as constants.
+      ratio_stats: also report ``ratio_mean``, ``ratio_min`` and ``ratio_max``; the
+        extremes take two extra passes over the tokens, so a hot loop that does not
+        log them can pass False.
 
     Returns:
       ``(loss_t, metrics)``: ``loss_t`` ``[B, T]`` in ``logp.dtype``; metrics
       ``clip_frac_low``, ``clip_frac_high`` (and ``clip_frac_dual`` with ``dual_clip``),
-      ``approx_kl``, ``ratio_mean``, ``ratio_min``, ``ratio_max``.
+      ``approx_kl``, and with ``ratio_stats`` ``ratio_mean``, ``ratio_min``, ``ratio_max``.
 
     >>> lp = torch.log(torch.tensor([[0.5, 0.5]]))
     >>> loss, m = ppo_clip_loss(lp, lp - 0.5, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
@@ -193,21 +233,20 @@ def ppo_clip_loss(
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
     with torch.no_grad():
         ratio = tok.log_ratio.exp()
-        metrics = _ratio_metrics(ratio, tok.log_ratio, tok)
-        bounded = ratio.clamp(lo, hi)
+        metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok)
         unclipped = nadv * ratio
-        clipped = nadv * bounded
-        loss = torch.maximum(unclipped, clipped)
-        # The unclipped branch is active (ties inside the band carry its gradient too).
-        live = ((unclipped > clipped) | (bounded == ratio)) & tok.in_range
-        metrics["clip_frac_low"] = _mean((nadv > 0) & (ratio < lo), tok)
-        metrics["clip_frac_high"] = _mean((nadv < 0) & (ratio > hi), tok)
+        loss = torch.maximum(unclipped, ratio.clamp(lo, hi).mul_(nadv))
         if dual_clip is not None:
-            capped = (nadv > 0) & (loss > nadv * dual_clip)
-            loss = torch.where(capped, nadv * dual_clip, loss)
-            live = live & ~capped
-            metrics["clip_frac_dual"] = _mean((nadv > 0) & (ratio > dual_clip), tok)
-        dloss = torch.where(live, unclipped, 0.0)
+            # min(loss, -A c) where A < 0; elsewhere the cap is 0 >= loss (loss <= 0 when A >= 0).
+            torch.minimum(loss, nadv.clamp(min=0.0).mul_(dual_clip), out=loss)
+        # The unclipped branch is active where the loss is its value (ties inside the clip
+        # band carry its gradient; a capped token never equals it), and the clamp let it through.
+        dloss = torch.where((loss == unclipped).logical_and_(tok.in_range), unclipped, 0.0)
+        positive = nadv > 0  # A < 0; 0 at mask-0 positions, so every flag below is 0 there
+        metrics["clip_frac_low"] = _frac(positive.logical_and(ratio < lo), tok)
+        metrics["clip_frac_high"] = _frac((nadv < 0).logical_and_(ratio > hi), tok)
+        if dual_clip is not None:
+            metrics["clip_frac_dual"] = _frac(positive.logical_and_(ratio > dual_clip), tok)
         if is_weights is not None:
             w = torch.where(tok.keep, is_weights.detach().to(loss.dtype), 0.0)
             loss, dloss = loss * w, dloss * w

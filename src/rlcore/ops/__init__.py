@@ -9,7 +9,15 @@ from rlcore.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlcore.ops.numerics import acc_dtype, pow2_scale, safe_div, saturating_cast
 from rlcore.ops.packing import Packed, pack, shift_labels, unpack
 from rlcore.ops.scan import discounted_cumsum, reverse_linear_scan
-from rlcore.ops.segment import segment_centred, segment_count, segment_mean, segment_mean_std, segment_std, segment_sum
+from rlcore.ops.segment import (
+    segment_centred,
+    segment_count,
+    segment_mean,
+    segment_mean_std,
+    segment_std,
+    segment_sum,
+    segment_zscore,
+)
 from rlcore.ops.sequence import SEQUENCE_REDUCTIONS, sequence_logps
 
 __all__ = [
@@ -36,6 +44,7 @@ __all__ = [
     "segment_mean_std",
     "segment_std",
     "segment_sum",
+    "segment_zscore",
     "sequence_logps",
     "shift_labels",
     "unpack",

@@ -19,11 +19,12 @@ its members' centred values), never another group's, and never a silent 0.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, overload
 
 import torch
 
-from rlcore._checks import check_group_ids, check_integer, check_ndim, check_tensor
+from rlcore._checks import check_floating, check_group_ids, check_integer, check_ndim, check_tensor
 from rlcore.ops.numerics import acc_dtype, safe_div
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "segment_mean_std",
     "segment_std",
     "segment_sum",
+    "segment_zscore",
 ]
 
 
@@ -60,6 +62,9 @@ def _check(x: torch.Tensor, group_ids: torch.Tensor, num_segments: int | None) -
 
 def _sum(x: torch.Tensor, group_ids: torch.Tensor, n: int) -> torch.Tensor:
     out = x.new_zeros((n, *x.shape[1:]))
+    if x.dim() == 1:
+        # scatter_add: about 1.5x faster than index_add over one dimension on CPU.
+        return out.scatter_add(0, group_ids, x)
     return out.index_add(0, group_ids, x)
 
 
@@ -264,3 +269,116 @@ def segment_centred(
         # and for groups too small for the estimator (m2 = 0 there), NaN stays NaN.
         std = (m2 / (count - 1 if unbiased else count).clamp(min=1)).sqrt()
     return _out(dev, x), _out(_gather(std, group_ids.long()), x)
+
+
+def _check_layout(x: torch.Tensor, group_ids: torch.Tensor | None, group_size: int) -> int:
+    """Validate a declared contiguous layout; return the number of groups ``B / group_size``."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x: got a 0-D tensor, expected [B, ...]")
+    b = x.shape[0]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or b % group_size:
+        raise ValueError(f"group_size: got {group_size!r}, expected a positive int dividing the batch size {b}")
+    if group_ids is None:
+        return b // group_size
+    check_ndim("group_ids", group_ids, 1)
+    check_integer("group_ids", group_ids)
+    if group_ids.shape[0] != b:
+        raise ValueError(f"group_ids: got shape {tuple(group_ids.shape)}, expected ({b},) (the leading dimension of x)")
+    # Read only where that stalls nothing (a CPU tensor in eager mode), as the id range check.
+    if b and group_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Each row's smallest and largest id must be its row number: one reduction with a
+        # [G] result (no [B] temporary, and no integer division over B, several times slower).
+        low, high = torch.aminmax(group_ids.view(-1, group_size), dim=1)
+        rows = torch.arange(b // group_size, device=group_ids.device, dtype=group_ids.dtype)
+        if not (torch.equal(low, rows) and torch.equal(high, rows)):  # sync-ok: a CPU tensor in eager mode
+            raise ValueError(
+                f"group_ids: got ids that are not the contiguous layout declared by group_size={group_size}, "
+                f"expected group_ids[i] == i // {group_size}"
+            )
+    return b // group_size
+
+
+def segment_zscore(
+    x: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    *,
+    num_segments: int | None = None,
+    group_size: int | None = None,
+    eps: float = 1e-6,
+    unbiased: bool = True,
+) -> torch.Tensor:
+    """Each sample's z-score in its segment, ``(x - mean) / (std + eps)``: the GRPO advantage.
+
+    Same statistics as :func:`segment_centred` with ``with_std=True`` (two passes in
+    float64, so a constant group, or a group too small for the estimator, gives
+    exactly 0 and spreads up to ``3e38`` do not overflow; a non-finite value makes its
+    own segment NaN and no other), with the scale applied per segment before one
+    gather. ``eps = 0`` divides by the std where it is positive and gives 0 elsewhere.
+
+    Args:
+      x: ``[B, ...]`` values.
+      group_ids: ``[B]`` integer segment ids; may be ``None`` when ``group_size`` is given.
+      num_segments: as in :func:`segment_sum`.
+      group_size: declares the layout ``group_ids[i] == i // group_size`` (contiguous
+        groups of equal size, as ``n_samples`` responses per prompt are stored); the
+        statistics are then a reshape and row reductions. Given ids are checked
+        against it on CPU tensors in eager mode and trusted elsewhere (no host sync).
+      eps: added to the std (>= 0).
+      unbiased: Bessel-corrected std.
+
+    Returns:
+      ``[B, ...]`` in ``x.dtype``.
+
+    >>> segment_zscore(torch.tensor([1.0, 3.0, 5.0, 5.0]), torch.tensor([0, 0, 1, 1]), eps=0.0)
+    tensor([-0.7071,  0.7071,  0.0000,  0.0000])
+    >>> segment_zscore(torch.tensor([1.0, 3.0, 5.0, 5.0]), None, group_size=2, eps=0.0)
+    tensor([-0.7071,  0.7071,  0.0000,  0.0000])
+    """
+    if group_size is not None:
+        n = _check_layout(x, group_ids, group_size)
+        if num_segments is not None and num_segments != n:
+            raise ValueError(f"num_segments: got {num_segments!r}, expected None or {n} (B / group_size)")
+    elif group_ids is None:
+        raise ValueError("group_ids: got None, expected a [B] integer tensor (or declare the layout with group_size)")
+    else:
+        n = _check(x, group_ids, num_segments)
+    check_floating("x", x)
+    if not eps >= 0.0 or eps == float("inf"):
+        raise ValueError(f"eps: got {eps!r}, expected a finite number >= 0")
+    if group_size is not None and (x.requires_grad or x.dtype == torch.float64):
+        group_ids = torch.arange(x.shape[0], device=x.device) // group_size
+    if x.requires_grad or x.dtype == torch.float64:
+        # The general path: a safe sqrt gradient, and the exact pivot float64 input needs.
+        assert group_ids is not None
+        count, _, dev, m2 = _moments(x, group_ids, n, need_m2=True)
+        assert m2 is not None
+        std = _std_from(count, m2, unbiased)
+        scale = 1.0 / (std + eps) if eps > 0 else torch.where(std > 0, 1.0 / torch.where(std > 0, std, 1.0), 0.0)
+        return _out(dev * _gather(scale, group_ids.long()), x)
+    # No gradient, float32 or narrower: float64 sums are exact for a constant group.
+    xa = x.to(torch.float64)
+    if group_size is not None:
+        rows = xa.view(n, group_size, *x.shape[1:])
+        # In place: xa is this function's own copy. A constant row's float64 sum k * v is exact.
+        dev = rows.sub_(rows.mean(1, keepdim=True))
+        den = group_size - 1 if unbiased else group_size
+        # sqrt(sum dev^2) in one reduction; float64 squares cannot overflow.
+        std = torch.linalg.vector_norm(dev, dim=1, keepdim=True).mul_(1.0 / math.sqrt(max(den, 1)))
+        return dev.mul_(_inverse_scale(std, eps)).view(x.shape).to(x.dtype)
+    assert group_ids is not None
+    idx = group_ids.long()
+    count = _count(idx, n, xa.dtype).view(n, *([1] * (x.dim() - 1)))
+    # In place (xa is this function's own copy); 0 / 0 only in empty segments, never gathered.
+    dev = xa.sub_(_gather(_sum(xa, idx, n).div_(count), idx))
+    m2 = _sum(torch.mul(dev, dev), idx, n)
+    # sqrt(0) = 0 for constant groups and groups too small for the estimator.
+    std = m2.div_((count - 1 if unbiased else count).clamp_(min=1)).sqrt_()
+    return dev.mul_(_gather(_inverse_scale(std, eps), idx)).to(x.dtype)
+
+
+def _inverse_scale(std: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / (std + eps)``; with ``eps = 0``, ``1 / std`` where positive and 0 elsewhere (NaN stays NaN)."""
+    if eps > 0:
+        return std.add_(eps).reciprocal_()
+    return torch.where(std > 0, std.reciprocal(), torch.where(std == 0, 0.0, std))

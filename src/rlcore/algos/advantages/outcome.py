@@ -3,8 +3,8 @@
 Each takes one score per sample ``[B]`` and the sample's group ``group_ids [B]``
 (the prompt it answers; groups may be uneven and non-contiguous) and returns one
 advantage per sample ``[B]``; broadcast it over the response tokens with the mask.
-Group statistics come from :func:`rlcore.ops.segment_centred` (one pass, float64
-accumulation) with an explicit segment count (``num_groups``, else ``B``), so nothing
+Group statistics come from :func:`rlcore.ops.segment_centred` and
+:func:`rlcore.ops.segment_zscore` (two passes, float64 accumulation) with an explicit segment count (``num_groups``, else ``B``), so nothing
 is read back from the device; ``1e4 + noise`` keeps its float32 resolution and a
 spread beyond ``1.8e19`` does not overflow. A group whose scores are all equal gets
 advantage exactly 0, and so does a group of one sample. A NaN or inf score makes its
@@ -22,7 +22,7 @@ from rlcore._checks import check_choice, check_floating, check_ndim, check_posit
 from rlcore.algos._groups import check_outcome
 from rlcore.algos.advantages.normalize import batch_moments
 from rlcore.algos.filters import dynamic_sampling_mask
-from rlcore.ops import acc_dtype, safe_div, segment_centred, segment_count, segment_sum
+from rlcore.ops import acc_dtype, safe_div, segment_centred, segment_count, segment_sum, segment_zscore
 
 __all__ = ["gpg_advantages", "grpo_advantages", "opo_advantages", "remax_advantages", "rloo_advantages"]
 
@@ -31,11 +31,12 @@ _SCALES = ("group", "batch", "none")
 
 def grpo_advantages(
     scores: torch.Tensor,
-    group_ids: torch.Tensor,
+    group_ids: torch.Tensor | None,
     *,
     scale: str = "group",
     eps: float = 1e-6,
     num_groups: int | None = None,
+    group_size: int | None = None,
     process_group: Any = None,
 ) -> torch.Tensor:
     """GRPO advantages: scores centred on their group mean, optionally divided by a std.
@@ -56,10 +57,16 @@ def grpo_advantages(
 
     Args:
       scores: ``[B]`` sequence scores.
-      group_ids: ``[B]`` integer group of each sample, in ``[0, num_groups)``.
+      group_ids: ``[B]`` integer group of each sample, in ``[0, num_groups)``; may be
+        ``None`` when ``group_size`` declares the layout.
       scale: ``"group"``, ``"batch"`` or ``"none"``.
       eps: added to the std.
       num_groups: number of groups; ``None`` uses ``B``, a bound that needs no host sync.
+      group_size: declares contiguous groups of this size (``group_ids[i] == i //
+        group_size``, the layout of ``n_samples`` responses per prompt): the group
+        statistics are then a reshape and row reductions, the fastest path. Given
+        ids are checked against it on CPU tensors in eager mode and trusted
+        elsewhere (no host sync).
       process_group: with ``scale="batch"``, take the batch std over all data-parallel
         ranks of this group (one all-reduce). Group means are always local: a group
         must live on one rank.
@@ -70,21 +77,23 @@ def grpo_advantages(
     >>> grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1]))
     tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
-    n = check_outcome(scores, group_ids, num_groups)
+    n = check_outcome(scores, group_ids, num_groups, group_size, check_ids=False)  # checked by the segment op
     check_choice("scale", scale, _SCALES)
     check_positive("eps", eps, strict=False)
+    if scale == "group":
+        return segment_zscore(scores, group_ids, num_segments=n, group_size=group_size, eps=eps)
+    if group_ids is None:  # the declared layout (check_outcome requires group_size here)
+        assert group_size is not None
+        group_ids = torch.arange(scores.shape[0], device=scores.device) // group_size
     s = scores.to(acc_dtype(scores.dtype))
     if scale == "none":
         return segment_centred(s, group_ids, num_segments=n).to(scores.dtype)
-    if scale == "group":
-        centred, std = segment_centred(s, group_ids, num_segments=n, with_std=True)
-    else:
-        centred = segment_centred(s, group_ids, num_segments=n)
-        # Non-finite scores stay out of the batch std: they make their own group NaN
-        # (through its mean), never every other group's scale.
-        _, count, _, m2 = batch_moments(s, torch.isfinite(s), process_group=process_group)
-        var = safe_div(m2, count - 1) * (count > 1)
-        std = torch.where(var > 0, torch.sqrt(torch.where(var > 0, var, 1.0)), 0.0).to(s.dtype)
+    centred = segment_centred(s, group_ids, num_segments=n)
+    # Non-finite scores stay out of the batch std: they make their own group NaN
+    # (through its mean), never every other group's scale.
+    _, count, _, m2 = batch_moments(s, torch.isfinite(s), process_group=process_group)
+    var = safe_div(m2, count - 1) * (count > 1)
+    std = torch.where(var > 0, torch.sqrt(torch.where(var > 0, var, 1.0)), 0.0).to(s.dtype)
     if eps > 0:
         return (centred / (std + eps)).to(scores.dtype)
     # eps = 0: where the std is 0 (a constant group) the centred score is exactly 0 too.
