@@ -12,6 +12,7 @@ from rlcore.models import (
     adapter_state_dict,
     adapters_disabled,
     apply_lora,
+    base_view,
     export_hf,
     from_hf,
     load_adapter_state_dict,
@@ -89,6 +90,32 @@ def test_merged_weights_reproduce_the_adapted_model_and_carry_gradients(model_di
     logits.square().mean().backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_from_hf_of_a_lora_model_forwards_on_the_current_merged_weights(model_dir):
+    model, original, _ = _lora(model_dir)
+    apply, params = from_hf(model)
+    ids = torch.randint(0, original.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4))
+    packing = {"position_ids": torch.arange(9), "cu_seqlens": torch.tensor([0, 9], dtype=torch.int32)}
+
+    def logp():
+        return torch.log_softmax((apply(params, ids, **packing) @ apply.output_weight(params).T).double(), -1)
+
+    torch.testing.assert_close(logp(), _logp(model, ids[None])[0], atol=1e-5, rtol=0)
+    with torch.no_grad():  # an optimiser step on the adapters: the same params see it
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.mul_(2.0)
+    torch.testing.assert_close(logp(), _logp(model, ids[None])[0], atol=1e-5, rtol=0)
+    logp().exp().square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    with adapters_disabled(model):
+        torch.testing.assert_close(logp(), _logp(original, ids[None])[0], atol=1e-6, rtol=0)
+    view = base_view(model)  # the base model's own tensors, frozen, no adapter modules
+    assert not any(p.requires_grad for p in view.parameters())
+    assert "lora" not in " ".join(n for n, _ in view.named_parameters())
+    torch.testing.assert_close(_logp(view, ids[None]), _logp(original, ids[None]), atol=1e-6, rtol=0)
 
 
 def test_adapter_checkpoint_is_small_and_round_trips(model_dir):

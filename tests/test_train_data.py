@@ -167,8 +167,8 @@ def test_bad_input_is_one_line_naming_the_thing(user, tmp_path, capsys):
     )
     err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), f"model.model_name_or_path={bare}")
     assert "has no tokenizer" in err and str(bare) in err
-    err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), "model.lora={r: 4}")
-    assert "model.lora" in err
+    err = _bad(user, tmp_path, capsys, "--dataset", str(user["train"]), "model.lora={r: 4, rank: 4}")
+    assert "model.lora: got the keys ['rank']" in err
 
 
 def test_run_dir_and_config_diff_helpers(tmp_path):

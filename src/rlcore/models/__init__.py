@@ -24,9 +24,11 @@ from rlcore.models.loading import (
     token_ids,
 )
 from rlcore.models.lora import (
+    MergedWeights,
     adapter_state_dict,
     adapters_disabled,
     apply_lora,
+    base_view,
     is_lora,
     load_adapter_state_dict,
     merged_state_dict,
@@ -43,6 +45,7 @@ __all__ = [
     "PREFERENCE_SIDES",
     "ContextParallelShard",
     "HFCausalLM",
+    "MergedWeights",
     "SequenceShards",
     "ShardedLogprobs",
     "TokenIds",
@@ -51,6 +54,7 @@ __all__ = [
     "apply_lora",
     "attend_packed",
     "attention_implementation",
+    "base_view",
     "check_cu_seqlens",
     "export_hf",
     "from_hf",

@@ -34,6 +34,7 @@ from torch import nn
 from rlcore._checks import check_integer, check_ndim, check_same_shape
 from rlcore.models.attention import attend_packed, check_cu_seqlens
 from rlcore.models.context_parallel import ContextParallelShard
+from rlcore.models.lora import MergedWeights, base_view, is_lora
 
 __all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf", "load_causal_lm"]
 
@@ -240,20 +241,25 @@ class HFCausalLM:
         return self.model.get_parameter(self.output_weight_name)
 
 
-def from_hf(model: nn.Module) -> tuple[HFCausalLM, dict[str, torch.Tensor]]:
+def from_hf(model: nn.Module) -> tuple[HFCausalLM, Mapping[str, torch.Tensor]]:
     """Wrap an HF causal LM as ``(apply, params)`` for packed, padding-free forward passes.
 
     The model is not modified. ``params`` is ``dict(model.named_parameters())`` (tied
     embeddings appear once, under the input-embedding name); pass it, or any updated
     copy, to ``apply``. The pure-function form of ``torch.func.functional_call``.
+    A LoRA model (``peft.PeftModel``) gives the base architecture's ``apply`` and
+    :class:`rlcore.models.MergedWeights` as ``params``: each forward runs on the merged
+    weights as the adapters are now, and its gradients reach the adapters.
 
     Args:
-      model: a transformers ``*ForCausalLM`` (Qwen2, Llama, ...).
+      model: a transformers ``*ForCausalLM`` (Qwen2, Llama, ...), or a ``peft.PeftModel`` around one.
 
     Returns:
       ``(apply, params)``; ``apply.output_weight(params)`` is the ``[V, H]`` output embedding.
     """
     _register_attention()
+    if is_lora(model):
+        return from_hf(base_view(model))[0], MergedWeights(model)
     prefix = getattr(model, "base_model_prefix", "")
     if not isinstance(model, nn.Module) or not prefix or not hasattr(model, prefix):
         raise ValueError(

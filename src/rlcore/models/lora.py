@@ -11,6 +11,7 @@ alpha / r`` under the base model's own names; differentiable, so the packed
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -18,9 +19,11 @@ import torch
 from torch import nn
 
 __all__ = [
+    "MergedWeights",
     "adapter_state_dict",
     "adapters_disabled",
     "apply_lora",
+    "base_view",
     "is_lora",
     "load_adapter_state_dict",
     "merged_state_dict",
@@ -78,10 +81,9 @@ def apply_lora(
 
 
 def is_lora(model: Any) -> bool:
-    """Whether ``model`` is a ``peft.PeftModel``."""
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
+    """Whether ``model`` is a ``peft.PeftModel`` (peft is not imported: without it no such model exists)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def _check_lora(model: Any) -> None:
@@ -102,6 +104,19 @@ def adapters_disabled(model: Any) -> Iterator[Any]:
         yield model
 
 
+def _merged(base: nn.Module, key: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One entry of the base model's state, under its un-adapted name, with the active adapters merged in."""
+    if _BASE + "." not in key:
+        return key, value
+    owner, leaf = key.split(_BASE + ".", 1)
+    layer: Any = base.get_submodule(owner)
+    if leaf == "weight" and not layer.disable_adapters and not layer.merged:
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                value = value + layer.get_delta_weight(adapter).to(value.dtype)
+    return f"{owner}.{leaf}", value
+
+
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The base model's state with the active adapters merged in (``W + B A * alpha / r``), under the base names.
 
@@ -117,22 +132,80 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """
     _check_lora(model)
     base = model.get_base_model()
-    out: dict[str, torch.Tensor] = {}
-    for key, value in base.state_dict(keep_vars=True).items():
-        if ".lora_" in key:
+    return dict(_merged(base, k, v) for k, v in base.state_dict(keep_vars=True).items() if ".lora_" not in k)
+
+
+class MergedWeights(Mapping[str, torch.Tensor]):
+    """A live :func:`merged_state_dict`: every read merges the adapters' current values (differentiable in them).
+
+    :func:`rlcore.models.from_hf` of a LoRA model hands this out as its ``params``, so
+    each packed forward runs on ``W + B A * alpha / r`` as the adapters are now, and its
+    backward reaches the adapters; nothing is stored but the names.
+
+    Args:
+      model: a ``peft.PeftModel`` from :func:`apply_lora`.
+
+    >>> MergedWeights.__mro__[1].__name__
+    'Mapping'
+    """
+
+    def __init__(self, model: Any):
+        _check_lora(model)
+        self.model = model
+        base = model.get_base_model()
+        # un-adapted name -> the key in the base model's state
+        self._keys = {k.replace(_BASE + ".", ".", 1): k for k in base.state_dict() if ".lora_" not in k}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        key = self._keys[name]
+        base = self.model.get_base_model()
+        owner, _, leaf = key.rpartition(".")
+        module = base.get_submodule(owner) if owner else base
+        value = getattr(module, leaf)
+        return _merged(base, key, value)[1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._keys
+
+
+def base_view(model: Any) -> nn.Module:
+    """The base architecture holding the base model's own tensors (no copy): the reference policy of a LoRA run.
+
+    A plain transformers model (no adapter modules) whose parameters and buffers *are*
+    the ``peft`` model's base tensors, so it computes what ``model`` computes inside
+    :func:`adapters_disabled` without a second copy of the weights. Its parameters are
+    frozen like the base ones.
+
+    Args:
+      model: a ``peft.PeftModel`` from :func:`apply_lora`.
+
+    Returns:
+      An ``nn.Module`` of the base model's class.
+    """
+    _check_lora(model)
+    base = model.get_base_model()
+    with torch.device("meta"):
+        view = type(base)(base.config)
+    # assign=True gives a loaded Parameter the requires_grad of the one it replaces
+    view.requires_grad_(False)
+    with adapters_disabled(model):
+        view.load_state_dict(merged_state_dict(model), strict=True, assign=True)
+    for name, buffer in base.named_buffers():
+        if ".lora_" in name or _BASE + "." in name:
             continue
-        if _BASE + "." not in key:
-            out[key] = value
-            continue
-        owner, leaf = key.split(_BASE + ".", 1)
-        name = f"{owner}.{leaf}"
-        layer = base.get_submodule(owner)
-        if leaf == "weight" and not layer.disable_adapters and not layer.merged:
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    value = value + layer.get_delta_weight(adapter).to(value.dtype)
-        out[name] = value
-    return out
+        owner, _, leaf = name.rpartition(".")
+        setattr(view.get_submodule(owner) if owner else view, leaf, buffer)
+    meta = [n for n, t in [*view.named_parameters(), *view.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"model: its base model lacks {meta[:3]}, which the base architecture needs")
+    view.train(base.training)
+    return view
 
 
 def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:

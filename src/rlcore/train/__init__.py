@@ -15,6 +15,7 @@ from rlcore.train.checkpoint import (
 )
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
 from rlcore.train.export_cli import export_checkpoint
+from rlcore.train.lora import LORA_KEYS, adapter_modules, attach_lora, check_lora_launch, lora_options
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import (
     MESH_DIMS,
@@ -128,3 +129,5 @@ __all__ += [
     "task_options",
     "validation_keys",
 ]
+# LoRA in the trainer.
+__all__ += ["LORA_KEYS", "adapter_modules", "attach_lora", "check_lora_launch", "lora_options"]

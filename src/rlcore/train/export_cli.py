@@ -3,17 +3,21 @@
 The checkpoint records its config, so the model is rebuilt from it (the local model
 directory or the inline config), its trained weights loaded, and the result written
 with ``save_pretrained`` (safetensors, config, generation config, and the tokenizer of a
-dataset run) through :func:`rlcore.models.export_hf`.
+dataset run) through :func:`rlcore.models.export_hf`. A LoRA checkpoint holds the
+adapters alone: they are put back on the base model of the recorded config and the
+merged weights written.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from rlcore.models import export_hf
 from rlcore.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from rlcore.train.config import parse_config
+from rlcore.train.lora import adapter_modules, attach_lora
 from rlcore.train.prompts import source_tokenizer, task_options
 from rlcore.train.trainer import build_model
 
@@ -42,14 +46,18 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
         raise ValueError(f"checkpoint: {str(run)!r} records no config, so its model cannot be rebuilt")
     cfg = parse_config(saved)
     tokenizer = source_tokenizer(cfg, task_options(cfg))
-    model = build_model(cfg, tokenizer.vocab_size)
+    model: Any = build_model(cfg, tokenizer.vocab_size)
+    target = model
+    if cfg.model.lora is not None:  # the checkpoint holds the adapters; the base is the model directory's
+        model = attach_lora(model, cfg)
+        target = adapter_modules(model)
     policy = state.get("policy")
     if isinstance(policy, dict) and isinstance(policy.get("model"), dict):  # saved with its optimiser
         policy = policy["model"]
     if not isinstance(policy, dict):
         raise ValueError(f"checkpoint: {str(run)!r} holds no policy weights")
     try:
-        model.load_state_dict(policy)
+        target.load_state_dict(policy)
     except RuntimeError as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise ValueError(f"checkpoint: the policy in {str(run)!r} does not fit its recorded model: {first}") from err

@@ -66,12 +66,13 @@ from rlcore.dataflow import (
 )
 from rlcore.device import get_device, memory_stats
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
-from rlcore.models import export_hf, from_hf, token_logprobs
+from rlcore.models import base_view, export_hf, from_hf, is_lora, merged_state_dict, token_logprobs
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool
 from rlcore.train.agent_stages import multi_turn_graph, multi_turn_rollout_stage
 from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rlcore.train.config import Config, check_launch
+from rlcore.train.lora import adapter_modules, attach_lora, check_lora_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
 from rlcore.train.prompts import make_prompt_source, source_tokenizer
@@ -280,7 +281,7 @@ class _Optimiser:
 
     def __init__(self, models: _Models, cfg: Config, world: _World):
         rl = cfg.rl
-        self.params = list(models.policy.parameters())
+        self.params = [p for p in models.policy.parameters() if p.requires_grad]  # LoRA: the adapters
         self.opts = [torch.optim.AdamW(self.params, lr=rl.lr, weight_decay=rl.weight_decay)]
         if models.critic is not None:
             self.params += list(models.critic.parameters())
@@ -310,10 +311,11 @@ class _Optimiser:
 
 def _state(step: int, models: _Models, opt: _Optimiser, cfg: Config) -> dict[str, Any]:
     """What a checkpoint holds: the models with their optimisers (DCP shards), the step, the random streams."""
+    lora = is_lora(models.policy)  # the adapters alone; the base (and reference) is the model directory's
     state: dict[str, Any] = {
         "step": step,
-        "policy": (models.policy, opt.opts[0]),
-        "reference": models.reference,
+        "policy": (adapter_modules(models.policy) if lora else models.policy, opt.opts[0]),
+        **({} if lora else {"reference": models.reference}),
         # The global stream: the update's dropout (critic) draws from it.
         "rng": rng_state(),
         "config": cfg.to_dict(),
@@ -636,9 +638,14 @@ class _Deployment:
         sampling = partial(self._generator, cfg.trainer.seed, world.dp_rank)
         timeout = cfg.deploy.rollout_timeout or None
         names = [name for name, _ in replica.named_parameters()]
+        lora = is_lora(policy)
 
         def full_weights() -> dict[str, torch.Tensor]:
-            weights = full_state_dict(policy)
+            if lora:
+                with torch.no_grad():
+                    weights = merged_state_dict(policy)
+            else:
+                weights = full_state_dict(policy)
             return {name: weights[name] for name in names}
 
         def sync_to(receiver: Callable[[Any], Any]) -> Callable[[int], None]:
@@ -678,7 +685,7 @@ class _Deployment:
                 resource="rollout",
                 timeout=timeout,
             )
-        elif world.sharded:  # co-located on sharded training: an unsharded replica fed by the weight sync
+        elif world.sharded or lora:  # an unsharded replica fed by the weight sync (LoRA: merged weights)
             self.publish = sync_to(load_into(replica))
             self.publish(0)
             self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
@@ -859,11 +866,7 @@ def train(
         raise ValueError(
             "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
         )
-    if cfg.model.lora is not None:
-        raise ValueError(
-            "model.lora: the reference trainer does not train LoRA adapters yet; rlcore.models.apply_lora, "
-            "adapters_disabled and export_hf serve LoRA in your own loop"
-        )
+    check_lora_launch(cfg, launched)
     world = _World(cfg, device)
     ok = False
     try:
@@ -921,6 +924,8 @@ def _train(
     critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if rl.algo == "ppo" else None
     replica = copy.deepcopy(policy).eval().requires_grad_(False)  # rollout / reference template, unsharded
     parallelize(policy, world.mesh, grad_reduce="sum")
+    if cfg.model.lora is not None:  # only the adapters train (world size 1); the warm-up trains them too
+        policy = attach_lora(policy, cfg)
     if critic is not None:
         _shard_critic(critic, world)
     out = Path(tr.output_dir)
@@ -932,9 +937,12 @@ def _train(
             policy, task, cfg, process_group=world.group, rank=world.dp_rank, progress=tr.progress and leader
         )
     # The reference: the (warmed-up) policy's weights in a model of its own, sharded the same way.
-    reference = copy.deepcopy(replica)
-    reference.load_state_dict(full_state_dict(policy))
-    parallelize(reference, world.mesh, grad_reduce="sum")
+    if is_lora(policy):  # the base model's own tensors with the adapters off: no second copy
+        reference = base_view(policy)
+    else:
+        reference = copy.deepcopy(replica)
+        reference.load_state_dict(full_state_dict(policy))
+        parallelize(reference, world.mesh, grad_reduce="sum")
     models = _Models(policy, reference, critic)
     opt = _Optimiser(models, cfg, world)
     start = _restore(out, models, opt, cfg) if resume else 0
