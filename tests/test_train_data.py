@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcore.testing.hf_fixtures import build_tiny_qwen2, write_prompt_files
+from rlcore.testing.hf_fixtures import arithmetic_rows, build_tiny_qwen2, write_prompt_files
 from rlcore.train import read_metrics
 from rlcore.train.cli import main
 from rlcore.train.rundir import check_resume_config, config_changes, prepare_run_dir
@@ -194,3 +194,50 @@ def test_the_built_in_task_stays_the_default(tmp_path):
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "grpo_tiny.yaml")
     assert cfg.data.path is None and isinstance(make_prompt_source(cfg, task_options(cfg)), TaskPrompts)
+
+
+RISE_CONFIG = """
+model:
+  model_name_or_path: {model}
+rl:
+  algo: grpo
+  batch_size: 16
+  mini_batch_size: 16
+  num_rollouts: 8
+  max_new_tokens: 4
+  temperature: 1.0
+  beta: 0.0
+  lr: 0.001
+rewards:
+  - {{reward: rewards/sum.py:SumReward, weight: 1.0}}
+trainer:
+  steps: 20
+  warmup_steps: 60
+  warmup_batch_size: 16
+  warmup_lr: 0.003
+  reward_workers: 0
+  threads: 1
+  progress: false
+  plot: false
+  seed: 0
+"""
+
+
+def test_grpo_reward_rises_after_the_warm_up(user, tmp_path):
+    """Warm-up on the dataset's answers, then GRPO: the reward of the last steps clearly above the first's.
+
+    Single-digit sums (0..4 + 0..4) and a model of width 64: the warm-up leaves the policy
+    right about a third of the time, so the groups carry signal. CPU runs are deterministic
+    with a fixed seed (measured: 0.30 over steps 0-4, 0.45 over steps 15-19).
+    """
+    model = build_tiny_qwen2(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(200, seed=0, low=0, high=4)))
+    config = user["root"] / "conf" / "rise.yaml"  # beside the reward file it names
+    config.write_text(RISE_CONFIG.format(model=model))
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(config), "--dataset", str(data), "--output_dir", str(out)]) == 0
+    rewards = [r["reward"] for r in read_metrics(out / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first > 0.1, rewards  # the warm-up taught the format: GRPO has signal
+    assert last > first + 0.08, rewards
