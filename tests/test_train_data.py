@@ -241,3 +241,32 @@ def test_grpo_reward_rises_after_the_warm_up(user, tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first > 0.1, rewards  # the warm-up taught the format: GRPO has signal
     assert last > first + 0.08, rewards
+
+
+def test_the_seed_config_runs_once_its_model_is_a_local_directory(user, tmp_path, capsys):
+    """configs/seed/qwen2_5_7b_grpo.yaml as shipped (bf16, flash attention, 8 data-parallel ranks, one rollout),
+    on one CPU process: each refusal names the override that lifts it, then two steps run."""
+    seed = Path(__file__).resolve().parents[1] / "configs" / "seed" / "qwen2_5_7b_grpo.yaml"
+    out = tmp_path / "out"
+
+    def run(*overrides):
+        argv = ["train", "--config", str(seed), "--dataset", str(user["train"]), "--output_dir", str(out)]
+        return main([*argv, "trainer.steps=2", "trainer.threads=1", "trainer.progress=false", *overrides])
+
+    assert run() == 2
+    (err,) = _errors(capsys)
+    assert "Qwen/Qwen2.5-7B-Instruct" in err and "override model.model_name_or_path=DIR" in err
+    local = f"model.model_name_or_path={user['model']}"
+    assert run(local) == 2
+    assert "override parallel.data_parallel=1" in _errors(capsys)[0]
+    assert run(local, "parallel.data_parallel=1") == 2
+    assert "override rl.num_rollouts=2" in _errors(capsys)[0]
+    with pytest.warns(UserWarning, match="flash-attn is not installed"):
+        assert run(local, "parallel.data_parallel=1", "rl.num_rollouts=2") == 0
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(0.0 <= r["reward"] <= 1.0 for r in records)
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf", dtype="auto")
+    assert next(exported.parameters()).dtype == torch.bfloat16  # the seed's torch_dtype

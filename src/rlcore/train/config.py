@@ -293,7 +293,7 @@ def _validate(cfg: Config) -> None:
     elif not os.path.isdir(path):
         raise ValueError(
             f"config key 'model.model_name_or_path': got {path!r}, expected a local model directory or an inline "
-            "config mapping (rlcore downloads nothing; save the model locally first)"
+            "config mapping (rlcore downloads nothing; save the model locally and override model.model_name_or_path=DIR)"
         )
     _check_model(cfg)
 
@@ -477,7 +477,7 @@ def check_launch(cfg: Config, world_size: int) -> None:
     if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and cfg.rl.n_samples < 2:
         raise ValueError(
             f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
-            "(group baselines need at least two samples per prompt)"
+            "(group baselines need at least two samples per prompt; override rl.num_rollouts=2 or more)"
         )
     if cfg.deploy.backend == "ray":
         raise ValueError(
