@@ -169,7 +169,7 @@ class Config:
         return {
             f.name: (
                 {_key(g): v for g, v in zip(dataclasses.fields(section), dataclasses.astuple(section))}
-                if dataclasses.is_dataclass(section)
+                if dataclasses.is_dataclass(section) and not isinstance(section, type)
                 else copy.deepcopy(section)  # the top-level ``rewards`` list or mapping
             )
             for f in dataclasses.fields(self)
@@ -461,8 +461,13 @@ def _check_context_parallel(cfg: Config) -> None:
     """What context parallelism does not run with yet: a clear error naming the key."""
     cp = cfg.parallel.context_parallel
     refused = [
-        ("rl.algo", cfg.rl.algo, cfg.rl.algo in ("ppo", "dpo", "gspo"), "grpo, dr_grpo, dapo, rloo or reinforce_pp "
-         "(the critic, the preference pairs and GSPO's sequence-level ratio are not split over sequence shards)"),
+        (
+            "rl.algo",
+            cfg.rl.algo,
+            cfg.rl.algo in ("ppo", "dpo", "gspo"),
+            "grpo, dr_grpo, dapo, rloo or reinforce_pp "
+            "(the critic, the preference pairs and GSPO's sequence-level ratio are not split over sequence shards)",
+        ),
         ("parallel.tensor_parallel", cfg.parallel.tensor_parallel, cfg.parallel.tensor_parallel != 1, "1"),
         ("rl.multi_turn", "set", cfg.rl.multi_turn is not None, "unset (agent rollouts)"),
     ]
