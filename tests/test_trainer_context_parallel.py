@@ -5,7 +5,8 @@ normalised by its token count over the whole sequence, which no rank holds alone
 KL term and two optimiser updates per step, once with ``parallel.cp_mode=ring`` and once
 with ``ulysses``, every sequence split over the 2 ranks (warm-up included). The 1-rank
 run with the same global batch is the oracle: same rewards, losses to 1e-4, final
-weights to 1e-3. The config errors (world size, heads for Ulysses, what context
+weights to 1e-3. A second launch of 4 processes runs Ulysses at ``dp = 2 x cp = 2``
+against the same oracle. The config errors (world size, heads for Ulysses, what context
 parallelism does not run with) need no launch.
 """
 
@@ -100,6 +101,42 @@ def test_two_cp_ranks_ring_and_ulysses_equal_one_rank(tmp_path):
         )
         for k, v in got[mode]["weights"].items():
             torch.testing.assert_close(v, final[k], rtol=0, atol=1e-3, msg=lambda m: f"{mode} {k}: {m}")
+
+
+# dp x cp: 4 ranks, 2 data-parallel replicas of 2 context-parallel ranks; one update per step
+# (the micro-batches of a data-parallel run hold other prompts than the 1-rank run's).
+DP_CP = ["parallel.data_parallel=2", "parallel.context_parallel=2", "parallel.cp_mode=ulysses"]
+DP_CP += ["rl.batch_size=2", "rl.mini_batch_size=2", "trainer.warmup_batch_size=4"]
+
+
+def _dp_cp_ranks(rank: int, init_file: str, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    run = _run(_cfg(Path(tmp) / "dp_cp", *DP_CP))
+    weights = full_state_dict(run.policy)
+    if rank == 0:
+        torch.save({"records": run.records, "weights": weights}, Path(tmp) / "dp_cp.pt")
+    leave()
+
+
+def test_data_parallel_times_context_parallel_equals_one_rank(tmp_path):
+    spawn(_dp_cp_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 4, timeout=420)
+    got = torch.load(tmp_path / "dp_cp.pt", weights_only=False)
+    ref = _run(_cfg(tmp_path / "one", "rl.mini_batch_size=4"))
+    records = got["records"]
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert max(r["kl"] for r in ref.records) > 1e-5  # the policy moved away from the reference
+    for key in ("reward", "kl", "loss"):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in records], dtype=torch.float64),
+            torch.tensor([r[key] for r in ref.records], dtype=torch.float64),
+            rtol=1e-3,
+            atol=1e-6,
+            msg=lambda m: f"{key}: {m}",
+        )
+    final = ref.policy.state_dict()
+    for k, v in got["weights"].items():
+        torch.testing.assert_close(v, final[k], rtol=0, atol=1e-4, msg=lambda m: f"{k}: {m}")
 
 
 def test_context_parallel_config_errors(tmp_path):
