@@ -255,7 +255,7 @@ def test_num_rollouts_is_n_samples_and_to_dict_round_trips():
         parse_config({"rl": {"n_samples": 3}})
 
 
-def test_context_parallel_keys_load_and_cp_above_one_is_refused():
+def test_context_parallel_keys_load_and_cp_counts_in_the_world_size():
     raw = {"model": {"model_name_or_path": {"model_type": "qwen2"}}}
     cfg = parse_config({**raw, "parallel": {"context_parallel": 1, "cp_mode": "ulysses"}})
     assert (cfg.parallel.context_parallel, cfg.parallel.cp_mode) == (1, "ulysses")
@@ -265,5 +265,9 @@ def test_context_parallel_keys_load_and_cp_above_one_is_refused():
     with pytest.raises(ValueError, match=r"'parallel.context_parallel': got 0, expected > 0"):
         parse_config({**raw, "parallel": {"context_parallel": 0}})
     two = parse_config({**raw, "parallel": {"context_parallel": 2}})
-    with pytest.raises(ValueError, match=r"'parallel.context_parallel': got 2, expected 1 \(the reference trainer"):
-        check_launch(two, 2)
+    check_launch(two, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"'parallel.data_parallel' \(1\) x 'parallel.context_parallel' \(2\) = 2, expected the launched",
+    ):
+        check_launch(two, 1)

@@ -14,6 +14,15 @@ from rlcore.train.checkpoint import (
     set_rng_state,
 )
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
+from rlcore.train.context_parallel import (
+    ContextParallelRecipe,
+    check_context_parallel_model,
+    cp_logprob_stage,
+    cp_response_logprobs,
+    cp_rl_forward,
+    replica_groups,
+    replicate_stage,
+)
 from rlcore.train.export_cli import export_checkpoint
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import (
@@ -23,6 +32,7 @@ from rlcore.train.parallel import (
     device_mesh,
     full_state_dict,
     parallelize,
+    shard_mesh,
 )
 from rlcore.train.prompts import (
     DatasetPrompts,
@@ -127,4 +137,15 @@ __all__ += [
     "source_tokenizer",
     "task_options",
     "validation_keys",
+]
+# Context parallelism: sequences split over the "cp" ranks of the mesh.
+__all__ += [
+    "ContextParallelRecipe",
+    "check_context_parallel_model",
+    "cp_logprob_stage",
+    "cp_response_logprobs",
+    "cp_rl_forward",
+    "replica_groups",
+    "replicate_stage",
+    "shard_mesh",
 ]
