@@ -112,13 +112,26 @@ def test_actor_weights_equal_the_trainers_after_every_sync(ray_session, tmp_path
             staleness=1,
             collect=["weights", "policy_version"],
         )
+        # Two versions waiting when rows stamped with the first arrive: the actor applies exactly the stamped one.
+        for v in (5, 6):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(1.0)
+            at_version[v] = flat(policy)
+            sync.sync(v, lambda p: worker.publish(v, p))
+        call = worker.stage(inputs=["prompts"], outputs=["weights"]).fn
+        for v in (5, 6):
+            assert torch.equal(
+                call({"prompts": torch.zeros(1), "policy_version": torch.tensor([v])})["weights"][0], at_version[v]
+            )
+        assert worker.pid is not None and worker.pid != os.getpid()
     assert len(res.batches) == 4
     for j, b in enumerate(res.batches):
         for row, version in zip(b["weights"], b["policy_version"].tolist()):
             assert j - 1 <= version <= j
             assert torch.equal(row, at_version[int(version)]), (j, version)  # bit for bit
     assert all(not torch.equal(at_version[v], at_version[v + 1]) for v in range(4))  # the weights did change
-    assert [r.version for r in sync.records] == [0, 1, 2, 3, 4]
+    assert [r.version for r in sync.records] == [0, 1, 2, 3, 4, 5, 6]
     assert all(r.nbytes == sum(x.numel() * x.element_size() for x in sync.buffers) for r in sync.records)
 
 
