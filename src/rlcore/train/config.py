@@ -168,7 +168,7 @@ class Config:
         return {
             f.name: (
                 {_key(g): v for g, v in zip(dataclasses.fields(section), dataclasses.astuple(section))}
-                if dataclasses.is_dataclass(section)
+                if dataclasses.is_dataclass(section) and not isinstance(section, type)
                 else copy.deepcopy(section)  # the top-level ``rewards`` list or mapping
             )
             for f in dataclasses.fields(self)
