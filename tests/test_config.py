@@ -133,13 +133,18 @@ def test_every_error_names_the_key(raw, message):
     [
         ("parallel", "tensor_parallel", 2, r"'parallel.data_parallel' \(1\) x 'parallel.tensor_parallel' \(2\) = 2"),
         ("parallel", "pipeline_parallel", 2, r"'parallel.pipeline_parallel': got 2, expected 1 \(supported:"),
-        ("deploy", "backend", "ray", r"'deploy.backend': got 'ray', expected 'local'"),
+        ("deploy", "backend", "ray", r"'deploy.backend': got 'ray' with deploy.mode 'co-located', expected 'local'"),
     ],
 )
 def test_launch_refuses_what_the_reference_trainer_cannot_run(section, key, value, message):
     cfg = parse_config({"model": {"model_name_or_path": INLINE}, section: {key: value}})
     with pytest.raises(ValueError, match=message):
         check_launch(cfg, 1)
+
+
+def test_launch_accepts_the_ray_backend_for_a_disaggregated_rollout():
+    cfg = parse_config({"model": {"model_name_or_path": INLINE}, "deploy": {"mode": "disaggregated", "backend": "ray"}})
+    check_launch(cfg, 1)
 
 
 def test_launch_accepts_data_times_tensor_parallel_equal_to_the_world_size():

@@ -21,7 +21,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              disaggregated (rollout in its own process, weights synced to it)
     deploy.async_infer                       the next iterations' rollout overlaps the current update
     deploy.staleness                         with async_infer: how many versions a rollout may lag (default 1)
-    deploy.backend                           local (torch.multiprocessing) or ray
+    deploy.backend                           the disaggregated rollout worker: local (torch.multiprocessing) or
+                                             ray (a Ray actor; the ray extra)
     deploy.rollout_timeout                   seconds one rollout call may take before the run stops (0: none)
     rl.multi_turn                            multi-turn rollouts with tools (rlcore.agent.MultiTurnConfig)
     data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
@@ -506,8 +507,8 @@ def check_launch(cfg: Config, world_size: int) -> None:
             f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt)"
         )
-    if cfg.deploy.backend == "ray":
+    if cfg.deploy.backend == "ray" and cfg.deploy.mode != "disaggregated":
         raise ValueError(
-            "config key 'deploy.backend': got 'ray', expected 'local' (the reference trainer runs its rollout "
-            "worker with torch.multiprocessing; rlcore.dataflow.RayTransferDock serves a Ray fleet in your own loop)"
+            f"config key 'deploy.backend': got 'ray' with deploy.mode {cfg.deploy.mode!r}, expected 'local' "
+            "(Ray runs the rollout worker of deploy.mode 'disaggregated'; a co-located rollout has no worker)"
         )

@@ -21,7 +21,8 @@ recipe. The deployment (``deploy.*``) decides only how the pieces are placed:
   state, gradients and training weights are offloaded and the engine's weights are
   built bucket by bucket; the predicted peak of each phase is logged.
 * ``disaggregated``: the rollout runs in a :class:`rlcore.dataflow.RolloutWorker`
-  process, receiving weights through :class:`rlcore.dataflow.WeightSync`.
+  process (a :class:`rlcore.dataflow.RayRolloutWorker` actor with ``deploy.backend:
+  ray``), receiving weights through :class:`rlcore.dataflow.WeightSync`.
 * ``async_infer``: the rollout of the next iterations overlaps the current update, up
   to ``deploy.staleness`` versions behind; otherwise the pipeline is blocking with
   staleness 0, which is exactly the synchronous loop
@@ -52,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from rlcore import algos
 from rlcore.dataflow import (
+    RayRolloutWorker,
     RolloutWorker,
     Stage,
     StageGraph,
@@ -658,7 +660,7 @@ class _Deployment:
         replica: torch.nn.Module,
     ):
         self.cfg, self.world = cfg, world
-        self.worker: RolloutWorker | None = None
+        self.worker: RolloutWorker | RayRolloutWorker | None = None
         self.switch: Callable[[str, str | None, str], None] | None = None
         self.syncs: list[tuple[float, int]] = []
         self.memory: dict[str, float] = {}
@@ -687,12 +689,13 @@ class _Deployment:
             self.publish(0)
             self.rollout = rollout_stage(engine, generator=sampling, timeout=timeout)
         elif cfg.deploy.mode == "disaggregated":
-            self.worker = RolloutWorker(
-                _serve_rollout,
-                args=(cfg.to_dict(), task.tokenizer.vocab_size, world.dp_rank),
-                threads=max(1, cfg.trainer.threads),
-                join_timeout=5.0,
-            )
+            serve_args = (cfg.to_dict(), task.tokenizer.vocab_size, world.dp_rank)
+            if cfg.deploy.backend == "ray":  # a Ray actor; the weight packets travel through Ray's object store
+                self.worker = RayRolloutWorker(_serve_rollout, args=serve_args, threads=max(1, cfg.trainer.threads))
+            else:
+                self.worker = RolloutWorker(
+                    _serve_rollout, args=serve_args, threads=max(1, cfg.trainer.threads), join_timeout=5.0
+                )
             # Start-up (spawn, imports, model build) happens before the first step, not inside it.
             self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
             worker = self.worker
