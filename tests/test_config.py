@@ -133,13 +133,18 @@ def test_every_error_names_the_key(raw, message):
     [
         ("parallel", "tensor_parallel", 2, r"'parallel.data_parallel' \(1\) x 'parallel.tensor_parallel' \(2\) = 2"),
         ("parallel", "pipeline_parallel", 2, r"'parallel.pipeline_parallel': got 2, expected 1 \(supported:"),
-        ("deploy", "backend", "ray", r"'deploy.backend': got 'ray', expected 'local'"),
+        ("deploy", "backend", "ray", r"'deploy.backend': got 'ray' with deploy.mode 'co-located', expected 'local'"),
     ],
 )
 def test_launch_refuses_what_the_reference_trainer_cannot_run(section, key, value, message):
     cfg = parse_config({"model": {"model_name_or_path": INLINE}, section: {key: value}})
     with pytest.raises(ValueError, match=message):
         check_launch(cfg, 1)
+
+
+def test_launch_accepts_the_ray_backend_for_a_disaggregated_rollout():
+    cfg = parse_config({"model": {"model_name_or_path": INLINE}, "deploy": {"mode": "disaggregated", "backend": "ray"}})
+    check_launch(cfg, 1)
 
 
 def test_launch_accepts_data_times_tensor_parallel_equal_to_the_world_size():
@@ -255,7 +260,7 @@ def test_num_rollouts_is_n_samples_and_to_dict_round_trips():
         parse_config({"rl": {"n_samples": 3}})
 
 
-def test_context_parallel_keys_load_and_cp_above_one_is_refused():
+def test_context_parallel_keys_load_and_cp_counts_in_the_world_size():
     raw = {"model": {"model_name_or_path": {"model_type": "qwen2"}}}
     cfg = parse_config({**raw, "parallel": {"context_parallel": 1, "cp_mode": "ulysses"}})
     assert (cfg.parallel.context_parallel, cfg.parallel.cp_mode) == (1, "ulysses")
@@ -265,5 +270,9 @@ def test_context_parallel_keys_load_and_cp_above_one_is_refused():
     with pytest.raises(ValueError, match=r"'parallel.context_parallel': got 0, expected > 0"):
         parse_config({**raw, "parallel": {"context_parallel": 0}})
     two = parse_config({**raw, "parallel": {"context_parallel": 2}})
-    with pytest.raises(ValueError, match=r"'parallel.context_parallel': got 2, expected 1 \(the reference trainer"):
-        check_launch(two, 2)
+    check_launch(two, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"'parallel.data_parallel' \(1\) x 'parallel.context_parallel' \(2\) = 2, expected the launched",
+    ):
+        check_launch(two, 1)

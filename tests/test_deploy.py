@@ -183,9 +183,9 @@ def test_disaggregated_rollout_generates_each_row_with_the_version_it_records():
 
 def _no_worker_threads():
     end = time.monotonic() + 5
-    while time.monotonic() < end and [t for t in threading.enumerate() if t.name.startswith("rlcore-")]:
+    while time.monotonic() < end and [t for t in threading.enumerate() if t.name.startswith("rlcore-pipeline-")]:
         time.sleep(0.01)
-    return not [t for t in threading.enumerate() if t.name.startswith("rlcore-")]
+    return not [t for t in threading.enumerate() if t.name.startswith("rlcore-pipeline-")]
 
 
 @pytest.mark.parametrize(

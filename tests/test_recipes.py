@@ -140,6 +140,48 @@ def test_microbatch_losses_and_gradients_add_up_to_the_whole_batch(name, batch, 
     torch.testing.assert_close(logp_mb.grad, logp.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo", "ppo", "rloo"])
+@settings(max_examples=15)
+@given(batch=recipe_batches(dtype=torch.float64), data=st.data())
+def test_sequence_sharded_losses_and_gradients_add_up_to_the_whole_batch(name, batch, data):
+    """Context parallelism: each token scored on one of ``cp`` ranks; loss(seq_tokens=) summed over them is the whole."""
+    algo = RECIPES[name]()
+    prepared = algo.advantages(batch)
+    mask = prepared["mask"]
+    logp = prepared["logp"].clone().requires_grad_(True)
+    whole, _ = algo.loss({**prepared, "logp": logp})
+    whole.backward()
+    cp = data.draw(st.integers(2, 3), label="cp")
+    owner = torch.tensor(data.draw(st.lists(st.integers(0, cp - 1), min_size=mask.numel(), max_size=mask.numel())))
+    owner = owner.reshape(mask.shape)
+    # What rlcore.algos.sequence_sharded_counts returns on every rank (its all-reduces done by hand).
+    counts = {**algos.global_counts(mask), "seq_tokens": (mask != 0).sum(-1)}
+    logp_cp = prepared["logp"].clone().requires_grad_(True)
+    total = torch.zeros((), dtype=torch.float64)
+    for rank in range(cp):
+        local = {**prepared, "logp": logp_cp, "mask": mask & (owner == rank)}
+        total = total + algo.loss(local, **counts)[0]
+    total.backward()
+    torch.testing.assert_close(total, whole, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(logp_cp.grad, logp.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_seq_tokens_needs_the_global_counts():
+    algo = algos.grpo()
+    batch = algo.advantages(
+        {
+            "scores": torch.tensor([1.0, 0.0]),
+            "group_ids": torch.tensor([0, 0]),
+            "mask": torch.ones(2, 3, dtype=torch.bool),
+            "logp": torch.zeros(2, 3),
+            "old_logp": torch.zeros(2, 3),
+            "ref_logp": torch.zeros(2, 3),
+        }
+    )
+    with pytest.raises(ValueError, match="seq_tokens: given without num_tokens and num_seqs"):
+        algo.loss(batch, seq_tokens=torch.tensor([3, 3]))
+
+
 @settings(max_examples=10)
 @given(batch=recipe_batches())
 def test_bfloat16_batch_matches_float32(batch):

@@ -64,7 +64,7 @@ def _assert_same(batches, ref, columns):
 def _no_worker_threads(deadline=5.0):
     end = time.monotonic() + deadline
     while time.monotonic() < end:
-        if not [t for t in threading.enumerate() if t.name.startswith("rlcore-")]:
+        if not [t for t in threading.enumerate() if t.name.startswith("rlcore-pipeline-")]:
             return True
         time.sleep(0.01)
     return False

@@ -14,6 +14,7 @@ from rlcore.dataflow.layout import (
 )
 from rlcore.dataflow.packing import Packed, pack, pack_to_budget, shift_labels, unpack
 from rlcore.dataflow.ray_dock import DockHost, RayTransferDock
+from rlcore.dataflow.ray_rollout import RayRolloutWorker, RolloutActor
 from rlcore.dataflow.reshard import (
     Bucket,
     Move,
@@ -48,8 +49,10 @@ __all__: list[str] = [
     "ParamMove",
     "PipelineResult",
     "Placement",
+    "RayRolloutWorker",
     "RayTransferDock",
     "ReshardPlan",
+    "RolloutActor",
     "RolloutWorker",
     "SimReport",
     "Stage",

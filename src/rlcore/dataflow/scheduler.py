@@ -439,7 +439,7 @@ def run_pipeline(
                 cond.notify_all()
 
     threads = [
-        threading.Thread(target=worker, args=(r,), name=f"rlcore-{r}-{i}", daemon=True)
+        threading.Thread(target=worker, args=(r,), name=f"rlcore-pipeline-{r}-{i}", daemon=True)
         for r in graph.resources
         for i in range(core.slots[r])
     ]

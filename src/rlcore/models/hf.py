@@ -152,10 +152,14 @@ class HFCausalLM:
             if input_ids.shape[0] != n:
                 raise ValueError(f"input_ids: got {input_ids.shape[0]} tokens, expected the shard's {n}")
             check_cu_seqlens(cu_seqlens, context_parallel.shards.padded_len)
+            if self.sharded is not None:
+                return self._sharded_call(params, input_ids, position_ids, context_parallel)
             return self._forward(params, input_ids, position_ids, context_parallel)
         bounds = check_cu_seqlens(cu_seqlens, input_ids.shape[0])
         if self.sharded is not None:
-            return self._sharded_call(params, input_ids, position_ids, cu_seqlens, max_seqlen, bounds)
+            if max_seqlen is None and bounds is not None:
+                max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
+            return self._sharded_call(params, input_ids, position_ids, (cu_seqlens, max_seqlen, bounds))
         if input_ids.shape[0] == 0:
             # HF layers reshape with -1, which an empty row cannot satisfy.
             weight = self.output_weight(params)
@@ -186,9 +190,7 @@ class HFCausalLM:
         params: Mapping[str, torch.Tensor],
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int | None,
-        bounds: list[int] | None,
+        packing: Any,
     ) -> torch.Tensor:
         # FSDP gathers a unit's shards in its forward hook, which a twin would bypass, and
         # ignores tensors swapped in by functional_call: only the model's own weights can run.
@@ -204,8 +206,6 @@ class HFCausalLM:
                 "input_ids: got 0 tokens, expected at least 1 (a sharded model's forward is collective: "
                 "every rank runs it)"
             )
-        if max_seqlen is None and bounds is not None:
-            max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
         # The root module runs (FSDP's root unit gathers the embeddings and the output
         # embedding in its hook); the backbone's output is caught on the way and no logit is
         # computed (an empty logits_to_keep).
@@ -219,7 +219,7 @@ class HFCausalLM:
                     position_ids=position_ids.unsqueeze(0),
                     use_cache=False,
                     logits_to_keep=input_ids.new_zeros(0),
-                    **{_PACKING_KWARG: (cu_seqlens, max_seqlen, bounds)},
+                    **{_PACKING_KWARG: packing},
                 )
         finally:
             hook.remove()

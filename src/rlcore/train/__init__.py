@@ -14,6 +14,15 @@ from rlcore.train.checkpoint import (
     set_rng_state,
 )
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
+from rlcore.train.context_parallel import (
+    ContextParallelRecipe,
+    check_context_parallel_model,
+    cp_logprob_stage,
+    cp_response_logprobs,
+    cp_rl_forward,
+    replica_groups,
+    replicate_stage,
+)
 from rlcore.train.export_cli import export_checkpoint
 from rlcore.train.lora import LORA_KEYS, adapter_modules, attach_lora, check_lora_launch, lora_options
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
@@ -24,6 +33,7 @@ from rlcore.train.parallel import (
     device_mesh,
     full_state_dict,
     parallelize,
+    shard_mesh,
 )
 from rlcore.train.prompts import (
     DatasetPrompts,
@@ -128,6 +138,17 @@ __all__ += [
     "source_tokenizer",
     "task_options",
     "validation_keys",
+]
+# Context parallelism: sequences split over the "cp" ranks of the mesh.
+__all__ += [
+    "ContextParallelRecipe",
+    "check_context_parallel_model",
+    "cp_logprob_stage",
+    "cp_response_logprobs",
+    "cp_rl_forward",
+    "replica_groups",
+    "replicate_stage",
+    "shard_mesh",
 ]
 # LoRA in the trainer.
 __all__ += ["LORA_KEYS", "adapter_modules", "attach_lora", "check_lora_launch", "lora_options"]

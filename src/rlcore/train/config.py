@@ -15,13 +15,14 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     rl.top_p, rl.top_k, rl.max_new_tokens    sampling controls of the rollout
     rl.beta                                  KL coefficient (DPO's beta for algo dpo); unset: the recipe's
     rl.lr, rl.critic_lr, rl.weight_decay, rl.grad_clip, rl.epochs    optimisation (AdamW)
-    parallel.context_parallel, parallel.cp_mode   context parallelism (ring | ulysses): only 1 is accepted by
-                                             the reference trainer for now (a clear error otherwise)
+    parallel.context_parallel, parallel.cp_mode   context parallelism: each sequence split over that many ranks
+                                             (ring attention or Ulysses); dp x cp x tp = the launched world
     deploy.mode                              co-located (one device group, AllGather-Swap between phases) or
                                              disaggregated (rollout in its own process, weights synced to it)
     deploy.async_infer                       the next iterations' rollout overlaps the current update
     deploy.staleness                         with async_infer: how many versions a rollout may lag (default 1)
-    deploy.backend                           local (torch.multiprocessing) or ray
+    deploy.backend                           the disaggregated rollout worker: local (torch.multiprocessing) or
+                                             ray (a Ray actor; the ray extra)
     deploy.rollout_timeout                   seconds one rollout call may take before the run stops (0: none)
     rl.multi_turn                            multi-turn rollouts with tools (rlcore.agent.MultiTurnConfig)
     data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
@@ -54,11 +55,13 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import yaml
 
 from rlcore.agent import parse_multi_turn
+from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "parse_config"]
@@ -167,7 +170,7 @@ class Config:
         return {
             f.name: (
                 {_key(g): v for g, v in zip(dataclasses.fields(section), dataclasses.astuple(section))}
-                if dataclasses.is_dataclass(section)
+                if dataclasses.is_dataclass(section) and not isinstance(section, type)
                 else copy.deepcopy(section)  # the top-level ``rewards`` list or mapping
             )
             for f in dataclasses.fields(self)
@@ -455,32 +458,57 @@ def _resolve_reward_files(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
     return raw
 
 
+def _check_context_parallel(cfg: Config) -> None:
+    """What context parallelism does not run with yet: a clear error naming the key."""
+    cp = cfg.parallel.context_parallel
+    refused = [
+        (
+            "rl.algo",
+            cfg.rl.algo,
+            cfg.rl.algo in ("ppo", "dpo", "gspo"),
+            "grpo, dr_grpo, dapo, rloo or reinforce_pp "
+            "(the critic, the preference pairs and GSPO's sequence-level ratio are not split over sequence shards)",
+        ),
+        ("parallel.tensor_parallel", cfg.parallel.tensor_parallel, cfg.parallel.tensor_parallel != 1, "1"),
+        ("rl.multi_turn", "set", cfg.rl.multi_turn is not None, "unset (agent rollouts)"),
+    ]
+    for key, got, bad, expected in refused:
+        if bad:
+            raise ValueError(
+                f"config key {key!r}: got {got!r} with parallel.context_parallel {cp}, expected {expected} "
+                "under context parallelism"
+            )
+    spec = cfg.model.model_name_or_path
+    if isinstance(spec, dict) and "num_attention_heads" in spec:  # a local model is checked once loaded
+        heads = SimpleNamespace(
+            num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec.get("num_key_value_heads")
+        )
+        check_context_parallel_model(heads, context_parallel=cp, mode=cfg.parallel.cp_mode)
+
+
 def check_launch(cfg: Config, world_size: int) -> None:
-    """Refuse a config this launch cannot run: ``data_parallel x tensor_parallel`` against the world size, pipelines.
+    """Refuse a config this launch cannot run: ``data_parallel x context_parallel x tensor_parallel`` against the world size, pipelines.
 
     Also refuses a group-baseline algorithm with one sample per prompt (the seed's example
     sets ``num_rollouts: 1``, which loads but would give every advantage 0).
     """
     par = cfg.parallel
-    if par.context_parallel != 1:
-        raise ValueError(
-            f"config key 'parallel.context_parallel': got {par.context_parallel}, expected 1 (the reference trainer "
-            "does not split sequences yet; the library's pieces are rlcore.models.sharded_token_logprobs and "
-            "rlcore.algos.sequence_sharded_counts / sequence_sharded_aggregate)"
-        )
     check_parallel_sizes(
         data_parallel=par.data_parallel,
         tensor_parallel=par.tensor_parallel,
         pipeline_parallel=par.pipeline_parallel,
+        context_parallel=par.context_parallel,
         world_size=world_size,
     )
+    if par.context_parallel != 1:
+        _check_context_parallel(cfg)
     if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and cfg.rl.n_samples < 2:
         raise ValueError(
             f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt; override rl.num_rollouts=2 or more)"
         )
-    if cfg.deploy.backend == "ray":
+    if cfg.deploy.backend == "ray" and cfg.deploy.mode != "disaggregated":
         raise ValueError(
-            "config key 'deploy.backend': got 'ray', expected 'local' (the reference trainer runs its rollout "
-            "worker with torch.multiprocessing; rlcore.dataflow.RayTransferDock serves a Ray fleet in your own loop)"
+            f"config key 'deploy.backend': got 'ray' with deploy.mode {cfg.deploy.mode!r}, expected 'local' "
+            "(Ray runs the rollout worker of deploy.mode 'disaggregated'; a co-located rollout has no worker)"
         )

@@ -1,8 +1,10 @@
-"""Training on torch's own distributed engines: a ("dp", "tp") DeviceMesh, FSDP2 and DTensor tensor parallelism.
+"""Training on torch's own distributed engines: a ("dp", "cp", "tp") DeviceMesh, FSDP2 and DTensor tensor parallelism.
 
 Data parallelism is FSDP2 (``torch.distributed.fsdp.fully_shard``): each decoder layer is
 one unit, and the whole model (embeddings, final norm, output embedding) the root unit, sharded over the
-mesh's ``"dp"`` dimension. Tensor parallelism is DTensor ``parallelize_module`` over
+mesh's ``"dp"`` dimension, flattened with ``"cp"`` when context parallelism is on (the
+ranks of a context-parallel group hold the same weights and score disjoint tokens of the
+same sequences, so their gradients are summed like data-parallel ones). Tensor parallelism is DTensor ``parallelize_module`` over
 ``"tp"`` (Megatron-LM's split, Shoeybi et al., arXiv:1909.08053): the q/k/v and gate/up
 projections column-wise, the o and down projections row-wise, so each rank holds
 ``heads / tp`` attention heads and one all-reduce ends each block. Gradients reach the
@@ -13,6 +15,7 @@ nccl on CUDA, gloo on the CPU).
 
 >>> from rlcore.train.parallel import check_parallel_sizes
 >>> check_parallel_sizes(data_parallel=2, tensor_parallel=2, world_size=4)
+>>> check_parallel_sizes(data_parallel=1, tensor_parallel=1, context_parallel=2, world_size=2)
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ __all__ = [
     "device_mesh",
     "full_state_dict",
     "parallelize",
+    "shard_mesh",
 ]
 
-MESH_DIMS = ("dp", "tp")
+MESH_DIMS = ("dp", "cp", "tp")  # the order of rlcore.dataflow.Layout's dimensions
 
 # Megatron's split of a decoder layer: column-wise in, row-wise out.
 _COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -50,12 +54,17 @@ _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def check_parallel_sizes(
-    *, data_parallel: int, tensor_parallel: int, world_size: int, pipeline_parallel: int = 1
+    *,
+    data_parallel: int,
+    tensor_parallel: int,
+    world_size: int,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> None:
-    """``ValueError`` unless ``data_parallel x tensor_parallel`` is the world size and ``pipeline_parallel`` is 1.
+    """``ValueError`` unless ``data_parallel x context_parallel x tensor_parallel`` is the world size and ``pipeline_parallel`` is 1.
 
     Args:
-      data_parallel, tensor_parallel, pipeline_parallel: the ``parallel.*`` config values.
+      data_parallel, context_parallel, tensor_parallel, pipeline_parallel: the ``parallel.*`` config values.
       world_size: the number of processes launched (``torchrun --nproc-per-node``).
 
     >>> check_parallel_sizes(data_parallel=3, tensor_parallel=2, world_size=2)
@@ -67,6 +76,7 @@ def check_parallel_sizes(
         ("data_parallel", data_parallel),
         ("tensor_parallel", tensor_parallel),
         ("pipeline_parallel", pipeline_parallel),
+        ("context_parallel", context_parallel),
         ("world_size", world_size),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,21 +85,24 @@ def check_parallel_sizes(
     if pipeline_parallel != 1:
         raise ValueError(
             f"config key 'parallel.pipeline_parallel': got {pipeline_parallel}, expected 1 (supported: data "
-            "parallelism through FSDP2, parallel.data_parallel, and tensor parallelism through DTensor, "
-            "parallel.tensor_parallel; pipeline parallelism is not)"
+            "parallelism through FSDP2, parallel.data_parallel, context parallelism, parallel.context_parallel, "
+            "and tensor parallelism through DTensor, parallel.tensor_parallel; pipeline parallelism is not)"
         )
-    if data_parallel * tensor_parallel == world_size:
+    product = data_parallel * context_parallel * tensor_parallel
+    if product == world_size:
         return
-    if tensor_parallel == 1:
+    if tensor_parallel == 1 and context_parallel == 1:
         raise ValueError(
             f"config key 'parallel.data_parallel': got {data_parallel}, expected the launched world size "
             f"{world_size} (torchrun --nproc-per-node {data_parallel}, or override parallel.data_parallel={world_size})"
         )
+    sizes = [("data_parallel", data_parallel)]
+    sizes += [("context_parallel", context_parallel)] if context_parallel != 1 else []
+    sizes += [("tensor_parallel", tensor_parallel)] if tensor_parallel != 1 else []
+    keys = " x ".join(f"'parallel.{k}' ({v})" for k, v in sizes)
     raise ValueError(
-        f"config keys 'parallel.data_parallel' ({data_parallel}) x 'parallel.tensor_parallel' "
-        f"({tensor_parallel}) = {data_parallel * tensor_parallel}, expected the launched world size {world_size} "
-        f"(torchrun --nproc-per-node {data_parallel * tensor_parallel}, or change the keys so that their "
-        f"product is {world_size})"
+        f"config keys {keys} = {product}, expected the launched world size {world_size} "
+        f"(torchrun --nproc-per-node {product}, or change the keys so that their product is {world_size})"
     )
 
 
@@ -104,12 +117,13 @@ def device_mesh(
     tensor_parallel: int = 1,
     *,
     pipeline_parallel: int = 1,
+    context_parallel: int = 1,
     device: torch.device | str | None = None,
 ) -> DeviceMesh:
-    """The ``("dp", "tp")`` :class:`DeviceMesh` of this launch, initialising the process group if needed.
+    """The ``("dp", "cp", "tp")`` :class:`DeviceMesh` of this launch, initialising the process group if needed.
 
-    Ranks are laid out ``tp``-fastest, so the ranks of one tensor-parallel group are
-    neighbours (one node's fast links). The process group is initialised from the
+    Ranks are laid out ``tp``-fastest, then ``cp``, so the ranks of one tensor-parallel
+    group are neighbours (one node's fast links), as in :class:`rlcore.dataflow.Layout`. The process group is initialised from the
     ``torchrun`` environment with the device's collective backend
     (:func:`rlcore.device.collective_backend`), or as a one-process group when nothing was
     launched; on an accelerator each process takes the device ``LOCAL_RANK``.
@@ -118,15 +132,17 @@ def device_mesh(
       data_parallel: size of the ``"dp"`` dimension (``parallel.data_parallel``).
       tensor_parallel: size of the ``"tp"`` dimension (``parallel.tensor_parallel``).
       pipeline_parallel: must be 1 (``parallel.pipeline_parallel``).
+      context_parallel: size of the ``"cp"`` dimension (``parallel.context_parallel``).
       device: the device kind (default: the best available, :func:`rlcore.device.device_kind`).
 
     Returns:
-      a 2-D ``DeviceMesh`` with ``mesh_dim_names == ("dp", "tp")``.
+      a 3-D ``DeviceMesh`` with ``mesh_dim_names == ("dp", "cp", "tp")``.
     """
     check_parallel_sizes(
         data_parallel=data_parallel,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel,
+        context_parallel=context_parallel,
         world_size=_launched_world_size(),
     )
     kind = device_kind() if device is None else get_device(str(device).split(":")[0]).type
@@ -138,7 +154,25 @@ def device_mesh(
             dist.init_process_group(collective_backend(kind))
         else:
             dist.init_process_group(collective_backend(kind), store=dist.HashStore(), rank=0, world_size=1)
-    return init_device_mesh(kind, (data_parallel, tensor_parallel), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(kind, (data_parallel, context_parallel, tensor_parallel), mesh_dim_names=MESH_DIMS)
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh FSDP2 shards over: ``mesh["dp"]``, or ``"dp"`` and ``"cp"`` flattened into ``"dp_cp"``.
+
+    Context-parallel ranks hold the same weights and each computes its share of the
+    gradient, so FSDP's reduce-scatter over the flattened dimension sums them with the
+    data-parallel ones.
+
+    Args:
+      mesh: the ``("dp", "cp", "tp")`` mesh from :func:`device_mesh`.
+
+    Returns:
+      a 1-D ``DeviceMesh`` of ``dp x cp`` ranks.
+    """
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -177,7 +211,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     grad_reduce: Literal["sum", "mean"] = "sum",
 ) -> nn.Module:
-    """Shard an HF decoder in place: tensor parallel over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]``.
+    """Shard an HF decoder in place: tensor parallel over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` (x ``"cp"``).
 
     Tensor parallelism (``tp > 1``) splits each decoder layer Megatron-style (Shoeybi et
     al., arXiv:1909.08053): q/k/v and gate/up ``ColwiseParallel``, o and down
@@ -186,17 +220,18 @@ def parallelize(
     layer a unit and the whole model the root unit (embeddings, final norm, output
     embedding), so :func:`rlcore.models.from_hf` runs the packed forward through the
     sharded modules.
-    With ``grad_reduce="sum"`` the gradients are summed over ``dp`` (the right thing for
+    With context parallelism (``cp > 1``) FSDP2 shards over ``dp x cp`` flattened
+    (:func:`shard_mesh`). With ``grad_reduce="sum"`` the gradients are summed over ``dp`` (the right thing for
     losses normalised by global counts, :func:`rlcore.algos.global_counts`); ``"mean"``
     averages them. A 1 x 1 mesh leaves the model as it is. The model must already be
     on the mesh's device, identical on every rank.
 
     Args:
       model: a transformers ``*ForCausalLM`` of the Qwen2 / Llama family.
-      mesh: the ``("dp", "tp")`` mesh from :func:`device_mesh`.
+      mesh: the ``("dp", "cp", "tp")`` mesh from :func:`device_mesh`.
       reshard_after_forward: free the gathered layer weights after each forward (FSDP's
         ZeRO-3); ``False`` keeps them until the backward (ZeRO-2, more memory, fewer gathers).
-      grad_reduce: ``"sum"`` or ``"mean"`` over the data-parallel ranks.
+      grad_reduce: ``"sum"`` or ``"mean"`` over the data-parallel ranks (context-parallel shares are always summed).
 
     Returns:
       ``model`` itself, sharded.
@@ -206,7 +241,7 @@ def parallelize(
     if grad_reduce not in ("sum", "mean"):
         raise ValueError(f"grad_reduce: got {grad_reduce!r}, expected 'sum' or 'mean'")
     layers = _decoder_layers(model)
-    dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    dp, tp = mesh["dp"].size() * mesh["cp"].size(), mesh["tp"].size()
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("model: already sharded (it holds DTensor parameters); parallelize a fresh model")
     if tp > 1:
@@ -225,14 +260,17 @@ def parallelize(
             parallelize_module(layer, mesh["tp"], plan)
     if dp > 1:
         units: list[FSDPModule] = []
+        shards = shard_mesh(mesh)
         for layer in layers:
-            units.append(fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward))
-        units.append(fully_shard(model, mesh=mesh["dp"]))
+            units.append(fully_shard(layer, mesh=shards, reshard_after_forward=reshard_after_forward))
+        units.append(fully_shard(model, mesh=shards))
         for unit in units:
             # Plain SUM collectives (gloo has neither AVG nor PREMUL_SUM); "mean" divides after.
             unit.set_force_sum_reduction_for_comms(True)
             if grad_reduce == "sum":
                 unit.set_gradient_divide_factor(1.0)
+            elif mesh["cp"].size() > 1:  # a mean over dp; the cp shares of one gradient are summed
+                unit.set_gradient_divide_factor(float(mesh["dp"].size()))
     return model
 
 

@@ -21,7 +21,8 @@ recipe. The deployment (``deploy.*``) decides only how the pieces are placed:
   state, gradients and training weights are offloaded and the engine's weights are
   built bucket by bucket; the predicted peak of each phase is logged.
 * ``disaggregated``: the rollout runs in a :class:`rlcore.dataflow.RolloutWorker`
-  process, receiving weights through :class:`rlcore.dataflow.WeightSync`.
+  process (a :class:`rlcore.dataflow.RayRolloutWorker` actor with ``deploy.backend:
+  ray``), receiving weights through :class:`rlcore.dataflow.WeightSync`.
 * ``async_infer``: the rollout of the next iterations overlaps the current update, up
   to ``deploy.staleness`` versions behind; otherwise the pipeline is blocking with
   staleness 0, which is exactly the synchronous loop
@@ -52,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from rlcore import algos
 from rlcore.dataflow import (
+    RayRolloutWorker,
     RolloutWorker,
     Stage,
     StageGraph,
@@ -66,12 +68,28 @@ from rlcore.dataflow import (
 )
 from rlcore.device import get_device, memory_stats
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
-from rlcore.models import base_view, export_hf, from_hf, is_lora, merged_state_dict, token_logprobs
+from rlcore.models import (
+    base_view,
+    export_hf,
+    from_hf,
+    is_lora,
+    merged_state_dict,
+    sharded_token_logprobs,
+    token_logprobs,
+)
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool
 from rlcore.train.agent_stages import multi_turn_graph, multi_turn_rollout_stage
 from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rlcore.train.config import Config, check_launch
+from rlcore.train.context_parallel import (
+    ContextParallelRecipe,
+    check_context_parallel_model,
+    cp_logprob_stage,
+    cp_rl_forward,
+    replica_groups,
+    replicate_stage,
+)
 from rlcore.train.lora import adapter_modules, attach_lora, check_lora_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
@@ -184,18 +202,23 @@ _SUMMED = frozenset({"loss", "pg_loss", "vf_loss"})
 
 
 class _World:
-    """This process's place in the ``("dp", "tp")`` device mesh (one process when not launched by torchrun).
+    """This process's place in the ``("dp", "cp", "tp")`` device mesh (one process when not launched by torchrun).
 
     Every sum over data (global counts, metric means, the data split of the prompts) uses
     the data-parallel group; the models' gradients cross ranks only inside FSDP2 and
-    DTensor (:func:`rlcore.train.parallel.parallelize`).
+    DTensor (:func:`rlcore.train.parallel.parallelize`). The ranks of a context-parallel
+    group hold the same rows and split each sequence (:mod:`rlcore.train.context_parallel`).
     """
 
     def __init__(self, cfg: Config, device: torch.device):
         par = cfg.parallel
         self.owns_group = not dist.is_initialized()
         self.mesh = device_mesh(
-            par.data_parallel, par.tensor_parallel, pipeline_parallel=par.pipeline_parallel, device=device
+            par.data_parallel,
+            par.tensor_parallel,
+            pipeline_parallel=par.pipeline_parallel,
+            context_parallel=par.context_parallel,
+            device=device,
         )
         self.size = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -204,6 +227,10 @@ class _World:
         # The data-parallel group the counts and metrics are summed over (None: nothing to sum).
         self.group = self.mesh.get_group("dp") if self.dp_size > 1 else None
         self.sharded = self.size > 1
+        # The context-parallel group and mode the forwards split sequences over (None: cp = 1).
+        self.cp: tuple[Any, str] | None = None
+        if self.mesh["cp"].size() > 1:
+            self.cp = (self.mesh.get_group("cp"), par.cp_mode)
 
     def close(self, *, ok: bool = True) -> None:
         """Destroy the process group this trainer started: after a barrier when the run succeeded.
@@ -361,7 +388,14 @@ def _sequences(tok: Any, prompts: list[str], responses: list[str], device: torch
 
 
 def supervised_warmup(
-    policy: torch.nn.Module, task: Any, cfg: Config, *, process_group: Any = None, rank: int = 0, progress: bool = False
+    policy: torch.nn.Module,
+    task: Any,
+    cfg: Config,
+    *,
+    process_group: Any = None,
+    rank: int = 0,
+    progress: bool = False,
+    context_parallel: tuple[Any, str] | None = None,
 ) -> None:
     """Supervised warm-up on the task's reference answers (token-mean cross-entropy over the response).
 
@@ -375,6 +409,8 @@ def supervised_warmup(
         takes its share, so the run is the same at any data-parallel size.
       rank: this process's rank in ``process_group``.
       progress: show a progress bar.
+      context_parallel: ``(group, mode)``: split each sequence over that context-parallel
+        group (every rank of it takes the same rows), or None.
     """
     tr = cfg.trainer
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -398,9 +434,15 @@ def supervised_warmup(
             seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
             if hasattr(task, "warmup_batch"):  # a task with its own traces (rlcore.agent.Multiplication: tool calls)
                 seq = {k: v.to(device) for k, v in task.warmup_batch(samples).items()}
-            logp = token_logprobs(apply, named, seq)  # aligned with the token it scores, like seq["mask"]
-            mask = seq["mask"]
-            counts = algos.global_counts(mask, process_group=process_group)
+            if context_parallel is None:
+                logp = token_logprobs(apply, named, seq)  # aligned with the token it scores, like seq["mask"]
+                mask = seq["mask"]
+                counts = algos.global_counts(mask, process_group=process_group)
+            else:  # this rank's share of the tokens, with the counts of the whole batch
+                cp_group, cp_mode = context_parallel
+                logp, _, scored = sharded_token_logprobs(apply, named, seq, group=cp_group, mode=cp_mode)
+                mask = seq["mask"] * scored
+                counts = algos.sequence_sharded_counts(mask, cp_group=cp_group, dp_group=process_group)
             loss = algos.aggregate(-logp, mask, mode="token-mean", num_tokens=counts["num_tokens"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -628,7 +670,7 @@ class _Deployment:
         replica: torch.nn.Module,
     ):
         self.cfg, self.world = cfg, world
-        self.worker: RolloutWorker | None = None
+        self.worker: RolloutWorker | RayRolloutWorker | None = None
         self.switch: Callable[[str, str | None, str], None] | None = None
         self.syncs: list[tuple[float, int]] = []
         self.memory: dict[str, float] = {}
@@ -662,12 +704,13 @@ class _Deployment:
             self.publish(0)
             self.rollout = rollout_stage(engine, generator=sampling, timeout=timeout)
         elif cfg.deploy.mode == "disaggregated":
-            self.worker = RolloutWorker(
-                _serve_rollout,
-                args=(cfg.to_dict(), task.tokenizer.vocab_size, world.dp_rank),
-                threads=max(1, cfg.trainer.threads),
-                join_timeout=5.0,
-            )
+            serve_args = (cfg.to_dict(), task.tokenizer.vocab_size, world.dp_rank)
+            if cfg.deploy.backend == "ray":  # a Ray actor; the weight packets travel through Ray's object store
+                self.worker = RayRolloutWorker(_serve_rollout, args=serve_args, threads=max(1, cfg.trainer.threads))
+            else:
+                self.worker = RolloutWorker(
+                    _serve_rollout, args=serve_args, threads=max(1, cfg.trainer.threads), join_timeout=5.0
+                )
             # Start-up (spawn, imports, model build) happens before the first step, not inside it.
             self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
             worker = self.worker
@@ -776,11 +819,16 @@ def _graph(
     """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update."""
     rl = cfg.rl
     n = 1 if rl.algo == "dpo" else rl.n_samples
+    score: Any = logprob_stage
+    reward = task.reward_stage(rewards)
+    if world.cp is not None:  # sequences split over the cp ranks; rollout and reward once per cp group
+        score = partial(cp_logprob_stage, group=world.cp[0], mode=world.cp[1])
+        rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
     stages = [
         rollout,
-        task.reward_stage(rewards),
-        logprob_stage(models.policy, temperature=rl.temperature),
-        logprob_stage(models.reference, outputs=("ref_logp",), temperature=rl.temperature),
+        reward,
+        score(models.policy, temperature=rl.temperature),
+        score(models.reference, outputs=("ref_logp",), temperature=rl.temperature),
     ]
     logged = ["scores", "mask", "old_logp", "ref_logp", "entropy", "prompt_mask", "iteration", "version"]
     if isinstance(algo, algos.DPO):
@@ -798,6 +846,9 @@ def _graph(
             produced.append("returns")
         stages.append(advantages_stage(algo, inputs=scored, outputs=produced))
         forward = rl_forward(models.policy, critic=models.critic, temperature=rl.temperature)
+        if world.cp is not None:
+            forward = cp_rl_forward(models.policy, group=world.cp[0], mode=world.cp[1], temperature=rl.temperature)
+            recipe = ContextParallelRecipe(algo, world.cp[0])
         extra = ["old_values", "returns"] if models.critic is not None else []
         inputs = ["prompts", "responses", *produced[:2], *extra, *logged]
     if rl.multi_turn is not None:  # the environments score; the forwards attend the observation tokens
@@ -923,6 +974,8 @@ def _train(
     policy = build_model(cfg, task.tokenizer.vocab_size).to(device)
     critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if rl.algo == "ppo" else None
     replica = copy.deepcopy(policy).eval().requires_grad_(False)  # rollout / reference template, unsharded
+    if world.cp is not None:
+        check_context_parallel_model(policy.config, context_parallel=world.mesh["cp"].size(), mode=world.cp[1])
     parallelize(policy, world.mesh, grad_reduce="sum")
     if cfg.model.lora is not None:  # only the adapters train (world size 1); the warm-up trains them too
         policy = attach_lora(policy, cfg)
@@ -934,7 +987,13 @@ def _train(
         check_resume_config(load_checkpoint(out).get("config"), cfg.to_dict(), allow_change=allow_config_change)
     if not resume and tr.warmup_steps:
         supervised_warmup(
-            policy, task, cfg, process_group=world.group, rank=world.dp_rank, progress=tr.progress and leader
+            policy,
+            task,
+            cfg,
+            process_group=world.group,
+            rank=world.dp_rank,
+            progress=tr.progress and leader,
+            context_parallel=world.cp,
         )
     # The reference: the (warmed-up) policy's weights in a model of its own, sharded the same way.
     if is_lora(policy):  # the base model's own tensors with the adapters off: no second copy

@@ -15,6 +15,7 @@ import torch
 from rlcore._checks import check_shape
 from rlcore.algos.aggregate import aggregate, global_counts
 from rlcore.algos.kl import KLController
+from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate
 
 __all__ = ["Algorithm", "Batch", "chain"]
 
@@ -111,7 +112,12 @@ class Algorithm(NamedTuple):
         return global_counts(batch_entry(batch, "mask", "the token mask"), process_group=process_group)
 
     def loss(
-        self, batch: Batch, *, num_tokens: Count | None = None, num_seqs: Count | None = None
+        self,
+        batch: Batch,
+        *,
+        num_tokens: Count | None = None,
+        num_seqs: Count | None = None,
+        seq_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Metrics]:
         """The scalar training loss of a (micro-)batch and detached metrics.
 
@@ -122,6 +128,12 @@ class Algorithm(NamedTuple):
         ``ValueError``). With the global counts of the whole batch
         (:meth:`global_counts`), the losses of its micro-batches add up to the loss of
         the whole batch (see :func:`rlcore.algos.aggregate`).
+
+        With context parallelism the batch's ``mask`` is this rank's part of each
+        sequence's tokens; pass the counts of :func:`rlcore.algos.sequence_sharded_counts`
+        (``num_tokens``, ``num_seqs`` and the per-sequence ``seq_tokens`` ``[B]``) and every
+        term is aggregated by :func:`rlcore.algos.sequence_sharded_aggregate`, so the losses
+        of the ``cp x dp`` ranks add up to the loss of the whole batch.
 
         Returns:
           ``(loss, metrics)``: the policy loss's metrics plus ``pg_loss``, and ``kl``,
@@ -136,6 +148,21 @@ class Algorithm(NamedTuple):
         counts = {"num_tokens": num_tokens, "num_seqs": num_seqs}
 
         def agg(x: torch.Tensor) -> torch.Tensor:
+            if seq_tokens is not None:
+                if num_tokens is None or num_seqs is None:
+                    raise ValueError(
+                        "seq_tokens: given without num_tokens and num_seqs, expected the three counts of "
+                        "rlcore.algos.sequence_sharded_counts"
+                    )
+                return sequence_sharded_aggregate(
+                    x,
+                    mask,
+                    seq_tokens=seq_tokens,
+                    mode=self.agg_mode,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                    horizon=self.horizon,
+                )
             return aggregate(x, mask, mode=self.agg_mode, horizon=self.horizon, **counts)
 
         logp = batch_entry(batch, "logp", "current-policy log-probs")
