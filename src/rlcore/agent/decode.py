@@ -8,22 +8,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlcore.models.sampling import filter_logits
+
 __all__ = ["Turn", "sample_turn"]
-
-
-def _filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
-    # The truncation of rlcore.train.rollout.filter_logits (top-k, then the top-p nucleus),
-    # kept here so that this package does not import the trainer that uses it.
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 class Turn(NamedTuple):
@@ -104,7 +91,7 @@ def sample_turn(
         if temperature == 0:
             token = logits.argmax(-1)
         else:
-            probs = torch.softmax(_filter_logits(scaled, top_k=top_k, top_p=top_p), dim=-1)
+            probs = torch.softmax(filter_logits(scaled, top_k=top_k, top_p=top_p), dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         alive = ~done
         token = torch.where(alive, token, pad_token_id)

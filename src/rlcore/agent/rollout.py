@@ -20,6 +20,7 @@ from rlcore.agent.decode import sample_turn
 from rlcore.agent.observation import observation_encoder
 from rlcore.agent.protocols import Environment
 from rlcore.agent.runner import StepRunner
+from rlcore.models.sampling import left_pad
 
 __all__ = ["TRAJECTORY_KEYS", "multi_turn_rollout"]
 
@@ -40,18 +41,6 @@ TRAJECTORY_KEYS = (
     "num_env_errors",
     "truncated",
 )
-
-
-def _left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids [B, P], mask [B, P])``, as :func:`rlcore.train.rollout.left_pad` (this package sits below the trainer)."""
-    width = max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
 
 
 class _Trajectory:
@@ -202,7 +191,7 @@ def multi_turn_rollout(
             if not active:
                 break
             budgets = [min(max_new_tokens, max_total_tokens - len(trajs[i].tokens)) for i in active]
-            ids, attention = _left_pad([trajs[i].prompt + trajs[i].tokens for i in active], pad_token_id)
+            ids, attention = left_pad([trajs[i].prompt + trajs[i].tokens for i in active], pad_token_id)
             futures: dict[int, concurrent.futures.Future] = {}
 
             def hand_over(
@@ -268,7 +257,7 @@ def multi_turn_rollout(
 
 
 def _collate(trajs: list[_Trajectory], pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    prompts, prompt_mask = _left_pad([t.prompt for t in trajs], pad_token_id)
+    prompts, prompt_mask = left_pad([t.prompt for t in trajs], pad_token_id)
     batch, width = len(trajs), max((len(t.tokens) for t in trajs), default=0)
     responses = torch.full((batch, width), pad_token_id, dtype=torch.long)
     valid = torch.zeros((batch, width), dtype=torch.long)

@@ -35,6 +35,7 @@ from rlcore.models.lora import (
 )
 from rlcore.models.preference import PREFERENCE_SIDES, preference_logps
 from rlcore.models.ring_attention import ring_attention
+from rlcore.models.sampling import filter_logits, left_pad
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
 from rlcore.models.token_logprobs import token_logprobs
 from rlcore.models.ulysses import ulysses_attention
@@ -57,8 +58,10 @@ __all__ = [
     "base_view",
     "check_cu_seqlens",
     "export_hf",
+    "filter_logits",
     "from_hf",
     "is_lora",
+    "left_pad",
     "load_adapter_state_dict",
     "load_causal_lm",
     "load_policy",
