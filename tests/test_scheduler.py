@@ -320,7 +320,7 @@ def test_columns_keep_their_dtype_through_the_pipeline(dtype):
 def test_a_stall_is_an_error_not_a_hang(monkeypatch):
     from rlcore.dataflow import scheduler
 
-    monkeypatch.setattr(scheduler._Core, "pick", lambda self, resource: None)
+    monkeypatch.setattr(scheduler.SchedulerCore, "pick", lambda self, resource: None)
     with pytest.raises(
         RuntimeError,
         match=r"pipeline stalled: no stage can take rows and none is running; stages with rows left: \['rollout@0', 'update@0'\]",

@@ -156,7 +156,7 @@ def test_cost_errors_name_the_stage():
 def test_a_stalled_simulation_is_an_error(monkeypatch):
     from rlcore.dataflow import scheduler
 
-    monkeypatch.setattr(scheduler._Core, "pick", lambda self, resource: None)
+    monkeypatch.setattr(scheduler.SchedulerCore, "pick", lambda self, resource: None)
     with pytest.raises(RuntimeError, match="simulation stalled: no stage can take rows"):
         simulate(_seven(4), dict.fromkeys(_seven(4).names, 1.0), num_prompts=4)
 

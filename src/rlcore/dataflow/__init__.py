@@ -28,7 +28,15 @@ from rlcore.dataflow.reshard import (
     reshard,
     reshard_bucket,
 )
-from rlcore.dataflow.scheduler import PipelineResult, StageTimeout, TaskRecord, add_note, run_pipeline
+from rlcore.dataflow.scheduler import (
+    PipelineResult,
+    ScheduledCall,
+    SchedulerCore,
+    StageTimeout,
+    TaskRecord,
+    add_note,
+    run_pipeline,
+)
 from rlcore.dataflow.simulate import LinearCost, SimReport, critical_path_bound, fit_costs, simulate
 from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, stage
 from rlcore.dataflow.weight_sync import SyncRecord, WeightPacket, WeightSync, load_into, unpack_weights
@@ -54,6 +62,8 @@ __all__: list[str] = [
     "ReshardPlan",
     "RolloutActor",
     "RolloutWorker",
+    "ScheduledCall",
+    "SchedulerCore",
     "SimReport",
     "Stage",
     "StageGraph",

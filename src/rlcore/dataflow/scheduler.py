@@ -40,7 +40,7 @@ from rlcore._checks import check_positive
 from rlcore.dataflow.dock import TransferDock
 from rlcore.dataflow.stages import Stage, StageGraph
 
-__all__ = ["PipelineResult", "StageTimeout", "TaskRecord", "add_note", "run_pipeline"]
+__all__ = ["PipelineResult", "ScheduledCall", "SchedulerCore", "StageTimeout", "TaskRecord", "add_note", "run_pipeline"]
 
 _COLLECT = "__collect__"
 Loader = Callable[[int], Mapping[str, Any]]
@@ -86,7 +86,9 @@ class PipelineResult(NamedTuple):
 
 
 @dataclasses.dataclass(eq=False)
-class _Task:
+class ScheduledCall:
+    """One stage call the scheduler has started: its rows of an iteration, their batch, the version, any phase switch."""
+
     stage: Stage
     iteration: int
     rows: torch.Tensor
@@ -109,8 +111,11 @@ def add_note(err: BaseException, where: str) -> BaseException:
     return err
 
 
-class _Core:
-    """The scheduling state and rules, independent of how calls are executed or timed."""
+class SchedulerCore:
+    """The scheduling state and rules, independent of how calls are executed or timed.
+
+    Shared by :func:`run_pipeline` (threads) and :func:`rlcore.dataflow.simulate` (a virtual clock).
+    """
 
     def __init__(
         self,
@@ -174,7 +179,7 @@ class _Core:
         self.taken: dict[tuple[str, int], int] = {}
         self.left: dict[tuple[str, int], int] = {}
         self.finished: dict[int, set[str]] = {}
-        self.running: dict[str, list[_Task]] = {r: [] for r in graph.resources}
+        self.running: dict[str, list[ScheduledCall]] = {r: [] for r in graph.resources}
         self.phase: dict[str, str | None] = dict.fromkeys(graph.resources)
         self.records: list[TaskRecord] = []
         self.batches: list[dict[str, torch.Tensor]] = [{} for _ in range(num_iterations)]
@@ -213,7 +218,7 @@ class _Core:
                 self.left[name, j] = self.capacity
             self.admitted += 1
 
-    def pick(self, resource: str) -> _Task | None:
+    def pick(self, resource: str) -> ScheduledCall | None:
         """The next call for a free slot of ``resource``, its rows already taken from the dock; None if none."""
         running = {t.stage.phase for t in self.running[resource] if t.stage.phase is not None}
         current = self.phase[resource]
@@ -240,7 +245,7 @@ class _Core:
                 return task
         return None
 
-    def _take(self, s: Stage, j: int) -> _Task | None:
+    def _take(self, s: Stage, j: int) -> ScheduledCall | None:
         dock = self.docks[j]
         taken = self.taken[s.name, j]
         left = self.capacity - taken
@@ -260,9 +265,9 @@ class _Core:
         self.taken[s.name, j] = taken + rows.numel()
         if s.role == "rollout":
             batch["policy_version"] = torch.full((rows.numel(),), self.version, dtype=torch.int64)
-        return _Task(s, j, rows, batch, self.version, None)
+        return ScheduledCall(s, j, rows, batch, self.version, None)
 
-    def complete(self, task: _Task, out: Any) -> bool:
+    def complete(self, task: ScheduledCall, out: Any) -> bool:
         """Put a call's outputs into its iteration's dock; True when the stage has now done every row."""
         s = task.stage
         if not isinstance(out, Mapping) or set(out) != set(s.outputs):
@@ -278,7 +283,7 @@ class _Core:
         self.left[s.name, task.iteration] -= task.rows.numel()
         return self.left[s.name, task.iteration] == 0
 
-    def release(self, task: _Task, end: float, last: bool) -> None:
+    def release(self, task: ScheduledCall, end: float, last: bool) -> None:
         """Free the call's slot; when ``last``, the stage has finished the iteration: advance versions and retire."""
         self.running[task.stage.resource].remove(task)
         self.records.append(
@@ -369,7 +374,7 @@ def run_pipeline(
     >>> [b["policy_version"].tolist() for b in res.batches]
     [[0, 0, 0, 0], [0, 0, 0, 0], [2, 2, 2, 2]]
     """
-    core = _Core(
+    core = SchedulerCore(
         graph,
         loader,
         num_prompts=num_prompts,

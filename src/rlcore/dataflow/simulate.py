@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlcore.dataflow.scheduler import TaskRecord, _Core, _Task
+from rlcore.dataflow.scheduler import ScheduledCall, SchedulerCore, TaskRecord
 from rlcore.dataflow.stages import Stage, StageGraph
 
 __all__ = ["LinearCost", "SimReport", "critical_path_bound", "fit_costs", "simulate"]
@@ -108,7 +108,7 @@ def simulate(
     """
     fn = _cost_fn(cost, graph)
     zeros = {c: torch.zeros(num_prompts * n_samples) for c in graph.sources}
-    core = _Core(
+    core = SchedulerCore(
         graph,
         lambda j: zeros,
         num_prompts=num_prompts,
@@ -121,7 +121,7 @@ def simulate(
     )
     free = dict(core.slots)
     busy = dict.fromkeys(graph.names, 0.0)
-    events: list[tuple[float, int, _Task]] = []
+    events: list[tuple[float, int, ScheduledCall]] = []
     seq = itertools.count()
     now = 0.0
     while not core.done:

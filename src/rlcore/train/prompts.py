@@ -234,8 +234,8 @@ def source_tokenizer(cfg: Config, task_options: dict[str, Any]) -> Any:
 
 
 def task_options(cfg: Config) -> dict[str, Any]:
-    """The built-in task's options from ``data.*`` (digits for addition; length, letters for reversal)."""
+    """The built-in task's options from ``data.*`` (digits for addition and multiplication; length, letters for reversal)."""
     d = cfg.data
-    if d.task == "addition":
+    if d.task in ("addition", "multiplication"):
         return {"digits": d.digits}
     return {"length": d.length, "min_length": d.min_length, "letters": d.letters}

@@ -93,7 +93,7 @@ from rlcore.train.context_parallel import (
 from rlcore.train.lora import adapter_modules, attach_lora, check_lora_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
-from rlcore.train.prompts import make_prompt_source, source_tokenizer
+from rlcore.train.prompts import make_prompt_source, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
 from rlcore.train.rundir import check_resume_config, prepare_run_dir
 from rlcore.train.stages import (
@@ -618,7 +618,7 @@ def _serve_rollout(cfg_dict: dict[str, Any], vocab_size: int, rank: int) -> Call
 
     cfg = parse_config(cfg_dict)
     model = build_model(cfg, vocab_size).eval()
-    engine = _engine(cfg, model, source_tokenizer(cfg, _task_options(cfg)))
+    engine = _engine(cfg, model, source_tokenizer(cfg, task_options(cfg)))
     params = dict(model.named_parameters())
     loaded: list[Any] = [None]
 
@@ -922,7 +922,7 @@ def train(
     ok = False
     try:
         prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
-        task = make_prompt_source(cfg, _task_options(cfg), world_size=world.dp_size)
+        task = make_prompt_source(cfg, task_options(cfg), world_size=world.dp_size)
         if task.dataset is not None and world.rank == 0:
             print(task.summary(), flush=True)
         run = _train(
@@ -1097,10 +1097,3 @@ def _train(
         if log is not None:
             log.close()
     return _Trained(records, policy, critic, result.tasks if result is not None else None, start)
-
-
-def _task_options(cfg: Config) -> dict[str, Any]:
-    d = cfg.data
-    if d.task in ("addition", "multiplication"):
-        return {"digits": d.digits}
-    return {"length": d.length, "min_length": d.min_length, "letters": d.letters}

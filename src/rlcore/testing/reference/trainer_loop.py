@@ -73,12 +73,13 @@ def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
         make_task,
         supervised_warmup,
     )
-    from rlcore.train.trainer import DATA, SAMPLING, _task_options
+    from rlcore.train.prompts import task_options
+    from rlcore.train.trainer import DATA, SAMPLING
 
     rl, tr = cfg.rl, cfg.trainer
     if rl.algo == "dpo":
         raise ValueError("cfg: got rl.algo 'dpo', expected a policy-gradient algorithm")
-    task = make_task(cfg.data.task, **_task_options(cfg))
+    task = make_task(cfg.data.task, **task_options(cfg))
     tok = task.tokenizer
     torch.manual_seed(tr.seed)
     policy = build_model(cfg, tok.vocab_size)
