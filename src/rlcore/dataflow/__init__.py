@@ -1,6 +1,6 @@
 """Data movement: sequence packing, the Transfer Dock, dispatch, resharding, weight sync, pipelines."""
 
-from rlcore.dataflow.deploy import RolloutWorker, colocate
+from rlcore.dataflow.deploy import RolloutWorker, colocate, rollout_proxy_stage
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, shard_samples
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse, flatten_rows, unflatten_rows
 from rlcore.dataflow.layout import (
@@ -94,6 +94,7 @@ __all__: list[str] = [
     "plan_reshard",
     "reshard",
     "reshard_bucket",
+    "rollout_proxy_stage",
     "run_pipeline",
     "shard_samples",
     "shift_labels",

@@ -32,7 +32,7 @@ from rlcore.dataflow.scheduler import add_note
 from rlcore.dataflow.stages import Stage, stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
-__all__ = ["RolloutWorker", "colocate"]
+__all__ = ["RolloutWorker", "colocate", "rollout_proxy_stage"]
 
 
 def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequence[str] = ("cpu",)) -> list[Stage]:
@@ -81,6 +81,36 @@ def _picklable(err: BaseException) -> BaseException:
         return err
     except Exception:
         return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+def rollout_proxy_stage(
+    call: Callable[[dict[str, torch.Tensor]], Mapping[str, Any]],
+    *,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    name: str = "rollout",
+    micro_batch: int | None = None,
+    resource: str = "rollout",
+    timeout: float | None = None,
+) -> Stage:
+    """A rollout stage (role ``"rollout"``) whose calls go to a worker elsewhere: ``call(batch) -> columns``.
+
+    The stage of :class:`RolloutWorker` and :class:`rlcore.dataflow.RayRolloutWorker`.
+
+    >>> s = rollout_proxy_stage(lambda b: {"responses": b["prompts"]}, inputs=["prompts"], outputs=["responses"])
+    >>> s.name, s.role, s.resource
+    ('rollout', 'rollout', 'rollout')
+    """
+    return stage(
+        call,
+        inputs=inputs,
+        outputs=outputs,
+        name=name,
+        micro_batch=micro_batch,
+        resource=resource,
+        role="rollout",
+        timeout=timeout,
+    )
 
 
 class RolloutWorker:
@@ -195,14 +225,13 @@ class RolloutWorker:
         timeout: float | None = None,
     ) -> Stage:
         """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph."""
-        return stage(
+        return rollout_proxy_stage(
             lambda batch: self._call(name, batch),
             inputs=inputs,
             outputs=outputs,
             name=name,
             micro_batch=micro_batch,
             resource=resource,
-            role="rollout",
             timeout=timeout,
         )
 

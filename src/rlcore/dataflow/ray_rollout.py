@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from rlcore.dataflow.deploy import rollout_proxy_stage
 from rlcore.dataflow.scheduler import add_note
-from rlcore.dataflow.stages import Stage, stage
+from rlcore.dataflow.stages import Stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
 __all__ = ["RayRolloutWorker", "RolloutActor"]
@@ -192,14 +193,13 @@ class RayRolloutWorker:
         timeout: float | None = None,
     ) -> Stage:
         """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph."""
-        return stage(
+        return rollout_proxy_stage(
             lambda batch: self._call(name, batch),
             inputs=inputs,
             outputs=outputs,
             name=name,
             micro_batch=micro_batch,
             resource=resource,
-            role="rollout",
             timeout=timeout,
         )
 
