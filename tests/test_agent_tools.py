@@ -169,14 +169,14 @@ def test_step_runner_concurrency_timeout_and_errors():
         [f.result() for f in futures]
         assert time.perf_counter() - t0 < 0.7  # eight 0.1 s sleeps overlap
         with pytest.raises(TimeoutError):
-            runner.submit(time.sleep, 2).result(timeout=5)
+            runner.submit(time.sleep, 2).result(timeout=60)
         with pytest.raises(ZeroDivisionError):
-            runner.submit(lambda: 1 / 0).result(timeout=5)
+            runner.submit(lambda: 1 / 0).result(timeout=60)
 
         async def double(x):
             return 2 * x
 
-        assert runner.submit(double, 4).result(timeout=5) == 8
+        assert runner.submit(double, 4).result(timeout=60) == 8
         assert threading.current_thread() is threading.main_thread()
     with pytest.raises(RuntimeError, match="after close"):
         runner.submit(len, "x")

@@ -226,9 +226,9 @@ def test_wait_ready_raises_the_factory_error_and_returns_once_built():
         RolloutWorker(make_broken, start_method="fork") as worker,
         pytest.raises(OSError, match="no model here") as info,
     ):
-        worker.wait_ready(timeout=30)
+        worker.wait_ready(timeout=120)
     assert any("rollout worker process" in n for n in info.value.__notes__)
     with RolloutWorker(make_generate, args=("ok",), start_method="fork") as worker:
-        worker.wait_ready(timeout=30)
-        worker.wait_ready(timeout=30)  # already ready: returns at once
+        worker.wait_ready(timeout=120)
+        worker.wait_ready(timeout=120)  # already ready: returns at once
         assert worker.process.is_alive()

@@ -158,10 +158,27 @@ def test_close_never_waits_for_a_running_call_and_fails_what_is_left(tmp_path):
     pool.close()  # returns although the reward is stuck in C code
     for future in (running, queued):
         with pytest.raises((RewardError, CancelledError)):
-            future.result(timeout=30)
-    assert reward_helpers.wait_for(lambda: not reward_helpers.alive(int(marker.read_text())), 30)
+            future.result(timeout=120)
+    assert reward_helpers.wait_for(lambda: not reward_helpers.alive(int(marker.read_text())), 120)
     with pytest.raises(RuntimeError, match="submit after close"):
         pool.submit(["p"], ["a"])
+
+
+def test_reprobe_close_after_the_pool_broke_is_clean(monkeypatch):
+    # A pool whose worker could not even be started (e.g. spawn from an unguarded main
+    # module) failed its futures, but close() then raised OSError("handle is closed").
+    import rlcore.rewards.pool as pool_module
+
+    def cannot_start(self):
+        raise RuntimeError("no process can be started here")
+
+    monkeypatch.setattr(pool_module._Dispatcher, "_start", cannot_start)
+    with RewardPool(reward_helpers.Sleeps(0.0), num_workers=1) as pool:
+        with pytest.raises(RewardError, match=r"reward 'sleeps': the reward pool stopped \(RuntimeError: no process"):
+            pool.submit(["p"], ["a"], batch=0).result(timeout=120)
+        with pytest.raises(RewardError, match="the reward pool stopped"):
+            pool.submit(["p"], ["a"], batch=1).result(timeout=120)
+    pool.close()  # twice: still clean
 
 
 _OWNER = """
@@ -189,9 +206,9 @@ def test_stuck_reward_ctrl_c_stops_the_owner_within_seconds(tmp_path):
     proc, worker = _start_owner(tmp_path)
     try:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=120)
         assert "KeyboardInterrupt" in err
-        assert reward_helpers.wait_for(lambda: not reward_helpers.alive(worker), 30)
+        assert reward_helpers.wait_for(lambda: not reward_helpers.alive(worker), 120)
     finally:
         proc.kill()
         proc.communicate()
@@ -205,7 +222,7 @@ def test_stuck_reward_kill_9_of_the_owner_leaves_no_orphan_worker_or_tracker(tmp
         assert worker in below  # with the resource tracker, when multiprocessing starts one
         proc.kill()
         proc.communicate()
-        assert reward_helpers.wait_for(lambda: not any(reward_helpers.alive(p) for p in below), 30), [
+        assert reward_helpers.wait_for(lambda: not any(reward_helpers.alive(p) for p in below), 120), [
             p for p in below if reward_helpers.alive(p)
         ]
     finally:

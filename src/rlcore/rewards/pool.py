@@ -127,6 +127,7 @@ class _Dispatcher:
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
         self._woken = False
         self._closing = False
+        self._stopped = False  # the loop has ended and closed the wake pipe
         self._broken: str | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="rlcore-reward-pool")
         self._thread.start()
@@ -154,7 +155,7 @@ class _Dispatcher:
             self._thread.join(timeout=_GRACE + 5)
 
     def _wake(self) -> None:  # with self._lock held
-        if not self._woken:
+        if not self._woken and not self._stopped:
             self._woken = True
             self._wake_w.send_bytes(b"")
 
@@ -200,8 +201,10 @@ class _Dispatcher:
                 _settle(w.job.future, error=RewardError(f"{w.job.where}: the reward pool was closed while scoring it"))
             w.conn.close()
         workers.clear()
-        self._wake_r.close()
-        self._wake_w.close()
+        with self._lock:  # a user thread's submit or close never writes to a closed pipe
+            self._stopped = True
+            self._wake_r.close()
+            self._wake_w.close()
 
     def _loop(self, workers: list[_Worker]) -> None:
         while True:
