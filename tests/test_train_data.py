@@ -1,6 +1,7 @@
 """The trainer on a user's own model and data: a local Qwen2 directory, a JSONL dataset, a reward file, the seed's flags."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,95 @@ def test_the_seed_config_runs_once_its_model_is_a_local_directory(user, tmp_path
 
     exported = AutoModelForCausalLM.from_pretrained(out / "hf", dtype="auto")
     assert next(exported.parameters()).dtype == torch.bfloat16  # the seed's torch_dtype
+
+
+DPO_CONFIG = """
+model:
+  model_name_or_path: {model}
+rl:
+  algo: dpo
+  batch_size: 16
+  mini_batch_size: 16
+  num_rollouts: 1
+  beta: 0.5
+  lr: 0.01
+data:
+  max_response_length: 12
+trainer:
+  steps: 8
+  reward_workers: 1
+  threads: 1
+  progress: false
+  plot: false
+"""
+
+
+def _preference_rows(n: int) -> list[dict]:
+    """Pairs of the arithmetic task: the right sum is chosen, a wrong one rejected (TRL's prompt / chosen / rejected)."""
+    rows = arithmetic_rows(n, seed=3, low=0, high=9)
+    return [
+        {
+            "prompt": r["prompt"],
+            "chosen": f"The answer is \\\\boxed{{{r['answer']}}}.",
+            "rejected": f"The answer is \\\\boxed{{{int(r['answer']) + 3}}}.",
+        }
+        for r in rows
+    ]
+
+
+def test_offline_dpo_on_a_preference_dataset(user, tmp_path, capsys):
+    """`rlcore train` with rl.algo dpo and a preference JSONL: the DPO loss falls, the implicit reward margin and
+    accuracy rise; no rollout and no reward worker run."""
+    rows = _preference_rows(16)
+    rows.append({**rows[0], "rejected": "The answer is " + "9" * 40})  # longer than data.max_response_length
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "dpo.yaml"
+    config.write_text(DPO_CONFIG.format(model=user["model"]))
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(config), "--dataset", str(data), "--output_dir", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "16 preference pairs" in summary and "1 dropped and 0 truncated as overlong responses" in summary
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(8))
+    assert "reward" not in records[0] and "busy_s/rollout" not in records[0]  # offline: nothing sampled or scored
+    loss = [r["loss"] for r in records]
+    margins = [r["margins"] for r in records]
+    accuracy = [r["accuracies"] for r in records]
+    assert loss[0] == pytest.approx(math.log(2), abs=1e-3)  # the policy starts as the reference
+    # every step sees all sixteen pairs: the loss falls, the margin and the accuracy rise
+    assert max(loss[-3:]) < min(loss[:3]) and loss[-1] < loss[0] - 0.2, loss
+    assert min(margins[-3:]) > max(margins[:3]) and margins[-1] > 0.5, margins
+    assert accuracy[-1] >= 0.75 > accuracy[0] and accuracy[-1] > accuracy[1], accuracy
+    assert records[-1]["data/dropped"] == 1.0
+    # the checkpoint resumes
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--dataset",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--resume",
+                "trainer.steps=9",
+            ]
+        )
+        == 0
+    )
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(9))
+
+
+def test_dpo_dataset_without_its_response_column_names_it_and_the_file(user, tmp_path, capsys):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "chosen": r["chosen"]}) + "\n" for r in _preference_rows(4))
+    )
+    config = tmp_path / "dpo.yaml"
+    config.write_text(DPO_CONFIG.format(model=user["model"]))
+    err = _bad(user, tmp_path, capsys, "--dataset", str(data), config=config)
+    assert "rejected_key: column 'rejected' is not in" in err and str(data) in err
+    err = _bad(user, tmp_path, capsys, "--dataset", str(data), "data.chosen_key=good", config=config)
+    assert "chosen_key: column 'good' is not in" in err

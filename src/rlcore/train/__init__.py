@@ -38,6 +38,7 @@ from rlcore.train.parallel import (
 from rlcore.train.prompts import (
     DatasetPrompts,
     HFTokenizer,
+    PreferencePrompts,
     TaskPrompts,
     make_prompt_source,
     source_tokenizer,
@@ -128,6 +129,7 @@ __all__ += [
     "RUN_FILES",
     "DatasetPrompts",
     "HFTokenizer",
+    "PreferencePrompts",
     "TaskPrompts",
     "Validator",
     "check_resume_config",
