@@ -363,3 +363,32 @@ def test_dpo_dataset_without_its_response_column_names_it_and_the_file(user, tmp
     assert "rejected_key: column 'rejected' is not in" in err and str(data) in err
     err = _bad(user, tmp_path, capsys, "--dataset", str(data), "data.chosen_key=good", config=config)
     assert "chosen_key: column 'good' is not in" in err
+
+
+STUBBORN_FILE = """
+from rlcore.rewards import VerifiedMath
+
+PATHOLOGICAL = r"\\boxed{9^{9^{9^{9^{9}}}}}"
+
+
+class Stubborn(VerifiedMath):
+    # Verified maths whose first response of every call is a pathological answer (it times out).
+    def __call__(self, prompts, responses, **columns):
+        return super().__call__(prompts, [PATHOLOGICAL, *responses[1:]], **columns)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_maths_timeouts_are_counted_in_the_step_records(user, tmp_path, workers):
+    """The verified-maths counters reach metrics.jsonl, from the trainer's process and from a reward worker."""
+    (user["root"] / "conf" / "rewards" / "stubborn.py").write_text(STUBBORN_FILE)
+    config = user["root"] / "conf" / f"stubborn{workers}.yaml"  # beside the reward file it names
+    reward = "{reward: rewards/stubborn.py:Stubborn, name: math, kwargs: {timeout: 0.5}}"
+    text = user["config"].read_text().split("rewards:")[0] + f"rewards:\n  - {reward}\ntrainer:\n  steps: 2\n"
+    config.write_text(text + f"  reward_workers: {workers}\n  threads: 1\n  progress: false\n  plot: false\n")
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(config), "--dataset", str(user["train"]), "--output_dir", str(out)]) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:  # 4 prompts x 4 samples a step, the first of them pathological
+        assert r["reward/math/checked"] == 16 and r["reward/math/timeouts"] == 1, r

@@ -1096,6 +1096,11 @@ def _train(
             if extra:
                 local.update(world.reduce(extra))
             metrics = {k: float(v) for k, v in local.items()}
+            # The reward's counters (verified-maths timeouts, ...), summed over the data-parallel ranks.
+            counts = rewards.pop_metrics(step)
+            if counts:
+                summed = world.reduce({f"_{k}": torch.tensor(v) for k, v in sorted(counts.items())})
+                metrics.update({f"reward/{k[1:]}": float(v) for k, v in summed.items()})
             samples = world.dp_size * rl.batch_size * n
             # As the seed system defines it: (prompt + response tokens) x samples / devices / step time.
             metrics["tokens_per_s_device"] = (
