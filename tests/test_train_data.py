@@ -2,6 +2,8 @@
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,30 @@ def test_resume_with_a_changed_hidden_size_names_the_key(user, run, tmp_path, ca
     assert _train(user, run, "--resume", f"model.model_name_or_path={bigger}", "--allow-config-change") == 2
     (err,) = _errors(capsys)
     assert "resume: the model differs" in err and "model.model_name_or_path" in err
+
+
+def test_resume_after_the_model_directory_changed_names_the_tensor(user, tmp_path, capsys):
+    """Same model.model_name_or_path, other weights in it: one line naming the checkpoint, the tensor and both shapes."""
+    shape = {"num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+    model = build_tiny_qwen2(tmp_path / "model", hidden_size=16, **shape)
+    out = tmp_path / "out"
+    args = [f"model.model_name_or_path={model}", "trainer.steps=1", "trainer.eval_every=0", "trainer.plot=false"]
+    assert _train(user, out, *args) == 0
+    before = (out / "metrics.jsonl").read_text()
+    for changed, pattern in (
+        ({"hidden_size": 32}, r"tensor 'model\.embed_tokens\.weight' has shape \[\d+, 16\] there, \[\d+, 32\] in"),
+        (
+            {"hidden_size": 16, "num_layers": 2},
+            r"tensor 'model\.layers\.1\..*' of shape \[.*\] in .* is not in the checkpoint",
+        ),
+    ):
+        shutil.rmtree(model)
+        build_tiny_qwen2(model, **{**shape, **changed})
+        assert _train(user, out, *args, "--resume", "trainer.steps=2") == 2
+        (err,) = _errors(capsys)
+        assert re.search(pattern, err), err
+        assert f"checkpoint {str(out / 'checkpoint')!r} was saved from another model" in err and str(model) in err
+        assert (out / "metrics.jsonl").read_text() == before  # refused before any step
 
 
 def test_overwrite_replaces_the_run(user, tmp_path):

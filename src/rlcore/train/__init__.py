@@ -45,7 +45,14 @@ from rlcore.train.prompts import (
     task_options,
 )
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
-from rlcore.train.rundir import FREE_KEYS, RUN_FILES, check_resume_config, config_changes, prepare_run_dir
+from rlcore.train.rundir import (
+    FREE_KEYS,
+    RUN_FILES,
+    check_resume_config,
+    check_resume_shapes,
+    config_changes,
+    prepare_run_dir,
+)
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
@@ -133,6 +140,7 @@ __all__ += [
     "TaskPrompts",
     "Validator",
     "check_resume_config",
+    "check_resume_shapes",
     "config_changes",
     "export_checkpoint",
     "make_prompt_source",

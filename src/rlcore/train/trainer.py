@@ -95,7 +95,7 @@ from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_me
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
 from rlcore.train.prompts import PreferencePrompts, make_prompt_source, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
-from rlcore.train.rundir import check_resume_config, prepare_run_dir
+from rlcore.train.rundir import check_resume_config, check_resume_shapes, prepare_run_dir
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
@@ -352,9 +352,12 @@ def _state(step: int, models: _Models, opt: _Optimiser, cfg: Config) -> dict[str
     return state
 
 
-def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config) -> None:
-    """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1)."""
-    save_checkpoint(out, _state(step, models, opt, cfg))
+def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config, shapes: dict[str, list[int]]) -> None:
+    """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1).
+
+    ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state.
+    """
+    save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes})
 
 
 def _restore(out: Path, models: _Models, opt: _Optimiser, cfg: Config) -> int:
@@ -1015,6 +1018,7 @@ def _train(
     policy = build_model(cfg, task.tokenizer.vocab_size).to(device)
     critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if rl.algo == "ppo" else None
     replica = copy.deepcopy(policy).eval().requires_grad_(False)  # rollout / reference template, unsharded
+    shapes = {name: list(t.shape) for name, t in replica.state_dict().items()}  # recorded by every checkpoint
     if world.cp is not None:
         check_context_parallel_model(policy.config, context_parallel=world.mesh["cp"].size(), mode=world.cp[1])
     parallelize(policy, world.mesh, grad_reduce="sum")
@@ -1025,7 +1029,12 @@ def _train(
     out = Path(tr.output_dir)
     leader = world.rank == 0
     if resume:
-        check_resume_config(load_checkpoint(out).get("config"), cfg.to_dict(), allow_change=allow_config_change)
+        saved = load_checkpoint(out)
+        check_resume_config(saved.get("config"), cfg.to_dict(), allow_change=allow_config_change)
+        # The same model directory may hold other weights now: refuse before anything loads.
+        check_resume_shapes(
+            saved.get("model_shapes"), shapes, checkpoint=out / "checkpoint", model=str(cfg.model.model_name_or_path)
+        )
     if not resume and tr.warmup_steps:
         supervised_warmup(
             policy,
@@ -1113,7 +1122,7 @@ def _train(
             if log is not None:
                 log.write(record)
             if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
-                _save(out, step, models, opt, cfg)  # every rank: DCP writes each rank's shards
+                _save(out, step, models, opt, cfg, shapes)  # every rank: DCP writes each rank's shards
                 if tr.export:  # the policy as a Hugging Face directory beside the checkpoint
                     if world.size == 1:
                         export_hf(models.policy, out / "hf", tokenizer=task.hf_tokenizer)
