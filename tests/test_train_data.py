@@ -2,8 +2,11 @@
 
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -418,3 +421,78 @@ def test_maths_timeouts_are_counted_in_the_step_records(user, tmp_path, workers)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:  # 4 prompts x 4 samples a step, the first of them pathological
         assert r["reward/math/checked"] == 16 and r["reward/math/timeouts"] == 1, r
+
+
+RECORDER_FILE = """
+import json, os
+
+
+class Recorder:
+    # Scores 1 for every response and appends, per call (one call a step), the dataset ids this rank scored.
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __call__(self, prompts, responses, *, id, **columns):
+        rank = os.environ.get("RANK", "0")
+        with open(os.path.join(self.folder, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(sorted(set(id))) + "\\n")
+        return [1.0] * len(responses)
+"""
+
+TORCHRUN_CONFIG = """
+model:
+  model_name_or_path: {model}
+rl:
+  algo: grpo
+  batch_size: 2
+  mini_batch_size: 2
+  num_rollouts: 2
+  max_new_tokens: 2
+parallel:
+  data_parallel: 2
+rewards:
+  - {{reward: rewards/recorder.py:Recorder, kwargs: {{folder: {folder}}}}}
+trainer:
+  steps: 2
+  warmup_steps: 1
+  warmup_batch_size: 2
+  reward_workers: 0
+  threads: 1
+  progress: false
+  plot: false
+"""
+
+
+def test_torchrun_two_ranks_shard_each_global_batch_of_the_dataset(user, tmp_path):
+    """torchrun -m rlcore.train --dataset: each rank scores its own share of every step's global batch (together
+    the batch the seeded order draws, none twice); the checkpoint resumes at one rank with the next global batch."""
+    from rlcore.data import sample_indices
+
+    rows = [{**r, "id": i} for i, r in enumerate(arithmetic_rows(24, seed=7))]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder = tmp_path / "seen"
+    folder.mkdir()
+    config = user["root"] / "conf" / "torchrun.yaml"  # beside the reward file it names
+    (user["root"] / "conf" / "rewards" / "recorder.py").write_text(RECORDER_FILE)
+    config.write_text(TORCHRUN_CONFIG.format(model=user["model"], folder=folder))
+    out = tmp_path / "out"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    flags = ["--config", str(config), "--dataset", str(data), "--output_dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launch, "-m", "rlcore.train", *flags], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [[json.loads(line) for line in (folder / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert [len(s) for s in seen] == [2, 2]  # one reward call a step on each rank
+    for step in range(2):
+        mine, theirs = seen[0][step], seen[1][step]
+        assert len(mine) == len(theirs) == 2 and not set(mine) & set(theirs), (step, mine, theirs)
+        want = sample_indices(len(rows), 4, seed=0, position=4 * step).indices  # the step's global batch
+        assert sorted(mine + theirs) == sorted(want), (step, mine, theirs)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]
+    # the 2-rank checkpoint resumes in one process, with the same global batch per step
+    one_rank = ["parallel.data_parallel=1", "rl.batch_size=4", "rl.mini_batch_size=4", "trainer.warmup_batch_size=4"]
+    assert main(["train", *flags, "--resume", "trainer.steps=3", *one_rank]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    last = json.loads((folder / "rank0.jsonl").read_text().splitlines()[-1])
+    assert last == sorted(set(sample_indices(len(rows), 4, seed=0, position=8).indices))
