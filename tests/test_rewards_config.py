@@ -294,7 +294,7 @@ def test_reward_metrics_and_close_collect_from_components():
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_reward_pool_brings_the_counters_back_per_batch(num_workers):
     """The verified-maths counters reach the pool's owner with the scores, from a worker process too."""
-    reward = build_reward([{"reward": "math", "kwargs": {"timeout": 0.5}}, "length"])
+    reward = build_reward([{"reward": "math", "kwargs": {"timeout": 1.0}}, "length"])
     try:
         with RewardPool(reward, num_workers=num_workers, timeout=120) as pool:
             assert pool.pop_metrics(0) == dict.fromkeys(

@@ -412,15 +412,16 @@ def test_maths_timeouts_are_counted_in_the_step_records(user, tmp_path, workers)
     """The verified-maths counters reach metrics.jsonl, from the trainer's process and from a reward worker."""
     (user["root"] / "conf" / "rewards" / "stubborn.py").write_text(STUBBORN_FILE)
     config = user["root"] / "conf" / f"stubborn{workers}.yaml"  # beside the reward file it names
-    reward = "{reward: rewards/stubborn.py:Stubborn, name: math, kwargs: {timeout: 0.5}}"
+    reward = "{reward: rewards/stubborn.py:Stubborn, name: math, kwargs: {timeout: 1.0}}"
     text = user["config"].read_text().split("rewards:")[0] + f"rewards:\n  - {reward}\ntrainer:\n  steps: 2\n"
     config.write_text(text + f"  reward_workers: {workers}\n  threads: 1\n  progress: false\n  plot: false\n")
     out = tmp_path / "out"
     assert main(["train", "--config", str(config), "--dataset", str(user["train"]), "--output_dir", str(out)]) == 0
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
-    for r in records:  # 4 prompts x 4 samples a step, the first of them pathological
-        assert r["reward/math/checked"] == 16 and r["reward/math/timeouts"] == 1, r
+    for r in records:  # 4 prompts x 4 samples a step, the first of them pathological (on a loaded machine
+        # another item may run past the timeout too)
+        assert r["reward/math/checked"] == 16 and 1 <= r["reward/math/timeouts"] <= 16 - r["reward/math/no_answer"], r
 
 
 RECORDER_FILE = """
