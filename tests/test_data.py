@@ -1,4 +1,4 @@
-"""Prompt datasets: JSONL / Parquet / saved datasets, chat templates, length limits, errors, seeded resumable order."""
+"""Prompt and preference datasets: JSONL / Parquet / saved datasets, chat templates, length limits, errors, seeded resumable order."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.data import epoch_permutation, load_prompts, read_table, sample_indices
+from rlcore.data import epoch_permutation, load_preferences, load_prompts, read_table, sample_indices
 from rlcore.testing.hf_fixtures import arithmetic_rows, tiny_tokenizer, write_prompt_files
 
 
@@ -192,3 +192,75 @@ def test_sample_indices_rejects_bad_input():
     ]:
         with pytest.raises(ValueError, match=pattern):
             sample_indices(**kwargs)
+
+
+def _pairs(rows: list[dict]) -> list[dict]:
+    return [
+        {
+            "prompt": r["prompt"],
+            "chosen": f"It is {r['answer']}.",
+            "rejected": f"It is {int(r['answer']) + 1}.",
+            "id": i,
+        }
+        for i, r in enumerate(rows)
+    ]
+
+
+def test_preference_pairs_are_the_tokenizers_ids_with_eos(tmp_path, rows, tokenizer):
+    path = _write_jsonl(tmp_path / "pairs.jsonl", _pairs(rows))
+    pairs = load_preferences(path, tokenizer=tokenizer)
+    prompts = load_prompts(path, tokenizer=tokenizer, answer_key=None)
+    assert len(pairs) == len(rows) and pairs.prompts.texts == prompts.texts  # the chat template, as for RL
+    assert pairs.prompts.prompt_ids == prompts.prompt_ids
+    assert set(pairs.prompts.columns) == {"id"}  # the response columns are not reward columns
+    eos = tokenizer.eos_token_id
+    for i, r in enumerate(rows):
+        for side, want in (("chosen", f"It is {r['answer']}."), ("rejected", f"It is {int(r['answer']) + 1}.")):
+            ids = getattr(pairs, f"{side}_ids")[i]
+            assert getattr(pairs, side)[i] == want
+            assert list(ids) == [*tokenizer(want, add_special_tokens=False)["input_ids"], eos]
+    # conversational responses (TRL's layout): the last message's content
+    chat = [{**p, "chosen": [{"role": "assistant", "content": p["chosen"]}]} for p in _pairs(rows)]
+    assert load_preferences(_write_jsonl(tmp_path / "chat.jsonl", chat), tokenizer=tokenizer).chosen == pairs.chosen
+    assert load_preferences(path, tokenizer=tokenizer, eos_token_id=7).chosen_ids[0][-1] == 7
+
+
+def test_preference_length_limits_drop_truncate_and_count(tmp_path, rows, tokenizer):
+    data = _pairs(rows)
+    data[2]["rejected"] = "It is " + "1 2 3 4 5 6 7 8 9 " * 4
+    path = _write_jsonl(tmp_path / "pairs.jsonl", data)
+    lengths = [len(x) for x in load_preferences(path, tokenizer=tokenizer).rejected_ids]
+    limit = sorted(lengths)[-2]  # only row 2's rejected response is longer
+    assert lengths[2] > limit
+    dropped = load_preferences(path, tokenizer=tokenizer, max_response_length=limit)
+    assert (len(dropped), dropped.num_dropped, dropped.num_truncated) == (len(rows) - 1, 1, 0)
+    assert dropped.prompts.columns["id"] == tuple(i for i in range(len(rows)) if i != 2)  # aligned with the pairs
+    cut = load_preferences(path, tokenizer=tokenizer, max_response_length=limit, overlong="truncate_right")
+    assert (len(cut), cut.num_dropped, cut.num_truncated) == (len(rows), 0, 1)
+    assert cut.rejected_ids[2] == load_preferences(path, tokenizer=tokenizer).rejected_ids[2][:limit]
+    with pytest.raises(ValueError, match=r"max_response_length: pair 2 of .* longer than"):
+        load_preferences(path, tokenizer=tokenizer, max_response_length=limit, overlong="error")
+    prompt_lengths = [len(x) for x in load_prompts(path, tokenizer=tokenizer, answer_key=None).prompt_ids]
+    cap = max(prompt_lengths) - 1
+    long = [i for i, n in enumerate(prompt_lengths) if n > cap]
+    short = load_preferences(path, tokenizer=tokenizer, max_prompt_length=cap)
+    assert long and short.prompts.num_dropped == len(long) and len(short) == len(rows) - len(long)
+    assert short.prompts.columns["id"] == tuple(i for i in range(len(rows)) if i not in long)
+    assert short.chosen == tuple(p["chosen"] for i, p in enumerate(data) if i not in long)
+
+
+def test_preference_errors_name_the_column_and_the_file(tmp_path, rows, tokenizer):
+    no_rejected = [{k: v for k, v in p.items() if k != "rejected"} for p in _pairs(rows)]
+    path = _write_jsonl(tmp_path / "nocol.jsonl", no_rejected)
+    with pytest.raises(ValueError, match=r"rejected_key: column 'rejected' is not in '.*nocol\.jsonl'") as info:
+        load_preferences(path, tokenizer=tokenizer)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"chosen_key: column 'better' is not in"):
+        load_preferences(path, tokenizer=tokenizer, chosen_key="better")
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{**_pairs(rows)[0], "chosen": 3}])
+    with pytest.raises(ValueError, match=r"chosen: row 0 of .* holds int, expected a string or a list"):
+        load_preferences(bad, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="max_response_length: got 0"):
+        load_preferences(bad, tokenizer=tokenizer, max_response_length=0)
+    with pytest.raises(ValueError, match="tokenizer: got None"):
+        load_preferences(bad, tokenizer=None)

@@ -291,6 +291,33 @@ def test_reward_metrics_and_close_collect_from_components():
         close_reward(reward)
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_reward_pool_brings_the_counters_back_per_batch(num_workers):
+    """The verified-maths counters reach the pool's owner with the scores, from a worker process too."""
+    reward = build_reward([{"reward": "math", "kwargs": {"timeout": 1.0}}, "length"])
+    try:
+        with RewardPool(reward, num_workers=num_workers, timeout=120) as pool:
+            assert pool.pop_metrics(0) == dict.fromkeys(
+                ["math/checked", "math/correct", "math/errors", "math/no_answer", "math/timeouts"], 0.0
+            )
+            first = pool.submit(["q"] * 3, ["\\boxed{2}", PATHOLOGICAL, "none"], batch=0, answers=["2", "1", "3"])
+            assert first.result().tolist() == [2.0, 1.0, 1.0]  # math + length (max_length default)
+            second = pool.submit(["q"], ["\\boxed{5}"], batch=1, answers=["4"])
+            assert second.result().tolist() == [1.0]
+            got = pool.pop_metrics(0)
+            assert got == {
+                "math/checked": 3,
+                "math/correct": 1,
+                "math/errors": 0,
+                "math/no_answer": 1,
+                "math/timeouts": 1,
+            }
+            assert pool.pop_metrics(0)["math/checked"] == 0  # popped
+            assert pool.pop_metrics(1) == {**dict.fromkeys(got, 0.0), "math/checked": 1.0}
+    finally:
+        close_reward(reward)
+
+
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory):
     return build_tiny_reward_model(tmp_path_factory.mktemp("rm"))

@@ -1,6 +1,12 @@
 """The trainer on a user's own model and data: a local Qwen2 directory, a JSONL dataset, a reward file, the seed's flags."""
 
 import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,6 +138,30 @@ def test_resume_with_a_changed_hidden_size_names_the_key(user, run, tmp_path, ca
     assert _train(user, run, "--resume", f"model.model_name_or_path={bigger}", "--allow-config-change") == 2
     (err,) = _errors(capsys)
     assert "resume: the model differs" in err and "model.model_name_or_path" in err
+
+
+def test_resume_after_the_model_directory_changed_names_the_tensor(user, tmp_path, capsys):
+    """Same model.model_name_or_path, other weights in it: one line naming the checkpoint, the tensor and both shapes."""
+    shape = {"num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+    model = build_tiny_qwen2(tmp_path / "model", hidden_size=16, **shape)
+    out = tmp_path / "out"
+    args = [f"model.model_name_or_path={model}", "trainer.steps=1", "trainer.eval_every=0", "trainer.plot=false"]
+    assert _train(user, out, *args) == 0
+    before = (out / "metrics.jsonl").read_text()
+    for changed, pattern in (
+        ({"hidden_size": 32}, r"tensor 'model\.embed_tokens\.weight' has shape \[\d+, 16\] there, \[\d+, 32\] in"),
+        (
+            {"hidden_size": 16, "num_layers": 2},
+            r"tensor 'model\.layers\.1\..*' of shape \[.*\] in .* is not in the checkpoint",
+        ),
+    ):
+        shutil.rmtree(model)
+        build_tiny_qwen2(model, **{**shape, **changed})
+        assert _train(user, out, *args, "--resume", "trainer.steps=2") == 2
+        (err,) = _errors(capsys)
+        assert re.search(pattern, err), err
+        assert f"checkpoint {str(out / 'checkpoint')!r} was saved from another model" in err and str(model) in err
+        assert (out / "metrics.jsonl").read_text() == before  # refused before any step
 
 
 def test_overwrite_replaces_the_run(user, tmp_path):
@@ -270,3 +300,200 @@ def test_the_seed_config_runs_once_its_model_is_a_local_directory(user, tmp_path
 
     exported = AutoModelForCausalLM.from_pretrained(out / "hf", dtype="auto")
     assert next(exported.parameters()).dtype == torch.bfloat16  # the seed's torch_dtype
+
+
+DPO_CONFIG = """
+model:
+  model_name_or_path: {model}
+rl:
+  algo: dpo
+  batch_size: 16
+  mini_batch_size: 16
+  num_rollouts: 1
+  beta: 0.5
+  lr: 0.01
+data:
+  max_response_length: 12
+trainer:
+  steps: 8
+  reward_workers: 1
+  threads: 1
+  progress: false
+  plot: false
+"""
+
+
+def _preference_rows(n: int) -> list[dict]:
+    """Pairs of the arithmetic task: the right sum is chosen, a wrong one rejected (TRL's prompt / chosen / rejected)."""
+    rows = arithmetic_rows(n, seed=3, low=0, high=9)
+    return [
+        {
+            "prompt": r["prompt"],
+            "chosen": f"The answer is \\\\boxed{{{r['answer']}}}.",
+            "rejected": f"The answer is \\\\boxed{{{int(r['answer']) + 3}}}.",
+        }
+        for r in rows
+    ]
+
+
+def test_offline_dpo_on_a_preference_dataset(user, tmp_path, capsys):
+    """`rlcore train` with rl.algo dpo and a preference JSONL: the DPO loss falls, the implicit reward margin and
+    accuracy rise; no rollout and no reward worker run."""
+    rows = _preference_rows(16)
+    rows.append({**rows[0], "rejected": "The answer is " + "9" * 40})  # longer than data.max_response_length
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "dpo.yaml"
+    config.write_text(DPO_CONFIG.format(model=user["model"]))
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(config), "--dataset", str(data), "--output_dir", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "16 preference pairs" in summary and "1 dropped and 0 truncated as overlong responses" in summary
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(8))
+    assert "reward" not in records[0] and "busy_s/rollout" not in records[0]  # offline: nothing sampled or scored
+    loss = [r["loss"] for r in records]
+    margins = [r["margins"] for r in records]
+    accuracy = [r["accuracies"] for r in records]
+    assert loss[0] == pytest.approx(math.log(2), abs=1e-3)  # the policy starts as the reference
+    # every step sees all sixteen pairs: the loss falls, the margin and the accuracy rise
+    assert max(loss[-3:]) < min(loss[:3]) and loss[-1] < loss[0] - 0.2, loss
+    assert min(margins[-3:]) > max(margins[:3]) and margins[-1] > 0.5, margins
+    assert accuracy[-1] >= 0.75 > accuracy[0] and accuracy[-1] > accuracy[1], accuracy
+    assert records[-1]["data/dropped"] == 1.0
+    # the checkpoint resumes
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--dataset",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--resume",
+                "trainer.steps=9",
+            ]
+        )
+        == 0
+    )
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(9))
+
+
+def test_dpo_dataset_without_its_response_column_names_it_and_the_file(user, tmp_path, capsys):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "chosen": r["chosen"]}) + "\n" for r in _preference_rows(4))
+    )
+    config = tmp_path / "dpo.yaml"
+    config.write_text(DPO_CONFIG.format(model=user["model"]))
+    err = _bad(user, tmp_path, capsys, "--dataset", str(data), config=config)
+    assert "rejected_key: column 'rejected' is not in" in err and str(data) in err
+    err = _bad(user, tmp_path, capsys, "--dataset", str(data), "data.chosen_key=good", config=config)
+    assert "chosen_key: column 'good' is not in" in err
+
+
+STUBBORN_FILE = """
+from rlcore.rewards import VerifiedMath
+
+PATHOLOGICAL = r"\\boxed{9^{9^{9^{9^{9}}}}}"
+
+
+class Stubborn(VerifiedMath):
+    # Verified maths whose first response of every call is a pathological answer (it times out).
+    def __call__(self, prompts, responses, **columns):
+        return super().__call__(prompts, [PATHOLOGICAL, *responses[1:]], **columns)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_maths_timeouts_are_counted_in_the_step_records(user, tmp_path, workers):
+    """The verified-maths counters reach metrics.jsonl, from the trainer's process and from a reward worker."""
+    (user["root"] / "conf" / "rewards" / "stubborn.py").write_text(STUBBORN_FILE)
+    config = user["root"] / "conf" / f"stubborn{workers}.yaml"  # beside the reward file it names
+    reward = "{reward: rewards/stubborn.py:Stubborn, name: math, kwargs: {timeout: 1.0}}"
+    text = user["config"].read_text().split("rewards:")[0] + f"rewards:\n  - {reward}\ntrainer:\n  steps: 2\n"
+    config.write_text(text + f"  reward_workers: {workers}\n  threads: 1\n  progress: false\n  plot: false\n")
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(config), "--dataset", str(user["train"]), "--output_dir", str(out)]) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:  # 4 prompts x 4 samples a step, the first of them pathological (on a loaded machine
+        # another item may run past the timeout too)
+        assert r["reward/math/checked"] == 16 and 1 <= r["reward/math/timeouts"] <= 16 - r["reward/math/no_answer"], r
+
+
+RECORDER_FILE = """
+import json, os
+
+
+class Recorder:
+    # Scores 1 for every response and appends, per call (one call a step), the dataset ids this rank scored.
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __call__(self, prompts, responses, *, id, **columns):
+        rank = os.environ.get("RANK", "0")
+        with open(os.path.join(self.folder, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(sorted(set(id))) + "\\n")
+        return [1.0] * len(responses)
+"""
+
+TORCHRUN_CONFIG = """
+model:
+  model_name_or_path: {model}
+rl:
+  algo: grpo
+  batch_size: 2
+  mini_batch_size: 2
+  num_rollouts: 2
+  max_new_tokens: 2
+parallel:
+  data_parallel: 2
+rewards:
+  - {{reward: rewards/recorder.py:Recorder, kwargs: {{folder: {folder}}}}}
+trainer:
+  steps: 2
+  warmup_steps: 1
+  warmup_batch_size: 2
+  reward_workers: 0
+  threads: 1
+  progress: false
+  plot: false
+"""
+
+
+def test_torchrun_two_ranks_shard_each_global_batch_of_the_dataset(user, tmp_path):
+    """torchrun -m rlcore.train --dataset: each rank scores its own share of every step's global batch (together
+    the batch the seeded order draws, none twice); the checkpoint resumes at one rank with the next global batch."""
+    from rlcore.data import sample_indices
+
+    rows = [{**r, "id": i} for i, r in enumerate(arithmetic_rows(24, seed=7))]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder = tmp_path / "seen"
+    folder.mkdir()
+    config = user["root"] / "conf" / "torchrun.yaml"  # beside the reward file it names
+    (user["root"] / "conf" / "rewards" / "recorder.py").write_text(RECORDER_FILE)
+    config.write_text(TORCHRUN_CONFIG.format(model=user["model"], folder=folder))
+    out = tmp_path / "out"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    flags = ["--config", str(config), "--dataset", str(data), "--output_dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launch, "-m", "rlcore.train", *flags], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [[json.loads(line) for line in (folder / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert [len(s) for s in seen] == [2, 2]  # one reward call a step on each rank
+    for step in range(2):
+        mine, theirs = seen[0][step], seen[1][step]
+        assert len(mine) == len(theirs) == 2 and not set(mine) & set(theirs), (step, mine, theirs)
+        want = sample_indices(len(rows), 4, seed=0, position=4 * step).indices  # the step's global batch
+        assert sorted(mine + theirs) == sorted(want), (step, mine, theirs)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]
+    # the 2-rank checkpoint resumes in one process, with the same global batch per step
+    one_rank = ["parallel.data_parallel=1", "rl.batch_size=4", "rl.mini_batch_size=4", "trainer.warmup_batch_size=4"]
+    assert main(["train", *flags, "--resume", "trainer.steps=3", *one_rank]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    last = json.loads((folder / "rank0.jsonl").read_text().splitlines()[-1])
+    assert last == sorted(set(sample_indices(len(rows), 4, seed=0, position=8).indices))

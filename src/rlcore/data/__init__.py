@@ -1,16 +1,19 @@
-"""Prompt datasets: local JSONL / Parquet / saved datasets with chat templates, and a seeded, resumable order.
+"""Prompt and preference datasets: local JSONL / Parquet / saved datasets with chat templates, and a seeded, resumable order.
 
-``datasets`` is needed only by :func:`load_prompts` / :func:`read_table` and is imported on first use.
+``datasets`` is needed only by :func:`load_prompts` / :func:`load_preferences` / :func:`read_table` and is imported on first use.
 """
 
+from rlcore.data.preferences import PreferenceSet, load_preferences
 from rlcore.data.prompts import OVERLONG, PromptSet, load_prompts, read_table
 from rlcore.data.sampling import PromptDraw, epoch_permutation, sample_indices
 
 __all__ = [
     "OVERLONG",
+    "PreferenceSet",
     "PromptDraw",
     "PromptSet",
     "epoch_permutation",
+    "load_preferences",
     "load_prompts",
     "read_table",
     "sample_indices",

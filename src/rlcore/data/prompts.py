@@ -118,6 +118,20 @@ class PromptSet:
         """The keyword columns for a reward call over the prompts at ``indices`` (``answers=...`` and the rest)."""
         return {name: [values[i] for i in indices] for name, values in self.columns.items()}
 
+    def select(self, indices: Sequence[int], *, drop_columns: Sequence[str] = ()) -> PromptSet:
+        """The prompts at ``indices`` (in that order), without the columns ``drop_columns``; the counts are kept.
+
+        >>> PromptSet(("a", "b"), ("a", "b"), None, {"x": (1, 2), "y": (3, 4)}, "f").select([1], drop_columns=["y"])
+        PromptSet(prompts=('b',), texts=('b',), prompt_ids=None, columns={'x': (2,)}, source='f', num_dropped=0, num_truncated=0)
+        """
+        return dataclasses.replace(
+            self,
+            prompts=tuple(self.prompts[i] for i in indices),
+            texts=tuple(self.texts[i] for i in indices),
+            prompt_ids=None if self.prompt_ids is None else tuple(self.prompt_ids[i] for i in indices),
+            columns={k: tuple(v[i] for i in indices) for k, v in self.columns.items() if k not in drop_columns},
+        )
+
 
 def _check_column(table: Any, key: str, name: str, source: str) -> None:
     if key not in table.column_names:

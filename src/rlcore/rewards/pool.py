@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rlcore.rewards.protocol import RewardError, evaluate, reward_name
+from rlcore.rewards.registry import reward_metrics
 
 __all__ = ["RewardPool"]
 
@@ -77,8 +78,10 @@ def _worker(conn: multiprocessing.connection.Connection, payload: bytes, name: s
         except (EOFError, OSError):  # the pool closed the pipe, or its process is gone
             return
         try:
-            # Lists cross the process boundary more cheaply than tensors (no shared-memory handles).
-            msg: tuple[str, Any] = ("ok", evaluate(reward, prompts, responses, batch=batch, **columns).tolist())
+            # Lists cross the process boundary more cheaply than tensors (no shared-memory handles). The
+            # reward's counters (timeouts, ...) travel back with the scores: they would be lost in here.
+            scores = evaluate(reward, prompts, responses, batch=batch, **columns).tolist()
+            msg: tuple[str, Any] = ("ok", (scores, reward_metrics(reward)))
         except Exception as err:
             msg = ("raised", _sendable(err, f"reward {name!r} on batch {batch!r}"))
         conn.send(msg)
@@ -95,11 +98,31 @@ def _settle(future: Future, *, result: Any = None, error: BaseException | None =
         pass
 
 
-class _Job:
-    __slots__ = ("deadline", "future", "payload", "where")
+class _Counters:
+    """The reward's counters (:func:`rlcore.rewards.reward_metrics`) summed per batch, until popped."""
 
-    def __init__(self, payload: bytes, future: Future, where: str):
-        self.payload, self.future, self.where = payload, future, where
+    def __init__(self, keys: Sequence[str]):
+        self.keys = list(keys)
+        self.lock = threading.Lock()
+        self.by_batch: dict[Any, dict[str, float]] = {}
+
+    def add(self, batch: Any, counts: dict[str, float]) -> None:
+        with self.lock:
+            acc = self.by_batch.setdefault(batch, {})
+            for k, v in counts.items():
+                acc[k] = acc.get(k, 0.0) + float(v)
+
+    def pop(self, batch: Any) -> dict[str, float]:
+        with self.lock:
+            acc = self.by_batch.pop(batch, {})
+        return {**dict.fromkeys(self.keys, 0.0), **acc}
+
+
+class _Job:
+    __slots__ = ("batch", "deadline", "future", "payload", "where")
+
+    def __init__(self, payload: bytes, future: Future, where: str, batch: Any = None):
+        self.payload, self.future, self.where, self.batch = payload, future, where, batch
         self.deadline = math.inf
 
 
@@ -119,8 +142,9 @@ class _Dispatcher:
     signal is tied to it (see ``_die_with_parent``).
     """
 
-    def __init__(self, payload: bytes, name: str, num_workers: int, timeout: float | None):
+    def __init__(self, payload: bytes, name: str, num_workers: int, timeout: float | None, counters: _Counters):
         self._payload, self._name, self._num_workers, self._timeout = payload, name, num_workers, timeout
+        self._counters = counters
         self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
@@ -263,7 +287,9 @@ class _Dispatcher:
         elif w.job is not None:
             job, w.job = w.job, None
             if kind == "ok":
-                _settle(job.future, result=torch.tensor(value, dtype=torch.float32))
+                scores, counts = value
+                self._counters.add(job.batch, counts)
+                _settle(job.future, result=torch.tensor(scores, dtype=torch.float32))
             else:
                 _settle(job.future, error=value)
 
@@ -327,6 +353,10 @@ class RewardPool:
       timeout: seconds one batch may run (from the moment a worker takes it) before
         ``result()`` raises; ``None`` waits for ever.
 
+    The reward's counters (``pop_metrics`` of its components, e.g. the verified-maths
+    timeouts: :func:`rlcore.rewards.reward_metrics`) are collected after each call, in
+    the worker processes too, and summed per ``batch``: :meth:`pop_metrics`.
+
     Use as a context manager, or call :meth:`close`.
 
     >>> from rlcore.rewards import LengthReward
@@ -350,6 +380,8 @@ class RewardPool:
         self._submitted = 0
         self._dispatcher: _Dispatcher | None = None
         self._closed = False
+        # The counter names, read once here (nothing is counted yet), so that every batch reports them all.
+        self._counters = _Counters(sorted(reward_metrics(reward)))
         if num_workers:
             try:
                 payload = pickle.dumps(reward)
@@ -358,7 +390,7 @@ class RewardPool:
                     f"reward: {self._name!r} cannot be pickled for a worker process ({err}); "
                     "define it at module level, or use num_workers=0"
                 ) from err
-            self._dispatcher = _Dispatcher(payload, self._name, num_workers, timeout)
+            self._dispatcher = _Dispatcher(payload, self._name, num_workers, timeout, self._counters)
             # Close at interpreter exit before multiprocessing joins its children, and when
             # the pool is garbage-collected without close().
             atexit.register(self._dispatcher.close)
@@ -386,11 +418,11 @@ class RewardPool:
                     f"columns: {where} cannot be sent to a worker process ({type(err).__name__}: {err}); "
                     "pass picklable values (lists of strings or numbers)"
                 ) from err
-            self._dispatcher.submit(_Job(payload, future, where))
+            self._dispatcher.submit(_Job(payload, future, where, batch))
             return future
         if self.timeout is None:
             try:
-                _settle(future, result=evaluate(self.reward, prompts, responses, batch=batch, **columns))
+                _settle(future, result=self._evaluate(list(prompts), list(responses), batch, columns))
             except Exception as err:
                 _settle(future, error=err)
             return future
@@ -401,7 +433,7 @@ class RewardPool:
     ) -> Future:
         def run() -> None:
             try:
-                _settle(future, result=evaluate(self.reward, prompts, responses, batch=batch, **columns))
+                _settle(future, result=self._evaluate(prompts, responses, batch, columns))
             except Exception as err:
                 _settle(future, error=err)
 
@@ -421,6 +453,26 @@ class RewardPool:
         timer.start()
         future.add_done_callback(lambda _: timer.cancel())
         return future
+
+    def _evaluate(self, prompts: list[str], responses: list[str], batch: Any, columns: dict) -> torch.Tensor:
+        """One call in this process; its counters go to ``batch`` (calls running at once may mix theirs)."""
+        scores = evaluate(self.reward, prompts, responses, batch=batch, **columns)
+        self._counters.add(batch, reward_metrics(self.reward))
+        return scores
+
+    def pop_metrics(self, batch: Any = None) -> dict[str, float]:
+        """The reward's counters summed over the finished calls of ``batch`` (every counter name, 0 when none); resets them.
+
+        Counts come back with the scores (from the worker processes too); a call that ran
+        past the pool's timeout or whose worker died reports none.
+
+        >>> from rlcore.rewards import build_reward
+        >>> with RewardPool(build_reward(["length"]), num_workers=0) as pool:
+        ...     _ = pool.submit(["q"], ["a"], batch=3).result()
+        ...     pool.pop_metrics(3)
+        {}
+        """
+        return self._counters.pop(batch)
 
     def __call__(
         self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any

@@ -38,13 +38,21 @@ from rlcore.train.parallel import (
 from rlcore.train.prompts import (
     DatasetPrompts,
     HFTokenizer,
+    PreferencePrompts,
     TaskPrompts,
     make_prompt_source,
     source_tokenizer,
     task_options,
 )
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
-from rlcore.train.rundir import FREE_KEYS, RUN_FILES, check_resume_config, config_changes, prepare_run_dir
+from rlcore.train.rundir import (
+    FREE_KEYS,
+    RUN_FILES,
+    check_resume_config,
+    check_resume_shapes,
+    config_changes,
+    prepare_run_dir,
+)
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
@@ -128,9 +136,11 @@ __all__ += [
     "RUN_FILES",
     "DatasetPrompts",
     "HFTokenizer",
+    "PreferencePrompts",
     "TaskPrompts",
     "Validator",
     "check_resume_config",
+    "check_resume_shapes",
     "config_changes",
     "export_checkpoint",
     "make_prompt_source",

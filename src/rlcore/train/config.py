@@ -36,6 +36,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              and a validation set; the tokenizer is the model directory's
     data.prompt_key, data.answer_key         its columns (other columns reach the rewards as keyword columns)
     data.apply_chat_template, data.system_prompt, data.max_prompt_length, data.overlong, data.shuffle
+    data.chosen_key, data.rejected_key       with rl.algo dpo: the preference dataset's response columns (offline
+                                             DPO on its pairs, no rollout); data.max_response_length caps them
     rewards                                  a list of rewards with weights: built-ins (math, format, length,
                                              answer_match, reward_model) or 'file.py:Class' references, the
                                              files relative to the config's folder (default: the task's, or math)
@@ -132,6 +134,9 @@ class DataConfig:
     max_prompt_length: int | None = None
     overlong: Literal["drop", "truncate_left", "truncate_right", "error"] = "drop"
     shuffle: bool = True
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    max_response_length: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,8 +276,9 @@ def _validate(cfg: Config) -> None:
     for key in ("warmup_lr", "warmup_batch_size"):
         _positive(f"trainer.{key}", getattr(tr, key))
     _positive("trainer.eval_samples", tr.eval_samples)
-    if cfg.data.max_prompt_length is not None:
-        _positive("data.max_prompt_length", cfg.data.max_prompt_length)
+    for key in ("max_prompt_length", "max_response_length"):
+        if getattr(cfg.data, key) is not None:
+            _positive(f"data.{key}", getattr(cfg.data, key))
     if tr.reward_timeout is not None:
         _positive("trainer.reward_timeout", tr.reward_timeout)
     if not 0 < rl.top_p <= 1:

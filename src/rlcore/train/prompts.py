@@ -10,7 +10,10 @@ prompt text and reference answer), the pipeline's loader and its reward stage:
   with the model directory's tokenizer (its chat template applied), in the seeded,
   resumable order of :func:`rlcore.data.sample_indices` (one more column, ``index``,
   says which prompt each row is, so the rewards receive the prompt as written and
-  every keyword column of the dataset).
+  every keyword column of the dataset);
+* :class:`PreferencePrompts` serves a preference dataset (``data.path`` with ``rl.algo:
+  dpo``) as ready DPO pairs through :func:`rlcore.data.load_preferences`: offline DPO,
+  no rollout.
 
 The rewards come from the config's ``rewards`` list (:func:`rlcore.rewards.build_reward`)
 when it has one.
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rlcore.data import PromptSet, load_prompts, sample_indices
+from rlcore.data import PromptSet, load_preferences, load_prompts, sample_indices
 from rlcore.dataflow import Stage, stage
 from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
@@ -33,7 +36,15 @@ from rlcore.train.rollout import left_pad
 from rlcore.train.stages import reward_stage
 from rlcore.train.tasks import make_task
 
-__all__ = ["DatasetPrompts", "HFTokenizer", "TaskPrompts", "make_prompt_source", "source_tokenizer", "task_options"]
+__all__ = [
+    "DatasetPrompts",
+    "HFTokenizer",
+    "PreferencePrompts",
+    "TaskPrompts",
+    "make_prompt_source",
+    "source_tokenizer",
+    "task_options",
+]
 
 
 class HFTokenizer:
@@ -64,6 +75,31 @@ class HFTokenizer:
         ids = list(ids)
         cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
         return self.hf.decode(ids[:cut], skip_special_tokens=True)
+
+
+def _model_tokenizer(cfg: Config) -> tuple[Any, HFTokenizer]:
+    """The model directory's tokenizer, and its trainer interface; a dataset needs a directory, not an inline config."""
+    path = cfg.model.model_name_or_path
+    if not isinstance(path, str):
+        raise ValueError(
+            "model.model_name_or_path: a prompt dataset (data.path) needs a model directory with a tokenizer, "
+            "got an inline config"
+        )
+    hf = load_tokenizer(path)
+    return hf, HFTokenizer(hf)
+
+
+def _prompt_options(cfg: Config, tokenizer: Any) -> dict[str, Any]:
+    d = cfg.data
+    return {
+        "tokenizer": tokenizer,
+        "prompt_key": d.prompt_key,
+        "answer_key": d.answer_key,
+        "apply_chat_template": d.apply_chat_template,
+        "system_prompt": d.system_prompt,
+        "max_prompt_length": d.max_prompt_length,
+        "overlong": d.overlong,
+    }
 
 
 def _config_reward(cfg: Config, default: Any) -> Any:
@@ -103,27 +139,8 @@ class DatasetPrompts:
 
     def __init__(self, cfg: Config, world_size: int = 1):
         d = cfg.data
-        path = cfg.model.model_name_or_path
-        if not isinstance(path, str):
-            raise ValueError(
-                "model.model_name_or_path: a prompt dataset (data.path) needs a model directory with a tokenizer, "
-                "got an inline config"
-            )
-        if cfg.rl.algo == "dpo":
-            raise ValueError(
-                "rl.algo: dpo builds its pairs from the built-in tasks; with data.path use an RL algorithm"
-            )
-        self.hf_tokenizer = load_tokenizer(path)
-        self.tokenizer = HFTokenizer(self.hf_tokenizer)
-        options: dict[str, Any] = {
-            "tokenizer": self.hf_tokenizer,
-            "prompt_key": d.prompt_key,
-            "answer_key": d.answer_key,
-            "apply_chat_template": d.apply_chat_template,
-            "system_prompt": d.system_prompt,
-            "max_prompt_length": d.max_prompt_length,
-            "overlong": d.overlong,
-        }
+        self.hf_tokenizer, self.tokenizer = _model_tokenizer(cfg)
+        options = _prompt_options(cfg, self.hf_tokenizer)
         assert d.path is not None
         self.dataset = load_prompts(d.path, what="data.path", **options)
         self.val = None if d.val_path is None else load_prompts(d.val_path, what="data.val_path", **options)
@@ -216,12 +233,120 @@ class DatasetPrompts:
         return {"epoch": end / len(self.dataset), "data/dropped": float(self.dataset.num_dropped)}
 
 
+class PreferencePrompts:
+    """A preference dataset (``data.path`` with ``rl.algo: dpo``) for offline DPO: its pairs, no rollout.
+
+    The pairs come from the columns ``data.prompt_key``, ``data.chosen_key`` and
+    ``data.rejected_key`` (:func:`rlcore.data.load_preferences`, with the model
+    directory's tokenizer, its chat template and EOS). The warm-up trains on the chosen
+    responses. ``data.val_path`` is a prompt dataset as for RL (``data.answer_key``),
+    scored by ``rewards`` (default: verified maths against the answer column) when
+    ``trainer.eval_every`` is set.
+
+    Args:
+      cfg: the run's config (``data.*``, ``trainer.seed``, ``rl.batch_size``).
+      world_size: data-parallel ranks; rank ``r`` of step ``s`` takes the pairs at
+        positions ``(s * world_size + r) * batch_size ...`` of the seeded order.
+    """
+
+    def __init__(self, cfg: Config, world_size: int = 1):
+        d = cfg.data
+        self.hf_tokenizer, self.tokenizer = _model_tokenizer(cfg)
+        assert d.path is not None
+        options = _prompt_options(cfg, self.hf_tokenizer)
+        self.pairs = load_preferences(
+            d.path,
+            tokenizer=self.hf_tokenizer,
+            prompt_key=d.prompt_key,
+            chosen_key=d.chosen_key,
+            rejected_key=d.rejected_key,
+            eos_token_id=self.tokenizer.eos_token_id,
+            apply_chat_template=d.apply_chat_template,
+            system_prompt=d.system_prompt,
+            max_prompt_length=d.max_prompt_length,
+            max_response_length=d.max_response_length,
+            overlong=d.overlong,
+            what="data.path",
+        )
+        self.dataset = self.pairs.prompts
+        self.val = None if d.val_path is None else load_prompts(d.val_path, what="data.val_path", **options)
+        self.seed, self.shuffle, self.world_size = cfg.trainer.seed, d.shuffle, world_size
+        self.batch_size = cfg.rl.batch_size
+        self.reward: Any = None  # offline DPO scores nothing; validation needs a reward
+        if cfg.rewards is not None:
+            self.reward = build_reward(cfg.rewards, what="rewards")
+        elif self.val is not None and cfg.trainer.eval_every and d.answer_key is not None:
+            self.reward = build_reward(["math"], what="rewards")
+        elif self.val is not None and cfg.trainer.eval_every:
+            raise ValueError("rewards: got none, and data.answer_key is null; list the rewards validation scores with")
+
+    def summary(self) -> str:
+        """One line for the log: pairs kept, dropped and truncated as longer than the length limits."""
+        p = self.pairs
+        parts = [f"data.path: {len(p)} preference pairs from {p.prompts.source!r}"]
+        parts.append(f"{p.prompts.num_dropped} dropped and {p.prompts.num_truncated} truncated as overlong prompts")
+        parts.append(f"{p.num_dropped} dropped and {p.num_truncated} truncated as overlong responses")
+        if self.val is not None:
+            parts.append(f"data.val_path: {len(self.val)} prompts ({self.val.num_dropped} dropped)")
+        return "; ".join(parts)
+
+    def _position(self, step: int, rank: int) -> int:
+        return (step * self.world_size + rank) * self.batch_size
+
+    def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
+        """Warm-up samples: ``n`` random prompts (as the policy sees them) with their chosen responses."""
+        rows = torch.randint(0, len(self.pairs), (n,), generator=generator).tolist()
+        return [{"prompt": self.dataset.texts[i], "answer": self.pairs.chosen[i]} for i in rows]
+
+    def loader(self, rank: int, start: int, n: int = 1) -> Callable[[int], dict[str, Any]]:
+        """Pipeline iteration ``i`` -> the pair columns of step ``start + i`` (``PAIR_COLUMNS``, ``prompt_mask``, ``index``)."""
+        if n != 1:
+            raise ValueError(f"n: got {n}, expected 1 (one pair per prompt)")
+        ids = self.dataset.prompt_ids
+        assert ids is not None
+        pad = self.tokenizer.pad_token_id
+
+        def load(i: int) -> dict[str, Any]:
+            step = start + i
+            draw = sample_indices(
+                len(self.pairs),
+                self.batch_size,
+                seed=self.seed,
+                position=self._position(step, rank),
+                shuffle=self.shuffle,
+            )
+            out: dict[str, Any] = {}
+            for side, responses in (("chosen", self.pairs.chosen_ids), ("rejected", self.pairs.rejected_ids)):
+                rows = [(ids[j], responses[j]) for j in draw.indices]
+                out[f"{side}_input_ids"] = [torch.tensor([*p, *r]) for p, r in rows]
+                out[f"{side}_attention_mask"] = [torch.ones(len(p) + len(r), dtype=torch.long) for p, r in rows]
+                out[f"{side}_mask"] = [
+                    torch.cat([torch.zeros(len(p), dtype=torch.long), torch.ones(len(r), dtype=torch.long)])
+                    for p, r in rows
+                ]
+            _, pmask = left_pad([list(ids[j]) for j in draw.indices], pad)
+            out["prompt_mask"] = pmask
+            out["iteration"] = torch.full((len(draw.indices),), step, dtype=torch.int64)
+            out["index"] = torch.tensor(draw.indices)
+            return out
+
+        return load
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """The epoch counter after step ``step`` (epochs completed over the whole data-parallel group)."""
+        end = self._position(step + 1, 0)
+        return {
+            "epoch": end / len(self.pairs),
+            "data/dropped": float(self.dataset.num_dropped + self.pairs.num_dropped),
+        }
+
+
 def make_prompt_source(
     cfg: Config, task_options: dict[str, Any], *, world_size: int = 1
-) -> TaskPrompts | DatasetPrompts:
-    """The run's prompt source: the dataset at ``data.path`` when set, else the built-in task ``data.task``."""
+) -> TaskPrompts | DatasetPrompts | PreferencePrompts:
+    """The run's prompt source: the dataset at ``data.path`` when set (preference pairs for ``rl.algo: dpo``), else the built-in task."""
     if cfg.data.path is not None:
-        return DatasetPrompts(cfg, world_size)
+        return PreferencePrompts(cfg, world_size) if cfg.rl.algo == "dpo" else DatasetPrompts(cfg, world_size)
     return TaskPrompts(cfg, task_options)
 
 

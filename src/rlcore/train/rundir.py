@@ -6,17 +6,19 @@ one (its metrics or checkpoint), naming ``--resume`` and ``--overwrite``; with
 config a checkpoint recorded with the current one: model keys (shapes, adapters) may
 never change on resume, other hyper-parameters only with ``--allow-config-change``;
 run-length and bookkeeping keys (``trainer.steps``, ``trainer.output_dir``, ...) are free.
+:func:`check_resume_shapes` compares the model's tensor shapes a checkpoint recorded with
+those of the model the config builds now (the same directory may hold other weights).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FREE_KEYS", "RUN_FILES", "check_resume_config", "config_changes", "prepare_run_dir"]
+__all__ = ["FREE_KEYS", "RUN_FILES", "check_resume_config", "check_resume_shapes", "config_changes", "prepare_run_dir"]
 
 # What a run writes into its output directory.
 RUN_FILES = ("metrics.jsonl", "checkpoint", "hf", "curves.png", "timeline.png")
@@ -149,3 +151,43 @@ def check_resume_config(
             "resume with the new values"
         )
     return other
+
+
+def check_resume_shapes(
+    saved: Mapping[str, Sequence[int]] | None,
+    current: Mapping[str, Sequence[int]],
+    *,
+    checkpoint: str | os.PathLike,
+    model: str,
+) -> None:
+    """Refuse a resume whose model has other tensors or shapes than the one the checkpoint was saved from.
+
+    Args:
+      saved: tensor name -> shape, as the checkpoint recorded them (``None``: an older
+        checkpoint without them; nothing to check).
+      current: tensor name -> shape of the model built now.
+      checkpoint: the checkpoint's path, named in the error.
+      model: where the model comes from (``model.model_name_or_path``), named in the error.
+
+    Raises:
+      ValueError: one line naming the checkpoint, the first differing tensor and its saved
+        and current shapes (or the side that lacks it).
+
+    >>> check_resume_shapes({"w": [2, 4]}, {"w": (2, 8)}, checkpoint="out/checkpoint", model="m")
+    Traceback (most recent call last):
+    ...
+    ValueError: resume: checkpoint 'out/checkpoint' was saved from another model: tensor 'w' has shape [2, 4] there, [2, 8] in the model of model.model_name_or_path 'm' (its weights changed since the save?)
+    """
+    if saved is None:
+        return
+    where = f"resume: checkpoint {str(checkpoint)!r} was saved from another model: tensor"
+    now = f"the model of model.model_name_or_path {model!r}"
+    hint = "(its weights changed since the save?)"
+    for name, shape in saved.items():
+        if name not in current:
+            raise ValueError(f"{where} {name!r} of shape {list(shape)} is not in {now} {hint}")
+        if list(shape) != list(current[name]):
+            raise ValueError(f"{where} {name!r} has shape {list(shape)} there, {list(current[name])} in {now} {hint}")
+    for name, shape in current.items():
+        if name not in saved:
+            raise ValueError(f"{where} {name!r} of shape {list(shape)} in {now} is not in the checkpoint {hint}")

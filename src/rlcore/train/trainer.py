@@ -93,9 +93,9 @@ from rlcore.train.context_parallel import (
 from rlcore.train.lora import adapter_modules, attach_lora, check_lora_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
-from rlcore.train.prompts import make_prompt_source, source_tokenizer, task_options
+from rlcore.train.prompts import PreferencePrompts, make_prompt_source, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
-from rlcore.train.rundir import check_resume_config, prepare_run_dir
+from rlcore.train.rundir import check_resume_config, check_resume_shapes, prepare_run_dir
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
@@ -352,9 +352,12 @@ def _state(step: int, models: _Models, opt: _Optimiser, cfg: Config) -> dict[str
     return state
 
 
-def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config) -> None:
-    """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1)."""
-    save_checkpoint(out, _state(step, models, opt, cfg))
+def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config, shapes: dict[str, list[int]]) -> None:
+    """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1).
+
+    ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state.
+    """
+    save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes})
 
 
 def _restore(out: Path, models: _Models, opt: _Optimiser, cfg: Config) -> int:
@@ -533,21 +536,27 @@ class _Steps:
 
     def on_metrics(self, b: dict[str, torch.Tensor], loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
         step = int(b["iteration"][0])
-        mask = b["mask"]
-        lengths = (mask != 0).sum(-1).float()
         stats = {
             **{k: v.detach().float() / self.updates for k, v in {"loss": loss, **metrics}.items()},
-            "_reward": b["scores"].float().sum(),
-            "_rows": torch.tensor(float(mask.shape[0])),
-            "_kl": masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask),
-            "_entropy": masked_sum(b["entropy"], mask),
-            "_tokens": mask.float().sum(),
-            "_response_length": lengths.sum(),
+            "_rows": torch.tensor(float(b["iteration"].shape[0])),
             "_prompt_length": (b["prompt_mask"] != 0).sum().float(),
-            # The scheduler counts versions from this run's first step.
-            "_lag": (b["iteration"] - self.start - b["version"]).float().sum(),
-            "_lag_max": (b["iteration"] - self.start - b["version"]).float().max(),
         }
+        if "scores" not in b:  # offline DPO: the dataset's pairs, no rollout (mean of both responses' lengths)
+            stats["_response_length"] = ((b["chosen_mask"] != 0).sum() + (b["rejected_mask"] != 0).sum()).float() / 2
+        else:
+            mask = b["mask"]
+            stats.update(
+                {
+                    "_reward": b["scores"].float().sum(),
+                    "_kl": masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask),
+                    "_entropy": masked_sum(b["entropy"], mask),
+                    "_tokens": mask.float().sum(),
+                    "_response_length": (mask != 0).sum(-1).float().sum(),
+                    # The scheduler counts versions from this run's first step.
+                    "_lag": (b["iteration"] - self.start - b["version"]).float().sum(),
+                    "_lag_max": (b["iteration"] - self.start - b["version"]).float().max(),
+                }
+            )
         with self.lock:
             acc = self.sums.setdefault(step, {})
             for k, v in stats.items():
@@ -587,18 +596,18 @@ class _Steps:
         if reduce is not None:
             acc = reduce(acc)
         rows = acc.pop("_rows")
-        tokens = acc.pop("_tokens")
         out = {k: v for k, v in acc.items() if not k.startswith("_")}
-        out.update(
-            reward=acc["_reward"] / rows,  # the task reward, before any shaping
-            # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot.
-            kl=acc["_kl"] / tokens,
-            entropy=acc["_entropy"] / tokens,
-            response_length=acc["_response_length"] / rows,
-            prompt_length=acc["_prompt_length"] / rows,
-            policy_lag=acc["_lag"] / rows,
-            policy_lag_max=acc["_lag_max"],
-        )
+        out.update(response_length=acc["_response_length"] / rows, prompt_length=acc["_prompt_length"] / rows)
+        if "_reward" in acc:  # rollouts (not offline DPO)
+            tokens = acc.pop("_tokens")
+            out.update(
+                reward=acc["_reward"] / rows,  # the task reward, before any shaping
+                # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot.
+                kl=acc["_kl"] / tokens,
+                entropy=acc["_entropy"] / tokens,
+                policy_lag=acc["_lag"] / rows,
+                policy_lag_max=acc["_lag_max"],
+            )
         timing: dict[str, float] = {"step_time_s": window}
         busy: dict[str, float] = {}
         for name, resource, a, b in spans:
@@ -801,6 +810,25 @@ class _Deployment:
             self.worker.close()
 
 
+class _NoRollout:
+    """The deployment of a run without rollouts (offline DPO on a preference dataset): nothing to place or sync."""
+
+    switch = None
+    rollout = None
+
+    def publish(self, version: int) -> None:
+        pass
+
+    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 # --- the assembly -----------------------------------------------------------------------------
 
 
@@ -810,14 +838,30 @@ def _graph(
     algo: Any,
     opt: _Optimiser,
     steps: _Steps,
-    rollout: Stage,
+    rollout: Stage | None,
     rewards: RewardPool,
     task: Any,
     world: _World,
     on_step_end: Callable[[int], Any],
 ) -> StageGraph:
-    """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update."""
+    """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update; offline DPO: the pairs' update."""
     rl = cfg.rl
+    if isinstance(task, PreferencePrompts):  # the dataset's pairs: reference log-probs, then the update
+        update = update_stage(
+            preference_forward(models.policy),
+            algo,
+            opt,
+            inputs=[*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", "prompt_mask", "iteration"],
+            micro_batch=rl.mini_batch_size,
+            process_group=world.group,
+            on_metrics=steps.on_metrics,
+            on_iteration_end=on_step_end,
+        )
+        stages = [preference_logps_stage(models.reference), update]
+        return StageGraph(
+            [steps.timed(s) for s in stages], sources=(*PAIR_COLUMNS, "prompt_mask", "iteration", "index")
+        )
+    assert rollout is not None
     n = 1 if rl.algo == "dpo" else rl.n_samples
     score: Any = logprob_stage
     reward = task.reward_stage(rewards)
@@ -974,6 +1018,7 @@ def _train(
     policy = build_model(cfg, task.tokenizer.vocab_size).to(device)
     critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if rl.algo == "ppo" else None
     replica = copy.deepcopy(policy).eval().requires_grad_(False)  # rollout / reference template, unsharded
+    shapes = {name: list(t.shape) for name, t in replica.state_dict().items()}  # recorded by every checkpoint
     if world.cp is not None:
         check_context_parallel_model(policy.config, context_parallel=world.mesh["cp"].size(), mode=world.cp[1])
     parallelize(policy, world.mesh, grad_reduce="sum")
@@ -984,7 +1029,12 @@ def _train(
     out = Path(tr.output_dir)
     leader = world.rank == 0
     if resume:
-        check_resume_config(load_checkpoint(out).get("config"), cfg.to_dict(), allow_change=allow_config_change)
+        saved = load_checkpoint(out)
+        check_resume_config(saved.get("config"), cfg.to_dict(), allow_change=allow_config_change)
+        # The same model directory may hold other weights now: refuse before anything loads.
+        check_resume_shapes(
+            saved.get("model_shapes"), shapes, checkpoint=out / "checkpoint", model=str(cfg.model.model_name_or_path)
+        )
     if not resume and tr.warmup_steps:
         supervised_warmup(
             policy,
@@ -1021,10 +1071,11 @@ def _train(
     )
     records: list[dict[str, Any]] = []
     result = None
-    rewards = RewardPool(
-        reward if reward is not None else task.reward, num_workers=tr.reward_workers, timeout=tr.reward_timeout
-    )
-    deployment: _Deployment | None = None
+    scorer = reward if reward is not None else task.reward
+    # Offline DPO scores nothing during training: no reward worker processes.
+    workers = 0 if isinstance(task, PreferencePrompts) else tr.reward_workers
+    rewards = RewardPool(scorer, num_workers=workers, timeout=tr.reward_timeout)
+    deployment: _Deployment | _NoRollout | None = None
     validator = None
     if tr.eval_every and task.val is not None:
         validator = Validator(
@@ -1039,7 +1090,11 @@ def _train(
     # KeyboardInterrupt (Ctrl-C, and SIGTERM through the CLI) is not caught: it unwinds through
     # the finally below, which stops the reward workers and the rollout worker.
     try:
-        deployment = _Deployment(cfg, models, opt, world, task, engine, replica)
+        deployment = (
+            _NoRollout()
+            if isinstance(task, PreferencePrompts)
+            else _Deployment(cfg, models, opt, world, task, engine, replica)
+        )
         dep = deployment
 
         def on_step_end(i: int) -> None:
@@ -1050,6 +1105,11 @@ def _train(
             if extra:
                 local.update(world.reduce(extra))
             metrics = {k: float(v) for k, v in local.items()}
+            # The reward's counters (verified-maths timeouts, ...), summed over the data-parallel ranks.
+            counts = rewards.pop_metrics(step)
+            if counts:
+                summed = world.reduce({f"_{k}": torch.tensor(v) for k, v in sorted(counts.items())})
+                metrics.update({f"reward/{k[1:]}": float(v) for k, v in summed.items()})
             samples = world.dp_size * rl.batch_size * n
             # As the seed system defines it: (prompt + response tokens) x samples / devices / step time.
             metrics["tokens_per_s_device"] = (
@@ -1062,7 +1122,7 @@ def _train(
             if log is not None:
                 log.write(record)
             if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
-                _save(out, step, models, opt, cfg)  # every rank: DCP writes each rank's shards
+                _save(out, step, models, opt, cfg, shapes)  # every rank: DCP writes each rank's shards
                 if tr.export:  # the policy as a Hugging Face directory beside the checkpoint
                     if world.size == 1:
                         export_hf(models.policy, out / "hf", tokenizer=task.hf_tokenizer)
