@@ -193,9 +193,8 @@ def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
         assert reward_helpers.wait_for(marker.is_file, 180), "the reward never started"
         worker = int(marker.read_text())
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(
-            timeout=120
-        )  # guards against the hang; the run stops in about a second on a quiet machine
+        # Guards against the hang; the run stops in about a second on a quiet machine.
+        _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
         assert reward_helpers.wait_for(lambda: not reward_helpers.alive(worker), 120)
     finally:
