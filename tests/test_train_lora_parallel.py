@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 from dist_helpers import leave, spawn
 from rlcore.models import AdaptersOff, adapters_disabled
 from rlcore.train import build_model, full_state_dict, load_checkpoint, logprob_stage, make_task, train
+from rlcore.train.cli import main
 from test_trainer_parallel import DATA_PARALLEL, ONE_RANK, RowSeededEngine, _cfg, _losses, length_reward
 
 R, ALPHA, TARGETS = 4, 8, ("q_proj", "v_proj")
@@ -156,6 +158,14 @@ def test_lora_at_two_ranks_equals_one_rank_and_its_adapter_checkpoint_resumes_at
     assert saved and all("/lora_A" in k or "/lora_B" in k for k in saved)
     assert sum(t.numel() for t in saved.values()) == expected
     assert len(state["policy"]["optim"]["state"]) == len(saved)
+
+    # The run's hf/ (written by rank 0) and `rlcore export` of its checkpoint hold the merged weights.
+    exported = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "dp"), str(exported)]) == 0
+    for directory in (tmp_path / "dp" / "hf", exported):
+        written = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+        for name, value in merged.items():
+            torch.testing.assert_close(written[name], value, rtol=0, atol=0, msg=lambda m: f"{directory} {name}: {m}")
 
     # Saved at 2 ranks, resumed in one process: the next step is the 1-rank run's own resume.
     straight, _ = _run(_lora_cfg(tmp_path / "one", *ONE_RANK, steps=STEPS + 1), start=STEPS)
