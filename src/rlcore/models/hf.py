@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -267,14 +267,14 @@ def from_hf(model: nn.Module) -> tuple[HFCausalLM, Mapping[str, torch.Tensor]]:
     """
     _register_attention()
     if isinstance(model, AdaptersOff):
-        lora = model.lora
+        lora: Any = model.lora
         if not any(_is_dtensor(p) for p in lora.parameters()):
             return from_hf(base_view(lora))
         apply, params = from_hf(lora.get_base_model())
         return dataclasses.replace(apply, adapters_off=lora), params
     if is_lora(model):
         if any(_is_dtensor(p) for p in model.parameters()):  # FSDP's hooks gather the shards: the real modules run
-            return from_hf(model.get_base_model())
+            return from_hf(cast(Any, model).get_base_model())
         return from_hf(base_view(model))[0], MergedWeights(model)
     prefix = getattr(model, "base_model_prefix", "")
     if not isinstance(model, nn.Module) or not prefix or not hasattr(model, prefix):

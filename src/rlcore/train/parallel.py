@@ -261,7 +261,7 @@ def parallelize(
             f"config key 'parallel.tensor_parallel': got {tp} with a LoRA model, expected 1 (peft's adapted "
             "layers are sharded with FSDP2 over parallel.data_parallel only)"
         )
-    outer, model = model, (cast(nn.Module, model.get_base_model()) if lora else model)
+    outer, model = model, (cast(nn.Module, cast(Any, model).get_base_model()) if lora else model)
     layers = _decoder_layers(model, adapted=lora)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("model: already sharded (it holds DTensor parameters); parallelize a fresh model")
@@ -367,7 +367,7 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
     (['bias', 'weight'], (3, 2))
     """
     if is_lora(model):
-        gathered = full_state_dict(model.get_base_model(), cpu_offload=cpu_offload)
+        gathered = full_state_dict(cast(Any, model).get_base_model(), cpu_offload=cpu_offload)
         with torch.no_grad():
             return merged_state_dict(model, state=gathered)
     if not any(isinstance(p, DTensor) for p in model.parameters()):
