@@ -7,8 +7,10 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rlcore.models import (
+    AdaptersOff,
     adapter_state_dict,
     adapters_disabled,
     apply_lora,
@@ -116,6 +118,61 @@ def test_from_hf_of_a_lora_model_forwards_on_the_current_merged_weights(model_di
     assert not any(p.requires_grad for p in view.parameters())
     assert "lora" not in " ".join(n for n, _ in view.named_parameters())
     torch.testing.assert_close(_logp(view, ids[None]), _logp(original, ids[None]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merging_given_tensors_is_merging_the_modules_own_bit_for_bit(model_dir, dtype):
+    from rlcore.train import full_state_dict
+
+    model, _, _ = _lora(model_dir)
+    model.to(dtype)
+    with torch.no_grad():
+        own = merged_state_dict(model)
+        given = {k: v.detach().clone() for k, v in model.get_base_model().state_dict().items()}
+        merged = merged_state_dict(model, state=given)
+    assert merged.keys() == own.keys()
+    for name, value in own.items():
+        assert value.dtype == dtype and torch.equal(merged[name], value), name
+    # the gathered-state path (what a sharded model gives) merges the same way
+    gathered = full_state_dict(model)
+    assert all(torch.equal(gathered[name], value) for name, value in own.items())
+    # only the given entries come back (a rank without the gathered state gets nothing)
+    assert merged_state_dict(model, state={}) == {}
+    one = "model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert one in given
+    with pytest.raises(ValueError, match=r"state: holds .*q_proj\.base_layer\.weight.* lora_A / lora_B"):
+        merged_state_dict(model, state={one: given[one]})
+
+
+def test_adapters_off_is_the_base_model_on_the_same_tensors(model_dir):
+    from rlcore.train import device_mesh, parallelize
+
+    model, original, _ = _lora(model_dir)
+    reference = AdaptersOff(model)
+    assert {id(p) for p in reference.parameters()} == {id(p) for p in model.parameters()}  # no copy
+    ids = torch.randint(0, original.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(_logp(reference, ids), _logp(original, ids), atol=1e-6, rtol=0)
+    assert (_logp(model, ids) - _logp(original, ids)).abs().max() > 1e-3  # adapters on again after the call
+    assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)
+    reference.eval()
+    assert not model.training
+    reference.train()
+    assert model.training
+    apply, params = from_hf(reference)
+    n = ids.shape[1]
+    hidden = apply(params, ids[0], position_ids=torch.arange(n), cu_seqlens=torch.tensor([0, n], dtype=torch.int32))
+    logp = torch.log_softmax((hidden @ apply.output_weight(params).T).double(), -1)
+    torch.testing.assert_close(logp, _logp(original, ids[:1])[0], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="expected a peft.PeftModel"):
+        AdaptersOff(original)
+    # A one-process mesh leaves a LoRA model as it is (the decoder check sees through peft's layers).
+    owned = not dist.is_initialized()
+    try:
+        assert parallelize(model, device_mesh(1, 1, device="cpu")) is model
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+    assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def test_adapter_checkpoint_is_small_and_round_trips(model_dir):

@@ -157,7 +157,10 @@ def test_lora_config_errors_name_the_key(user, tmp_path):
         check_lora_launch(replace(cfg, model=replace(cfg.model, lora={"rank": 4})), 1)
     with pytest.raises(ValueError, match=r"model\.lora\.dropout: got 0\.1, expected 0"):
         check_lora_launch(replace(cfg, model=replace(cfg.model, lora={"r": 4, "dropout": 0.1})), 1)
-    with pytest.raises(ValueError, match=r"model\.lora: got a LoRA run at world size 2"):
-        check_lora_launch(cfg, 2)
+    check_lora_launch(replace(cfg, parallel=replace(cfg.parallel, data_parallel=2)), 2)  # FSDP2 over dp: served
+    for key in ("tensor_parallel", "context_parallel"):
+        bad = replace(cfg, parallel=replace(cfg.parallel, **{key: 2}))
+        with pytest.raises(ValueError, match=rf"^model\.lora: got LoRA with parallel\.{key}=2 \(world size 2\)"):
+            check_lora_launch(bad, 2)
     with pytest.raises(ValueError, match="expected a peft.PeftModel"):
         adapter_modules(torch.nn.Linear(2, 2))

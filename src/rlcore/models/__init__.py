@@ -24,6 +24,7 @@ from rlcore.models.loading import (
     token_ids,
 )
 from rlcore.models.lora import (
+    AdaptersOff,
     MergedWeights,
     adapter_state_dict,
     adapters_disabled,
@@ -44,6 +45,7 @@ __all__ = [
     "ATTENTION_NAME",
     "CP_MODES",
     "PREFERENCE_SIDES",
+    "AdaptersOff",
     "ContextParallelShard",
     "HFCausalLM",
     "MergedWeights",

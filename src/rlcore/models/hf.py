@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from torch import nn
 from rlcore._checks import check_integer, check_ndim, check_same_shape
 from rlcore.models.attention import attend_packed, check_cu_seqlens
 from rlcore.models.context_parallel import ContextParallelShard
-from rlcore.models.lora import MergedWeights, base_view, is_lora
+from rlcore.models.lora import AdaptersOff, MergedWeights, adapters_disabled, base_view, is_lora
 
 __all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf", "load_causal_lm"]
 
@@ -119,6 +119,8 @@ class HFCausalLM:
     twin: nn.Module
     # Sharded models (FSDP2 / tensor parallel): the parameters from_hf handed out, else None.
     sharded: Mapping[str, torch.Tensor] | None = None
+    # A sharded LoRA model run with its adapters off (the reference policy, AdaptersOff), else None.
+    adapters_off: Any = None
 
     def __call__(
         self,
@@ -212,8 +214,9 @@ class HFCausalLM:
         caught: list[torch.Tensor] = []
         backbone = self.model.get_submodule(self.prefix)
         hook = backbone.register_forward_hook(lambda module, args, out: caught.append(out.last_hidden_state))
+        off = adapters_disabled(self.adapters_off) if self.adapters_off is not None else contextlib.nullcontext()
         try:
-            with _packed_attention(backbone.config):
+            with _packed_attention(backbone.config), off:
                 self.model(
                     input_ids=input_ids.unsqueeze(0),
                     position_ids=position_ids.unsqueeze(0),
@@ -249,16 +252,29 @@ def from_hf(model: nn.Module) -> tuple[HFCausalLM, Mapping[str, torch.Tensor]]:
     copy, to ``apply``. The pure-function form of ``torch.func.functional_call``.
     A LoRA model (``peft.PeftModel``) gives the base architecture's ``apply`` and
     :class:`rlcore.models.MergedWeights` as ``params``: each forward runs on the merged
-    weights as the adapters are now, and its gradients reach the adapters.
+    weights as the adapters are now, and its gradients reach the adapters. Sharded with
+    FSDP2, it runs through its own modules (peft's adapted layers, FSDP's hooks) and
+    ``params`` are its parameters, adapters included. An :class:`rlcore.models.AdaptersOff`
+    runs the base model: on :func:`rlcore.models.base_view`, or sharded, on the same
+    modules with the adapters switched off for the call.
 
     Args:
-      model: a transformers ``*ForCausalLM`` (Qwen2, Llama, ...), or a ``peft.PeftModel`` around one.
+      model: a transformers ``*ForCausalLM`` (Qwen2, Llama, ...), a ``peft.PeftModel``
+        around one, or an :class:`rlcore.models.AdaptersOff`.
 
     Returns:
       ``(apply, params)``; ``apply.output_weight(params)`` is the ``[V, H]`` output embedding.
     """
     _register_attention()
+    if isinstance(model, AdaptersOff):
+        lora: Any = model.lora
+        if not any(_is_dtensor(p) for p in lora.parameters()):
+            return from_hf(base_view(lora))
+        apply, params = from_hf(lora.get_base_model())
+        return dataclasses.replace(apply, adapters_off=lora), params
     if is_lora(model):
+        if any(_is_dtensor(p) for p in model.parameters()):  # FSDP's hooks gather the shards: the real modules run
+            return from_hf(cast(Any, model).get_base_model())
         return from_hf(base_view(model))[0], MergedWeights(model)
     prefix = getattr(model, "base_model_prefix", "")
     if not isinstance(model, nn.Module) or not prefix or not hasattr(model, prefix):

@@ -1,7 +1,8 @@
 """LoRA through ``peft``: adapters from ``{r, alpha, dropout, target_modules}``, the base model as the reference policy.
 
 Only the adapters are trainable. The reference policy is the same module with its
-adapters switched off (:func:`adapters_disabled`), never a second copy of the weights.
+adapters switched off (:func:`adapters_disabled`, :class:`AdaptersOff`), never a second
+copy of the weights.
 :func:`merged_state_dict` gives the weights the rollout engine needs (``W + B A *
 alpha / r`` under the base model's own names; differentiable, so the packed
 :func:`rlcore.models.from_hf` forward can run on it too), and
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "AdaptersOff",
     "MergedWeights",
     "adapter_state_dict",
     "adapters_disabled",
@@ -104,20 +106,52 @@ def adapters_disabled(model: Any) -> Iterator[Any]:
         yield model
 
 
-def _merged(base: nn.Module, key: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """One entry of the base model's state, under its un-adapted name, with the active adapters merged in."""
+def _delta(layer: Any, adapter: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """``B A * alpha / r`` of one adapter from given tensors, as peft's ``lora.Linear.get_delta_weight`` computes it."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.utils.other import transpose
+
+    if not isinstance(layer, LoraLinear):
+        raise ValueError(
+            f"model: got a {type(layer).__name__} adapter, expected LoRA on linear layers only when merging "
+            "gathered weights (target_modules among the decoder's linear layers)"
+        )
+    dtype = lora_b.dtype
+    # peft merges half-precision CPU weights in float32, then casts back.
+    cast = lora_b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+    a, b = (lora_a.float(), lora_b.float()) if cast else (lora_a, lora_b)
+    out = transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[adapter]
+    return out.to(dtype) if cast else out
+
+
+def _merged(
+    base: nn.Module, key: str, value: torch.Tensor, state: Mapping[str, torch.Tensor] | None = None
+) -> tuple[str, torch.Tensor]:
+    """One entry of the base model's state, under its un-adapted name, with the active adapters merged in.
+
+    The adapters are the modules' own tensors, or those of ``state`` (a gathered state dict
+    with the base model's keys) when given.
+    """
     if _BASE + "." not in key:
         return key, value
     owner, leaf = key.split(_BASE + ".", 1)
     layer: Any = base.get_submodule(owner)
     if leaf == "weight" and not layer.disable_adapters and not layer.merged:
         for adapter in layer.active_adapters:
-            if adapter in layer.lora_A:
-                value = value + layer.get_delta_weight(adapter).to(value.dtype)
+            if adapter not in layer.lora_A:
+                continue
+            if state is None:
+                delta = layer.get_delta_weight(adapter)
+            else:
+                pair = [state.get(f"{owner}.lora_{ab}.{adapter}.weight") for ab in "AB"]
+                if pair[0] is None or pair[1] is None:
+                    raise ValueError(f"state: holds {key!r} but not its adapter {adapter!r}'s lora_A / lora_B weights")
+                delta = _delta(layer, adapter, pair[0], pair[1])
+            value = value + delta.to(value.dtype)
     return f"{owner}.{leaf}", value
 
 
-def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: Any, *, state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The base model's state with the active adapters merged in (``W + B A * alpha / r``), under the base names.
 
     Nothing is modified. Under autograd the merged tensors are differentiable in the
@@ -126,13 +160,18 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
 
     Args:
       model: a ``peft.PeftModel`` from :func:`apply_lora`.
+      state: merge these tensors instead of the model's own: a state dict with the keys of
+        ``model.get_base_model().state_dict()`` (e.g. the full tensors gathered from a
+        model sharded with FSDP2, :func:`rlcore.train.full_state_dict`); only its entries
+        are returned (an empty ``state`` gives ``{}``). The merge is peft's formula.
 
     Returns:
       name -> tensor, with the keys of the un-adapted model's ``state_dict()``.
     """
     _check_lora(model)
     base = model.get_base_model()
-    return dict(_merged(base, k, v) for k, v in base.state_dict(keep_vars=True).items() if ".lora_" not in k)
+    source = base.state_dict(keep_vars=True) if state is None else state
+    return dict(_merged(base, k, v, state) for k, v in source.items() if ".lora_" not in k)
 
 
 class MergedWeights(Mapping[str, torch.Tensor]):
@@ -206,6 +245,34 @@ def base_view(model: Any) -> nn.Module:
         raise ValueError(f"model: its base model lacks {meta[:3]}, which the base architecture needs")
     view.train(base.training)
     return view
+
+
+class AdaptersOff(nn.Module):
+    """The base model of a LoRA model, as a module of its own: the same module run with its adapters switched off.
+
+    The reference policy of a LoRA run when the policy is sharded (FSDP2): a
+    :func:`base_view` would re-register the base tensors, which FSDP's hooks would never
+    gather, so the forward runs on the policy's own sharded modules inside
+    :func:`adapters_disabled` instead. :func:`rlcore.models.from_hf` of it runs the
+    packed forward the same way (unsharded: on :func:`base_view`). No weight is copied;
+    ``eval()`` / ``train()`` reach the wrapped model.
+
+    Args:
+      model: a ``peft.PeftModel`` from :func:`apply_lora`.
+
+    >>> AdaptersOff.__mro__[1].__name__
+    'Module'
+    """
+
+    def __init__(self, model: Any):
+        _check_lora(model)
+        super().__init__()
+        self.lora = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward with its adapters off."""
+        with adapters_disabled(self.lora):
+            return self.lora(*args, **kwargs)
 
 
 def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:

@@ -4,8 +4,8 @@ The checkpoint records its config, so the model is rebuilt from it (the local mo
 directory or the inline config), its trained weights loaded, and the result written
 with ``save_pretrained`` (safetensors, config, generation config, and the tokenizer of a
 dataset run) through :func:`rlcore.models.export_hf`. A LoRA checkpoint holds the
-adapters alone: they are put back on the base model of the recorded config and the
-merged weights written.
+adapters alone: they are put back on the base model of the recorded config (an inline
+config's random weights rebuilt from the run's seed) and the merged weights written.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from rlcore.models import export_hf
 from rlcore.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
@@ -46,7 +48,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
         raise ValueError(f"checkpoint: {str(run)!r} records no config, so its model cannot be rebuilt")
     cfg = parse_config(saved)
     tokenizer = source_tokenizer(cfg, task_options(cfg))
-    model: Any = build_model(cfg, tokenizer.vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        # An inline config's random weights are the run's own (the trainer seeds before it builds):
+        # the base a LoRA checkpoint's adapters go back on.
+        torch.manual_seed(cfg.trainer.seed)
+        model: Any = build_model(cfg, tokenizer.vocab_size)
     target = model
     if cfg.model.lora is not None:  # the checkpoint holds the adapters; the base is the model directory's
         model = attach_lora(model, cfg)

@@ -4,10 +4,18 @@ The trainer wraps its policy with :func:`rlcore.models.apply_lora` (Hu et al.,
 arXiv:2106.09685) and otherwise runs unchanged: :func:`rlcore.models.from_hf` of the
 ``peft`` model forwards on its merged weights, so the gradients reach the adapters and
 only they are trainable and held by the optimiser; the reference policy is
-:func:`rlcore.models.base_view` (the base model's own tensors, adapters off, no second
-copy); the rollout engine receives :func:`rlcore.models.merged_state_dict` through the
-weight sync; the checkpoint keeps the adapters alone (:func:`adapter_modules`), the base
-weights being the model directory's; the export writes merged weights.
+:class:`rlcore.models.AdaptersOff` (the same module with its adapters off, no second
+copy of the weights); the rollout engine receives the merged weights
+(:func:`rlcore.train.full_state_dict`) through the weight sync; the checkpoint keeps the
+adapters alone (:func:`adapter_modules`), the base weights being the model directory's;
+the export writes merged weights.
+
+At world size > 1 the peft model is sharded with FSDP2 over ``parallel.data_parallel``
+(:func:`rlcore.train.parallelize`): the packed forward runs through its own modules, the
+adapters' gradients are summed over the ranks by FSDP's reduce-scatter, the merged
+weights are gathered (a collective) before the sync and the export, and the adapter
+checkpoint is DCP shards that resume at any world size. LoRA with tensor or context
+parallelism is refused (:func:`check_lora_launch`).
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ def lora_options(lora: Any) -> dict[str, Any]:
 def check_lora_launch(cfg: Any, world_size: int) -> None:
     """Refuse, before anything starts, a LoRA run the trainer cannot serve; check the ``model.lora`` keys.
 
+    LoRA runs at any world size with data parallelism (FSDP2); with
+    ``parallel.tensor_parallel`` or ``parallel.context_parallel`` above 1 it is refused.
+
     Args:
       cfg: the run's :class:`rlcore.train.config.Config`.
       world_size: the number of processes launched.
@@ -60,11 +71,13 @@ def check_lora_launch(cfg: Any, world_size: int) -> None:
     if cfg.model.lora is None:
         return
     lora_options(cfg.model.lora)
-    if world_size > 1:
-        raise ValueError(
-            f"model.lora: got a LoRA run at world size {world_size}, expected 1 (the trainer does not shard peft "
-            "adapters with FSDP2 / tensor parallelism yet; launch one process, or drop model.lora)"
-        )
+    for key in ("tensor_parallel", "context_parallel"):
+        size = getattr(cfg.parallel, key)
+        if size != 1:
+            raise ValueError(
+                f"model.lora: got LoRA with parallel.{key}={size} (world size {world_size}), expected "
+                f"parallel.{key}=1 (LoRA shards over data parallelism only, parallel.data_parallel with FSDP2)"
+            )
     if cfg.rl.multi_turn is not None:
         raise ValueError("model.lora: got LoRA with rl.multi_turn set, expected one of them (not wired together yet)")
 

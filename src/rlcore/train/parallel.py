@@ -4,7 +4,9 @@ Data parallelism is FSDP2 (``torch.distributed.fsdp.fully_shard``): each decoder
 one unit, and the whole model (embeddings, final norm, output embedding) the root unit, sharded over the
 mesh's ``"dp"`` dimension, flattened with ``"cp"`` when context parallelism is on (the
 ranks of a context-parallel group hold the same weights and score disjoint tokens of the
-same sequences, so their gradients are summed like data-parallel ones). Tensor parallelism is DTensor ``parallelize_module`` over
+same sequences, so their gradients are summed like data-parallel ones). A LoRA model
+(``peft``) is sharded the same way, its frozen base weights and trainable adapters in the
+same units. Tensor parallelism is DTensor ``parallelize_module`` over
 ``"tp"`` (Megatron-LM's split, Shoeybi et al., arXiv:1909.08053): the q/k/v and gate/up
 projections column-wise, the o and down projections row-wise, so each rank holds
 ``heads / tp`` attention heads and one all-reduce ends each block. Gradients reach the
@@ -35,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from rlcore.device import collective_backend, device_kind, get_device
+from rlcore.models import is_lora, merged_state_dict
 
 __all__ = [
     "MESH_DIMS",
@@ -175,8 +178,12 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "cp"]._flatten("dp_cp")
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of an HF causal LM, or a ``ValueError`` naming what is missing."""
+def _decoder_layers(model: nn.Module, *, adapted: bool = False) -> nn.ModuleList:
+    """The decoder layers of an HF causal LM, or a ``ValueError`` naming what is missing.
+
+    With ``adapted`` a projection may be a peft LoRA layer around its ``nn.Linear``
+    (its ``base_layer``), which FSDP2 shards like any module and tensor parallelism does not.
+    """
     prefix = getattr(model, "base_model_prefix", "")
     backbone = getattr(model, prefix, None) if prefix else None
     layers = getattr(backbone, "layers", None)
@@ -193,6 +200,8 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
                 sub = layer.get_submodule(name)
             except AttributeError:
                 sub = None
+            if adapted and not isinstance(sub, nn.Linear):
+                sub = getattr(sub, "base_layer", None)
             if not isinstance(sub, nn.Linear):
                 raise ValueError(
                     f"model: decoder layer {i} has no nn.Linear '{name}' (expected the Qwen2 / Llama layout)"
@@ -226,8 +235,13 @@ def parallelize(
     averages them. A 1 x 1 mesh leaves the model as it is. The model must already be
     on the mesh's device, identical on every rank.
 
+    A LoRA model (``peft.PeftModel``, :func:`rlcore.models.apply_lora`) is sharded with
+    FSDP2 (its base model the root unit, each decoder layer a unit holding the frozen base
+    weights and the trainable adapters); tensor parallelism of peft's adapted layers is
+    not supported (``tp`` must be 1).
+
     Args:
-      model: a transformers ``*ForCausalLM`` of the Qwen2 / Llama family.
+      model: a transformers ``*ForCausalLM`` of the Qwen2 / Llama family, or a ``peft.PeftModel`` around one.
       mesh: the ``("dp", "cp", "tp")`` mesh from :func:`device_mesh`.
       reshard_after_forward: free the gathered layer weights after each forward (FSDP's
         ZeRO-3); ``False`` keeps them until the backward (ZeRO-2, more memory, fewer gathers).
@@ -240,8 +254,15 @@ def parallelize(
         raise ValueError(f"mesh: got {mesh!r}, expected a DeviceMesh with mesh_dim_names {MESH_DIMS} (device_mesh)")
     if grad_reduce not in ("sum", "mean"):
         raise ValueError(f"grad_reduce: got {grad_reduce!r}, expected 'sum' or 'mean'")
-    layers = _decoder_layers(model)
     dp, tp = mesh["dp"].size() * mesh["cp"].size(), mesh["tp"].size()
+    lora = is_lora(model)
+    if lora and tp > 1:
+        raise ValueError(
+            f"config key 'parallel.tensor_parallel': got {tp} with a LoRA model, expected 1 (peft's adapted "
+            "layers are sharded with FSDP2 over parallel.data_parallel only)"
+        )
+    outer, model = model, (cast(nn.Module, cast(Any, model).get_base_model()) if lora else model)
+    layers = _decoder_layers(model, adapted=lora)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("model: already sharded (it holds DTensor parameters); parallelize a fresh model")
     if tp > 1:
@@ -271,7 +292,7 @@ def parallelize(
                 unit.set_gradient_divide_factor(1.0)
             elif mesh["cp"].size() > 1:  # a mean over dp; the cp shares of one gradient are summed
                 unit.set_gradient_divide_factor(float(mesh["dp"].size()))
-    return model
+    return outer
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -330,10 +351,12 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
     tensor-parallel slices are gathered through ``torch.distributed.checkpoint.state_dict``
     (``full_state_dict=True``); the keys are those of an unsharded ``model.state_dict()``,
     so an unsharded replica loads them with ``load_state_dict``. An unsharded model
-    gives its own tensors, detached.
+    gives its own tensors, detached. A LoRA model gives the merged weights ``W + B A *
+    alpha / r`` under the base model's names (:func:`rlcore.models.merged_state_dict` of
+    the gathered tensors): what a rollout engine or an export of the base architecture loads.
 
     Args:
-      model: a model, sharded by :func:`parallelize` or not.
+      model: a model (or a ``peft.PeftModel``), sharded by :func:`parallelize` or not.
       cpu_offload: gather to the CPU of rank 0 only (the other ranks get ``{}``), for export.
 
     Returns:
@@ -343,6 +366,10 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
     >>> sorted(sd), tuple(sd["weight"].shape)
     (['bias', 'weight'], (3, 2))
     """
+    if is_lora(model):
+        gathered = full_state_dict(cast(Any, model).get_base_model(), cpu_offload=cpu_offload)
+        with torch.no_grad():
+            return merged_state_dict(model, state=gathered)
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         return {k: v.detach() for k, v in model.state_dict().items()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)

@@ -69,11 +69,10 @@ from rlcore.dataflow import (
 from rlcore.device import get_device, memory_stats
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
 from rlcore.models import (
-    base_view,
+    AdaptersOff,
     export_hf,
     from_hf,
     is_lora,
-    merged_state_dict,
     sharded_token_logprobs,
     token_logprobs,
 )
@@ -692,11 +691,7 @@ class _Deployment:
         lora = is_lora(policy)
 
         def full_weights() -> dict[str, torch.Tensor]:
-            if lora:
-                with torch.no_grad():
-                    weights = merged_state_dict(policy)
-            else:
-                weights = full_state_dict(policy)
+            weights = full_state_dict(policy)  # LoRA: the merged weights, under the base names
             return {name: weights[name] for name in names}
 
         def sync_to(receiver: Callable[[Any], Any]) -> Callable[[int], None]:
@@ -1021,9 +1016,9 @@ def _train(
     shapes = {name: list(t.shape) for name, t in replica.state_dict().items()}  # recorded by every checkpoint
     if world.cp is not None:
         check_context_parallel_model(policy.config, context_parallel=world.mesh["cp"].size(), mode=world.cp[1])
-    parallelize(policy, world.mesh, grad_reduce="sum")
-    if cfg.model.lora is not None:  # only the adapters train (world size 1); the warm-up trains them too
+    if cfg.model.lora is not None:  # only the adapters train; the warm-up trains them too
         policy = attach_lora(policy, cfg)
+    parallelize(policy, world.mesh, grad_reduce="sum")  # LoRA: FSDP2 over dp, base and adapters in each unit
     if critic is not None:
         _shard_critic(critic, world)
     out = Path(tr.output_dir)
@@ -1046,8 +1041,8 @@ def _train(
             context_parallel=world.cp,
         )
     # The reference: the (warmed-up) policy's weights in a model of its own, sharded the same way.
-    if is_lora(policy):  # the base model's own tensors with the adapters off: no second copy
-        reference = base_view(policy)
+    if is_lora(policy):  # the policy's own (sharded) modules with the adapters off: no second copy
+        reference: torch.nn.Module = AdaptersOff(policy)
     else:
         reference = copy.deepcopy(replica)
         reference.load_state_dict(full_state_dict(policy))
