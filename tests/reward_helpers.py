@@ -82,3 +82,22 @@ def wait_for(predicate, seconds: float, poll: float = 0.05) -> bool:
             return False
         time.sleep(poll)
     return True
+
+
+def process_report(pid: int) -> str:
+    """What a stuck process is doing, for a test's failure message: its signal masks and each thread's state."""
+    lines = []
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        lines += [
+            line
+            for line in status
+            if line.startswith(("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+        ]
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            blocked = next(x for x in (task / "status").read_text().splitlines() if x.startswith("SigBlk"))
+            lines.append(f"thread {task.name}: {stat} {(task / 'wchan').read_text()} {blocked}")
+    except OSError as err:
+        lines.append(f"({err})")
+    return "\n".join(lines)

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import CancelledError
 from pathlib import Path
 
@@ -182,7 +183,8 @@ def test_reprobe_close_after_the_pool_broke_is_clean(monkeypatch):
 
 
 _OWNER = """
-import sys
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should a test find it stuck
 sys.path.insert(0, {tests!r})
 import reward_helpers
 from rlcore.rewards import RewardPool
@@ -206,7 +208,14 @@ def test_stuck_reward_ctrl_c_stops_the_owner_within_seconds(tmp_path):
     proc, worker = _start_owner(tmp_path)
     try:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            report = reward_helpers.process_report(proc.pid)
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            proc.kill()
+            raise AssertionError(f"the owner did not stop:\n{report}\n{proc.communicate()[1]}") from None
         assert "KeyboardInterrupt" in err
         assert reward_helpers.wait_for(lambda: not reward_helpers.alive(worker), 120)
     finally:
