@@ -185,6 +185,8 @@ def test_reprobe_close_after_the_pool_broke_is_clean(monkeypatch):
 _OWNER = """
 import faulthandler, signal, sys
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should a test find it stuck
+# Ctrl-C as in a terminal, even when the suite itself was started with SIGINT ignored (a background job).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 import reward_helpers
 from rlcore.rewards import RewardPool

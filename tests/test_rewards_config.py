@@ -97,7 +97,16 @@ EXTRACTION_CASES = [
 
 @pytest.fixture(scope="module")
 def math_reward():
-    reward = VerifiedMath(timeout=1.0)
+    # A generous timeout: on a loaded machine a plain comparison can take over a second.
+    reward = VerifiedMath(timeout=60.0)
+    yield reward
+    reward.close()
+
+
+@pytest.fixture(scope="module")
+def quick_math_reward():
+    # A short timeout, for the pathological answer (long enough for the plain ones beside it).
+    reward = VerifiedMath(timeout=3.0)
     yield reward
     reward.close()
 
@@ -129,24 +138,26 @@ def test_last_complete_box_wins(math_reward):
     assert [bool(s) for s in scores.tolist()] == [c[2] for c in EXTRACTION_CASES]
 
 
-def test_pathological_answer_times_out_scores_zero_and_is_counted(math_reward):
-    math_reward(["q"], ["\\boxed{1}"], answers=["1"])  # the worker is up
-    math_reward.pop_metrics()
+def test_pathological_answer_times_out_scores_zero_and_is_counted(quick_math_reward):
+    quick_math_reward(["q"], ["\\boxed{1}"], answers=["1"])  # the worker is up
+    quick_math_reward.pop_metrics()
     start = time.monotonic()
-    scores = math_reward(["q"], [PATHOLOGICAL], answers=["1"])
+    scores = quick_math_reward(["q"], [PATHOLOGICAL], answers=["1"])
     elapsed = time.monotonic() - start
     assert scores.tolist() == [0.0]
-    assert elapsed < math_reward.timeout + 1.0, elapsed  # the bound: the timeout plus one second
-    assert math_reward.pop_metrics()["timeouts"] == 1
+    assert elapsed < quick_math_reward.timeout + 1.0, elapsed  # the bound: the timeout plus one second
+    assert quick_math_reward.pop_metrics()["timeouts"] == 1
     # the next items are checked by the replacement worker
-    scores = math_reward(["q"] * 3, ["\\boxed{2}", PATHOLOGICAL, "#### 5"], answers=["2", "1", "5"])
+    scores = quick_math_reward(["q"] * 3, ["\\boxed{2}", PATHOLOGICAL, "#### 5"], answers=["2", "1", "5"])
     assert scores.tolist() == [1.0, 0.0, 1.0]
-    assert math_reward.pop_metrics()["timeouts"] == 1
+    assert quick_math_reward.pop_metrics()["timeouts"] == 1
 
 
-def test_timeout_works_off_the_main_thread(math_reward):
+def test_timeout_works_off_the_main_thread(quick_math_reward):
     out = {}
-    thread = threading.Thread(target=lambda: out.update(s=math_reward(["q"] * 2, [PATHOLOGICAL, "3"], answers=[1, 3])))
+    thread = threading.Thread(
+        target=lambda: out.update(s=quick_math_reward(["q"] * 2, [PATHOLOGICAL, "3"], answers=[1, 3]))
+    )
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive()
