@@ -231,8 +231,9 @@ def adaptive_kl_controller(*, init_kl_coef: float = 0.2, target: float = 6.0, ho
     sequence KL, horizon 10000 samples).
 
     Formula: ``e = clip(KL / target - 1, -0.2, 0.2)``,
-    ``beta <- beta * (1 + e * n_steps / horizon)``. A non-finite ``KL`` leaves ``beta``
-    unchanged (the observation is skipped, without a host sync).
+    ``beta <- beta * (1 + e * min(n_steps / horizon, 1))``: one update corrects by at most
+    one horizon's worth, so ``beta`` never turns negative. A non-finite ``KL`` leaves
+    ``beta`` unchanged (the observation is skipped, without a host sync).
 
     Args:
       init_kl_coef: the starting ``beta`` (>= 0).
