@@ -229,6 +229,12 @@ def test_reprobe_export_of_a_missing_checkpoint_does_not_speak_of_resume(tmp_pat
         assert err.count("\n") == 1
 
 
+def test_reprobe_export_to_an_empty_out_dir_is_refused(tmp_path, capsys):
+    # `rlcore export RUN ""` wrote the model into the current directory.
+    assert main(["export", str(tmp_path), ""]) == 2
+    assert "rlcore: error: out_dir: got ''" in capsys.readouterr().err
+
+
 def test_reprobe_output_dir_os_errors_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     def fails(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(tmp_path / "out"))

@@ -37,6 +37,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
     Raises:
       ValueError: one line naming the checkpoint when it is missing, damaged or records no config.
     """
+    if not str(out_dir).strip():
+        raise ValueError("out_dir: got '', expected a directory path to write the model to")
     run = Path(checkpoint)
     if run.name == CHECKPOINT_NAME and not (run / CHECKPOINT_NAME).exists():
         run = run.parent
