@@ -42,7 +42,7 @@ def reward_name(reward: Any) -> str:
     return getattr(reward, "__name__", None) or type(reward).__name__
 
 
-def _as_float(value: numbers.Real) -> float:
+def _as_float(value: Any) -> float:
     try:
         return float(value)
     except OverflowError:
