@@ -41,6 +41,7 @@ offload every tensor you will touch, or none of its views.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -333,8 +334,15 @@ def offload(tree: Any, *, non_blocking: bool = True) -> SwapHandle:
     }
     for k in bases.values():  # the documented exception: a listed view's own base stays unguarded
         kept[k] += 1
+    collected = False
     for key, (st, _) in storages.items():
         outside = torch._C._storage_Use_Count(st._cdata) - 1 - kept[key]  # - 1: our own handle on it
+        if outside > 0 and not collected:
+            # A view may be held only by unreachable garbage (a reference cycle, e.g. of a
+            # collective's temporaries) that nobody can read: collect it before judging.
+            gc.collect()
+            collected = True
+            outside = torch._C._storage_Use_Count(st._cdata) - 1 - kept[key]
         if outside > 0:
             for record in reversed(guarded):
                 _unguard(record)
