@@ -551,3 +551,16 @@ def test_batch_normalize_no_host_sync_and_gradcheck():
     assert_no_host_sync(lambda a, b: batch_normalize(a, b), x.detach().float(), m)
     with pytest.raises(ValueError, match="mask"):
         batch_normalize(x, m[:, :3])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_reprobe_reinforce_pp_baseline_non_finite_score_stays_in_its_own_group(bad):
+    # As grpo_advantages (issue 18, defect 4): a NaN score made every group's advantage NaN.
+    scores = torch.tensor([1.0, bad, 3.0, 4.0, 0.0, 2.0])
+    ids = torch.tensor([0, 0, 1, 1, 2, 2])
+    mask = torch.tensor([[1, 1, 0]] * 6)
+    adv = reinforce_pp_baseline_advantages(scores, ids, mask)
+    assert not torch.isfinite(adv[:2][mask[:2] != 0]).any()
+    want = reinforce_pp_baseline_advantages(scores[2:], ids[2:] - 1, mask[2:])
+    torch.testing.assert_close(adv[2:], want)
+    assert (adv[mask == 0] == 0).all()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import reward_helpers
 from rlcore.train import read_metrics, trainer
@@ -200,3 +201,46 @@ def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
     finally:
         proc.kill()
         proc.communicate()
+
+
+# Re-probe of issue 18 ---------------------------------------------------------------------
+
+
+def test_reprobe_large_seed_runs(monkeypatch):
+    # trainer.seed >= about 1e5 overflowed torch's seed range in make_generator mid-run.
+    for seed in (123_456, 2**63, -(2**40)):
+        a = trainer.make_generator(seed, 0, 7, 1)
+        b = trainer.make_generator(seed, 0, 8, 1)
+        assert not torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    # In torch's range the stream is what it was before.
+    small = trainer.make_generator(3, 1, 2, 1)
+    assert torch.equal(
+        torch.rand(3, generator=small),
+        torch.rand(3, generator=torch.Generator().manual_seed(((3 * 1_000_003 + 1) * 1_000_003 + 2) * 1_009 + 1)),
+    )
+
+
+def test_reprobe_export_of_a_missing_checkpoint_does_not_speak_of_resume(tmp_path, capsys):
+    # The error said "resume: no checkpoint ...; run without --resume first".
+    (tmp_path / "f").write_text("x")
+    for checkpoint in (tmp_path / "nope", tmp_path, tmp_path / "f"):
+        assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "rlcore: error: checkpoint: no training checkpoint" in err and "resume" not in err
+        assert err.count("\n") == 1
+
+
+def test_reprobe_export_to_an_empty_out_dir_is_refused(tmp_path, capsys):
+    # `rlcore export RUN ""` wrote the model into the current directory.
+    assert main(["export", str(tmp_path), ""]) == 2
+    assert "rlcore: error: out_dir: got ''" in capsys.readouterr().err
+
+
+def test_reprobe_output_dir_os_errors_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
+    def fails(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "out"))
+
+    monkeypatch.setattr(trainer, "train", fails)
+    assert main(["train", "--config", CONFIG, f"trainer.output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlcore: error: ") and "Permission denied" in err and err.count("\n") == 1

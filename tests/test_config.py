@@ -276,3 +276,52 @@ def test_context_parallel_keys_load_and_cp_counts_in_the_world_size():
         match=r"'parallel.data_parallel' \(1\) x 'parallel.context_parallel' \(2\) = 2, expected the launched",
     ):
         check_launch(two, 1)
+
+
+# Re-probe of issue 18 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"hidden_size": 0}, r"hidden_size: got 0, expected a positive int"),
+        ({"intermediate_size": -4}, r"intermediate_size: got -4, expected a positive int"),
+        ({"num_attention_heads": 0}, r"num_attention_heads: got 0, expected a positive int"),
+        ({"vocab_size": 0}, r"vocab_size: got 0, expected a positive int"),
+        ({"hidden_size": 30}, r"head dimension 15 .* expected an even head dimension"),
+    ],
+)
+def test_reprobe_inline_model_sizes_are_checked_before_any_work(fields, message):
+    # hidden_size 0 was a ZeroDivisionError traceback, intermediate_size -4 torch's
+    # "negative dimension", an odd head dimension a rotary-embedding size error mid-rollout.
+    with pytest.raises(ValueError, match=r"config key 'model.model_name_or_path': " + message) as err:
+        parse_config({"model": {"model_name_or_path": {**INLINE, **fields}}})
+    assert "\n" not in str(err.value)
+
+
+def test_reprobe_override_that_is_not_yaml_names_the_override():
+    # A yaml.ParserError traceback.
+    with pytest.raises(ValueError, match=r"override 'rl.lr=\[1,': the value is not valid YAML"):
+        apply_overrides({}, ["rl.lr=[1,"])
+
+
+def test_reprobe_duplicate_keys_in_a_config_file_are_refused(tmp_path):
+    # PyYAML keeps the last of two equal keys: `algo: grpo` then `algo: ppo` silently ran PPO.
+    text = "model:\n  model_name_or_path: {model_type: qwen2}\nrl:\n  algo: grpo\n  algo: ppo\n"
+    with pytest.raises(ValueError, match=r"config: '.*c.yaml' is not valid YAML: .*duplicate key 'algo'"):
+        load_config(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_reprobe_seed_out_of_range_names_the_key(seed):
+    with pytest.raises(ValueError, match=r"config key 'trainer.seed': got"):
+        parse_config({"model": {"model_name_or_path": INLINE}, "trainer": {"seed": seed}})
+
+
+def test_reprobe_output_dir_that_cannot_be_a_directory_names_the_key(tmp_path):
+    # A file there (or above) gave FileExistsError / NotADirectoryError tracebacks; "" wrote the run into the cwd.
+    (tmp_path / "f").write_text("x")
+    for out in ("", str(tmp_path / "f"), str(tmp_path / "f" / "run")):
+        with pytest.raises(ValueError, match=r"config key 'trainer.output_dir': got"):
+            parse_config({"model": {"model_name_or_path": INLINE}, "trainer": {"output_dir": out}})
+    assert parse_config({"model": {"model_name_or_path": INLINE}, "trainer": {"output_dir": str(tmp_path / "new")}})

@@ -9,6 +9,7 @@ partial rollouts age and come first; bad input raises ValueError and changes not
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 import time
@@ -780,3 +781,48 @@ def test_infinite_timeout_waits_without_overflow(make_dock):
     timer.join()
     assert idx.tolist() == [1]
     dock.reset(timeout=float("inf"))
+
+
+# ---------------------------------------------------------------------------- re-probe of issue 18
+
+
+def test_reprobe_index_beyond_int64_names_indexes(make_dock):
+    # torch's "Overflow when unpacking long long", naming nothing.
+    dock = make_dock(1, 2, columns=["a"], consumers=["c"])
+    with pytest.raises(ValueError, match=r"indexes: got .*expected a 1-D integer tensor or a sequence of ints"):
+        dock.put({"a": torch.ones(1)}, [2**70])
+    with pytest.raises(ValueError, match=r"indexes: got"):
+        dock.nack("c", [-(2**70)])
+
+
+def test_reprobe_ray_dock_use_after_close_raises_naming_the_closed_dock(ray_docks):
+    # Use after close gave a raw KeyError of the part's key (or Ray's ActorDiedError), and a
+    # get waiting on explicit indexes when the dock closed waited for ever.
+    dock = ray_docks.make(1, 2, columns=["a"], consumers=["c"])
+    copy = pickle.loads(pickle.dumps(dock))  # another client, e.g. in a Ray task
+    outcome: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            dock.get("c", ["a"], indexes=[0, 1])
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    dock.close()
+    thread.join(15)
+    assert not thread.is_alive(), "a get waiting when the dock closed never returned"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError) and "closed" in str(outcome[0])
+    for client in (dock, copy):
+        with pytest.raises(RuntimeError, match="closed"):
+            client.get("c", ["a"], 2)
+        with pytest.raises(RuntimeError, match="closed"):
+            client.put({"a": torch.ones(2)}, [0, 1])
+    dock.close()  # twice: nothing more to do
+
+
+def test_reprobe_ray_dock_hosts_must_be_host_actors(ray_docks):
+    with pytest.raises(ValueError, match=r"hosts: got \[1\], expected a non-empty list of actors from start_hosts"):
+        RayTransferDock(1, 2, hosts=[1])

@@ -219,3 +219,23 @@ def test_defect_13_nan_and_negative_hyperparameters_are_rejected(bad):
 def test_defect_13_integer_losses_are_rejected():
     with pytest.raises(ValueError, match="loss_t: got dtype torch.int64"):
         algos.aggregate(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3))
+
+
+# Re-probe ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_reprobe_saturating_cast_refuses_an_integer_target(dtype):
+    # 1e20 "saturated" to int32 came back as -2147483648: the cast wrapped, contrary to its name.
+    with pytest.raises(ValueError, match="dtype: got torch"):
+        ops.saturating_cast(torch.tensor([1e20]), dtype)
+
+
+@pytest.mark.parametrize("bad", ["0.2", None, [0.2], algos.KLControllerState(torch.tensor(0.2))])
+def test_reprobe_hyperparameters_of_the_wrong_type_name_the_argument(bad):
+    # A string from a YAML file, or a controller state, gave "'>' not supported between ..." TypeErrors.
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="clip_low: got"):
+        algos.ppo_clip_loss(x, x, x, torch.ones(2, 3), clip_low=bad)
+    with pytest.raises(ValueError, match="beta: got"):
+        algos.dpo_loss(x[0], x[0], x[0], x[0], beta=bad)

@@ -251,3 +251,57 @@ def test_controller_bad_input():
         adaptive_kl_controller(horizon=-1.0)
     with pytest.raises(ValueError, match="kl_coef"):
         fixed_kl_controller(kl_coef=-0.1)
+
+
+# Re-probe of issue 18 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kl", [torch.tensor([1.0, 2.0]), torch.ones(2, 1), "3.0", [1.0]])
+def test_reprobe_adaptive_update_rejects_a_non_scalar_kl_and_keeps_the_state(kl):
+    # A [2] KL turned the coefficient into a [2] tensor; a string gave torch's raw TypeError.
+    ctrl = adaptive_kl_controller()
+    state = ctrl.init()
+    with pytest.raises(ValueError, match="kl: got"):
+        ctrl.update(kl, state, n_steps=1)
+    assert state.kl_coef.shape == () and state.kl_coef.item() == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("n_steps", [10**5, 10**6, torch.tensor(10**9)])
+@pytest.mark.parametrize("kl", [0.0, 1e6])
+def test_reprobe_adaptive_coefficient_stays_positive_and_bounded_when_n_steps_exceeds_the_horizon(n_steps, kl):
+    # n_steps = 100 horizons made beta * (1 - 0.2 * 100) negative: a reward for diverging.
+    ctrl = adaptive_kl_controller(init_kl_coef=0.2, target=6.0, horizon=1000)
+    new = ctrl.update(torch.tensor(kl), ctrl.init(), n_steps=n_steps).kl_coef
+    assert 0.2 * 0.8 - 1e-7 <= new.item() <= 0.2 * 1.2 + 1e-7
+    # Up to one horizon the formula is the paper's, unchanged.
+    small = ctrl.update(torch.tensor(kl), ctrl.init(), n_steps=500).kl_coef
+    want = 0.2 * (1 + (-0.2 if kl == 0.0 else 0.2) * 500 / 1000)
+    assert small.item() == pytest.approx(want)
+
+
+def test_reprobe_update_rejects_a_state_of_another_type():
+    ctrl = adaptive_kl_controller()
+    with pytest.raises(ValueError, match="state: got tuple, expected a KLControllerState"):
+        ctrl.update(torch.tensor(1.0), (0.2,), n_steps=1)
+
+
+@pytest.mark.parametrize("kl_coef", [float("inf")])
+def test_reprobe_controllers_reject_an_infinite_coefficient(kl_coef):
+    with pytest.raises(ValueError, match="kl_coef: got inf"):
+        fixed_kl_controller(kl_coef=kl_coef)
+    with pytest.raises(ValueError, match="init_kl_coef: got inf"):
+        adaptive_kl_controller(init_kl_coef=kl_coef)
+
+
+def test_reprobe_kl_in_reward_names_a_bad_kl_coef():
+    z = torch.zeros(2, 3)
+    ctrl = adaptive_kl_controller()
+    # The controller's state instead of its coefficient: a raw "'>=' not supported" TypeError.
+    with pytest.raises(ValueError, match="kl_coef: got KLControllerState"):
+        kl_in_reward(z, z, z, torch.ones(2, 3), kl_coef=ctrl.init())
+    # A tensor that is not a scalar broadcast silently ([2, 1]) or raised torch's size error ([2]).
+    for bad in (torch.ones(2), torch.ones(2, 1)):
+        with pytest.raises(ValueError, match=r"kl_coef: got a tensor of shape"):
+            kl_in_reward(z, z, z, torch.ones(2, 3), kl_coef=bad)
+    shaped, _ = kl_in_reward(z, z - 1, z, torch.ones(2, 3), kl_coef=ctrl.init().kl_coef)
+    torch.testing.assert_close(shaped, torch.full((2, 3), 0.2))  # r - beta * (logp - ref_logp)

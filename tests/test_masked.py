@@ -149,3 +149,27 @@ def test_no_host_sync():
     m = torch.rand(4, 9) > 0.4
     assert_no_host_sync(lambda a, b: (masked_sum(a, b), masked_mean(a, b, 1), masked_var(a, b)), x, m)
     assert_no_host_sync(lambda a, b: masked_whiten(a, b, dim=1), x, m)
+
+
+# Re-probe of issue 18 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [masked_sum, masked_mean, masked_var])
+def test_reprobe_integer_values_are_rejected_not_truncated(fn):
+    # masked_mean([1, 2]) came back as 1 (a float32 mean cast back to int64), and
+    # masked_sum of 16777217 as 16777216 (float32 accumulation).
+    with pytest.raises(ValueError, match="x: got dtype torch.int64, expected a floating-point dtype"):
+        fn(torch.tensor([1, 2]), torch.tensor([1, 1]))
+
+
+@pytest.mark.parametrize("fn", [masked_sum, masked_mean, masked_var, masked_whiten])
+@pytest.mark.parametrize("dim", [2, -3, (0, 5)])
+def test_reprobe_dim_out_of_range_names_dim(fn, dim):
+    with pytest.raises(ValueError, match=r"dim: got .*, expected dimensions of a 2-D x"):
+        fn(torch.ones(2, 3), torch.ones(2, 3), dim=dim)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), -1.0, float("inf")])
+def test_reprobe_whiten_rejects_a_bad_eps(eps):
+    with pytest.raises(ValueError, match="eps: got"):
+        masked_whiten(torch.tensor([5.0, 6.0]), torch.ones(2), eps=eps)

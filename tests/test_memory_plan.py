@@ -293,3 +293,10 @@ def test_predicted_peak_matches_measured_peak(tmp_path):
         enter_train(rollout, plan)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bad", [None, {"params": 1}, 3])
+def test_reprobe_colocated_plan_names_a_reshard_plan_of_another_type(bad):
+    # An AttributeError ("'NoneType' object has no attribute 'src_bytes'").
+    with pytest.raises(ValueError, match="reshard_plan: got .*, expected a ReshardPlan"):
+        colocated_plan(bad)

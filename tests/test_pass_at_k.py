@@ -44,3 +44,10 @@ def test_rejects_bad_input():
         pass_at_k(torch.ones(2), torch.zeros(2, dtype=torch.long), k=0)
     with pytest.raises(ValueError, match="group_ids"):
         pass_at_k(torch.ones(2), torch.zeros(3, dtype=torch.long), k=1)
+
+
+@pytest.mark.parametrize("threshold", [float("nan"), "0.5", None])
+def test_reprobe_bad_threshold_is_rejected(threshold):
+    # A NaN threshold counted nothing as correct: pass@k 0 for every prompt, silently.
+    with pytest.raises(ValueError, match="threshold: got"):
+        pass_at_k(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), k=1, threshold=threshold)

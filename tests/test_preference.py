@@ -595,3 +595,13 @@ def test_preference_losses_have_no_host_sync():
     pc, pr, rc, rr = (-torch.rand(6, generator=g) * 50 for _ in range(4))
     logp, mask = -torch.rand(6, 5, generator=g), torch.rand(6, 5, generator=g) > 0.3
     assert_no_host_sync(all_losses, pc, pr, rc, rr, logp, mask, torch.rand(6, generator=g) > 0.5)
+
+
+@pytest.mark.parametrize("delta", [float("nan"), torch.zeros(3), torch.zeros(2), "0.1"])
+def test_reprobe_bco_delta_must_be_a_finite_scalar(delta):
+    # A [3] delta raised torch's size error, a [2] one broadcast per pair, NaN made every loss NaN.
+    z = torch.zeros(2)
+    with pytest.raises(ValueError, match="bco_delta: got"):
+        dpo_loss(z, z, z, z, loss_type="bco_pair", bco_delta=delta)
+    loss, _ = dpo_loss(z, z, z, z, loss_type="bco_pair", bco_delta=torch.tensor(0.0))
+    assert torch.isfinite(loss).all()

@@ -330,3 +330,13 @@ def test_weighted_names_failing_component_and_rejects_bad_pairs():
         Weighted([count_a])
     with pytest.raises(ValueError, match="rewards: got an empty sequence"):
         Weighted([])
+
+
+@pytest.mark.parametrize("big", [10**400, -(10**400)])
+def test_reprobe_score_beyond_float_range_is_a_named_reward_error(big):
+    # An int past float's range gave a raw "OverflowError: int too large to convert to float".
+    def huge(prompts, responses, **columns):
+        return [1.0, big]
+
+    with pytest.raises(RewardError, match=r"reward 'huge' on batch 4: got a non-finite score .*inf at index 1"):
+        evaluate(huge, ["p", "q"], ["a", "b"], batch=4)

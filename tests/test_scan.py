@@ -137,3 +137,13 @@ def test_inductor_compile_forward_backward():
     x.grad = None
     reverse_linear_scan(x, c).square().sum().backward()
     torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [float("nan"), float("inf"), -float("inf")])
+def test_reprobe_non_finite_number_factors_are_rejected(gamma):
+    # A NaN gamma turned every output into NaN without a word.
+    x = torch.ones(1, 3)
+    with pytest.raises(ValueError, match="factors: got"):
+        discounted_cumsum(x, gamma)
+    with pytest.raises(ValueError, match="factors: got"):
+        reverse_linear_scan(x, gamma)

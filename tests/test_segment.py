@@ -233,3 +233,14 @@ def test_zscore_no_host_sync():
     assert_no_host_sync(lambda a: segment_zscore(a, torch.arange(12) % 5, num_segments=5), x)
     assert_no_host_sync(lambda a: segment_zscore(a, torch.arange(12) // 4, group_size=4), x)
     assert_no_host_sync(lambda a: segment_zscore(a, None, group_size=4), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16])
+def test_reprobe_narrow_integer_group_ids_work_like_int64(dtype):
+    # uint8 ids passed the dtype check and then failed inside scatter with a raw torch error.
+    x = torch.tensor([1.0, 2.0, 4.0])
+    ids = torch.tensor([0, 1, 1])
+    for fn in (segment_sum, segment_mean, segment_std):
+        torch.testing.assert_close(fn(x, ids.to(dtype)), fn(x, ids))
+        torch.testing.assert_close(fn(x, ids.to(dtype), num_segments=2), fn(x, ids))
+    torch.testing.assert_close(segment_count(ids.to(dtype)), segment_count(ids))

@@ -243,3 +243,10 @@ def test_filters_no_host_sync_and_bad_input():
         rejection_mask(lp, rl[:, :3], m)
     with pytest.raises(ValueError, match="cap"):
         truncated_is_weights(lp, rl, m, cap=0.0)
+
+
+@pytest.mark.parametrize("bounds", [{"low": math.nan}, {"high": math.nan}, {"low": math.nan, "high": math.nan}])
+def test_reprobe_clip_rewards_rejects_nan_bounds(bounds):
+    # A NaN bound made every reward NaN.
+    with pytest.raises(ValueError, match="(low|high): got nan"):
+        clip_rewards(torch.tensor([1.0, 5.0]), **bounds)

@@ -263,3 +263,11 @@ def test_bfloat16_model_trains(tmp_path):
     run = train(tiny("grpo_tiny", tmp_path, "trainer.steps=2", "model.torch_dtype=bf16", "trainer.plot=false"))
     assert next(run.policy.parameters()).dtype == torch.bfloat16
     assert all(torch.isfinite(torch.tensor([r["loss"], r["kl"], r["entropy"]])).all() for r in run.records)
+
+
+def test_reprobe_reversal_with_no_letters_is_refused_naming_letters():
+    # data.letters='' passed the config and failed in the data loader with torch's "random_ expects ...".
+    from rlcore.train.tasks import make_task
+
+    with pytest.raises(ValueError, match="letters: got '', expected at least one letter"):
+        make_task("reversal", letters="")

@@ -8,6 +8,7 @@ they trace cleanly under ``torch.compile``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -78,11 +79,18 @@ def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
         raise ValueError(f"{name}: got {value!r}, expected one of {', '.join(repr(a) for a in allowed)}")
 
 
-def check_positive(name: str, value: float, *, strict: bool = True) -> None:
-    """``value > 0`` (``>= 0`` with ``strict=False``); NaN fails both."""
+def check_positive(name: str, value: float, *, strict: bool = True, finite: bool = False) -> None:
+    """``value > 0`` (``>= 0`` with ``strict=False``; and not ``inf`` with ``finite=True``); NaN fails all.
+
+    ``value`` is a real number (not a bool, not a string) or a tensor.
+    """
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        raise ValueError(f"{name}: got {type(value).__name__} {value!r}, expected a number")
     ok = value > 0 if strict else value >= 0
+    if finite:
+        ok = ok and value < math.inf
     if not ok:
-        want = "> 0" if strict else ">= 0"
+        want = ("> 0" if strict else ">= 0") + (" and finite" if finite else "")
         raise ValueError(f"{name}: got {value!r}, expected a number {want}")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlcore._checks import check_positive
@@ -47,6 +49,8 @@ def pass_at_k(
     if isinstance(k, bool) or not isinstance(k, int):
         raise ValueError(f"k: got {k!r}, expected a positive int")
     check_positive("k", k)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold):
+        raise ValueError(f"threshold: got {threshold!r}, expected a number")
     correct = (scores > threshold).to(torch.float64)
     n = segment_count(group_ids, num_segments=g).to(torch.float64)
     c = segment_sum(correct, group_ids, num_segments=g)

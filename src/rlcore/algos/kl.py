@@ -9,7 +9,7 @@ and checkpoint as plain tensors.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -135,7 +135,11 @@ def kl_in_reward(
     check_floating("rewards", rewards)
     check_same_shape("logp", logp, "rewards", rewards)
     check_same_shape("mask", mask, "rewards", rewards)
-    if not isinstance(kl_coef, torch.Tensor):
+    if isinstance(kl_coef, torch.Tensor):
+        if kl_coef.numel() != 1:  # never a silent broadcast over samples or tokens
+            raise ValueError(f"kl_coef: got a tensor of shape {tuple(kl_coef.shape)}, expected a scalar")
+        kl_coef = kl_coef.reshape(())
+    else:
         check_positive("kl_coef", kl_coef, strict=False)
     kl = kl_penalty(logp.detach(), ref_logp.detach(), estimator=estimator).to(acc_dtype(rewards.dtype))
     on = mask != 0
@@ -180,6 +184,20 @@ def _init(value: float) -> Callable[..., KLControllerState]:
     return init
 
 
+def _check_update(kl: Any, state: Any) -> torch.Tensor:
+    """The checks of a controller's ``update``: a scalar KL and a :class:`KLControllerState`; returns its coefficient."""
+    if not isinstance(state, KLControllerState):
+        raise ValueError(
+            f"state: got {type(state).__name__}, expected a KLControllerState (from the controller's init)"
+        )
+    if isinstance(kl, torch.Tensor):
+        if kl.numel() != 1:
+            raise ValueError(f"kl: got a tensor of shape {tuple(kl.shape)}, expected a scalar (the batch's mean KL)")
+    elif isinstance(kl, bool) or not isinstance(kl, (int, float)):
+        raise ValueError(f"kl: got {type(kl).__name__} {kl!r}, expected a number or a scalar tensor")
+    return state.kl_coef
+
+
 def fixed_kl_controller(*, kl_coef: float) -> KLController:
     """A constant KL coefficient: ``update`` returns the state unchanged.
 
@@ -196,9 +214,10 @@ def fixed_kl_controller(*, kl_coef: float) -> KLController:
     >>> ctrl.update(torch.tensor(3.0), ctrl.init(), n_steps=8).kl_coef
     tensor(0.0500)
     """
-    check_positive("kl_coef", kl_coef, strict=False)
+    check_positive("kl_coef", kl_coef, strict=False, finite=True)
 
     def update(kl: torch.Tensor | float, state: KLControllerState, *, n_steps: int | torch.Tensor) -> KLControllerState:
+        _check_update(kl, state)
         return state
 
     return KLController(_init(kl_coef), update)
@@ -212,8 +231,9 @@ def adaptive_kl_controller(*, init_kl_coef: float = 0.2, target: float = 6.0, ho
     sequence KL, horizon 10000 samples).
 
     Formula: ``e = clip(KL / target - 1, -0.2, 0.2)``,
-    ``beta <- beta * (1 + e * n_steps / horizon)``. A non-finite ``KL`` leaves ``beta``
-    unchanged (the observation is skipped, without a host sync).
+    ``beta <- beta * (1 + e * min(n_steps / horizon, 1))``: one update corrects by at most
+    one horizon's worth, so ``beta`` never turns negative. A non-finite ``KL`` leaves
+    ``beta`` unchanged (the observation is skipped, without a host sync).
 
     Args:
       init_kl_coef: the starting ``beta`` (>= 0).
@@ -228,19 +248,21 @@ def adaptive_kl_controller(*, init_kl_coef: float = 0.2, target: float = 6.0, ho
     >>> ctrl.update(torch.tensor(2.0), ctrl.init(), n_steps=50).kl_coef
     tensor(0.1100)
     """
-    check_positive("init_kl_coef", init_kl_coef, strict=False)
+    check_positive("init_kl_coef", init_kl_coef, strict=False, finite=True)
     check_positive("target", target)
     check_positive("horizon", horizon)
 
     def update(kl: torch.Tensor | float, state: KLControllerState, *, n_steps: int | torch.Tensor) -> KLControllerState:
         check_count("n_steps", n_steps)
-        coef = state.kl_coef
-        kl_t = torch.as_tensor(kl, dtype=coef.dtype, device=coef.device).detach()
+        coef = _check_update(kl, state)
+        kl_t = torch.as_tensor(kl, dtype=coef.dtype, device=coef.device).detach().reshape(())
         steps = torch.as_tensor(n_steps, dtype=coef.dtype, device=coef.device)
         error = torch.clamp(kl_t / target - 1.0, min=-0.2, max=0.2)
         # A non-finite KL observation (or step count) is skipped, never absorbed: one
-        # NaN would otherwise make every later coefficient NaN.
-        new = coef * (1.0 + error * steps / horizon)
+        # NaN would otherwise make every later coefficient NaN. One update corrects by at
+        # most one horizon's worth: past it, 1 - 0.2 * n_steps / horizon turns negative
+        # (a coefficient that rewards diverging from the reference).
+        new = coef * (1.0 + error * torch.clamp(steps / horizon, max=1.0))
         return KLControllerState(torch.where(torch.isfinite(kl_t) & torch.isfinite(steps), new, coef))
 
     return KLController(_init(init_kl_coef), update)

@@ -91,7 +91,7 @@ def _pair_loss(
     if loss_type == "nca_pair":
         return F.softplus(-cr) + 0.5 * F.softplus(cr) + 0.5 * F.softplus(rr)
     if loss_type == "bco_pair":
-        delta = torch.cat([cr, rr]).mean().detach() if bco_delta is None else bco_delta
+        delta = torch.cat([cr, rr]).mean().detach() if bco_delta is None else torch.as_tensor(bco_delta).reshape(())
         return F.softplus(-(cr - delta)) + F.softplus(rr - delta)
     if loss_type == "sppo_hard":
         return (sc - 0.5 / beta) ** 2 + (sr + 0.5 / beta) ** 2
@@ -200,6 +200,13 @@ def dpo_loss(
     check_positive("alpha", alpha)
     check_positive("discopop_tau", discopop_tau)
     check_label_smoothing(label_smoothing)
+    if isinstance(bco_delta, torch.Tensor):
+        if bco_delta.numel() != 1:  # never a silent broadcast over the pairs
+            raise ValueError(f"bco_delta: got a tensor of shape {tuple(bco_delta.shape)}, expected a scalar")
+    elif bco_delta is not None and (
+        isinstance(bco_delta, bool) or not isinstance(bco_delta, (int, float)) or not math.isfinite(bco_delta)
+    ):
+        raise ValueError(f"bco_delta: got {bco_delta!r}, expected None, a finite number or a 0-d tensor")
     if loss_type == "exo_pair" and label_smoothing == 0.0:
         raise ValueError(
             "label_smoothing: got 0.0, expected a number in (0, 0.5) for loss_type='exo_pair' "

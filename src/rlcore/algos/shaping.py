@@ -87,6 +87,9 @@ def clip_rewards(rewards: torch.Tensor, *, low: float = -10.0, high: float = 10.
     tensor([-10.0000,   0.5000,  10.0000])
     """
     check_floating("rewards", rewards)
+    for name, bound in (("low", low), ("high", high)):
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound != bound:
+            raise ValueError(f"{name}: got {bound!r}, expected a number")
     if low > high:
         raise ValueError(f"low: got {low!r}, expected a number <= high ({high!r})")
     return torch.clamp(rewards, min=low, max=high)

@@ -59,6 +59,10 @@ def _as_indexes(name: str, indexes: Any) -> torch.Tensor:
         check_ndim(name, indexes, 1)
         return indexes.to(device="cpu", dtype=torch.int64)
     if isinstance(indexes, (range, Sequence)) and all(isinstance(i, int) and not isinstance(i, bool) for i in indexes):
+        if any(not -(2**63) <= i < 2**63 for i in indexes):
+            raise ValueError(
+                f"{name}: got an int beyond the int64 range, expected a 1-D integer tensor or a sequence of ints"
+            )
         return torch.tensor(list(indexes), dtype=torch.int64).reshape(-1)
     raise ValueError(f"{name}: got {type(indexes).__name__}, expected a 1-D integer tensor or a sequence of ints")
 

@@ -67,9 +67,15 @@ class DockHost:
     async def create(self, key: str, kind: str, *args: Any, **kwargs: Any) -> None:
         self._parts[key] = _PARTS[kind](*args, **kwargs)
 
+    def _part(self, key: str) -> Any:
+        part = self._parts.get(key)
+        if part is None:
+            raise RuntimeError(f"dock: part {key!r} is not on this host: the dock was closed (RayTransferDock.close)")
+        return part
+
     async def call(self, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` of part ``key`` (a warehouse's in a worker thread), then wake waiting calls."""
-        part = self._parts[key]
+        part = self._part(key)
         try:
             if isinstance(part, Warehouse):
                 return await asyncio.to_thread(getattr(part, method), *args, **kwargs)
@@ -89,12 +95,13 @@ class DockHost:
         Returns None when ``timeout`` seconds (None: no limit) pass first. The
         asyncio counterpart of :meth:`rlcore.dataflow.DockController.wait`.
         """
-        part = self._parts[key]
+        part = self._part(key)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         cond = self._condition()
         while True:
             seen = self._version
+            self._part(key)  # closed while waiting: raise rather than wait for ever
             out = getattr(part, method)(*args, **kwargs)
             if out is not None:
                 await self._notify()
@@ -111,6 +118,7 @@ class DockHost:
 
     async def drop(self, key: str) -> None:
         self._parts.pop(key, None)
+        await self._notify()  # calls waiting on the part find it gone
 
 
 class RayTransferDock(TransferDock):
@@ -151,7 +159,12 @@ class RayTransferDock(TransferDock):
         local = DockController(
             num_prompts, n_samples, columns=columns, consumers=consumers, num_warehouses=num_warehouses, seed=seed
         )
-        if hosts is not None and (isinstance(hosts, str) or not isinstance(hosts, Sequence) or not hosts):
+        if hosts is not None and (
+            isinstance(hosts, str)
+            or not isinstance(hosts, Sequence)
+            or not hosts
+            or not all(callable(getattr(getattr(h, "create", None), "remote", None)) for h in hosts)
+        ):
             raise ValueError(f"hosts: got {hosts!r}, expected a non-empty list of actors from start_hosts")
         self._owns_hosts = hosts is None
         self.hosts = list(self.start_hosts(1 + num_warehouses) if hosts is None else hosts)
@@ -195,14 +208,21 @@ class RayTransferDock(TransferDock):
         # Across processes, send one flat tensor per column rather than one per row.
         return self.warehouses[w], "put_flat", ({c: flatten_rows(v) for c, v in rows.items()}, indexes)
 
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("dock: this RayTransferDock was closed (RayTransferDock.close); make a new one")
+
     def _call(self, target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
         host, key = target
         return self._wait(host.call.remote(key, method, *args, **kwargs))
 
     def _call_all(self, calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
+        self._check_open()
         return self._wait([host.call.remote(key, method, *args) for (host, key), method, args in calls])
 
     def _wait_call(self, target: Any, method: str, timeout: float | None, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
         host, key = target
         return self._wait(host.call_wait.remote(key, method, timeout, *args, **kwargs))
 
@@ -223,7 +243,14 @@ class RayTransferDock(TransferDock):
             raise
 
     def close(self) -> None:
-        """Drop this dock's parts from their hosts, and kill the hosts it started itself."""
+        """Drop this dock's parts from their hosts, and kill the hosts it started itself; a second call does nothing.
+
+        Any later call of this client, or of a copy of it, raises ``RuntimeError``; gets
+        waiting when the dock closes raise it too.
+        """
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         ray = _ray()
         self._wait([host.drop.remote(key) for host, key in [self.controller, *self.warehouses]])
         if self._owns_hosts:

@@ -248,6 +248,8 @@ def colocated_plan(
     >>> plan.resident_bytes("train"), plan.resident_bytes("rollout")
     (8192, 5120)
     """
+    if not all(callable(getattr(reshard_plan, a, None)) for a in ("src_bytes", "dst_bytes")):
+        raise ValueError(f"reshard_plan: got {type(reshard_plan).__name__}, expected a ReshardPlan (plan_reshard)")
     params = reshard_plan.src_bytes(rank)
     chunks = tuple((b.nbytes, b.transient_bytes, reshard_plan.src_bytes(rank, b.names)) for b in reshard_plan.buckets)
     groups = (

@@ -31,14 +31,17 @@ tensor leaf of the tree
   into it while offloaded is lost at reload.
 
 :func:`reload` restores each leaf's own class, storage and strides, so the hot path
-after a reload runs on plain tensors and pays nothing for the guard. Tensors
-outside the tree that view the same storage (a ``._base`` the tree does not list)
-are not guarded: offload every tensor you will touch, or none of its views.
+after a reload runs on plain tensors and pays nothing for the guard. A tensor
+outside the tree on the same storage (a view or alias the tree does not list) would
+read freed memory, so :func:`offload` refuses the tree (``ValueError``, nothing
+moved); the one exception is a listed view's own ``._base``, which is not guarded:
+offload every tensor you will touch, or none of its views.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -241,7 +244,9 @@ def offload(tree: Any, *, non_blocking: bool = True) -> SwapHandle:
     """Copy the tensors of ``tree`` into per-dtype host buckets and free their storage.
 
     Every tensor leaf keeps its identity, shape and strides; its storage shrinks to
-    zero bytes until :func:`reload`. Touching its data in between raises
+    zero bytes until :func:`reload`. A storage that a tensor outside the tree also
+    views (other than a listed view's base) is refused with ``ValueError``, before
+    anything moves. Touching its data in between raises
     ``RuntimeError`` naming the offloaded state (module docstring), and printing it
     says it is offloaded. Storages shared by several leaves move once.
     On an accelerator the device-to-host copies are queued ``non_blocking`` into
@@ -320,6 +325,32 @@ def offload(tree: Any, *, non_blocking: bool = True) -> SwapHandle:
         for record in reversed(guarded):  # all or nothing: the tree is left as it was
             _unguard(record)
         raise
+    # Every tree leaf now points elsewhere: a tensor still on a storage, other than a listed
+    # view's base, is outside the tree (a view or alias it does not list). Reading it after the
+    # resize would read freed memory (a segfault on the CPU), so the offload is refused.
+    kept = {key: sum(1 for leaf, k in leaves.values() if k == key and not _plain_dispatch(leaf)) for key in storages}
+    bases = {
+        id(leaf._base): k for leaf, k in leaves.values() if leaf._base is not None and id(leaf._base) not in leaves
+    }
+    for k in bases.values():  # the documented exception: a listed view's own base stays unguarded
+        kept[k] += 1
+    collected = False
+    for key, (st, _) in storages.items():
+        outside = torch._C._storage_Use_Count(st._cdata) - 1 - kept[key]  # - 1: our own handle on it
+        if outside > 0 and not collected:
+            # A view may be held only by unreachable garbage (a reference cycle, e.g. of a
+            # collective's temporaries) that nobody can read: collect it before judging.
+            gc.collect()
+            collected = True
+            outside = torch._C._storage_Use_Count(st._cdata) - 1 - kept[key]
+        if outside > 0:
+            for record in reversed(guarded):
+                _unguard(record)
+            raise ValueError(
+                f"tree: a storage of {st.nbytes()} bytes is also held by {outside} tensor(s) outside the tree "
+                "(a view or alias it does not list), expected every tensor on it in the tree: "
+                "reading one after the offload would read freed memory"
+            )
     for e in entries:
         e.storage.resize_(0)
     return SwapHandle(tree=tree, buckets=buckets, entries=entries, nbytes=nbytes, guarded=guarded)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcore._checks import check_floating, check_same_shape, check_tensor
+from rlcore._checks import check_floating, check_positive, check_same_shape, check_tensor
 from rlcore.ops.numerics import acc_dtype, pow2_scale, safe_div
 
 __all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten", "pivot_shift"]
@@ -19,8 +19,16 @@ __all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten", "pivot_sh
 Dim = int | tuple[int, ...] | None
 
 
-def _prepare(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    check_tensor("x", x)
+def _check_dim(x: torch.Tensor, dim: Dim) -> None:
+    dims = () if dim is None else (dim,) if isinstance(dim, int) else dim
+    if not isinstance(dims, tuple) or not all(isinstance(d, int) and -x.dim() <= d < max(x.dim(), 1) for d in dims):
+        raise ValueError(f"dim: got {dim!r}, expected dimensions of a {x.dim()}-D x (None, an int or a tuple of ints)")
+
+
+def _prepare(x: torch.Tensor, mask: torch.Tensor, dim: Dim) -> tuple[torch.Tensor, torch.Tensor]:
+    # Integer values would come back truncated (a float32 mean cast to int64) or rounded (sums beyond 2**24).
+    check_floating("x", x)
+    _check_dim(x, dim)
     check_same_shape("mask", mask, "x", x)
     acc = acc_dtype(x.dtype)
     m = mask.to(acc)
@@ -115,7 +123,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim:
     >>> masked_sum(torch.tensor([1.0, 2.0, float("inf")]), torch.tensor([1, 1, 0]))
     tensor(3.)
     """
-    xm, _ = _prepare(x, mask)
+    xm, _ = _prepare(x, mask, dim)
     return _reduce(xm, dim, keepdim).to(x.dtype)
 
 
@@ -127,6 +135,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim
     >>> masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1, 1], [0, 0]]), dim=1)
     tensor([2., 0.])
     """
+    check_floating("x", x)
+    _check_dim(x, dim)
     d, m, pivot, count = pivot_shift(x, mask, dim)
     mean = pivot + safe_div(_reduce(d * m, dim, True), count)
     return _squeeze(mean, dim, keepdim).to(x.dtype)
@@ -143,6 +153,8 @@ def masked_var(
     >>> masked_var(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0]))
     tensor(2.)
     """
+    check_floating("x", x)
+    _check_dim(x, dim)
     _, _, _, var_s, scale = _moments(x, mask, dim, unbiased)
     return _squeeze(var_s * scale * scale, dim, keepdim).to(x.dtype)
 
@@ -174,6 +186,8 @@ def masked_whiten(
     tensor([-0.7071,  0.7071,  0.0000])
     """
     check_floating("values", values)
+    check_positive("eps", eps, strict=False, finite=True)
+    _check_dim(values, dim)
     dev, m, mean, var_s, scale = _moments(values, mask, dim, unbiased)
     # In units of scale: (dev / scale) / sqrt(var / scale^2 + eps / scale^2). A constant
     # slice with eps=0 has var + eps == 0: its deviations are exactly 0 and stay 0 (not

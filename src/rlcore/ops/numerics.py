@@ -56,8 +56,11 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     >>> saturating_cast(torch.tensor([1e6, -1e6, 1.0]), torch.float16).tolist()
     [65504.0, -65504.0, 1.0]
     """
-    if not dtype.is_floating_point or x.dtype == dtype:
-        return x.to(dtype)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        # An integer cast wraps around (1e20 -> int32 gave -2**31): there is no saturating one to offer.
+        raise ValueError(f"dtype: got {dtype}, expected a floating-point dtype")
+    if x.dtype == dtype:
+        return x
     big = torch.finfo(dtype).max
     # bfloat16 shares float32's exponent range: only the narrow formats need the clamp.
     if big > 1e30 or torch.finfo(x.dtype).max <= big:

@@ -11,6 +11,8 @@ written as a custom autograd function so no per-step intermediates are kept.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -106,6 +108,8 @@ def reverse_linear_scan(x: torch.Tensor, factors: torch.Tensor | float) -> torch
     check_floating("x", x)
     acc = acc_dtype(x.dtype)
     if isinstance(factors, (int, float)):
+        if not math.isfinite(factors):
+            raise ValueError(f"factors: got {factors!r}, expected a finite number (e.g. gamma) or a tensor")
         c = torch.full(x.shape, float(factors), dtype=acc, device=x.device)
     else:
         check_tensor("factors", factors)

@@ -61,6 +61,8 @@ def _check(x: torch.Tensor, group_ids: torch.Tensor, num_segments: int | None) -
 
 
 def _sum(x: torch.Tensor, group_ids: torch.Tensor, n: int) -> torch.Tensor:
+    if group_ids.dtype not in (torch.int32, torch.int64):  # scatter takes no narrower index (uint8, int16)
+        group_ids = group_ids.long()
     out = x.new_zeros((n, *x.shape[1:]))
     if x.dim() == 1:
         # scatter_add: about 1.5x faster than index_add over one dimension on CPU.

@@ -9,6 +9,7 @@ rewards too, unchanged: :func:`evaluate` calls ``forward`` when an object has on
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +42,13 @@ def reward_name(reward: Any) -> str:
     return getattr(reward, "__name__", None) or type(reward).__name__
 
 
+def _as_float(value: Any) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def _as_scores(out: Any, n: int, where: str) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         scores = out.detach().to("cpu", torch.float32)
@@ -52,7 +60,8 @@ def _as_scores(out: Any, n: int, where: str) -> torch.Tensor:
             raise RewardError(
                 f"{where}: got {type(out[bad[0]]).__name__} at index {bad[0]}, expected numbers or booleans"
             )
-        scores = torch.tensor([float(v) for v in out], dtype=torch.float32)
+        # An int past float's range is a score of infinite size, refused below like inf.
+        scores = torch.tensor([_as_float(v) for v in out], dtype=torch.float32)
     if scores.shape != (n,):
         raise RewardError(f"{where}: got scores of shape {tuple(scores.shape)}, expected ({n},) -- one per response")
     if not torch.isfinite(scores).all():

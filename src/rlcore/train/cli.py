@@ -75,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the run directory: unwritable, a full disk, a file in the way
+        print(f"rlcore: error: {err}", file=sys.stderr)
+        return 2
     except FloatingPointError as err:
         print(f"rlcore: stopped: {err}", file=sys.stderr)
         return 3
@@ -99,7 +102,7 @@ def _export(checkpoint: str, out_dir: str) -> int:
 
     try:
         out = export_checkpoint(checkpoint, out_dir)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
     print(f"exported {checkpoint} to {out}")

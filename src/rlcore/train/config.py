@@ -56,7 +56,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -250,6 +250,18 @@ def _positive(key: str, value: float, *, strict: bool = True) -> None:
         raise ValueError(f"config key {key!r}: got {value!r}, expected {'> 0' if strict else '>= 0'}")
 
 
+def _check_output_dir(path: str) -> None:
+    """``trainer.output_dir``: a path that is, or can become, a directory (no file at it or above it)."""
+    if not path.strip():
+        raise ValueError("config key 'trainer.output_dir': got '', expected a directory path")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is" if probe == os.path.abspath(path) else f"lies under {probe!r}, which is"
+        raise ValueError(f"config key 'trainer.output_dir': got {path!r}, which {where} not a directory")
+
+
 def _validate(cfg: Config) -> None:
     rl, tr = cfg.rl, cfg.trainer
     for key in ("batch_size", "mini_batch_size", "max_new_tokens", "lr", "epochs", "critic_lr"):
@@ -281,6 +293,11 @@ def _validate(cfg: Config) -> None:
             _positive(f"data.{key}", getattr(cfg.data, key))
     if tr.reward_timeout is not None:
         _positive("trainer.reward_timeout", tr.reward_timeout)
+    if not -(2**63) <= tr.seed < 2**64:
+        raise ValueError(
+            f"config key 'trainer.seed': got {tr.seed}, expected an int in [-2**63, 2**64) (torch's range)"
+        )
+    _check_output_dir(tr.output_dir)
     if not 0 < rl.top_p <= 1:
         raise ValueError(f"config key 'rl.top_p': got {rl.top_p!r}, expected a value in (0, 1]")
     if rl.beta is not None:
@@ -334,14 +351,35 @@ def _longest_sequences(data: DataConfig) -> tuple[int, int]:
     return data.length + 1, data.length  # "abc>" -> "cba"
 
 
+_MODEL_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
 def _check_model(cfg: Config) -> None:
     """Refuse a model that cannot run the config: head counts that do not divide, too few positions."""
     hf = _hf_config(cfg.model.model_name_or_path)
     key = "config key 'model.model_name_or_path'"
+    for size in _MODEL_SIZES:
+        value = getattr(hf, size, None)
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"{key}: {size}: got {value}, expected a positive int")
     hidden, heads = getattr(hf, "hidden_size", None), getattr(hf, "num_attention_heads", None)
     if isinstance(hidden, int) and isinstance(heads, int):
         if heads < 1 or (getattr(hf, "head_dim", None) is None and hidden % heads):
             raise ValueError(f"{key}: num_attention_heads={heads} does not divide hidden_size={hidden}")
+        head_dim = getattr(hf, "head_dim", None) or hidden // heads
+        rotary = any(getattr(hf, a, None) for a in ("rope_theta", "rope_parameters", "rope_scaling"))
+        if rotary and head_dim % 2:
+            raise ValueError(
+                f"{key}: head dimension {head_dim} (hidden_size={hidden} / num_attention_heads={heads}), "
+                "expected an even head dimension (rotary position embeddings rotate pairs of channels)"
+            )
         kv = getattr(hf, "num_key_value_heads", None)
         if isinstance(kv, int) and (kv < 1 or heads % kv):
             raise ValueError(f"{key}: num_key_value_heads={kv} does not divide num_attention_heads={heads}")
@@ -423,15 +461,32 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
                     raise ValueError(f"override {item!r}: {part!r} is not a section")
                 node[part] = child
             node = child
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        try:
+            node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ValueError(f"override {item!r}: the value is not valid YAML ({problem})") from err
     return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that repeats a key (PyYAML would keep the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config file, apply ``key=value`` overrides and validate it."""
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+            raw = yaml.load(f, Loader=_UniqueKeyLoader) or {}  # a SafeLoader subclass
     except OSError as err:
         raise ValueError(f"config: cannot read {str(path)!r}: {err.strerror}") from err
     except yaml.YAMLError as err:

@@ -39,9 +39,16 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
     Raises:
       ValueError: one line naming the checkpoint when it is missing, damaged or records no config.
     """
+    if not str(out_dir).strip():
+        raise ValueError("out_dir: got '', expected a directory path to write the model to")
     run = Path(checkpoint)
     if run.name == CHECKPOINT_NAME and not (run / CHECKPOINT_NAME).exists():
         run = run.parent
+    if not (run / CHECKPOINT_NAME).is_dir():
+        raise ValueError(
+            f"checkpoint: no training checkpoint at {str(run / CHECKPOINT_NAME)!r}, expected a run's output "
+            "directory (trainer.output_dir) or its checkpoint folder"
+        )
     state = load_checkpoint(run)
     saved = state.get("config")
     if not isinstance(saved, dict):

@@ -95,6 +95,8 @@ class Reversal:
     def __init__(self, *, length: int = 4, min_length: int = 2, letters: str = "abcdefgh"):
         if not 1 <= min_length <= length:
             raise ValueError(f"min_length, length: got {min_length}, {length}, expected 1 <= min_length <= length")
+        if not isinstance(letters, str) or not letters:
+            raise ValueError(f"letters: got {letters!r}, expected at least one letter")
         self.length, self.min_length, self.letters = length, min_length, letters
         self.tokenizer = CharTokenizer(letters + ">")
         self.reward = AnswerMatch(pattern=r"\S+")

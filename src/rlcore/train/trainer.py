@@ -193,7 +193,9 @@ def build_algorithm(cfg: Config) -> algos.Algorithm | algos.DPO:
 
 def make_generator(seed: int, rank: int, step: int, phase: int) -> torch.Generator:
     """The random stream of one (phase, step, rank): a resumed run replays data and sampling noise exactly."""
-    return torch.Generator().manual_seed(((seed * 1_000_003 + phase) * 1_000_003 + step) * 1_009 + rank)
+    value = ((seed * 1_000_003 + phase) * 1_000_003 + step) * 1_009 + rank
+    # torch takes seeds in [-2**63, 2**64): a trainer.seed of 1e5 already goes past that.
+    return torch.Generator().manual_seed(value if -(2**63) <= value < 2**64 else value % 2**64)
 
 
 # Metrics that are shares of a loss normalised by global counts: summed over data-parallel ranks.

@@ -158,7 +158,9 @@ def reinforce_pp_baseline_advantages(
     of the batch (token-weighted, as verl; of every rank of ``process_group``).
 
     A group of one sample is centred on itself and gets 0 before whitening; verl uses a
-    baseline of 0 there, which passes the raw score through.
+    baseline of 0 there, which passes the raw score through. A non-finite score makes its
+    own group's advantages non-finite and is left out of the batch statistics, so every
+    other group keeps the advantages it would have without it.
 
     Args:
       scores: ``[B]`` sequence scores.
@@ -182,4 +184,8 @@ def reinforce_pp_baseline_advantages(
     s = scores.to(acc)
     centred = segment_centred(s, group_ids, num_segments=n)
     tokens = centred[:, None].expand(mask.shape)
-    return batch_normalize(tokens, mask, eps=eps, process_group=process_group).to(scores.dtype)
+    # As grpo_advantages: a non-finite score makes its own group non-finite and stays out
+    # of the batch statistics, so it never turns every other group's advantages into NaN.
+    finite = torch.isfinite(tokens)
+    out = batch_normalize(tokens, torch.where(finite, mask, 0), eps=eps, process_group=process_group)
+    return torch.where(finite | (mask == 0), out, tokens).to(scores.dtype)
