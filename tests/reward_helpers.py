@@ -17,7 +17,9 @@ class StuckInC:
         self.marker = marker
 
     def __call__(self, prompts, responses, **columns):
-        Path(self.marker).write_text(str(os.getpid()))
+        # Written whole, then renamed: a test polling for the file never reads it half-written.
+        Path(self.marker + ".tmp").write_text(str(os.getpid()))
+        os.replace(self.marker + ".tmp", self.marker)
         re.match(r"(a+)+$", "a" * 64 + "b")
         return [0.0] * len(responses)
 

@@ -195,7 +195,7 @@ def test_explicit_indexes_wait_until_ready(make_dock):
     time.sleep(0.3)
     assert thread.is_alive()
     dock.put({"x": torch.tensor([5.0, 6.0])}, [2, 3])
-    thread.join(10)
+    thread.join(60)
     batch, idx = result["got"]
     assert idx.tolist() == [2, 3] and batch["x"].tolist() == [5.0, 6.0]
     assert result["waited"] >= 0.25
@@ -217,7 +217,7 @@ def test_timeout_waits_for_enough_rows(make_dock):
     start = time.monotonic()
     _batch, idx = dock.get("c", ["x"], 3, timeout=10, balance="fifo")
     timer.join()
-    assert idx.tolist() == [0, 1, 2] and 0.25 <= time.monotonic() - start < 10
+    assert idx.tolist() == [0, 1, 2] and 0.25 <= time.monotonic() - start < 60
     # Nothing left to come: empty after the timeout, having slept rather than spun.
     start, cpu = time.monotonic(), time.thread_time()
     assert dock.get("c", ["x"], 1, timeout=0.5)[1].numel() == 0
@@ -482,7 +482,7 @@ def _exactly_once(dock, case) -> None:
         thread.join()
     producers_done.set()
     for thread in workers:
-        thread.join(30)
+        thread.join(60)
     assert not errors, errors
     for consumer in consumers:
         got = received[consumer]
@@ -555,7 +555,7 @@ def test_defect9_reset_waits_for_a_get_in_flight():
     thread.start()
     time.sleep(0.1)
     dock.reset()  # concurrent with the get: waits for it instead of clearing its rows under it
-    thread.join(10)
+    thread.join(60)
     assert not errors, errors
     batch, idx = got["batch"]
     assert idx.tolist() == [0, 1, 2, 3] and batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -569,7 +569,7 @@ def test_defect9_reset_waits_for_a_put_in_flight():
     thread.start()
     time.sleep(0.1)
     dock.reset()
-    thread.join(10)
+    thread.join(60)
     # The put finished before the reset started its work: the reset cleared it whole, so no row is
     # marked ready without its data.
     assert dock.free_rows().tolist() == [0, 1]
@@ -601,7 +601,7 @@ def test_defect9_reset_concurrent_with_gets_and_puts_never_crashes(make_dock):
     finally:
         stop.set()
         for thread in threads:
-            thread.join(10)
+            thread.join(60)
     assert not errors, errors
 
 
@@ -616,7 +616,7 @@ def test_defect9_reset_refuses_after_its_timeout_and_changes_nothing():
     with pytest.raises(RuntimeError, match="reset: .*still in progress"):
         dock.reset(timeout=0.2)
     assert_state_equal(before, dock.state())
-    thread.join(10)
+    thread.join(60)
     dock.reset()
     assert dock.free_rows().tolist() == [0, 1]
 
@@ -643,7 +643,7 @@ def test_defect9_get_of_a_declared_column_waits_for_its_first_put(make_dock, mod
     time.sleep(0.3)
     assert thread.is_alive() and not errors, errors
     dock.put({"x": [tokens(7), tokens(8, 9)]}, [2, 3])
-    thread.join(10)
+    thread.join(60)
     assert not errors, errors
     _batch, idx = result["got"]
     assert sorted(idx.tolist()) == [2, 3]
@@ -669,7 +669,7 @@ def test_defect9_first_put_of_new_columns_races_no_reader():
             dock.put({f"col{k}": torch.zeros(1)}, [k % 4])
     finally:
         stop.set()
-        thread.join(10)
+        thread.join(60)
     assert not errors, errors
 
 
@@ -725,7 +725,7 @@ def test_defect9_nack_wakes_a_waiting_get(make_dock):
     time.sleep(0.2)
     assert thread.is_alive()
     dock.nack("c", [1])
-    thread.join(10)
+    thread.join(60)
     batch, idx = result["got"]
     assert idx.tolist() == [1] and batch["x"].tolist() == [1.0]
 
@@ -754,7 +754,7 @@ def test_defect2_ray_dock_200_waiters_do_not_deadlock(ray_docks):
     time.sleep(1.0)  # the clients are now waiting in the host
     put = threading.Thread(target=lambda: dock.put({"x": torch.arange(float(waiters))}, range(waiters)), daemon=True)
     put.start()
-    put.join(15)
+    put.join(60)
     assert not put.is_alive(), "the put never got through: the waiting clients hold the host"
     deadline = time.monotonic() + 15
     for thread in threads:
@@ -812,7 +812,7 @@ def test_reprobe_ray_dock_use_after_close_raises_naming_the_closed_dock(ray_dock
     thread.start()
     time.sleep(1.0)
     dock.close()
-    thread.join(15)
+    thread.join(60)
     assert not thread.is_alive(), "a get waiting when the dock closed never returned"
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError) and "closed" in str(outcome[0])
     for client in (dock, copy):

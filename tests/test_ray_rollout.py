@@ -3,7 +3,6 @@
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -83,7 +82,7 @@ def test_actor_weights_equal_the_trainers_after_every_sync(ray_session, tmp_path
     opt = torch.optim.SGD(policy.parameters(), lr=0.1)
     at_version = {0: flat(policy)}
     with RayRolloutWorker(echo_weights_factory, args=(cfg.to_dict(), vocab)) as worker:
-        worker.wait_ready(timeout=60)
+        worker.wait_ready(timeout=300)
         sync.sync(0, lambda p: worker.publish(0, p))
 
         def update(b):
@@ -142,7 +141,7 @@ def broken_factory():
 def test_actor_errors_name_the_stage_and_versions_are_checked(ray_session):
     with RayRolloutWorker(broken_factory) as worker:
         with pytest.raises(OSError, match="no model here") as info:
-            worker.wait_ready(timeout=60, name="gen")
+            worker.wait_ready(timeout=300, name="gen")
         assert "rollout worker actor of stage 'gen'" in "".join(getattr(info.value, "__notes__", []))
         with pytest.raises(ValueError, match=r"version: got 1, expected 0"):
             worker.publish(1, {"w": torch.ones(1)})
@@ -192,11 +191,9 @@ def test_killed_rollout_actor_stops_the_run_naming_the_stage(ray_session, tmp_pa
         "trainer.save_every=1",
         "deploy.mode=disaggregated",
         "deploy.backend=ray",
-        "deploy.rollout_timeout=60",
+        "deploy.rollout_timeout=600",  # far away: death is seen at once, not by timing out
     )
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"stage 'rollout': rollout worker actor died"):
         train(cfg, reward=KillsTheActor(workers))
-    assert time.monotonic() - t0 < 60
     assert len(workers) == 1 and workers[0]._closed
     assert load_checkpoint(tmp_path)["step"] == 2  # step 2 finished before the rollout of step 3 failed

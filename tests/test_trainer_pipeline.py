@@ -3,7 +3,6 @@
 import multiprocessing
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -168,12 +167,10 @@ def test_killed_rollout_worker_stops_the_run_naming_the_stage(tmp_path):
         "trainer.steps=6",
         "trainer.save_every=1",
         "deploy.mode=disaggregated",
-        "deploy.rollout_timeout=60",
+        "deploy.rollout_timeout=600",  # far away: death is seen at once, not by timing out
     )
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"stage 'rollout': rollout worker process exited with code -9"):
         train(cfg, reward=KillsTheWorker())
-    assert time.monotonic() - t0 < 60
     assert multiprocessing.active_children() == []  # no orphan
     assert load_checkpoint(tmp_path)["step"] == 2  # step 2 finished before the rollout of step 3 failed
 
