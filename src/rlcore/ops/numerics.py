@@ -53,7 +53,7 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     finite 65504) a plain cast turns a large but finite loss into ``inf``. NaN and
     ``inf`` inputs stay what they are.
 
-    >>> saturating_cast(torch.tensor([1e6, -1e6, 1.0]), torch.float16).tolist()
+    >>> saturating_cast(torch.tensor([1e6, -1e6, 1.0]), torch.float16).tolist()  # sync-ok: doctest output
     [65504.0, -65504.0, 1.0]
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -47,7 +47,7 @@ def batch_moments(
       ``(dev, count, mean, m2)`` in float64, ``dev`` of ``x``'s shape.
 
     >>> dev, count, mean, m2 = batch_moments(torch.tensor([1.0, 3.0, 9.0]), torch.tensor([1, 1, 0]))
-    >>> dev.tolist(), float(count), float(mean), float(m2)
+    >>> dev.tolist(), float(count), float(mean), float(m2)  # sync-ok: doctest output
     ([-1.0, 1.0, 0.0], 2.0, 2.0, 2.0)
     """
     d, w, pivot, count = pivot_shift(x.to(torch.float64), weights, None)
