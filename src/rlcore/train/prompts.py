@@ -128,7 +128,40 @@ class TaskPrompts:
         return {}
 
 
-class DatasetPrompts:
+class _SeededDataset:
+    """What both dataset sources share: the model directory's tokenizer, ``data.val_path``
+    and the seeded, resumable order in which rank ``r`` of step ``s`` takes the rows at
+    positions ``(s * world_size + r) * batch_size ...`` (:func:`rlcore.data.sample_indices`)."""
+
+    def __init__(self, cfg: Config, world_size: int):
+        d = cfg.data
+        assert d.path is not None
+        self.hf_tokenizer, self.tokenizer = _model_tokenizer(cfg)
+        self.options = _prompt_options(cfg, self.hf_tokenizer)
+        self.val = None if d.val_path is None else load_prompts(d.val_path, what="data.val_path", **self.options)
+        self.seed, self.shuffle, self.world_size = cfg.trainer.seed, d.shuffle, world_size
+        self.batch_size = cfg.rl.batch_size
+
+    def _position(self, step: int, rank: int) -> int:
+        return (step * self.world_size + rank) * self.batch_size
+
+    def _draw(self, step: int, rank: int, num_rows: int) -> list[int]:
+        """The dataset rows rank ``rank`` takes at step ``step``, of ``num_rows``."""
+        return sample_indices(
+            num_rows, self.batch_size, seed=self.seed, position=self._position(step, rank), shuffle=self.shuffle
+        ).indices
+
+    def _summary(self, parts: list[str]) -> str:
+        if self.val is not None:
+            parts.append(f"data.val_path: {len(self.val)} prompts ({self.val.num_dropped} dropped)")
+        return "; ".join(parts)
+
+    def _epoch(self, step: int, num_rows: int) -> float:
+        """Epochs completed over the whole data-parallel group after step ``step``."""
+        return self._position(step + 1, 0) / num_rows
+
+
+class DatasetPrompts(_SeededDataset):
     """A prompt dataset (``data.path``, ``data.val_path``) with the model directory's tokenizer.
 
     Args:
@@ -138,14 +171,10 @@ class DatasetPrompts:
     """
 
     def __init__(self, cfg: Config, world_size: int = 1):
+        super().__init__(cfg, world_size)
         d = cfg.data
-        self.hf_tokenizer, self.tokenizer = _model_tokenizer(cfg)
-        options = _prompt_options(cfg, self.hf_tokenizer)
         assert d.path is not None
-        self.dataset = load_prompts(d.path, what="data.path", **options)
-        self.val = None if d.val_path is None else load_prompts(d.val_path, what="data.val_path", **options)
-        self.seed, self.shuffle, self.world_size = cfg.trainer.seed, d.shuffle, world_size
-        self.batch_size = cfg.rl.batch_size
+        self.dataset = load_prompts(d.path, what="data.path", **self.options)
         if cfg.rewards is not None:
             self.reward = build_reward(cfg.rewards, what="rewards")
         elif d.answer_key is not None:
@@ -163,12 +192,7 @@ class DatasetPrompts:
         """One line for the log: prompts kept, dropped and truncated as longer than ``data.max_prompt_length``."""
         parts = [f"data.path: {len(self.dataset)} prompts from {self.dataset.source!r}"]
         parts.append(f"{self.dataset.num_dropped} dropped and {self.dataset.num_truncated} truncated as overlong")
-        if self.val is not None:
-            parts.append(f"data.val_path: {len(self.val)} prompts ({self.val.num_dropped} dropped)")
-        return "; ".join(parts)
-
-    def _position(self, step: int, rank: int) -> int:
-        return (step * self.world_size + rank) * self.batch_size
+        return self._summary(parts)
 
     def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
         """Warm-up samples: ``n`` random prompts (as the policy sees them) with their answers."""
@@ -183,26 +207,18 @@ class DatasetPrompts:
 
         def load(i: int) -> dict[str, Any]:
             step = start + i
-            draw = sample_indices(
-                len(self.dataset),
-                self.batch_size,
-                seed=self.seed,
-                position=self._position(step, rank),
-                shuffle=self.shuffle,
-            )
-            prompts, pmask = left_pad([list(ids[j]) for j in draw.indices], tok.pad_token_id)
-            rows = len(draw.indices) * n
+            draw = self._draw(step, rank, len(self.dataset))
+            prompts, pmask = left_pad([list(ids[j]) for j in draw], tok.pad_token_id)
+            rows = len(draw) * n
             return {
                 "prompts": prompts.repeat_interleave(n, 0),
                 "prompt_mask": pmask.repeat_interleave(n, 0),
                 "answers": [
-                    torch.tensor(tok.encode(self.answers[j]) or [tok.eos_token_id])
-                    for j in draw.indices
-                    for _ in range(n)
+                    torch.tensor(tok.encode(self.answers[j]) or [tok.eos_token_id]) for j in draw for _ in range(n)
                 ],
-                "group": torch.arange(len(draw.indices)).repeat_interleave(n),
+                "group": torch.arange(len(draw)).repeat_interleave(n),
                 "iteration": torch.full((rows,), step, dtype=torch.int64),
-                "index": torch.tensor(draw.indices).repeat_interleave(n),
+                "index": torch.tensor(draw).repeat_interleave(n),
             }
 
         return load
@@ -229,11 +245,10 @@ class DatasetPrompts:
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """The epoch counter after step ``step`` (epochs completed over the whole data-parallel group)."""
-        end = self._position(step + 1, 0)
-        return {"epoch": end / len(self.dataset), "data/dropped": float(self.dataset.num_dropped)}
+        return {"epoch": self._epoch(step, len(self.dataset)), "data/dropped": float(self.dataset.num_dropped)}
 
 
-class PreferencePrompts:
+class PreferencePrompts(_SeededDataset):
     """A preference dataset (``data.path`` with ``rl.algo: dpo``) for offline DPO: its pairs, no rollout.
 
     The pairs come from the columns ``data.prompt_key``, ``data.chosen_key`` and
@@ -250,10 +265,9 @@ class PreferencePrompts:
     """
 
     def __init__(self, cfg: Config, world_size: int = 1):
+        super().__init__(cfg, world_size)
         d = cfg.data
-        self.hf_tokenizer, self.tokenizer = _model_tokenizer(cfg)
         assert d.path is not None
-        options = _prompt_options(cfg, self.hf_tokenizer)
         self.pairs = load_preferences(
             d.path,
             tokenizer=self.hf_tokenizer,
@@ -269,9 +283,6 @@ class PreferencePrompts:
             what="data.path",
         )
         self.dataset = self.pairs.prompts
-        self.val = None if d.val_path is None else load_prompts(d.val_path, what="data.val_path", **options)
-        self.seed, self.shuffle, self.world_size = cfg.trainer.seed, d.shuffle, world_size
-        self.batch_size = cfg.rl.batch_size
         self.reward: Any = None  # offline DPO scores nothing; validation needs a reward
         if cfg.rewards is not None:
             self.reward = build_reward(cfg.rewards, what="rewards")
@@ -286,12 +297,7 @@ class PreferencePrompts:
         parts = [f"data.path: {len(p)} preference pairs from {p.prompts.source!r}"]
         parts.append(f"{p.prompts.num_dropped} dropped and {p.prompts.num_truncated} truncated as overlong prompts")
         parts.append(f"{p.num_dropped} dropped and {p.num_truncated} truncated as overlong responses")
-        if self.val is not None:
-            parts.append(f"data.val_path: {len(self.val)} prompts ({self.val.num_dropped} dropped)")
-        return "; ".join(parts)
-
-    def _position(self, step: int, rank: int) -> int:
-        return (step * self.world_size + rank) * self.batch_size
+        return self._summary(parts)
 
     def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
         """Warm-up samples: ``n`` random prompts (as the policy sees them) with their chosen responses."""
@@ -308,35 +314,28 @@ class PreferencePrompts:
 
         def load(i: int) -> dict[str, Any]:
             step = start + i
-            draw = sample_indices(
-                len(self.pairs),
-                self.batch_size,
-                seed=self.seed,
-                position=self._position(step, rank),
-                shuffle=self.shuffle,
-            )
+            draw = self._draw(step, rank, len(self.pairs))
             out: dict[str, Any] = {}
             for side, responses in (("chosen", self.pairs.chosen_ids), ("rejected", self.pairs.rejected_ids)):
-                rows = [(ids[j], responses[j]) for j in draw.indices]
+                rows = [(ids[j], responses[j]) for j in draw]
                 out[f"{side}_input_ids"] = [torch.tensor([*p, *r]) for p, r in rows]
                 out[f"{side}_attention_mask"] = [torch.ones(len(p) + len(r), dtype=torch.long) for p, r in rows]
                 out[f"{side}_mask"] = [
                     torch.cat([torch.zeros(len(p), dtype=torch.long), torch.ones(len(r), dtype=torch.long)])
                     for p, r in rows
                 ]
-            _, pmask = left_pad([list(ids[j]) for j in draw.indices], pad)
+            _, pmask = left_pad([list(ids[j]) for j in draw], pad)
             out["prompt_mask"] = pmask
-            out["iteration"] = torch.full((len(draw.indices),), step, dtype=torch.int64)
-            out["index"] = torch.tensor(draw.indices)
+            out["iteration"] = torch.full((len(draw),), step, dtype=torch.int64)
+            out["index"] = torch.tensor(draw)
             return out
 
         return load
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """The epoch counter after step ``step`` (epochs completed over the whole data-parallel group)."""
-        end = self._position(step + 1, 0)
         return {
-            "epoch": end / len(self.pairs),
+            "epoch": self._epoch(step, len(self.pairs)),
             "data/dropped": float(self.dataset.num_dropped + self.pairs.num_dropped),
         }
 
