@@ -1,6 +1,6 @@
 """Data movement: sequence packing, the Transfer Dock, dispatch, resharding, weight sync, pipelines."""
 
-from rlcore.dataflow.deploy import RolloutWorker, colocate, rollout_proxy_stage
+from rlcore.dataflow.deploy import ProxyRollout, RolloutWorker, colocate, rollout_proxy_stage
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, shard_samples
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse, flatten_rows, unflatten_rows
 from rlcore.dataflow.layout import (
@@ -57,6 +57,7 @@ __all__: list[str] = [
     "ParamMove",
     "PipelineResult",
     "Placement",
+    "ProxyRollout",
     "RayRolloutWorker",
     "RayTransferDock",
     "ReshardPlan",

@@ -32,7 +32,7 @@ from rlcore.dataflow.scheduler import add_note
 from rlcore.dataflow.stages import Stage, stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
-__all__ = ["RolloutWorker", "colocate", "rollout_proxy_stage"]
+__all__ = ["ProxyRollout", "RolloutWorker", "colocate", "rollout_proxy_stage"]
 
 
 def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequence[str] = ("cpu",)) -> list[Stage]:
@@ -113,7 +113,39 @@ def rollout_proxy_stage(
     )
 
 
-class RolloutWorker:
+class ProxyRollout:
+    """The base of the rollout workers (:class:`RolloutWorker`, :class:`rlcore.dataflow.RayRolloutWorker`).
+
+    Its :meth:`stage` is the proxy stage whose calls go to ``self._call(name, batch)``,
+    which a worker implements: send the batch elsewhere, return its columns.
+    """
+
+    def _call(self, name: str, batch: dict[str, torch.Tensor]) -> Mapping[str, Any]:
+        raise NotImplementedError
+
+    def stage(
+        self,
+        *,
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        name: str = "rollout",
+        micro_batch: int | None = None,
+        resource: str = "rollout",
+        timeout: float | None = None,
+    ) -> Stage:
+        """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph."""
+        return rollout_proxy_stage(
+            lambda batch: self._call(name, batch),
+            inputs=inputs,
+            outputs=outputs,
+            name=name,
+            micro_batch=micro_batch,
+            resource=resource,
+            timeout=timeout,
+        )
+
+
+class RolloutWorker(ProxyRollout):
     """A rollout in its own process, driven by a proxy :class:`~rlcore.dataflow.Stage` of the trainer's pipeline.
 
     Disaggregated deployment (MindSpeed-RL, arXiv:2507.19017): ``factory(*args)`` runs
@@ -213,27 +245,6 @@ class RolloutWorker:
         """Block until the worker has built its generate function (to keep start-up out of a timing)."""
         if not self._ready:
             self._receive(name, timeout)
-
-    def stage(
-        self,
-        *,
-        inputs: Sequence[str],
-        outputs: Sequence[str],
-        name: str = "rollout",
-        micro_batch: int | None = None,
-        resource: str = "rollout",
-        timeout: float | None = None,
-    ) -> Stage:
-        """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph."""
-        return rollout_proxy_stage(
-            lambda batch: self._call(name, batch),
-            inputs=inputs,
-            outputs=outputs,
-            name=name,
-            micro_batch=micro_batch,
-            resource=resource,
-            timeout=timeout,
-        )
 
     def close(self) -> None:
         """Stop the worker process (terminate it if it does not exit in time)."""

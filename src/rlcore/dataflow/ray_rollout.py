@@ -17,14 +17,13 @@ made, not with this module.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from rlcore.dataflow.deploy import rollout_proxy_stage
+from rlcore.dataflow.deploy import ProxyRollout
 from rlcore.dataflow.scheduler import add_note
-from rlcore.dataflow.stages import Stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
 __all__ = ["RayRolloutWorker", "RolloutActor"]
@@ -77,7 +76,7 @@ class RolloutActor:
         return self._fn(batch, self._params)
 
 
-class RayRolloutWorker:
+class RayRolloutWorker(ProxyRollout):
     """A rollout in a Ray actor, driven by a proxy :class:`~rlcore.dataflow.Stage` of the trainer's pipeline.
 
     Disaggregated deployment on Ray (MindSpeed-RL, arXiv:2507.19017), with the interface
@@ -181,27 +180,6 @@ class RayRolloutWorker:
         """Block until the actor has built its generate function (to keep start-up out of a timing)."""
         if self.pid is None:
             self.pid = self._get(name, self._started, timeout)
-
-    def stage(
-        self,
-        *,
-        inputs: Sequence[str],
-        outputs: Sequence[str],
-        name: str = "rollout",
-        micro_batch: int | None = None,
-        resource: str = "rollout",
-        timeout: float | None = None,
-    ) -> Stage:
-        """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph."""
-        return rollout_proxy_stage(
-            lambda batch: self._call(name, batch),
-            inputs=inputs,
-            outputs=outputs,
-            name=name,
-            micro_batch=micro_batch,
-            resource=resource,
-            timeout=timeout,
-        )
 
     def close(self) -> None:
         """Kill the actor (a call still waiting on it fails at once), and shut Ray down if this worker started it."""
