@@ -12,24 +12,9 @@ from ray import cloudpickle
 import rlcore.train.trainer
 from rlcore.dataflow import RayRolloutWorker, StageGraph, WeightSync, run_pipeline, stage
 from rlcore.train import build_model, load_checkpoint, load_config, make_task, train
+from tiny_runs import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.model_name_or_path.hidden_size=32",
-    "model.model_name_or_path.intermediate_size=64",
-    "model.model_name_or_path.num_hidden_layers=1",
-    "rl.batch_size=4",
-    "rl.mini_batch_size=2",
-    "rl.num_rollouts=4",
-    "rl.max_new_tokens=6",
-    "trainer.warmup_steps=2",
-    "trainer.warmup_batch_size=8",
-    "trainer.progress=false",
-    "trainer.plot=false",
-    "trainer.threads=1",
-    "trainer.reward_workers=0",
-    "deploy.async_infer=false",
-]
 
 # The actors cannot import this test module: its functions travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

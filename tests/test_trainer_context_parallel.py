@@ -22,26 +22,14 @@ from dist_helpers import leave, spawn
 from rlcore.train import full_state_dict, load_config
 from rlcore.train.config import check_launch
 from test_trainer_parallel import RowSeededEngine, length_reward
+from tiny_runs import TINY, record_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 BASE = [
-    "model.model_name_or_path.hidden_size=32",
-    "model.model_name_or_path.intermediate_size=64",
-    "model.model_name_or_path.num_hidden_layers=1",
+    *TINY,  # rl.mini_batch_size=2: two updates per step, the second off-policy
     "rl.algo=grpo",  # seq-mean-token-mean: the per-sequence counts cross the shards
     "rl.beta=0.1",  # a KL term: the loss is not 0 on-policy
-    "rl.num_rollouts=4",
-    "rl.max_new_tokens=6",
-    "rl.batch_size=4",
-    "rl.mini_batch_size=2",  # two updates per step: the second is off-policy
-    "trainer.warmup_steps=2",
-    "trainer.warmup_batch_size=8",
-    "trainer.progress=false",
-    "trainer.plot=false",
-    "trainer.threads=1",
-    "trainer.reward_workers=0",
-    "deploy.async_infer=false",
 ]
 MODES = ("ring", "ulysses")
 
@@ -70,15 +58,11 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     leave()
 
 
-def _losses(records):
-    return torch.tensor([r["loss"] for r in records], dtype=torch.float64)
-
-
 def test_two_cp_ranks_ring_and_ulysses_equal_one_rank(tmp_path):
     spawn(_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=420)
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)
     ref = _run(_cfg(tmp_path / "one"))
-    want = _losses(ref.records)
+    want = record_losses(ref.records)
     assert [r["step"] for r in ref.records] == list(range(STEPS))
     assert want.abs().min() > 1e-3  # the comparison is not between zero losses
     final = ref.policy.state_dict()
@@ -91,7 +75,7 @@ def test_two_cp_ranks_ring_and_ulysses_equal_one_rank(tmp_path):
                 torch.tensor([r[key] for r in ref.records]),
                 msg=lambda m: f"{mode} {key}: {m}",
             )
-        torch.testing.assert_close(_losses(records), want, rtol=0, atol=1e-4, msg=lambda m: f"{mode}: {m}")
+        torch.testing.assert_close(record_losses(records), want, rtol=0, atol=1e-4, msg=lambda m: f"{mode}: {m}")
         torch.testing.assert_close(
             torch.tensor([r["pg_loss"] for r in records]),
             torch.tensor([r["pg_loss"] for r in ref.records]),

@@ -21,22 +21,15 @@ import torch.nn.functional as F
 from dist_helpers import leave, spawn
 from rlcore.train import TorchEngine, build_model, full_state_dict, generate, load_config, make_task, train
 from rlcore.train.rollout import Rollout
+from tiny_runs import QUIET, TINY_MODEL, TINY_ROLLOUT, record_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
 BASE = [
-    "model.model_name_or_path.hidden_size=32",
-    "model.model_name_or_path.intermediate_size=64",
-    "model.model_name_or_path.num_hidden_layers=1",
+    *TINY_MODEL,
     "rl.algo=dapo",  # token-mean: the on-policy loss is a length-weighted advantage sum, not 0
-    "rl.num_rollouts=4",
-    "rl.max_new_tokens=6",
-    "trainer.warmup_steps=2",
-    "trainer.progress=false",
-    "trainer.plot=false",
-    "trainer.threads=1",
-    "trainer.reward_workers=0",
-    "deploy.async_infer=false",
+    *TINY_ROLLOUT,
+    *QUIET,
 ]
 # The global batch: 4 prompts x 4 samples per step, one optimiser update per step; 8 warm-up prompts.
 ONE_RANK = ["rl.batch_size=4", "rl.mini_batch_size=4", "trainer.warmup_batch_size=8"]
@@ -128,15 +121,11 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     leave()
 
 
-def _losses(records):
-    return torch.tensor([r["loss"] for r in records], dtype=torch.float64)
-
-
 def test_two_ranks_fsdp2_and_tensor_parallel_equal_one_rank_and_dcp_resumes_at_one(tmp_path):
     spawn(_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=420)
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)
     ref = _run(_cfg(tmp_path / "one", *ONE_RANK))
-    want = _losses(ref.records)
+    want = record_losses(ref.records)
     assert [r["step"] for r in ref.records] == list(range(STEPS))
     assert want.abs().max() > 1e-3  # the comparison is not between zero losses
     for name in ("dp", "tp"):
@@ -147,11 +136,11 @@ def test_two_ranks_fsdp2_and_tensor_parallel_equal_one_rank_and_dcp_resumes_at_o
         torch.testing.assert_close(
             rewards, torch.tensor([r["reward"] for r in ref.records]), msg=lambda m: f"{name}: {m}"
         )
-        torch.testing.assert_close(_losses(records), want, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(record_losses(records), want, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
         final = ref.policy.state_dict()
         for k, v in got[f"{name}_weights"].items():
             torch.testing.assert_close(v, final[k], rtol=0, atol=1e-3, msg=lambda m: f"{name} {k}: {m}")
     # The checkpoint the 2-rank run saved after step 2 resumes in one process.
     resumed = _run(_cfg(tmp_path / "saved_at_2", *ONE_RANK), start=3)
     assert [r["step"] for r in resumed.records] == [3, 4]
-    torch.testing.assert_close(_losses(resumed.records), want[3:], rtol=0, atol=1e-4)
+    torch.testing.assert_close(record_losses(resumed.records), want[3:], rtol=0, atol=1e-4)

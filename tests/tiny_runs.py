@@ -1,0 +1,27 @@
+"""Overrides that make a reference-trainer run tiny and quick, shared by the trainer tests."""
+
+from __future__ import annotations
+
+import torch
+
+TINY_MODEL = [
+    "model.model_name_or_path.hidden_size=32",
+    "model.model_name_or_path.intermediate_size=64",
+    "model.model_name_or_path.num_hidden_layers=1",
+]
+TINY_ROLLOUT = ["rl.num_rollouts=4", "rl.max_new_tokens=6", "trainer.warmup_steps=2"]
+TINY_BATCH = ["rl.batch_size=4", "rl.mini_batch_size=2", "trainer.warmup_batch_size=8"]
+# No progress bar, no plots, one thread, rewards in the trainer's process, one rollout at a time.
+QUIET = [
+    "trainer.progress=false",
+    "trainer.plot=false",
+    "trainer.threads=1",
+    "trainer.reward_workers=0",
+    "deploy.async_infer=false",
+]
+TINY = [*TINY_MODEL, *TINY_BATCH, *TINY_ROLLOUT, *QUIET]
+
+
+def record_losses(records: list[dict]) -> torch.Tensor:
+    """The ``loss`` of each step record, as float64."""
+    return torch.tensor([r["loss"] for r in records], dtype=torch.float64)
