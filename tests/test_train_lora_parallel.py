@@ -22,7 +22,8 @@ from dist_helpers import leave, spawn
 from rlcore.models import AdaptersOff, adapters_disabled
 from rlcore.train import build_model, full_state_dict, load_checkpoint, logprob_stage, make_task, train
 from rlcore.train.cli import main
-from test_trainer_parallel import DATA_PARALLEL, ONE_RANK, RowSeededEngine, _cfg, _losses, length_reward
+from test_trainer_parallel import DATA_PARALLEL, ONE_RANK, RowSeededEngine, _cfg, length_reward
+from tiny_runs import record_losses
 
 R, ALPHA, TARGETS = 4, 8, ("q_proj", "v_proj")
 LORA = [f"model.lora={{r: {R}, alpha: {ALPHA}, target_modules: [{', '.join(TARGETS)}]}}", "rl.beta=0.05", "rl.lr=0.01"]
@@ -114,7 +115,7 @@ def test_lora_at_two_ranks_equals_one_rank_and_its_adapter_checkpoint_resumes_at
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)
     cfg = _lora_cfg(tmp_path / "one", *ONE_RANK)
     ref, _ = _run(cfg)
-    want = _losses(ref.records)
+    want = record_losses(ref.records)
     expected = _expected_adapter_numel(cfg)
 
     # Only the adapters train, at both world sizes.
@@ -125,7 +126,7 @@ def test_lora_at_two_ranks_equals_one_rank_and_its_adapter_checkpoint_resumes_at
     torch.testing.assert_close(
         torch.tensor([r["reward"] for r in got["records"]]), torch.tensor([r["reward"] for r in ref.records])
     )
-    torch.testing.assert_close(_losses(got["records"]), want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(record_losses(got["records"]), want, rtol=0, atol=1e-4)
     one = _adapters(ref.policy.get_base_model().state_dict())
     assert one.keys() == got["adapters"].keys() and len(one) == 2 * len(TARGETS)
     assert any(v.abs().max() > 1e-3 for k, v in one.items() if ".lora_B." in k)
@@ -171,7 +172,7 @@ def test_lora_at_two_ranks_equals_one_rank_and_its_adapter_checkpoint_resumes_at
     straight, _ = _run(_lora_cfg(tmp_path / "one", *ONE_RANK, steps=STEPS + 1), start=STEPS)
     resumed, _ = _run(_lora_cfg(tmp_path / "saved_at_2", *ONE_RANK, steps=STEPS + 1), start=STEPS)
     assert [r["step"] for r in resumed.records] == [STEPS]
-    torch.testing.assert_close(_losses(resumed.records), _losses(straight.records), rtol=0, atol=1e-4)
+    torch.testing.assert_close(record_losses(resumed.records), record_losses(straight.records), rtol=0, atol=1e-4)
     a, b = (_adapters(r.policy.get_base_model().state_dict()) for r in (straight, resumed))
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
