@@ -340,3 +340,26 @@ def test_reprobe_score_beyond_float_range_is_a_named_reward_error(big):
 
     with pytest.raises(RewardError, match=r"reward 'huge' on batch 4: got a non-finite score .*inf at index 1"):
         evaluate(huge, ["p", "q"], ["a", "b"], batch=4)
+
+
+def test_reprobe_reward_calling_exit_is_a_named_reward_error():
+    # sys.exit(3) inside a reward left the CLI with status 3, the status of a non-finite loss.
+    def exits(prompts, responses, **_):
+        raise SystemExit(3)
+
+    with pytest.raises(RewardError, match=r"reward 'exits' on batch 7 of 1 responses raised SystemExit: 3"):
+        evaluate(exits, ["q"], ["a"], batch=7)
+
+
+def test_reprobe_a_base_exception_in_the_reward_thread_reaches_the_waiter_at_once():
+    # A BaseException other than Exception ended the reward's thread without settling its
+    # future: the trainer waited for the whole reward timeout (300 s by default).
+    def interrupted(prompts, responses, **_):
+        raise KeyboardInterrupt
+
+    pool = RewardPool(interrupted, num_workers=0, timeout=600)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.submit(["q"], ["a"], batch=0).result(timeout=120)
+    finally:
+        pool.close()

@@ -434,7 +434,7 @@ class RewardPool:
         def run() -> None:
             try:
                 _settle(future, result=self._evaluate(prompts, responses, batch, columns))
-            except Exception as err:
+            except BaseException as err:  # whatever ends this thread goes to the waiter, not into the void
                 _settle(future, error=err)
 
         def expire() -> None:

@@ -105,6 +105,6 @@ def evaluate(
     fn = reward.forward if callable(getattr(reward, "forward", None)) else reward
     try:
         out = fn(list(prompts), list(responses), **columns)
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a reward's exit() is its failure, not the run's exit status
         raise RewardError(f"{where} of {len(responses)} responses raised {type(err).__name__}: {err}") from err
     return _as_scores(out, len(responses), where)
