@@ -162,6 +162,18 @@ def test_config_gaps_exit_2_with_one_line_before_any_work(override, message, cap
     assert message in err and err.count("\n") == 1 and not calls
 
 
+def _exits_3(prompts, responses, **columns):
+    raise SystemExit(3)
+
+
+def test_reprobe_reward_calling_exit_exits_2_not_with_its_status(tmp_path, capsys, monkeypatch):
+    # The reward's SystemExit(3) became the CLI's exit status: 3, that of a non-finite loss.
+    monkeypatch.setattr(trainer, "train", functools.partial(trainer.train, reward=_exits_3))
+    args = [*TINY, "trainer.steps=1", f"trainer.output_dir={tmp_path}", "trainer.progress=false"]
+    assert main(["train", "--config", CONFIG, *args]) == 2
+    assert "rlcore: error: reward '_exits_3' on batch 0 of 4 responses raised SystemExit: 3" in capsys.readouterr().err
+
+
 def test_dead_reward_worker_exits_2_naming_the_reward_and_the_batch(tmp_path, capsys, monkeypatch):
     # Issue 18, defect 8: a worker killed mid-batch gave a BrokenProcessPool traceback.
     monkeypatch.setattr(trainer, "train", functools.partial(trainer.train, reward=reward_helpers.DiesInWorker()))
@@ -223,7 +235,9 @@ def test_reprobe_large_seed_runs(monkeypatch):
 def test_reprobe_export_of_a_missing_checkpoint_does_not_speak_of_resume(tmp_path, capsys):
     # The error said "resume: no checkpoint ...; run without --resume first".
     (tmp_path / "f").write_text("x")
-    for checkpoint in (tmp_path / "nope", tmp_path, tmp_path / "f"):
+    (tmp_path / "foreign" / "checkpoint").mkdir(parents=True)  # a checkpoint folder with no finished save
+    (tmp_path / "foreign" / "checkpoint" / "notes.txt").write_text("x")
+    for checkpoint in (tmp_path / "nope", tmp_path, tmp_path / "f", tmp_path / "foreign"):
         assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert "rlcore: error: checkpoint: no training checkpoint" in err and "resume" not in err

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rlcore.models import export_hf
-from rlcore.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from rlcore.train.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
 from rlcore.train.config import parse_config
 from rlcore.train.lora import adapter_modules, attach_lora
 from rlcore.train.prompts import source_tokenizer, task_options
@@ -49,7 +49,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
             f"checkpoint: no training checkpoint at {str(run / CHECKPOINT_NAME)!r}, expected a run's output "
             "directory (trainer.output_dir) or its checkpoint folder"
         )
-    state = load_checkpoint(run)
+    try:
+        state = load_checkpoint(run)
+    except CheckpointError:
+        raise
+    except ValueError as err:  # the folder holds no finished save (no 'latest' marker)
+        raise ValueError(
+            f"checkpoint: no training checkpoint at {str(run / CHECKPOINT_NAME)!r} (the folder holds no finished save)"
+        ) from err
     saved = state.get("config")
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint: {str(run)!r} records no config, so its model cannot be rebuilt")
