@@ -386,3 +386,10 @@ def test_base_reward_without_forward_names_itself():
 
     with pytest.raises(Exception, match=r"Empty\.forward\(prompts, responses, \*\*kwargs\) is not defined"):
         Empty()(["q"], ["r"])
+
+
+def test_reprobe_reward_class_that_cannot_be_called_is_refused_when_built(tmp_path):
+    # A class with neither __call__ nor forward was accepted and failed only at the first step.
+    (tmp_path / "odd.py").write_text("class Scores:\n    def score(self, prompts, responses):\n        return [1.0]\n")
+    with pytest.raises(ValueError, match=r"rewards\[0\].reward: .*odd.py:Scores' built a Scores with neither"):
+        build_reward([f"{tmp_path / 'odd.py'}:Scores"])

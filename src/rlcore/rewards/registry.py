@@ -104,11 +104,17 @@ class ConfiguredReward:
     def _instantiate(self, target: Any, ref: str, kwargs: dict[str, Any]) -> Any:
         if inspect.isclass(target) or (ref in REWARDS and ":" not in ref):
             try:
-                return target(**kwargs)
+                built = target(**kwargs)
             except Exception as err:
                 raise ValueError(
                     f"{self.what}: building {ref!r} with kwargs {kwargs} raised {type(err).__name__}: {err}"
                 ) from err
+            if not callable(built) and not callable(getattr(built, "forward", None)):
+                raise ValueError(
+                    f"{self.what}.reward: {ref!r} built a {type(built).__name__} with neither __call__ nor forward, "
+                    "expected a reward: scores = reward(prompts, responses, **columns)"
+                )
+            return built
         if not callable(target) and not callable(getattr(target, "forward", None)):
             raise ValueError(
                 f"{self.what}.reward: {ref!r} is a {type(target).__name__}, expected a class or a callable"
