@@ -325,3 +325,10 @@ def test_reprobe_output_dir_that_cannot_be_a_directory_names_the_key(tmp_path):
         with pytest.raises(ValueError, match=r"config key 'trainer.output_dir': got"):
             parse_config({"model": {"model_name_or_path": INLINE}, "trainer": {"output_dir": out}})
     assert parse_config({"model": {"model_name_or_path": INLINE}, "trainer": {"output_dir": str(tmp_path / "new")}})
+
+
+@pytest.mark.parametrize("key", ["path", "val_path"])
+def test_reprobe_empty_dataset_path_names_the_key(key):
+    # `--dataset ""` said the run needed a model directory with a tokenizer.
+    with pytest.raises(ValueError, match=rf"^config key 'data.{key}': got '', expected a dataset path or null$"):
+        parse_config({"model": {"model_name_or_path": INLINE}, "data": {key: ""}})
