@@ -1,4 +1,6 @@
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -316,6 +318,30 @@ def test_reprobe_a_view_held_only_by_garbage_does_not_block_the_offload():
     box.self, box.view = box, x[1:]  # type: ignore[attr-defined]
     del box
     handle = offload({"x": x})
+    assert x.untyped_storage().nbytes() == 0
+    reload(handle)
+    assert torch.equal(x, torch.arange(4.0))
+
+
+def test_reprobe_a_hold_that_a_backend_thread_drops_a_moment_later_does_not_block_the_offload():
+    # gloo's worker thread (NCCL's watchdog on a GPU) holds a collective's input or output
+    # for a moment after the call returned; offload refused such a tensor at once.
+    x = torch.arange(4.0)
+    view = [x[1:]]
+    started = threading.Event()
+
+    def backend():
+        started.set()
+        time.sleep(0.2)
+        view.clear()
+
+    thread = threading.Thread(target=backend)
+    thread.start()
+    started.wait()
+    try:
+        handle = offload({"x": x})
+    finally:
+        thread.join()
     assert x.untyped_storage().nbytes() == 0
     reload(handle)
     assert torch.equal(x, torch.arange(4.0))

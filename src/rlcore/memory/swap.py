@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -240,6 +241,39 @@ def _pin() -> bool:
     return torch.accelerator.is_available()
 
 
+# How long offload waits for holds that end by themselves before it refuses a storage.
+_SETTLE_SECONDS = 2.0
+
+
+def _held_outside(
+    storages: dict[tuple[str, int], tuple[torch.UntypedStorage, torch.dtype]], kept: dict[tuple[str, int], int]
+) -> tuple[torch.UntypedStorage, int] | None:
+    """The first storage that a tensor outside the tree still holds, and how many; None when there is none.
+
+    Two kinds of hold end by themselves and are no reader: unreachable garbage (a
+    reference cycle, e.g. of a collective's temporaries), collected here; and a
+    collective's input or output that a backend thread (gloo's worker, NCCL's watchdog)
+    drops a moment after the call returned. Those get up to two seconds.
+    """
+
+    def first() -> tuple[torch.UntypedStorage, int] | None:
+        for key, (st, _) in storages.items():
+            count = torch._C._storage_Use_Count(st._cdata) - 1 - kept[key]  # - 1: our own handle on it
+            if count > 0:
+                return st, count
+        return None
+
+    held = first()
+    if held is None:
+        return None
+    gc.collect()
+    deadline, pause = time.monotonic() + _SETTLE_SECONDS, 1e-4
+    while (held := first()) is not None and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    return held
+
+
 def offload(tree: Any, *, non_blocking: bool = True) -> SwapHandle:
     """Copy the tensors of ``tree`` into per-dtype host buckets and free their storage.
 
@@ -334,23 +368,16 @@ def offload(tree: Any, *, non_blocking: bool = True) -> SwapHandle:
     }
     for k in bases.values():  # the documented exception: a listed view's own base stays unguarded
         kept[k] += 1
-    collected = False
-    for key, (st, _) in storages.items():
-        outside = torch._C._storage_Use_Count(st._cdata) - 1 - kept[key]  # - 1: our own handle on it
-        if outside > 0 and not collected:
-            # A view may be held only by unreachable garbage (a reference cycle, e.g. of a
-            # collective's temporaries) that nobody can read: collect it before judging.
-            gc.collect()
-            collected = True
-            outside = torch._C._storage_Use_Count(st._cdata) - 1 - kept[key]
-        if outside > 0:
-            for record in reversed(guarded):
-                _unguard(record)
-            raise ValueError(
-                f"tree: a storage of {st.nbytes()} bytes is also held by {outside} tensor(s) outside the tree "
-                "(a view or alias it does not list), expected every tensor on it in the tree: "
-                "reading one after the offload would read freed memory"
-            )
+    outside = _held_outside(storages, kept)
+    if outside:
+        for record in reversed(guarded):
+            _unguard(record)
+        st, count = outside
+        raise ValueError(
+            f"tree: a storage of {st.nbytes()} bytes is also held by {count} tensor(s) outside the tree "
+            "(a view or alias it does not list), expected every tensor on it in the tree: "
+            "reading one after the offload would read freed memory"
+        )
     for e in entries:
         e.storage.resize_(0)
     return SwapHandle(tree=tree, buckets=buckets, entries=entries, nbytes=nbytes, guarded=guarded)
