@@ -65,6 +65,15 @@ def register_reward(name: str, factory: Callable[..., Any]) -> None:
     REWARDS[name] = factory
 
 
+def _has_forward(obj: Any) -> bool:
+    return callable(getattr(obj, "forward", None))
+
+
+def _scores(obj: Any) -> bool:
+    """Whether ``obj`` can score: it is callable or has a callable ``forward``."""
+    return callable(obj) or _has_forward(obj)
+
+
 def _rebuild(entry: dict[str, Any], base_dir: str | None, what: str) -> ConfiguredReward:
     return ConfiguredReward(entry, base_dir=base_dir, what=what)
 
@@ -109,13 +118,13 @@ class ConfiguredReward:
                 raise ValueError(
                     f"{self.what}: building {ref!r} with kwargs {kwargs} raised {type(err).__name__}: {err}"
                 ) from err
-            if not callable(built) and not callable(getattr(built, "forward", None)):
+            if not _scores(built):
                 raise ValueError(
                     f"{self.what}.reward: {ref!r} built a {type(built).__name__} with neither __call__ nor forward, "
                     "expected a reward: scores = reward(prompts, responses, **columns)"
                 )
             return built
-        if not callable(target) and not callable(getattr(target, "forward", None)):
+        if not _scores(target):
             raise ValueError(
                 f"{self.what}.reward: {ref!r} is a {type(target).__name__}, expected a class or a callable"
             )
@@ -123,7 +132,7 @@ class ConfiguredReward:
 
     def forward(self, prompts: Sequence[Any], responses: Sequence[str], **columns: Any) -> Any:
         """The wrapped reward's scores (through its ``forward`` when it has one)."""
-        fn = self.reward.forward if callable(getattr(self.reward, "forward", None)) else self.reward
+        fn = self.reward.forward if _has_forward(self.reward) else self.reward
         return fn(prompts, responses, **columns)
 
     def __call__(self, prompts: Sequence[Any], responses: Sequence[str], **columns: Any) -> Any:
