@@ -192,8 +192,8 @@ def check_reshard_leaves_no_hold_on_the_training_storage(rank):
 DEFECT13_CHECKS = {
     "defect13:plans": (check_defect13_ranks_disagreeing_on_the_plan_all_raise, ()),
     "defect13:inputs": (check_defect13_bad_input_on_one_rank_raises_on_every_rank, ()),
-    "reprobe:no-hold": (check_reshard_leaves_no_hold_on_the_training_storage, ()),
 }
+REPROBE_CHECKS = {"reprobe:no-hold": (check_reshard_leaves_no_hold_on_the_training_storage, ())}
 
 
 _GROUPS = {}
@@ -204,7 +204,7 @@ def shared_group(world, tmp_path_factory):
     if world not in _GROUPS:
         checks = {n: (check_reshard, args) for n, args in RESHARD_CASES[world].items()}
         if world == 2:
-            checks.update(DEFECT13_CHECKS)
+            checks.update(DEFECT13_CHECKS | REPROBE_CHECKS)
         if world == 4:
             from test_memory_plan import SWAP_CASES, check_allgather_swap_training
 
@@ -233,7 +233,7 @@ def test_reshard_on_two_gloo_ranks_is_bit_identical(group2, case):
     assert_ok(group2, case)
 
 
-@pytest.mark.parametrize("case", sorted(c for c in DEFECT13_CHECKS if c.startswith("defect13")))
+@pytest.mark.parametrize("case", sorted(DEFECT13_CHECKS))
 def test_defect13_reshard_detects_ranks_that_disagree(group2, case):
     # Each check ends with the group's barrier: no rank was left inside a collective.
     assert_ok(group2, case)

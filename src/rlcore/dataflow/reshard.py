@@ -448,17 +448,16 @@ def _checked_bucket(
     return views, rank
 
 
-def _unaliased(x: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
-    """``x``, contiguous, on a storage other than the training parameter's.
+def _send_buffer(x: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
+    """``x`` contiguous, and a copy when it is the training parameter itself.
 
     The backend may hold a collective's input for a moment after the call returns
     (gloo's worker thread, NCCL's watchdog); the AllGather-Swap frees the parameter's
     storage right after its bucket, and :func:`rlcore.memory.offload` refuses a storage
-    that anything else still holds. (``all_to_all`` sends a concatenated copy already.)
+    that anything else still holds. A later move's ``x`` is already a fresh buffer, and
+    ``all_to_all`` sends a concatenated copy.
     """
-    if param is not None and x.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
-        return x.clone(memory_format=torch.contiguous_format)
-    return x.contiguous()
+    return x.clone(memory_format=torch.contiguous_format) if x is param else x.contiguous()
 
 
 def _fill(
@@ -471,14 +470,14 @@ def _fill(
         x = param = params.get(name)
         for move in pm.moves:
             if move.collective == "broadcast":
-                buf = _unaliased(x, param) if x is not None else view.new_empty(pm.src_shape)
+                buf = _send_buffer(x, param) if x is not None else view.new_empty(pm.src_shape)
                 dist.broadcast(buf, group=mesh["pp"].get_group(), group_src=plan.src.placements[name].stage)
                 x = buf
                 continue
             # A rank that does not hold the parameter receives it by the broadcast, always the first move.
             assert x is not None and move.tensor_dim is not None, "only a broadcast has no tensor dim"
             if move.collective == "all_gather":
-                full = _gather(_unaliased(x, param), mesh[move.mesh_dim], move.tensor_dim)
+                full = _gather(_send_buffer(x, param), mesh[move.mesh_dim], move.tensor_dim)
                 c = plan.dst.coords(rank)[move.mesh_dim]
                 x = full.chunk(move.dst_size, dim=move.tensor_dim)[c]
             elif move.collective == "all_to_all":
