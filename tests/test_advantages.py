@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import math
 
 import pytest
 import torch
@@ -564,3 +565,12 @@ def test_reprobe_reinforce_pp_baseline_non_finite_score_stays_in_its_own_group(b
     want = reinforce_pp_baseline_advantages(scores[2:], ids[2:] - 1, mask[2:])
     torch.testing.assert_close(adv[2:], want)
     assert (adv[mask == 0] == 0).all()
+
+
+def test_reprobe_negative_opo_lengths_are_refused_naming_lengths():
+    # A negative length passed and shifted the group's baseline: advantages 2 and 1 for scores 1 and 0.
+    s, ids = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"lengths: got values in \[-1, 4\], expected counts >= 0"):
+        opo_advantages(s, ids, torch.tensor([-1, 2, 3, 4]))
+    nan = opo_advantages(s, ids, torch.tensor([math.nan, 2.0, 3.0, 4.0]))  # NaN stays in its own group
+    assert nan[:2].isnan().all() and nan[2:].isfinite().all()

@@ -428,3 +428,11 @@ def test_packed_bad_input(qwen2_pair):
         preference_logps(pair, None, batch, packed=False)
     with pytest.raises(ValueError, match="batch: missing rejected_mask"):
         preference_logps(*pair, {k: v for k, v in batch.items() if k != "rejected_mask"})
+
+
+def test_reprobe_negative_pair_lengths_are_refused_naming_the_column():
+    # reduce="mean" clamped a negative count to 1 and scored the pair as if it were one token long.
+    columns = {k: torch.zeros(2) for k in algos.PAIR_COLUMNS}
+    columns |= {"chosen_lengths": torch.tensor([3, 4]), "rejected_lengths": torch.tensor([2, -1])}
+    with pytest.raises(ValueError, match=r"rejected_lengths: got values in \[-1, 2\], expected counts >= 0"):
+        dpo(reduce="mean").loss(columns)

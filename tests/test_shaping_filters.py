@@ -250,3 +250,9 @@ def test_reprobe_clip_rewards_rejects_nan_bounds(bounds):
     # A NaN bound made every reward NaN.
     with pytest.raises(ValueError, match="(low|high): got nan"):
         clip_rewards(torch.tensor([1.0, 5.0]), **bounds)
+
+
+def test_reprobe_negative_overlong_lengths_are_refused_naming_lengths():
+    # A negative length passed as a zero penalty.
+    with pytest.raises(ValueError, match=r"lengths: got values in \[-5, 12\], expected counts >= 0"):
+        overlong_penalty(torch.tensor([-5, 12]), max_length=10, cache_length=4)

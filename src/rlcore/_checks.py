@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "check_choice",
     "check_count",
+    "check_counts",
     "check_floating",
     "check_group_ids",
     "check_integer",
@@ -116,6 +117,20 @@ def check_count(name: str, count: Any) -> None:
         raise ValueError(f"{name}: got {type(count).__name__}, expected None, a number or a scalar tensor")
     if not (math.isfinite(count) and count >= 0):
         raise ValueError(f"{name}: got {count!r}, expected a finite count >= 0")
+
+
+def check_counts(name: str, counts: torch.Tensor) -> None:
+    """Every count ``>= 0`` (NaN passes and stays in its own row): read only where that stalls nothing.
+
+    As :func:`check_group_ids`: the values are read only from a CPU tensor in eager mode.
+    """
+    if counts.numel() == 0 or counts.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bounds = torch.aminmax(counts.masked_fill(counts.isnan(), 0) if counts.dtype.is_floating_point else counts)
+    low, high = bounds.min.item(), bounds.max.item()  # sync-ok: a CPU tensor in eager mode
+    if low < 0:
+        low, high = (int(v) if float(v).is_integer() else v for v in (low, high))
+        raise ValueError(f"{name}: got values in [{low}, {high}], expected counts >= 0")
 
 
 def check_group_ids(group_ids: torch.Tensor, num_segments: int) -> None:

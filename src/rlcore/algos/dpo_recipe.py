@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlcore._checks import check_choice, check_count, check_ndim, check_same_shape
+from rlcore._checks import check_choice, check_count, check_counts, check_ndim, check_same_shape
 from rlcore.algos.collectives import group_sum
 from rlcore.algos.preference_pairwise import dpo_loss
 from rlcore.ops import SEQUENCE_REDUCTIONS
@@ -114,6 +114,8 @@ class DPO(NamedTuple):
         if self.reduce == "mean":
             lengths = _columns(batch, LENGTH_COLUMNS, "scored-token counts for reduce='mean'")
             check_same_shape(LENGTH_COLUMNS[0], lengths[0], PAIR_COLUMNS[0], pi_chosen)
+            for name, n in zip(LENGTH_COLUMNS, lengths):
+                check_counts(name, n)
             # An empty response scores 0, as sequence_logps(reduce="mean") does.
             dens = [torch.clamp(n.to(dtype), min=1.0) for n in lengths]
             pi_chosen, ref_chosen = pi_chosen.to(dtype) / dens[0], ref_chosen.to(dtype) / dens[0]

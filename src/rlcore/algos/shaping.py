@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlcore._checks import check_floating, check_ndim, check_positive, check_same_shape, check_tensor
+from rlcore._checks import check_counts, check_floating, check_ndim, check_positive, check_same_shape, check_tensor
 from rlcore.algos.advantages.normalize import batch_moments
 from rlcore.ops import acc_dtype
 
@@ -46,7 +46,8 @@ def overlong_penalty(
     sequence scores.
 
     Args:
-      lengths: ``[B]`` response lengths in tokens (integer or float).
+      lengths: ``[B]`` response lengths in tokens, >= 0 (integer or float; a negative
+        count on a CPU tensor is refused).
       max_length: ``L_max`` (> 0).
       cache_length: ``L_cache``, in ``(0, max_length]``.
       penalty_factor: scale of the penalty (>= 0).
@@ -58,6 +59,7 @@ def overlong_penalty(
     tensor([ 0.0000, -0.2500, -1.0000, -1.0000])
     """
     check_ndim("lengths", lengths, 1)
+    check_counts("lengths", lengths)
     check_positive("max_length", max_length)
     check_positive("cache_length", cache_length)
     if cache_length > max_length:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlcore._checks import check_choice, check_floating, check_ndim, check_positive, check_same_shape
+from rlcore._checks import check_choice, check_counts, check_floating, check_ndim, check_positive, check_same_shape
 from rlcore.algos._groups import check_outcome
 from rlcore.algos.advantages.normalize import batch_moments
 from rlcore.algos.filters import dynamic_sampling_mask
@@ -191,7 +191,8 @@ def opo_advantages(
     Args:
       scores: ``[B]`` sequence scores.
       group_ids: ``[B]`` integer group of each sample.
-      lengths: ``[B]`` response lengths ``l_i`` (token counts, integer or float).
+      lengths: ``[B]`` response lengths ``l_i`` (token counts >= 0, integer or float; a
+        negative count on a CPU tensor is refused).
       num_groups: number of groups; ``None`` uses ``B`` (no host sync).
 
     Returns:
@@ -204,6 +205,7 @@ def opo_advantages(
     check_same_shape("lengths", lengths, "scores", scores)
     if lengths.dtype == torch.bool or lengths.dtype.is_complex:
         raise ValueError(f"lengths: got dtype {lengths.dtype}, expected an integer or floating-point dtype")
+    check_counts("lengths", lengths)
     s = scores.to(acc_dtype(scores.dtype))
     w = lengths.to(s.dtype)
     centred = segment_centred(s, group_ids, num_segments=n)
