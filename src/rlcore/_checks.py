@@ -26,6 +26,8 @@ __all__ = [
     "check_same_shape",
     "check_shape",
     "check_tensor",
+    "host_readable",
+    "value_bounds",
 ]
 
 
@@ -108,7 +110,7 @@ def check_count(name: str, count: Any) -> None:
             raise ValueError(f"{name}: got a tensor of shape {_fmt(count.shape)}, expected a scalar")
         if count.dtype == torch.bool or count.dtype.is_complex:
             raise ValueError(f"{name}: got dtype {count.dtype}, expected an integer or floating-point count")
-        if count.device.type == "cpu" and not torch.compiler.is_compiling():
+        if host_readable(count):
             value = count.reshape(()).item()  # sync-ok: a CPU tensor in eager mode
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: got {value!r}, expected a finite count >= 0")
@@ -119,18 +121,28 @@ def check_count(name: str, count: Any) -> None:
         raise ValueError(f"{name}: got {count!r}, expected a finite count >= 0")
 
 
-def check_counts(name: str, counts: torch.Tensor) -> None:
-    """Every count ``>= 0`` (NaN passes and stays in its own row): read only where that stalls nothing.
+def host_readable(x: torch.Tensor) -> bool:
+    """True where reading ``x``'s values stalls nothing: a CPU tensor in eager mode (not while compiling)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
-    As :func:`check_group_ids`: the values are read only from a CPU tensor in eager mode.
-    """
-    if counts.numel() == 0 or counts.device.type != "cpu" or torch.compiler.is_compiling():
-        return
-    bounds = torch.aminmax(counts.masked_fill(counts.isnan(), 0) if counts.dtype.is_floating_point else counts)
-    low, high = bounds.min.item(), bounds.max.item()  # sync-ok: a CPU tensor in eager mode
-    if low < 0:
-        low, high = (int(v) if float(v).is_integer() else v for v in (low, high))
-        raise ValueError(f"{name}: got values in [{low}, {high}], expected counts >= 0")
+
+def value_bounds(x: torch.Tensor) -> tuple[Any, Any] | None:
+    """``(min, max)`` of ``x``'s non-NaN values as host numbers, or None when there are none or reading would stall."""
+    if not host_readable(x):
+        return None
+    if x.dtype.is_floating_point:
+        x = x[~x.isnan()]
+    if x.numel() == 0:
+        return None
+    low, high = torch.aminmax(x)
+    return low.item(), high.item()  # sync-ok: a CPU tensor in eager mode
+
+
+def check_counts(name: str, counts: torch.Tensor) -> None:
+    """Every count ``>= 0`` where :func:`value_bounds` can read them (NaN passes and stays in its own row)."""
+    bounds = value_bounds(counts)
+    if bounds is not None and bounds[0] < 0:
+        raise ValueError(f"{name}: got values in [{bounds[0]}, {bounds[1]}], expected counts >= 0")
 
 
 def check_group_ids(group_ids: torch.Tensor, num_segments: int) -> None:
@@ -139,10 +151,10 @@ def check_group_ids(group_ids: torch.Tensor, num_segments: int) -> None:
     On an accelerator, or while compiling, the values are not read (an out-of-range id
     then fails inside the scatter kernel); the shape and dtype checks still run.
     """
-    if group_ids.numel() == 0 or group_ids.device.type != "cpu" or torch.compiler.is_compiling():
+    bounds = value_bounds(group_ids)
+    if bounds is None:
         return
-    bounds = torch.aminmax(group_ids)
-    low, high = int(bounds.min), int(bounds.max)  # sync-ok: a CPU tensor in eager mode
+    low, high = bounds
     if low < 0 or high >= num_segments:
         raise ValueError(
             f"group_ids: got ids in [{low}, {high}], expected ids in [0, {num_segments}) "

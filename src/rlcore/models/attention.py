@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from rlcore._checks import check_integer, check_ndim, check_tensor
+from rlcore._checks import check_integer, check_ndim, check_tensor, host_readable
 from rlcore.device import import_torch_npu
 
 __all__ = [
@@ -53,7 +53,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> list[int] | None:
     check_integer("cu_seqlens", cu_seqlens)
     if cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens: got shape ({cu_seqlens.shape[0]},), expected [B + 1] with B >= 1")
-    if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
+    if not host_readable(cu_seqlens):
         return None
     bounds = cu_seqlens.tolist()  # sync-ok: a CPU tensor in eager mode
     if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:])):

@@ -20,7 +20,7 @@ from typing import Literal, overload
 
 import torch
 
-from rlcore._checks import check_floating, check_integer, check_positive, check_tensor
+from rlcore._checks import check_floating, check_integer, check_positive, check_tensor, value_bounds
 from rlcore.ops.numerics import acc_dtype
 
 __all__ = ["entropy_from_logits", "logprobs_from_logits"]
@@ -54,8 +54,9 @@ def check_labels(labels: torch.Tensor, vocab: int, *, lead: torch.Size, lead_nam
         raise ValueError(
             f"labels: got shape {tuple(labels.shape)}, expected {tuple(lead)} (the leading dimensions of {lead_name})"
         )
-    if labels.device.type == "cpu" and not torch.compiler.is_compiling() and labels.numel():
-        lo, hi = int(labels.min()), int(labels.max())  # sync-ok: CPU tensor in eager mode, nothing to stall
+    bounds = value_bounds(labels)
+    if bounds is not None:
+        lo, hi = bounds
         if lo < 0 or hi >= vocab:
             raise ValueError(
                 f"labels: got values in [{lo}, {hi}], expected token ids in [0, {vocab - 1}] (vocabulary {vocab})"

@@ -24,7 +24,7 @@ from typing import Literal, overload
 
 import torch
 
-from rlcore._checks import check_floating, check_group_ids, check_integer, check_ndim, check_tensor
+from rlcore._checks import check_floating, check_group_ids, check_integer, check_ndim, check_tensor, host_readable
 from rlcore.ops.numerics import acc_dtype, safe_div
 
 __all__ = [
@@ -288,7 +288,7 @@ def _check_layout(x: torch.Tensor, group_ids: torch.Tensor | None, group_size: i
     if group_ids.shape[0] != b:
         raise ValueError(f"group_ids: got shape {tuple(group_ids.shape)}, expected ({b},) (the leading dimension of x)")
     # Read only where that stalls nothing (a CPU tensor in eager mode), as the id range check.
-    if b and group_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+    if b and host_readable(group_ids):
         # Each row's smallest and largest id must be its row number: one reduction with a
         # [G] result (no [B] temporary, and no integer division over B, several times slower).
         low, high = torch.aminmax(group_ids.view(-1, group_size), dim=1)
