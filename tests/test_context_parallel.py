@@ -274,3 +274,67 @@ def test_on_four_gloo_ranks(group_results, check):
     for rank, res in group_results.items():
         got = res.get(check, "not run: an earlier check failed on this rank")
         assert got == "ok", f"rank {rank}:\n{got}"
+
+
+# ---------------------------------------------------------------- ranks that disagree fail fast
+
+
+def _disagree_ranks(rank, tmp):  # type: ignore[no-untyped-def]
+    """Each case must raise the same named error on every rank within the short process-group timeout."""
+    from dist_helpers import leave
+    from rlcore.models import from_hf, load_causal_lm, sharded_token_logprobs
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=15)
+    )
+    apply, params = from_hf(load_causal_lm(TINY, seed=0))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 11)]
+    oov = [s.clone() for s in seqs]
+    oov[1][-1] = VOCAB + 3  # the last token of the long row: on one rank's shard only
+    other = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 11)]
+    cases = {
+        "oov": oov,  # the same batch on both ranks, an id beyond the vocabulary
+        "negative": [seqs[0], torch.cat([seqs[1][:-1], torch.tensor([-1])])],
+        "lengths": seqs if rank == 0 else [seqs[0][:4], seqs[1]],  # different batches
+        "ids": seqs if rank == 0 else other,  # same layout, different tokens
+        "rejected": seqs if rank == 0 else [s.float() for s in seqs],  # one rank's own check fails
+    }
+    got = {}
+    for name, batch in cases.items():
+        t0 = datetime.datetime.now()
+        try:
+            sharded_token_logprobs(apply, params, batch, group=dist.group.WORLD, mode="ring")
+            got[name] = "no error"
+        except Exception as err:
+            got[name] = f"{type(err).__name__}: {err}"
+        got[name + "_s"] = (datetime.datetime.now() - t0).total_seconds()
+    # The group still works after every refusal: the ranks left no collective half-done.
+    out = sharded_token_logprobs(apply, params, seqs, group=dist.group.WORLD, mode="ring")
+    got["after"] = bool(torch.isfinite(out.logp).all())
+    with open(os.path.join(tmp, f"disagree_{rank}.json"), "w") as f:
+        json.dump(got, f)
+    leave()
+
+
+def test_reprobe30_cp_ranks_refuse_bad_or_different_batches_before_the_ring(tmp_path):
+    from dist_helpers import spawn
+
+    spawn(_disagree_ranks, (str(tmp_path),), 2, timeout=150)
+    got = [json.loads((tmp_path / f"disagree_{r}.json").read_text()) for r in range(2)]
+    for rank, res in enumerate(got):
+        assert res["oov"].startswith("ValueError: input_ids: got token ids in [")
+        assert f"expected ids in [0, {VOCAB})" in res["oov"], res["oov"]
+        assert res["negative"].startswith("ValueError: input_ids: got token ids in [-1,"), res["negative"]
+        for case in ("lengths", "ids"):
+            assert res[case].startswith("ValueError: batch: the context-parallel ranks hold different batches"), (
+                rank,
+                case,
+                res[case],
+            )
+        for case in ("oov", "negative", "lengths", "ids", "rejected"):
+            assert res[case + "_s"] < 10, (rank, case, res[case + "_s"])  # not the 15 s process-group timeout
+        assert res["after"]
+    assert got[1]["rejected"].startswith("ValueError: batch[0]: got dtype torch.float32"), got[1]["rejected"]
+    assert got[0]["rejected"].startswith("ValueError: batch: rank(s) [1] of the context-parallel group rejected")
