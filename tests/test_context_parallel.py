@@ -207,6 +207,95 @@ def check_aggregate_over_cp_and_dp(rank, examples):  # type: ignore[no-untyped-d
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{mode} seed={seed}")
 
 
+def _metrics_algo():  # type: ignore[no-untyped-def]
+    """Every metric kind: means, extremes, clip fractions, the KL / entropy / value terms, per-sequence normalised."""
+    from functools import partial
+
+    from rlcore import algos
+
+    return algos.Algorithm(
+        advantage_estimator=lambda b: {},
+        policy_loss=partial(algos.ppo_clip_loss, clip_high=0.28, dual_clip=3.0),
+        kl=partial(algos.kl_penalty, estimator="k3"),
+        kl_coef=0.1,
+        agg_mode="seq-mean-token-mean",
+        entropy_coef=0.01,
+        value_loss=algos.value_loss,
+    )
+
+
+def _metrics_batch(seed):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    b, t = 6, 9
+
+    def rand(scale=1.0):  # type: ignore[no-untyped-def]
+        return scale * torch.randn(b, t, generator=g)
+
+    old_logp = -torch.rand(b, t, generator=g) * 3
+    batch = {
+        "logp": old_logp + rand(0.3),
+        "old_logp": old_logp,
+        "ref_logp": old_logp + rand(0.2),
+        "advantages": rand(),
+        "entropy": torch.rand(b, t, generator=g),
+        "values": rand(),
+        "old_values": rand(),
+        "returns": rand(),
+    }
+    mask = torch.rand(b, t, generator=g) < 0.7
+    mask[1] = False  # a sequence with nothing counted
+    owner = torch.randint(0, 2, (b, t), generator=g)  # the cp rank scoring each token
+    return batch, mask, owner
+
+
+def _assert_metrics_equal(got, want, ctx):  # type: ignore[no-untyped-def]
+    assert sorted(got) == sorted(want), ctx
+    for k in want:
+        torch.testing.assert_close(got[k], want[k].float(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{ctx} {k}: {m}")
+
+
+def check_metrics_over_cp_and_dp(rank, examples):  # type: ignore[no-untyped-def]
+    """Every metric of the recipe at cp=2, dp=2 and dp=2 x cp=2 equals the single-process metric of the whole batch."""
+    from rlcore import algos
+    from rlcore.train.context_parallel import ContextParallelRecipe, DataParallelRecipe
+
+    mesh = _GROUPS["mesh"]
+    dp, cp = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+    algo = _metrics_algo()
+    for seed in examples:
+        batch, mask, owner = _metrics_batch(seed)
+        want_loss, want = algo.loss({**batch, "mask": mask}, **algo.global_counts({"mask": mask}))
+        rows = slice(0, 4) if dp == 0 else slice(4, 6)  # uneven data-parallel shards
+        # cp = 2: both ranks of a pair hold every row and score their own tokens.
+        recipe = ContextParallelRecipe(algo, _GROUPS["cp2"])
+        local = {**batch, "mask": mask & (owner == rank % 2)}
+        loss, got = recipe.loss(local, **recipe.global_counts(local))
+        _assert_metrics_equal(got, want, f"cp=2 seed={seed}")
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7)
+        # dp = 2: uneven rows, every token of them (both cp ranks of the mesh do the same).
+        dp_recipe = DataParallelRecipe(algo, mesh["dp"])
+        part = {k: v[rows] for k, v in {**batch, "mask": mask}.items()}
+        loss, got = dp_recipe.loss(part, **dp_recipe.global_counts(part, process_group=mesh["dp"]))
+        _assert_metrics_equal(got, want, f"dp=2 seed={seed}")
+        # dp = 2 x cp = 2.
+        both = ContextParallelRecipe(algo, mesh["cp"], dp_group=mesh["dp"])
+        part = {**part, "mask": mask[rows] & (owner[rows] == cp)}
+        loss, got = both.loss(part, **both.global_counts(part, process_group=mesh["dp"]))
+        _assert_metrics_equal(got, want, f"dp=2 x cp=2 seed={seed}")
+        loss = loss.clone()
+        dist.all_reduce(loss, group=mesh["dp"].get_group())
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7)
+    # DPO at dp = 2: means over each rank's pairs become means over all pairs.
+    g = torch.Generator().manual_seed(7)
+    pairs = {k: -torch.rand(5, generator=g) * 4 for k in algos.PAIR_COLUMNS}
+    recipe = algos.dpo(beta=0.5)
+    _, want = recipe.loss(pairs, **recipe.global_counts(pairs))
+    part = {k: v[:3] if dp == 0 else v[3:] for k, v in pairs.items()}
+    dp_recipe = DataParallelRecipe(recipe, mesh["dp"])
+    _, got = dp_recipe.loss(part, **dp_recipe.global_counts(part, process_group=mesh["dp"]))
+    _assert_metrics_equal(got, want, "dpo dp=2")
+
+
 _GROUPS: dict = {}
 
 
@@ -260,6 +349,7 @@ def group_results(tmp_path_factory):  # type: ignore[no-untyped-def]
         "cp2": (check_matches_single_process, ("cp2", _draw(crossing_lengths(2), 4) + [[1, 13, 3]])),
         "bad": (check_bad_input, ("cp4",)),
         "aggregate": (check_aggregate_over_cp_and_dp, (list(range(4)),)),
+        "metrics": (check_metrics_over_cp_and_dp, (list(range(3)),)),
     }
     mp.spawn(_worker, args=(str(tmp), checks), nprocs=WORLD, join=True)
     out = {}
@@ -269,7 +359,7 @@ def group_results(tmp_path_factory):  # type: ignore[no-untyped-def]
     return out
 
 
-@pytest.mark.parametrize("check", ["cp4", "cp2", "bad", "aggregate"])
+@pytest.mark.parametrize("check", ["cp4", "cp2", "bad", "aggregate", "metrics"])
 def test_on_four_gloo_ranks(group_results, check):
     for rank, res in group_results.items():
         got = res.get(check, "not run: an earlier check failed on this rank")
