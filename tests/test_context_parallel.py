@@ -428,3 +428,14 @@ def test_reprobe30_cp_ranks_refuse_bad_or_different_batches_before_the_ring(tmp_
         assert res["after"]
     assert got[1]["rejected"].startswith("ValueError: batch[0]: got dtype torch.float32"), got[1]["rejected"]
     assert got[0]["rejected"].startswith("ValueError: batch: rank(s) [1] of the context-parallel group rejected")
+
+
+@pytest.mark.parametrize("fn", ["ring_attention", "ulysses_attention"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.5, True, "0.5"])
+def test_reprobe30_attention_refuses_a_bad_scale(fn, scale):
+    import rlcore.models as models
+
+    shards = plan_sequence_shards([0, 4], world=1, rank=0)
+    q = torch.zeros(4, 2, 4)
+    with pytest.raises(ValueError, match=r"scale: got .*, expected a number"):
+        getattr(models, fn)(q, q, q, shards, None, scale=scale)

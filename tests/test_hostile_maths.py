@@ -239,3 +239,80 @@ def test_reprobe_hyperparameters_of_the_wrong_type_name_the_argument(bad):
         algos.ppo_clip_loss(x, x, x, torch.ones(2, 3), clip_low=bad)
     with pytest.raises(ValueError, match="beta: got"):
         algos.dpo_loss(x[0], x[0], x[0], x[0], beta=bad)
+
+
+# Issue 30: silently accepted inputs -------------------------------------------------------
+
+
+@pytest.mark.parametrize("side", ["pi_chosen", "pi_rejected"])
+def test_reprobe30_orpo_refuses_positive_log_probs(side):
+    good = {"pi_chosen": torch.tensor([-0.5, -1.0]), "pi_rejected": torch.tensor([-2.0, -1.5])}
+    bad = {**good, side: torch.tensor([-0.5, 0.25])}
+    with pytest.raises(ValueError, match=rf"{side}: got log-probs up to 0.25, expected average log-probabilities <= 0"):
+        algos.orpo_loss(bad["pi_chosen"], bad["pi_rejected"], torch.ones(2))
+    # 0 itself (a certain token) and rounding within the dtype's epsilon stay accepted.
+    edge = torch.tensor([0.0, torch.finfo(torch.float32).eps])
+    loss, _ = algos.orpo_loss(edge, good["pi_rejected"], torch.ones(2))
+    assert torch.isfinite(loss).all()
+
+
+@pytest.mark.parametrize("label", [0.5, -1.0, 2.0, math.nan])
+def test_reprobe30_kto_refuses_labels_other_than_zero_and_one(label):
+    logp = torch.tensor([-4.0, -9.0])
+    kl = torch.tensor([-3.0])
+    with pytest.raises(ValueError, match=r"desirable: got .*, expected bool labels or 0/1"):
+        algos.kto_loss(logp, logp - 1, torch.tensor([1.0, label]), kl, kl)
+    # 0/1 floats and ints mean the same as bools.
+    want, _ = algos.kto_loss(logp, logp - 1, torch.tensor([True, False]), kl, kl)
+    for labels in (torch.tensor([1.0, 0.0]), torch.tensor([1, 0])):
+        torch.testing.assert_close(algos.kto_loss(logp, logp - 1, labels, kl, kl)[0], want)
+
+
+def test_reprobe30_batch_moments_refuses_negative_weights():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"weights: got values in \[-1.0, 1.0\], expected counts >= 0"):
+        algos.batch_moments(x, torch.tensor([1.0, -1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"weights: got shape \(2\), expected \(3\)"):
+        algos.batch_moments(x, torch.ones(2))
+    _, count, mean, m2 = algos.batch_moments(x, torch.tensor([1.0, 0.0, 1.0]))
+    assert (float(count), float(mean), float(m2)) == (2.0, 2.0, 2.0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_reprobe30_dynamic_sampling_drops_groups_with_a_non_finite_score(bad):
+    # Group 1 has different scores only because of the non-finite one: its advantages are NaN.
+    scores = torch.tensor([1.0, 0.0, 0.5, bad, 2.0, 2.0, 3.0, 1.0])
+    ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    keep = algos.dynamic_sampling_mask(scores, ids)
+    assert keep.tolist() == [True, True, False, False, False, False, True, True]
+    assert algos.dynamic_sampling_indices(scores, ids).tolist() == [0, 1, 6, 7]
+    batch = {"scores": scores, "group_ids": ids, "mask": torch.ones(8, 3)}
+    filtered = algos.dynamic_sampling_filter(batch)
+    assert filtered["mask"].sum(-1).tolist() == [3, 3, 0, 0, 0, 0, 3, 3]
+
+
+def test_reprobe30_dynamic_sampling_with_nan_compiles_fullgraph():
+    fn = torch.compile(algos.dynamic_sampling_mask, fullgraph=True, backend="eager")
+    scores = torch.tensor([1.0, math.nan, 0.0, 1.0])
+    ids = torch.tensor([0, 0, 1, 1])
+    assert fn(scores, ids).tolist() == [False, False, True, True]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_reprobe30_running_reward_normalizer_skips_non_finite_rewards(bad):
+    norm = algos.running_reward_normalizer()
+    batches = [torch.tensor([1.0, 3.0, bad, 4.0]), torch.tensor([2.0, bad]), torch.tensor([7.0, -1.0, 0.5])]
+    state = norm.init()
+    seen: list[float] = []
+    for rewards in batches:
+        out, state = norm.update(rewards, torch.ones_like(rewards, dtype=torch.bool), state)
+        seen += [float(r) for r in rewards if math.isfinite(r)]
+        finite = torch.tensor(seen, dtype=torch.float64)
+        # The statistics are those of the finite rewards alone, and stay finite.
+        assert float(state.count) == len(seen)
+        torch.testing.assert_close(state.mean, finite.mean())
+        torch.testing.assert_close(state.m2, ((finite - finite.mean()) ** 2).sum())
+        ok = torch.isfinite(rewards)
+        want = (rewards[ok].double() - finite.mean()) / torch.sqrt(finite.var() + 1e-8)
+        torch.testing.assert_close(out[ok], want.float())
+        assert not torch.isfinite(out[~ok]).any()  # the bad reward stays visible

@@ -58,6 +58,35 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     leave()
 
 
+# What a step record holds besides its metrics: timings (seconds), throughput, the clock.
+_NOT_METRICS = ("step", "tokens_per_s_device", "busy_s/", "bubble/")
+
+
+def _is_metric(key: str) -> bool:
+    return not key.startswith(_NOT_METRICS) and not key.endswith("_s")
+
+
+def _assert_metrics_match(records, ref_records, ctx):  # type: ignore[no-untyped-def]
+    """Every logged metric of the first step equals the 1-rank run's to 1e-5 relative.
+
+    The first step's updates start from the same weights; later steps drift by the
+    sharded forward's float rounding, which the losses and weights are checked for.
+    """
+    got, want = records[0], ref_records[0]
+    keys = sorted(k for k in want if _is_metric(k))
+    assert sorted(k for k in got if _is_metric(k)) == keys, ctx
+    for key in ("ratio_max", "ratio_min", "ratio_mean", "approx_kl", "clip_frac_low", "pg_loss"):
+        assert key in keys, (ctx, key)
+    for key in keys:
+        torch.testing.assert_close(
+            torch.tensor(got[key], dtype=torch.float64),
+            torch.tensor(want[key], dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-7,
+            msg=lambda m: f"{ctx} {key}: {m}",
+        )
+
+
 def test_two_cp_ranks_ring_and_ulysses_equal_one_rank(tmp_path):
     spawn(_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=420)
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)
@@ -69,6 +98,7 @@ def test_two_cp_ranks_ring_and_ulysses_equal_one_rank(tmp_path):
     for mode in MODES:
         records = got[mode]["records"]
         assert [r["step"] for r in records] == list(range(STEPS)), mode
+        _assert_metrics_match(records, ref.records, mode)
         for key in ("reward", "kl", "response_length"):
             torch.testing.assert_close(
                 torch.tensor([r[key] for r in records]),
@@ -109,6 +139,7 @@ def test_data_parallel_times_context_parallel_equals_one_rank(tmp_path):
     ref = _run(_cfg(tmp_path / "one", "rl.mini_batch_size=4"))
     records = got["records"]
     assert [r["step"] for r in records] == list(range(STEPS))
+    _assert_metrics_match(records, ref.records, "dp=2 x cp=2")
     assert max(r["kl"] for r in ref.records) > 1e-5  # the policy moved away from the reference
     for key in ("reward", "kl", "loss"):
         torch.testing.assert_close(
