@@ -188,3 +188,16 @@ def test_context_parallel_config_errors(tmp_path):
     ):
         with pytest.raises(ValueError, match=rf"config key '{key}': got .* with parallel.context_parallel 2"):
             check_launch(_cfg(tmp_path, "parallel.context_parallel=2", *extra), 4 if "tensor" in key else 2)
+
+
+def test_reprobe30_context_parallel_recipe_refuses_sequence_coupled_policy_losses():
+    # The config refuses rl.algo=gspo with context parallelism; a library user wrapping GSPO or GMPO
+    # got each rank's sequence ratio over its own share of the tokens, silently.
+    from functools import partial
+
+    from rlcore import algos
+    from rlcore.train import ContextParallelRecipe
+
+    for recipe in (algos.gspo(), algos.grpo()._replace(policy_loss=partial(algos.gmpo_loss, clip_low=0.3))):
+        with pytest.raises(ValueError, match=r"recipe.policy_loss: got (gspo|gmpo)_loss, expected a token-local"):
+            ContextParallelRecipe(recipe, None)

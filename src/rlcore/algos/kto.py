@@ -77,9 +77,9 @@ def kto_loss(
     check_sequences(kl_logp=kl_logp, kl_ref_logp=kl_ref_logp)
     if kl_logp.shape[0] == 0:
         raise ValueError("kl_logp: got shape (0), expected (M) with M >= 1 (the KL reference point needs samples)")
-    check_positive("beta", beta)
-    check_positive("desirable_weight", desirable_weight, strict=False)
-    check_positive("undesirable_weight", undesirable_weight, strict=False)
+    check_positive("beta", beta, finite=True)
+    check_positive("desirable_weight", desirable_weight, strict=False, finite=True)
+    check_positive("undesirable_weight", undesirable_weight, strict=False, finite=True)
     dtype = logp.dtype
     acc = acc_dtype(dtype)
     good = desirable.bool()

@@ -13,13 +13,14 @@ the whole batch computed in one process.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlcore._checks import check_choice, check_tensor
+from rlcore._checks import check_choice, check_count, check_tensor
 from rlcore.algos.collectives import resolve_process_group
 
 __all__ = ["METRIC_REDUCTIONS", "RL_METRIC_REDUCTIONS", "reduce_metrics"]
@@ -69,6 +70,14 @@ def reduce_metrics(
     ...                process_groups=[None], reductions={"ratio_max": "max"})
     {'approx_kl': tensor(0.5000), 'ratio_max': tensor(1.2000)}
     """
+    if isinstance(weight, torch.Tensor):
+        check_count("weight", weight)
+    elif (
+        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight >= 0)
+    ):
+        raise ValueError(
+            f"weight: got {weight!r}, expected a finite number >= 0 (the tokens or pairs the means are over)"
+        )
     reductions = dict(reductions or {})
     for name, how in reductions.items():
         check_choice(f"reductions[{name!r}]", how, METRIC_REDUCTIONS)

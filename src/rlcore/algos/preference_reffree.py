@@ -56,8 +56,8 @@ def simpo_loss(
     tensor([0.4741])
     """
     check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected)
-    check_positive("beta", beta)
-    check_positive("gamma", gamma, strict=False)
+    check_positive("beta", beta, finite=True)
+    check_positive("gamma", gamma, strict=False, finite=True)
     check_label_smoothing(label_smoothing)
     dtype = pi_chosen.dtype
     acc = acc_dtype(dtype)
@@ -103,8 +103,8 @@ def cpo_loss(
     tensor([1.3133])
     """
     check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, chosen_nll=chosen_nll)
-    check_positive("beta", beta)
-    check_positive("alpha", alpha, strict=False)
+    check_positive("beta", beta, finite=True)
+    check_positive("alpha", alpha, strict=False, finite=True)
     check_label_smoothing(label_smoothing)
     dtype = pi_chosen.dtype
     acc = acc_dtype(dtype)
@@ -181,7 +181,7 @@ def orpo_loss(
     tensor([1.3863])
     """
     check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, chosen_nll=chosen_nll)
-    check_positive("lam", lam, strict=False)
+    check_positive("lam", lam, strict=False, finite=True)
     for name, x in (("pi_chosen", pi_chosen), ("pi_rejected", pi_rejected)):
         _check_log_probs(name, x)
     dtype = pi_chosen.dtype

@@ -64,7 +64,7 @@ def overlong_penalty(
     check_positive("cache_length", cache_length)
     if cache_length > max_length:
         raise ValueError(f"cache_length: got {cache_length!r}, expected a number <= max_length ({max_length!r})")
-    check_positive("penalty_factor", penalty_factor, strict=False)
+    check_positive("penalty_factor", penalty_factor, strict=False, finite=True)
     dtype = lengths.dtype if lengths.dtype.is_floating_point else torch.float32
     expected = max_length - cache_length
     ramp = (expected - lengths.to(acc_dtype(dtype))) / cache_length
@@ -180,7 +180,7 @@ def running_reward_normalizer(*, shift_mean: bool = True, eps: float = 1e-8) -> 
     >>> out, state.count
     (tensor([-0.7071,  0.7071]), tensor(2., dtype=torch.float64))
     """
-    check_positive("eps", eps, strict=False)
+    check_positive("eps", eps, strict=False, finite=True)
 
     def init(device: torch.device | str | None = None) -> RunningMomentsState:
         zero = torch.zeros((), dtype=torch.float64, device=device)

@@ -26,6 +26,7 @@ its share of the tokens only:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 Batch = dict[str, torch.Tensor]
+
+# Policy losses whose per-token value depends on the whole sequence (a length-normalised sequence ratio).
+_SEQUENCE_COUPLED = (algos.gspo_loss, algos.gmpo_loss)
 
 
 def check_context_parallel_model(config: Any, *, context_parallel: int, mode: str) -> None:
@@ -296,6 +300,15 @@ class ContextParallelRecipe:
     """
 
     def __init__(self, recipe: algos.Algorithm, group: Any, *, dp_group: Any = None):
+        loss = recipe.policy_loss
+        while isinstance(loss, functools.partial):
+            loss = loss.func
+        if loss in _SEQUENCE_COUPLED:
+            raise ValueError(
+                f"recipe.policy_loss: got {loss.__name__}, expected a token-local policy loss (ppo_clip_loss, "
+                "cispo_loss, sapo_loss, reinforce_loss, ...): its sequence ratio needs every token of a sequence, "
+                "which context parallelism splits over the ranks"
+            )
         self.recipe, self.group, self.dp_group = recipe, group, dp_group
         self.pg = _process_group(group)
         self.size = dist.get_world_size(self.pg)

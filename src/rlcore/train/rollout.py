@@ -170,7 +170,8 @@ def _check_token_id(name: str, value: Any, vocab: int | None) -> None:
     want = f"an int token id in [0, {vocab})" if vocab is not None else "an int token id >= 0"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name}: got {value!r} ({type(value).__name__}), expected {want}")
-    if value < 0 or (vocab is not None and value >= vocab):
+    index = int(value)
+    if index < 0 or (vocab is not None and index >= vocab):
         where = f" (the model's vocabulary has {vocab} ids)" if vocab is not None else ""
         raise ValueError(f"{name}: got {value!r}, expected {want}{where}")
 

@@ -121,8 +121,10 @@ def batch_normalize(
     tensor([-1.,  0.,  1.])
     """
     check_floating("x", x)
-    check_positive("eps", eps, strict=False)
+    check_positive("eps", eps, strict=False, finite=True)
     check_same_shape("mask", mask, "x", x)
+    if mask.dtype != torch.bool:
+        check_counts("mask", mask)
     if process_group is None:
         return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, unbiased=unbiased)
     dev, count, mean, m2 = batch_moments(x, mask, process_group=process_group)
