@@ -201,3 +201,47 @@ def test_reprobe30_context_parallel_recipe_refuses_sequence_coupled_policy_losse
     for recipe in (algos.gspo(), algos.grpo()._replace(policy_loss=partial(algos.gmpo_loss, clip_low=0.3))):
         with pytest.raises(ValueError, match=r"recipe.policy_loss: got (gspo|gmpo)_loss, expected a token-local"):
             ContextParallelRecipe(recipe, None)
+
+
+def _replicate_ranks(rank: int, init_file: str, tmp: str) -> None:
+    import datetime
+    import json
+    import time
+
+    from rlcore.dataflow import stage
+    from rlcore.train.context_parallel import replicate_stage
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=15)
+    )
+
+    def reward(b):  # type: ignore[no-untyped-def]
+        if b["bad"]:
+            raise ValueError("reward function 'score': got None for row 3, expected a number")
+        return {"scores": torch.tensor([float(dist.get_rank())])}
+
+    s = replicate_stage(stage(reward, inputs=["bad"], outputs=["scores"], name="reward"), dist.group.WORLD)
+    got: dict = {"ok": s.fn({"bad": False})["scores"].tolist()}
+    t0 = time.monotonic()
+    try:
+        s.fn({"bad": True})
+        got["bad"] = "no error"
+    except Exception as err:
+        got["bad"] = f"{type(err).__name__}: {err}"
+    got["bad_s"] = time.monotonic() - t0
+    got["after"] = s.fn({"bad": False})["scores"].tolist()  # the group still works
+    (Path(tmp) / f"replicate_{rank}.json").write_text(json.dumps(got))
+    leave()
+
+
+def test_reprobe30_a_failing_replicated_stage_raises_on_every_cp_rank(tmp_path):
+    # Before: rank 0's reward raised, rank 1 waited in the broadcast until the process-group timeout.
+    import json
+
+    spawn(_replicate_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=120)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"replicate_{rank}.json").read_text())
+        assert got["ok"] == [0.0] and got["after"] == [0.0], got  # rank 0's outputs on both ranks
+        assert got["bad"] == "ValueError: reward function 'score': got None for row 3, expected a number", got
+        assert got["bad_s"] < 10, got

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -108,11 +109,22 @@ def replica_groups(mesh: DeviceMesh) -> Any:
     return mine
 
 
+def _portable(err: Exception) -> Exception:
+    """``err`` itself when it pickles (the peers raise the same error), else a ``RuntimeError`` with its message."""
+    try:
+        pickle.dumps(err)
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
 def replicate_stage(s: Stage, group: Any) -> Stage:
     """``s`` run on rank 0 of ``group`` only, its outputs broadcast to the group's other ranks.
 
     The context-parallel ranks must score the same responses: sampling (and rewards
-    that may time out or draw noise) runs once, on the group's first rank.
+    that may time out or draw noise) runs once, on the group's first rank. When it
+    raises there, the error is broadcast too and every rank of the group raises it, so
+    no peer waits in the broadcast until the process-group timeout.
 
     Args:
       s: a stage (the rollout, the reward).
@@ -126,9 +138,22 @@ def replicate_stage(s: Stage, group: Any) -> Stage:
     first = dist.get_rank(group) == 0
 
     def replicated(b: Batch) -> Any:
-        box: list[Any] = [fn(b) if first else None]
+        box: list[Any] = [None]
+        failure: BaseException | None = None
+        if first:
+            try:
+                box = [(True, fn(b))]
+            except Exception as err:
+                # The peers wait in the broadcast: they get the error instead of waiting for a timeout.
+                failure = err
+                box = [(False, _portable(err))]
         dist.broadcast_object_list(box, src=root, group=group)
-        return box[0]
+        if failure is not None:
+            raise failure
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     return dataclasses.replace(s, fn=replicated)
 
