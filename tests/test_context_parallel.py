@@ -439,3 +439,26 @@ def test_reprobe30_attention_refuses_a_bad_scale(fn, scale):
     q = torch.zeros(4, 2, 4)
     with pytest.raises(ValueError, match=r"scale: got .*, expected a number"):
         getattr(models, fn)(q, q, q, shards, None, scale=scale)
+
+
+@pytest.mark.parametrize("seq_tokens", [[-2, 3], [float("nan"), 3], [1, 3]])
+def test_reprobe30_sharded_aggregate_refuses_sequence_counts_below_the_local_ones(seq_tokens):
+    # Each gave a number: a negative or NaN count was replaced by 1, a too small one over-weighted the sequence.
+    from rlcore.algos import sequence_sharded_aggregate
+
+    loss_t, mask = torch.tensor([[1.0, 2.0, 0.0], [1.0, 1.0, 1.0]]), torch.tensor([[1, 1, 0], [0, 1, 1]])
+    with pytest.raises(ValueError, match=r"seq_tokens: got .* for sequence 0, which holds 2.0 counted tokens"):
+        sequence_sharded_aggregate(
+            loss_t, mask, seq_tokens=torch.tensor(seq_tokens), mode="seq-mean-token-mean", num_tokens=5, num_seqs=2
+        )
+    got = sequence_sharded_aggregate(
+        loss_t, mask, seq_tokens=torch.tensor([2, 3]), mode="seq-mean-token-mean", num_tokens=5, num_seqs=2
+    )
+    torch.testing.assert_close(got, torch.tensor((3.0 / 2 + 2.0 / 3) / 2))
+
+
+@pytest.mark.parametrize("bad", [4.5, True, "4"])
+def test_reprobe30_plan_refuses_boundaries_that_are_not_ints(bad):
+    # 4.5 was truncated to 4 silently.
+    with pytest.raises(ValueError, match=r"cu_seqlens: got .* among the boundaries, expected ints"):
+        plan_sequence_shards([0, 2, bad], world=2, rank=0)
