@@ -207,6 +207,95 @@ def check_aggregate_over_cp_and_dp(rank, examples):  # type: ignore[no-untyped-d
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{mode} seed={seed}")
 
 
+def _metrics_algo():  # type: ignore[no-untyped-def]
+    """Every metric kind: means, extremes, clip fractions, the KL / entropy / value terms, per-sequence normalised."""
+    from functools import partial
+
+    from rlcore import algos
+
+    return algos.Algorithm(
+        advantage_estimator=lambda b: {},
+        policy_loss=partial(algos.ppo_clip_loss, clip_high=0.28, dual_clip=3.0),
+        kl=partial(algos.kl_penalty, estimator="k3"),
+        kl_coef=0.1,
+        agg_mode="seq-mean-token-mean",
+        entropy_coef=0.01,
+        value_loss=algos.value_loss,
+    )
+
+
+def _metrics_batch(seed):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    b, t = 6, 9
+
+    def rand(scale=1.0):  # type: ignore[no-untyped-def]
+        return scale * torch.randn(b, t, generator=g)
+
+    old_logp = -torch.rand(b, t, generator=g) * 3
+    batch = {
+        "logp": old_logp + rand(0.3),
+        "old_logp": old_logp,
+        "ref_logp": old_logp + rand(0.2),
+        "advantages": rand(),
+        "entropy": torch.rand(b, t, generator=g),
+        "values": rand(),
+        "old_values": rand(),
+        "returns": rand(),
+    }
+    mask = torch.rand(b, t, generator=g) < 0.7
+    mask[1] = False  # a sequence with nothing counted
+    owner = torch.randint(0, 2, (b, t), generator=g)  # the cp rank scoring each token
+    return batch, mask, owner
+
+
+def _assert_metrics_equal(got, want, ctx):  # type: ignore[no-untyped-def]
+    assert sorted(got) == sorted(want), ctx
+    for k in want:
+        torch.testing.assert_close(got[k], want[k].float(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{ctx} {k}: {m}")
+
+
+def check_metrics_over_cp_and_dp(rank, examples):  # type: ignore[no-untyped-def]
+    """Every metric of the recipe at cp=2, dp=2 and dp=2 x cp=2 equals the single-process metric of the whole batch."""
+    from rlcore import algos
+    from rlcore.train.context_parallel import ContextParallelRecipe, DataParallelRecipe
+
+    mesh = _GROUPS["mesh"]
+    dp, cp = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+    algo = _metrics_algo()
+    for seed in examples:
+        batch, mask, owner = _metrics_batch(seed)
+        want_loss, want = algo.loss({**batch, "mask": mask}, **algo.global_counts({"mask": mask}))
+        rows = slice(0, 4) if dp == 0 else slice(4, 6)  # uneven data-parallel shards
+        # cp = 2: both ranks of a pair hold every row and score their own tokens.
+        recipe = ContextParallelRecipe(algo, _GROUPS["cp2"])
+        local = {**batch, "mask": mask & (owner == rank % 2)}
+        loss, got = recipe.loss(local, **recipe.global_counts(local))
+        _assert_metrics_equal(got, want, f"cp=2 seed={seed}")
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7)
+        # dp = 2: uneven rows, every token of them (both cp ranks of the mesh do the same).
+        dp_recipe = DataParallelRecipe(algo, mesh["dp"])
+        part = {k: v[rows] for k, v in {**batch, "mask": mask}.items()}
+        loss, got = dp_recipe.loss(part, **dp_recipe.global_counts(part, process_group=mesh["dp"]))
+        _assert_metrics_equal(got, want, f"dp=2 seed={seed}")
+        # dp = 2 x cp = 2.
+        both = ContextParallelRecipe(algo, mesh["cp"], dp_group=mesh["dp"])
+        part = {**part, "mask": mask[rows] & (owner[rows] == cp)}
+        loss, got = both.loss(part, **both.global_counts(part, process_group=mesh["dp"]))
+        _assert_metrics_equal(got, want, f"dp=2 x cp=2 seed={seed}")
+        loss = loss.clone()
+        dist.all_reduce(loss, group=mesh["dp"].get_group())
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7)
+    # DPO at dp = 2: means over each rank's pairs become means over all pairs.
+    g = torch.Generator().manual_seed(7)
+    pairs = {k: -torch.rand(5, generator=g) * 4 for k in algos.PAIR_COLUMNS}
+    recipe = algos.dpo(beta=0.5)
+    _, want = recipe.loss(pairs, **recipe.global_counts(pairs))
+    part = {k: v[:3] if dp == 0 else v[3:] for k, v in pairs.items()}
+    dp_recipe = DataParallelRecipe(recipe, mesh["dp"])
+    _, got = dp_recipe.loss(part, **dp_recipe.global_counts(part, process_group=mesh["dp"]))
+    _assert_metrics_equal(got, want, "dpo dp=2")
+
+
 _GROUPS: dict = {}
 
 
@@ -260,6 +349,7 @@ def group_results(tmp_path_factory):  # type: ignore[no-untyped-def]
         "cp2": (check_matches_single_process, ("cp2", _draw(crossing_lengths(2), 4) + [[1, 13, 3]])),
         "bad": (check_bad_input, ("cp4",)),
         "aggregate": (check_aggregate_over_cp_and_dp, (list(range(4)),)),
+        "metrics": (check_metrics_over_cp_and_dp, (list(range(3)),)),
     }
     mp.spawn(_worker, args=(str(tmp), checks), nprocs=WORLD, join=True)
     out = {}
@@ -269,8 +359,106 @@ def group_results(tmp_path_factory):  # type: ignore[no-untyped-def]
     return out
 
 
-@pytest.mark.parametrize("check", ["cp4", "cp2", "bad", "aggregate"])
+@pytest.mark.parametrize("check", ["cp4", "cp2", "bad", "aggregate", "metrics"])
 def test_on_four_gloo_ranks(group_results, check):
     for rank, res in group_results.items():
         got = res.get(check, "not run: an earlier check failed on this rank")
         assert got == "ok", f"rank {rank}:\n{got}"
+
+
+# ---------------------------------------------------------------- ranks that disagree fail fast
+
+
+def _disagree_ranks(rank, tmp):  # type: ignore[no-untyped-def]
+    """Each case must raise the same named error on every rank within the short process-group timeout."""
+    from dist_helpers import leave
+    from rlcore.models import from_hf, load_causal_lm, sharded_token_logprobs
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=15)
+    )
+    apply, params = from_hf(load_causal_lm(TINY, seed=0))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 11)]
+    oov = [s.clone() for s in seqs]
+    oov[1][-1] = VOCAB + 3  # the last token of the long row: on one rank's shard only
+    other = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 11)]
+    cases = {
+        "oov": oov,  # the same batch on both ranks, an id beyond the vocabulary
+        "negative": [seqs[0], torch.cat([seqs[1][:-1], torch.tensor([-1])])],
+        "lengths": seqs if rank == 0 else [seqs[0][:4], seqs[1]],  # different batches
+        "ids": seqs if rank == 0 else other,  # same layout, different tokens
+        "rejected": seqs if rank == 0 else [s.float() for s in seqs],  # one rank's own check fails
+    }
+    got = {}
+    for name, batch in cases.items():
+        t0 = datetime.datetime.now()
+        try:
+            sharded_token_logprobs(apply, params, batch, group=dist.group.WORLD, mode="ring")
+            got[name] = "no error"
+        except Exception as err:
+            got[name] = f"{type(err).__name__}: {err}"
+        got[name + "_s"] = (datetime.datetime.now() - t0).total_seconds()
+    # The group still works after every refusal: the ranks left no collective half-done.
+    out = sharded_token_logprobs(apply, params, seqs, group=dist.group.WORLD, mode="ring")
+    got["after"] = bool(torch.isfinite(out.logp).all())
+    with open(os.path.join(tmp, f"disagree_{rank}.json"), "w") as f:
+        json.dump(got, f)
+    leave()
+
+
+def test_reprobe30_cp_ranks_refuse_bad_or_different_batches_before_the_ring(tmp_path):
+    from dist_helpers import spawn
+
+    spawn(_disagree_ranks, (str(tmp_path),), 2, timeout=150)
+    got = [json.loads((tmp_path / f"disagree_{r}.json").read_text()) for r in range(2)]
+    for rank, res in enumerate(got):
+        assert res["oov"].startswith("ValueError: input_ids: got token ids in [")
+        assert f"expected ids in [0, {VOCAB})" in res["oov"], res["oov"]
+        assert res["negative"].startswith("ValueError: input_ids: got token ids in [-1,"), res["negative"]
+        for case in ("lengths", "ids"):
+            assert res[case].startswith("ValueError: batch: the context-parallel ranks hold different batches"), (
+                rank,
+                case,
+                res[case],
+            )
+        for case in ("oov", "negative", "lengths", "ids", "rejected"):
+            assert res[case + "_s"] < 10, (rank, case, res[case + "_s"])  # not the 15 s process-group timeout
+        assert res["after"]
+    assert got[1]["rejected"].startswith("ValueError: batch[0]: got dtype torch.float32"), got[1]["rejected"]
+    assert got[0]["rejected"].startswith("ValueError: batch: rank(s) [1] of the context-parallel group rejected")
+
+
+@pytest.mark.parametrize("fn", ["ring_attention", "ulysses_attention"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.5, True, "0.5"])
+def test_reprobe30_attention_refuses_a_bad_scale(fn, scale):
+    import rlcore.models as models
+
+    shards = plan_sequence_shards([0, 4], world=1, rank=0)
+    q = torch.zeros(4, 2, 4)
+    with pytest.raises(ValueError, match=r"scale: got .*, expected a number"):
+        getattr(models, fn)(q, q, q, shards, None, scale=scale)
+
+
+@pytest.mark.parametrize("seq_tokens", [[-2, 3], [float("nan"), 3], [1, 3]])
+def test_reprobe30_sharded_aggregate_refuses_sequence_counts_below_the_local_ones(seq_tokens):
+    # Each gave a number: a negative or NaN count was replaced by 1, a too small one over-weighted the sequence.
+    from rlcore.algos import sequence_sharded_aggregate
+
+    loss_t, mask = torch.tensor([[1.0, 2.0, 0.0], [1.0, 1.0, 1.0]]), torch.tensor([[1, 1, 0], [0, 1, 1]])
+    with pytest.raises(ValueError, match=r"seq_tokens: got .* for sequence 0, which holds 2.0 counted tokens"):
+        sequence_sharded_aggregate(
+            loss_t, mask, seq_tokens=torch.tensor(seq_tokens), mode="seq-mean-token-mean", num_tokens=5, num_seqs=2
+        )
+    got = sequence_sharded_aggregate(
+        loss_t, mask, seq_tokens=torch.tensor([2, 3]), mode="seq-mean-token-mean", num_tokens=5, num_seqs=2
+    )
+    torch.testing.assert_close(got, torch.tensor((3.0 / 2 + 2.0 / 3) / 2))
+
+
+@pytest.mark.parametrize("bad", [4.5, True, "4"])
+def test_reprobe30_plan_refuses_boundaries_that_are_not_ints(bad):
+    # 4.5 was truncated to 4 silently.
+    with pytest.raises(ValueError, match=r"cu_seqlens: got .* among the boundaries, expected ints"):
+        plan_sequence_shards([0, 2, bad], world=2, rank=0)

@@ -239,3 +239,163 @@ def test_reprobe_hyperparameters_of_the_wrong_type_name_the_argument(bad):
         algos.ppo_clip_loss(x, x, x, torch.ones(2, 3), clip_low=bad)
     with pytest.raises(ValueError, match="beta: got"):
         algos.dpo_loss(x[0], x[0], x[0], x[0], beta=bad)
+
+
+# Issue 30: silently accepted inputs -------------------------------------------------------
+
+
+@pytest.mark.parametrize("side", ["pi_chosen", "pi_rejected"])
+def test_reprobe30_orpo_refuses_positive_log_probs(side):
+    good = {"pi_chosen": torch.tensor([-0.5, -1.0]), "pi_rejected": torch.tensor([-2.0, -1.5])}
+    bad = {**good, side: torch.tensor([-0.5, 0.25])}
+    with pytest.raises(ValueError, match=rf"{side}: got log-probs up to 0.25, expected average log-probabilities <= 0"):
+        algos.orpo_loss(bad["pi_chosen"], bad["pi_rejected"], torch.ones(2))
+    # 0 itself (a certain token) and rounding within the dtype's epsilon stay accepted.
+    edge = torch.tensor([0.0, torch.finfo(torch.float32).eps])
+    loss, _ = algos.orpo_loss(edge, good["pi_rejected"], torch.ones(2))
+    assert torch.isfinite(loss).all()
+
+
+@pytest.mark.parametrize("label", [0.5, -1.0, 2.0, math.nan])
+def test_reprobe30_kto_refuses_labels_other_than_zero_and_one(label):
+    logp = torch.tensor([-4.0, -9.0])
+    kl = torch.tensor([-3.0])
+    with pytest.raises(ValueError, match=r"desirable: got .*, expected bool labels or 0/1"):
+        algos.kto_loss(logp, logp - 1, torch.tensor([1.0, label]), kl, kl)
+    # 0/1 floats and ints mean the same as bools.
+    want, _ = algos.kto_loss(logp, logp - 1, torch.tensor([True, False]), kl, kl)
+    for labels in (torch.tensor([1.0, 0.0]), torch.tensor([1, 0])):
+        torch.testing.assert_close(algos.kto_loss(logp, logp - 1, labels, kl, kl)[0], want)
+
+
+def test_reprobe30_batch_moments_refuses_negative_weights():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"weights: got values in \[-1.0, 1.0\], expected counts >= 0"):
+        algos.batch_moments(x, torch.tensor([1.0, -1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"weights: got shape \(2\), expected \(3\)"):
+        algos.batch_moments(x, torch.ones(2))
+    _, count, mean, m2 = algos.batch_moments(x, torch.tensor([1.0, 0.0, 1.0]))
+    assert (float(count), float(mean), float(m2)) == (2.0, 2.0, 2.0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_reprobe30_dynamic_sampling_drops_groups_with_a_non_finite_score(bad):
+    # Group 1 has different scores only because of the non-finite one: its advantages are NaN.
+    scores = torch.tensor([1.0, 0.0, 0.5, bad, 2.0, 2.0, 3.0, 1.0])
+    ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    keep = algos.dynamic_sampling_mask(scores, ids)
+    assert keep.tolist() == [True, True, False, False, False, False, True, True]
+    assert algos.dynamic_sampling_indices(scores, ids).tolist() == [0, 1, 6, 7]
+    batch = {"scores": scores, "group_ids": ids, "mask": torch.ones(8, 3)}
+    filtered = algos.dynamic_sampling_filter(batch)
+    assert filtered["mask"].sum(-1).tolist() == [3, 3, 0, 0, 0, 0, 3, 3]
+
+
+def test_reprobe30_dynamic_sampling_with_nan_compiles_fullgraph():
+    fn = torch.compile(algos.dynamic_sampling_mask, fullgraph=True, backend="eager")
+    scores = torch.tensor([1.0, math.nan, 0.0, 1.0])
+    ids = torch.tensor([0, 0, 1, 1])
+    assert fn(scores, ids).tolist() == [False, False, True, True]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_reprobe30_running_reward_normalizer_skips_non_finite_rewards(bad):
+    norm = algos.running_reward_normalizer()
+    batches = [torch.tensor([1.0, 3.0, bad, 4.0]), torch.tensor([2.0, bad]), torch.tensor([7.0, -1.0, 0.5])]
+    state = norm.init()
+    seen: list[float] = []
+    for rewards in batches:
+        out, state = norm.update(rewards, torch.ones_like(rewards, dtype=torch.bool), state)
+        seen += [float(r) for r in rewards if math.isfinite(r)]
+        finite = torch.tensor(seen, dtype=torch.float64)
+        # The statistics are those of the finite rewards alone, and stay finite.
+        assert float(state.count) == len(seen)
+        torch.testing.assert_close(state.mean, finite.mean())
+        torch.testing.assert_close(state.m2, ((finite - finite.mean()) ** 2).sum())
+        ok = torch.isfinite(rewards)
+        want = (rewards[ok].double() - finite.mean()) / torch.sqrt(finite.var() + 1e-8)
+        torch.testing.assert_close(out[ok], want.float())
+        assert not torch.isfinite(out[~ok]).any()  # the bad reward stays visible
+
+
+# Issue 30 re-probe: new cases ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "kwargs", "name"),
+    [
+        ("ppo_clip_loss", {"dual_clip": math.inf}, "dual_clip"),
+        ("sapo_loss", {"tau_pos": math.inf}, "tau_pos"),
+        ("sapo_loss", {"tau_neg": math.inf}, "tau_neg"),
+    ],
+)
+def test_reprobe30_infinite_policy_loss_hyperparameters_are_refused(fn, kwargs, name):
+    # Each gave a NaN per-token loss (inf * 0) instead of an error.
+    lp = torch.tensor([[-1.0, -2.0]])
+    with pytest.raises(ValueError, match=rf"{name}: got inf, expected .*finite"):
+        getattr(algos, fn)(lp, lp, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda x: algos.dpo_loss(*x[:4], beta=math.inf, loss_type="robust"), "beta"),
+        (lambda x: algos.dpo_loss(*x[:4], beta=0.1, loss_type="bco_pair", alpha=math.inf), "alpha"),
+        (lambda x: algos.simpo_loss(x[0], x[1], gamma=math.inf), "gamma"),
+        (lambda x: algos.simpo_loss(x[0], x[1], beta=math.inf), "beta"),
+        (lambda x: algos.cpo_loss(x[0], x[1], -x[0], beta=math.inf), "beta"),
+        (lambda x: algos.orpo_loss(x[0], x[1], -x[0], lam=math.inf), "lam"),
+        (lambda x: algos.kto_loss(x[0], x[2], torch.tensor([True]), x[2], x[3], beta=math.inf), "beta"),
+        (
+            lambda x: algos.kto_loss(x[0], x[2], torch.tensor([True]), x[2], x[3], desirable_weight=math.inf),
+            "desirable_weight",
+        ),
+        (
+            lambda x: algos.kl_in_reward(x[0][None], x[0][None], x[2][None], torch.ones(1, 1), kl_coef=math.inf),
+            "kl_coef",
+        ),
+        (lambda x: algos.running_reward_normalizer(eps=math.inf), "eps"),
+        (lambda x: algos.gpg_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), f_norm=math.inf), "f_norm"),
+    ],
+)
+def test_reprobe30_infinite_loss_coefficients_are_refused(call, name):
+    # Each gave a NaN or infinite loss, reward or advantage instead of an error.
+    x = (torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.2]))
+    with pytest.raises(ValueError, match=rf"{name}: got inf, expected .*finite"):
+        call(x)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda loss, mask: algos.aggregate(loss, mask),
+        lambda loss, mask: algos.aggregate(loss, mask, mode="seq-mean-token-mean"),
+        lambda loss, mask: algos.batch_normalize(loss, mask),
+        lambda loss, mask: algos.ppo_clip_loss(loss, loss, loss, mask),
+        lambda loss, mask: algos.cispo_loss(loss, loss, loss, mask),
+    ],
+)
+def test_reprobe30_negative_mask_weights_are_refused(call):
+    # aggregate gave -1 for a loss of ones (count 0 replaced, sum -1); batch_normalize 1e4-fold values.
+    loss = torch.tensor([[1.0, 2.0, 3.0]])
+    with pytest.raises(ValueError, match=r"mask: got values in \[-1.0, 1.0\], expected counts >= 0"):
+        call(-loss.abs(), torch.tensor([[1.0, -1.0, 1.0]]))
+
+
+def test_reprobe30_reduce_metrics_refuses_bad_weights_and_kinds():
+    m = {"approx_kl": torch.tensor(0.5)}
+    for bad in (-1.0, math.nan, math.inf, True, torch.tensor(-2.0)):
+        with pytest.raises(ValueError, match=r"weight: got"):
+            algos.reduce_metrics(m, bad, process_groups=[None])
+    with pytest.raises(ValueError, match=r"reductions\['approx_kl'\]: got 'median', expected one of"):
+        algos.reduce_metrics(m, 1.0, process_groups=[None], reductions={"approx_kl": "median"})
+    with pytest.raises(ValueError, match=r"metrics\['approx_kl'\]: got shape \(2,\), expected a scalar metric"):
+        algos.reduce_metrics({"approx_kl": torch.zeros(2)}, 1.0, process_groups=[None])
+    # One process: the values come back; a rank without weight gives 0, not its empty-mask extremes.
+    got = algos.reduce_metrics(
+        {"approx_kl": torch.tensor(0.5), "ratio_min": torch.tensor(0.9)},
+        0.0,
+        process_groups=[None],
+        reductions=algos.RL_METRIC_REDUCTIONS,
+    )
+    assert got == {"approx_kl": torch.tensor(0.0), "ratio_min": torch.tensor(0.0)}

@@ -223,3 +223,17 @@ def test_make_task_names_the_choices():
         Addition(digits=0)
     with pytest.raises(ValueError, match="min_length, length: got 3, 2"):
         Reversal(length=2, min_length=3)
+
+
+@pytest.mark.parametrize("bad", [True, False, VOCAB, VOCAB + 5, -1, 1.0, "1", None])
+def test_reprobe30_bool_or_out_of_vocabulary_eos_is_refused(model, bad):
+    ids, mask = left_pad(PROMPTS, PAD)
+    with pytest.raises(ValueError, match=rf"eos_token_id: got {bad!r}.*, expected an int token id in \[0, {VOCAB}\)"):
+        generate(model, ids, mask, eos_token_id=bad, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"eos_token_id: got {bad!r}.*, expected an int token id in \[0, {VOCAB}\)"):
+        TorchEngine(model, eos_token_id=bad, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"pad_token_id: got {bad!r}.*, expected an int token id in \[0, {VOCAB}\)"):
+        TorchEngine(model, eos_token_id=EOS, pad_token_id=bad)
+    # The last id of the vocabulary is a valid EOS.
+    out = TorchEngine(model, eos_token_id=VOCAB - 1, max_new_tokens=2).generate(ids, mask, n=1, generator=None)
+    assert out.responses.shape == (3, 2)

@@ -58,6 +58,35 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     leave()
 
 
+# What a step record holds besides its metrics: timings (seconds), throughput, the clock.
+_NOT_METRICS = ("step", "tokens_per_s_device", "busy_s/", "bubble/")
+
+
+def _is_metric(key: str) -> bool:
+    return not key.startswith(_NOT_METRICS) and not key.endswith("_s")
+
+
+def _assert_metrics_match(records, ref_records, ctx):  # type: ignore[no-untyped-def]
+    """Every logged metric of the first step equals the 1-rank run's to 1e-5 relative.
+
+    The first step's updates start from the same weights; later steps drift by the
+    sharded forward's float rounding, which the losses and weights are checked for.
+    """
+    got, want = records[0], ref_records[0]
+    keys = sorted(k for k in want if _is_metric(k))
+    assert sorted(k for k in got if _is_metric(k)) == keys, ctx
+    for key in ("ratio_max", "ratio_min", "ratio_mean", "approx_kl", "clip_frac_low", "pg_loss"):
+        assert key in keys, (ctx, key)
+    for key in keys:
+        torch.testing.assert_close(
+            torch.tensor(got[key], dtype=torch.float64),
+            torch.tensor(want[key], dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-7,
+            msg=lambda m: f"{ctx} {key}: {m}",
+        )
+
+
 def test_two_cp_ranks_ring_and_ulysses_equal_one_rank(tmp_path):
     spawn(_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=420)
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)
@@ -69,6 +98,7 @@ def test_two_cp_ranks_ring_and_ulysses_equal_one_rank(tmp_path):
     for mode in MODES:
         records = got[mode]["records"]
         assert [r["step"] for r in records] == list(range(STEPS)), mode
+        _assert_metrics_match(records, ref.records, mode)
         for key in ("reward", "kl", "response_length"):
             torch.testing.assert_close(
                 torch.tensor([r[key] for r in records]),
@@ -109,6 +139,7 @@ def test_data_parallel_times_context_parallel_equals_one_rank(tmp_path):
     ref = _run(_cfg(tmp_path / "one", "rl.mini_batch_size=4"))
     records = got["records"]
     assert [r["step"] for r in records] == list(range(STEPS))
+    _assert_metrics_match(records, ref.records, "dp=2 x cp=2")
     assert max(r["kl"] for r in ref.records) > 1e-5  # the policy moved away from the reference
     for key in ("reward", "kl", "loss"):
         torch.testing.assert_close(
@@ -157,3 +188,60 @@ def test_context_parallel_config_errors(tmp_path):
     ):
         with pytest.raises(ValueError, match=rf"config key '{key}': got .* with parallel.context_parallel 2"):
             check_launch(_cfg(tmp_path, "parallel.context_parallel=2", *extra), 4 if "tensor" in key else 2)
+
+
+def test_reprobe30_context_parallel_recipe_refuses_sequence_coupled_policy_losses():
+    # The config refuses rl.algo=gspo with context parallelism; a library user wrapping GSPO or GMPO
+    # got each rank's sequence ratio over its own share of the tokens, silently.
+    from functools import partial
+
+    from rlcore import algos
+    from rlcore.train import ContextParallelRecipe
+
+    for recipe in (algos.gspo(), algos.grpo()._replace(policy_loss=partial(algos.gmpo_loss, clip_low=0.3))):
+        with pytest.raises(ValueError, match=r"recipe.policy_loss: got (gspo|gmpo)_loss, expected a token-local"):
+            ContextParallelRecipe(recipe, None)
+
+
+def _replicate_ranks(rank: int, init_file: str, tmp: str) -> None:
+    import datetime
+    import json
+    import time
+
+    from rlcore.dataflow import stage
+    from rlcore.train.context_parallel import replicate_stage
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=15)
+    )
+
+    def reward(b):  # type: ignore[no-untyped-def]
+        if b["bad"]:
+            raise ValueError("reward function 'score': got None for row 3, expected a number")
+        return {"scores": torch.tensor([float(dist.get_rank())])}
+
+    s = replicate_stage(stage(reward, inputs=["bad"], outputs=["scores"], name="reward"), dist.group.WORLD)
+    got: dict = {"ok": s.fn({"bad": False})["scores"].tolist()}
+    t0 = time.monotonic()
+    try:
+        s.fn({"bad": True})
+        got["bad"] = "no error"
+    except Exception as err:
+        got["bad"] = f"{type(err).__name__}: {err}"
+    got["bad_s"] = time.monotonic() - t0
+    got["after"] = s.fn({"bad": False})["scores"].tolist()  # the group still works
+    (Path(tmp) / f"replicate_{rank}.json").write_text(json.dumps(got))
+    leave()
+
+
+def test_reprobe30_a_failing_replicated_stage_raises_on_every_cp_rank(tmp_path):
+    # Before: rank 0's reward raised, rank 1 waited in the broadcast until the process-group timeout.
+    import json
+
+    spawn(_replicate_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=120)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"replicate_{rank}.json").read_text())
+        assert got["ok"] == [0.0] and got["after"] == [0.0], got  # rank 0's outputs on both ranks
+        assert got["bad"] == "ValueError: reward function 'score': got None for row 3, expected a number", got
+        assert got["bad_s"] < 10, got

@@ -137,6 +137,15 @@ def test_two_ranks_fsdp2_and_tensor_parallel_equal_one_rank_and_dcp_resumes_at_o
             rewards, torch.tensor([r["reward"] for r in ref.records]), msg=lambda m: f"{name}: {m}"
         )
         torch.testing.assert_close(record_losses(records), want, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        # Every metric of the first step (same weights on both sides) is the whole batch's, not a mean over ranks.
+        for key in ("pg_loss", "approx_kl", "ratio_mean", "ratio_max", "ratio_min", "clip_frac_low", "clip_frac_high"):
+            torch.testing.assert_close(
+                torch.tensor(records[0][key], dtype=torch.float64),
+                torch.tensor(ref.records[0][key], dtype=torch.float64),
+                rtol=1e-5,
+                atol=1e-7,
+                msg=lambda m: f"{name} {key}: {m}",
+            )
         final = ref.policy.state_dict()
         for k, v in got[f"{name}_weights"].items():
             torch.testing.assert_close(v, final[k], rtol=0, atol=1e-3, msg=lambda m: f"{name} {k}: {m}")

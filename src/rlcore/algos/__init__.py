@@ -32,6 +32,7 @@ from rlcore.algos.kl import (
     kl_penalty,
 )
 from rlcore.algos.kto import kto_loss
+from rlcore.algos.metric_reduction import METRIC_REDUCTIONS, RL_METRIC_REDUCTIONS, reduce_metrics
 from rlcore.algos.policy_losses import (
     cispo_loss,
     gmpo_loss,
@@ -80,7 +81,9 @@ __all__: list[str] = [
     "DPO",
     "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
+    "METRIC_REDUCTIONS",
     "PAIR_COLUMNS",
+    "RL_METRIC_REDUCTIONS",
     "Algorithm",
     "KLController",
     "KLControllerState",
@@ -127,6 +130,7 @@ __all__: list[str] = [
     "passk_advantages",
     "ppo",
     "ppo_clip_loss",
+    "reduce_metrics",
     "reinforce_loss",
     "reinforce_pp",
     "reinforce_pp_advantages",

@@ -17,6 +17,7 @@ import torch
 from rlcore._checks import (
     check_choice,
     check_count,
+    check_counts,
     check_floating,
     check_ndim,
     check_positive,
@@ -96,7 +97,7 @@ def aggregate(
 
     Args:
       loss_t: ``[B, T]`` per-token loss.
-      mask: ``[B, T]``, 1 (or a weight) where a token counts.
+      mask: ``[B, T]``, 1 (or a weight ``>= 0``) where a token counts.
       mode: one of :data:`AGGREGATION_MODES`.
       num_tokens: global counted-token total ``N`` (number or scalar tensor).
       num_seqs: global counted-sequence total ``S`` (number or scalar tensor).
@@ -117,6 +118,8 @@ def aggregate(
     check_floating("loss_t", loss_t)
     check_ndim("loss_t", loss_t, 2)
     check_same_shape("mask", mask, "loss_t", loss_t)
+    if mask.dtype != torch.bool:
+        check_counts("mask", mask)  # a negative weight would turn counts and sums around
     check_choice("mode", mode, AGGREGATION_MODES)
     check_count("num_tokens", num_tokens)
     check_count("num_seqs", num_seqs)

@@ -94,6 +94,20 @@ class DPO(NamedTuple):
         num_pairs = torch.tensor(column.shape[0], dtype=torch.int64, device=column.device)
         return {"num_pairs": group_sum(num_pairs, process_group=process_group)}
 
+    def metric_weight(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The weight of this batch's metrics when ranks combine them: its pair count (they are means over pairs)."""
+        source = next((k for k in _COUNT_SOURCES if k in batch), None)
+        if source is None:
+            raise ValueError(
+                f"batch: got keys {sorted(batch)}, expected one of {', '.join(map(repr, _COUNT_SOURCES))} "
+                "to count the pairs"
+            )
+        return torch.tensor(float(batch[source].shape[0]), device=batch[source].device)
+
+    def metric_reductions(self) -> dict[str, str]:
+        """How :meth:`loss`'s metrics combine over ranks: all are means over pairs (an empty dict)."""
+        return {}
+
     def loss(self, batch: Mapping[str, Any], *, num_pairs: Count | None = None) -> tuple[torch.Tensor, Metrics]:
         """The scalar DPO-family loss of a (micro-)batch of pairs and detached metrics.
 

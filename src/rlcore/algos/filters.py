@@ -31,7 +31,9 @@ def dynamic_sampling_mask(
 
     Formula: ``keep_i = max_{j in g(i)} s_j != min_{j in g(i)} s_j``; exact comparison,
     so it agrees with a group advantage that is exactly 0. A group of one sample is
-    dropped (its GRPO / RLOO advantage is 0); verl's DAPO trainer keeps it.
+    dropped (its GRPO / RLOO advantage is 0); verl's DAPO trainer keeps it. A group
+    with any non-finite score (NaN from a failed reward, inf) is dropped too: its
+    group mean and std are NaN, so none of its samples has a usable advantage.
 
     Args:
       scores: ``[B]`` sequence scores.
@@ -43,13 +45,19 @@ def dynamic_sampling_mask(
 
     >>> dynamic_sampling_mask(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
     tensor([ True,  True, False, False])
+    >>> dynamic_sampling_mask(torch.tensor([1.0, 0.0, float("nan"), 1.0]), torch.tensor([0, 0, 1, 1]))
+    tensor([ True,  True, False, False])
     """
     n = check_outcome(scores, group_ids, num_groups)
     s = scores.detach()
     idx = group_ids.long()
+    bad = ~torch.isfinite(s)
+    # A group with a NaN or inf score has no usable advantage (its group statistics are NaN): dropped.
+    spoiled = torch.zeros(n, dtype=torch.int32, device=s.device).index_add(0, idx, bad.to(torch.int32)) > 0
+    s = torch.where(bad, 0.0, s)
     hi = s.new_zeros(n).scatter_reduce(0, idx, s, "amax", include_self=False)
     lo = s.new_zeros(n).scatter_reduce(0, idx, s, "amin", include_self=False)
-    return (hi != lo)[idx]
+    return ((hi != lo) & ~spoiled)[idx]
 
 
 def dynamic_sampling_indices(

@@ -140,7 +140,7 @@ def kl_in_reward(
             raise ValueError(f"kl_coef: got a tensor of shape {tuple(kl_coef.shape)}, expected a scalar")
         kl_coef = kl_coef.reshape(())
     else:
-        check_positive("kl_coef", kl_coef, strict=False)
+        check_positive("kl_coef", kl_coef, strict=False, finite=True)
     kl = kl_penalty(logp.detach(), ref_logp.detach(), estimator=estimator).to(acc_dtype(rewards.dtype))
     on = mask != 0
     shaped = torch.where(on, rewards.to(kl.dtype) - kl_coef * kl, 0.0)

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from rlcore._checks import check_positive, check_same_shape
+from rlcore._checks import check_positive, check_same_shape, host_readable
 from rlcore.algos.preference import check_sequences
 from rlcore.ops import acc_dtype, masked_mean
 
 __all__ = ["kto_loss"]
+
+
+def _check_labels(desirable: torch.Tensor) -> None:
+    """Labels are bool or exactly 0 / 1: read only on CPU tensors in eager mode (``bool()`` would make 0.5 True)."""
+    if desirable.dtype == torch.bool or desirable.dtype.is_complex or not host_readable(desirable):
+        return
+    odd = desirable[(desirable != 0) & (desirable != 1)]
+    if odd.numel():
+        raise ValueError(
+            f"desirable: got {odd[0].item()!r}, expected bool labels or 0/1 (True / 1 for a desirable response)"
+        )
 
 
 def kto_loss(
@@ -40,7 +51,8 @@ def kto_loss(
     Args:
       logp: ``[B]`` sequence log-probs of the responses under the policy.
       ref_logp: ``[B]`` the same under the reference policy.
-      desirable: ``[B]`` bool (or 0/1), True for a desirable response.
+      desirable: ``[B]`` bool (or exactly 0/1: another value such as 0.5 or NaN is a
+        ``ValueError`` where it can be read without a sync), True for a desirable response.
       kl_logp: ``[M]`` (M >= 1) policy log-probs of the mismatched pairs.
       kl_ref_logp: ``[M]`` reference log-probs of the mismatched pairs.
       beta: risk-aversion / KL strength. Default 0.1.
@@ -61,12 +73,13 @@ def kto_loss(
     """
     check_sequences(logp=logp, ref_logp=ref_logp)
     check_same_shape("desirable", desirable, "logp", logp)
+    _check_labels(desirable)
     check_sequences(kl_logp=kl_logp, kl_ref_logp=kl_ref_logp)
     if kl_logp.shape[0] == 0:
         raise ValueError("kl_logp: got shape (0), expected (M) with M >= 1 (the KL reference point needs samples)")
-    check_positive("beta", beta)
-    check_positive("desirable_weight", desirable_weight, strict=False)
-    check_positive("undesirable_weight", undesirable_weight, strict=False)
+    check_positive("beta", beta, finite=True)
+    check_positive("desirable_weight", desirable_weight, strict=False, finite=True)
+    check_positive("undesirable_weight", undesirable_weight, strict=False, finite=True)
     dtype = logp.dtype
     acc = acc_dtype(dtype)
     good = desirable.bool()

@@ -25,11 +25,12 @@ their value without autograd and attach the closed-form derivative with respect 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from rlcore._checks import check_floating, check_ndim, check_positive, check_same_shape
+from rlcore._checks import check_counts, check_floating, check_ndim, check_positive, check_same_shape
 from rlcore.ops import acc_dtype, saturating_cast
 
 __all__ = ["cispo_loss", "gmpo_loss", "gpg_loss", "gspo_loss", "ppo_clip_loss", "reinforce_loss", "sapo_loss"]
@@ -47,6 +48,8 @@ def _check(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
         check_same_shape(name, x, "logp", logp)
         check_floating(name, x)
     check_same_shape("mask", mask, "logp", logp)
+    if mask.dtype != torch.bool:
+        check_counts("mask", mask)  # weights >= 0: a negative one would flip its token's gradient
 
 
 def _check_clip(name: str, value: float) -> None:
@@ -224,8 +227,8 @@ def ppo_clip_loss(
     _check(logp, old_logp, advantages, mask)
     _check_clip("clip_low", clip_low)
     _check_clip("clip_high", clip_high)
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip: got {dual_clip!r}, expected None or a number > 1")
+    if dual_clip is not None and not 1.0 < dual_clip < math.inf:
+        raise ValueError(f"dual_clip: got {dual_clip!r}, expected None or a finite number > 1")
     if is_weights is not None:
         check_same_shape("is_weights", is_weights, "logp", logp)
     tok = _prepare(logp, old_logp, advantages, mask)
@@ -470,8 +473,8 @@ def sapo_loss(
     tensor([[-2.0000,  1.9048]])
     """
     _check(logp, old_logp, advantages, mask)
-    check_positive("tau_pos", tau_pos)
-    check_positive("tau_neg", tau_neg)
+    check_positive("tau_pos", tau_pos, finite=True)
+    check_positive("tau_neg", tau_neg, finite=True)
     tok = _prepare(logp, old_logp, advantages, mask)
     nadv = tok.neg_adv
     with torch.no_grad():

@@ -196,9 +196,9 @@ def dpo_loss(
     check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected)
     check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
     check_choice("divergence", divergence, DIVERGENCES)
-    check_positive("beta", beta)
-    check_positive("alpha", alpha)
-    check_positive("discopop_tau", discopop_tau)
+    check_positive("beta", beta, finite=True)
+    check_positive("alpha", alpha, finite=True)
+    check_positive("discopop_tau", discopop_tau, finite=True)
     check_label_smoothing(label_smoothing)
     if isinstance(bco_delta, torch.Tensor):
         if bco_delta.numel() != 1:  # never a silent broadcast over the pairs

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from rlcore._checks import check_positive
+from rlcore._checks import check_positive, value_bounds
 from rlcore.algos.preference import check_label_smoothing, check_sequences, pair_metrics, smoothed_logistic
 from rlcore.ops import acc_dtype
 
@@ -56,8 +56,8 @@ def simpo_loss(
     tensor([0.4741])
     """
     check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected)
-    check_positive("beta", beta)
-    check_positive("gamma", gamma, strict=False)
+    check_positive("beta", beta, finite=True)
+    check_positive("gamma", gamma, strict=False, finite=True)
     check_label_smoothing(label_smoothing)
     dtype = pi_chosen.dtype
     acc = acc_dtype(dtype)
@@ -103,8 +103,8 @@ def cpo_loss(
     tensor([1.3133])
     """
     check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, chosen_nll=chosen_nll)
-    check_positive("beta", beta)
-    check_positive("alpha", alpha, strict=False)
+    check_positive("beta", beta, finite=True)
+    check_positive("alpha", alpha, strict=False, finite=True)
     check_label_smoothing(label_smoothing)
     dtype = pi_chosen.dtype
     acc = acc_dtype(dtype)
@@ -132,6 +132,16 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _check_log_probs(name: str, x: torch.Tensor) -> None:
+    """Mean log-probs are ``<= 0`` (rounding up to the dtype's epsilon allowed): read on CPU tensors in eager mode."""
+    bounds = value_bounds(x)
+    if bounds is not None and bounds[1] > torch.finfo(x.dtype).eps:
+        raise ValueError(
+            f"{name}: got log-probs up to {bounds[1]!r}, expected average log-probabilities <= 0 "
+            "(a probability is at most 1; pass log pi, not a score or -log pi)"
+        )
+
+
 def orpo_loss(
     pi_chosen: torch.Tensor,
     pi_rejected: torch.Tensor,
@@ -154,7 +164,8 @@ def orpo_loss(
     at ``-eps`` (odds capped near ``1/eps``), where ``1 - e^p`` is not resolvable anyway.
 
     Args:
-      pi_chosen: ``[B]`` *average* per-token log-probs of the chosen responses (<= 0).
+      pi_chosen: ``[B]`` *average* per-token log-probs of the chosen responses (<= 0; a
+        positive value is a ``ValueError`` where it can be read without a sync).
       pi_rejected: ``[B]`` the same for the rejected responses.
       chosen_nll: ``[B]`` NLL of the chosen responses (the paper's L_SFT, per-token mean).
       lam: weight of the odds-ratio term (the paper's lambda, TRL's ``beta``). Default 0.1.
@@ -170,7 +181,9 @@ def orpo_loss(
     tensor([1.3863])
     """
     check_sequences(pi_chosen=pi_chosen, pi_rejected=pi_rejected, chosen_nll=chosen_nll)
-    check_positive("lam", lam, strict=False)
+    check_positive("lam", lam, strict=False, finite=True)
+    for name, x in (("pi_chosen", pi_chosen), ("pi_rejected", pi_rejected)):
+        _check_log_probs(name, x)
     dtype = pi_chosen.dtype
     acc = acc_dtype(dtype)
     ceiling = -torch.finfo(acc).eps

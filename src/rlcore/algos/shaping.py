@@ -64,7 +64,7 @@ def overlong_penalty(
     check_positive("cache_length", cache_length)
     if cache_length > max_length:
         raise ValueError(f"cache_length: got {cache_length!r}, expected a number <= max_length ({max_length!r})")
-    check_positive("penalty_factor", penalty_factor, strict=False)
+    check_positive("penalty_factor", penalty_factor, strict=False, finite=True)
     dtype = lengths.dtype if lengths.dtype.is_floating_point else torch.float32
     expected = max_length - cache_length
     ramp = (expected - lengths.to(acc_dtype(dtype))) / cache_length
@@ -163,8 +163,10 @@ def running_reward_normalizer(*, shift_mean: bool = True, eps: float = 1e-8) -> 
     formula; across data-parallel ranks with one all-reduce when a process group is
     given) and then returns ``(r - mean) / sqrt(var + eps)`` with the merged mean and
     unbiased variance (``r / sqrt(var + eps)`` with ``shift_mean=False``). Elements with
-    mask 0 neither count nor change (they come back as 0). Rewards are data: the
-    output carries no gradient.
+    mask 0 neither count nor change (they come back as 0). A non-finite reward (NaN,
+    inf) does not enter the statistics, so one bad batch cannot make them NaN for the
+    rest of the run; it comes back non-finite, for the caller to see. Rewards are
+    data: the output carries no gradient.
 
     Args:
       shift_mean: subtract the running mean (True) or only rescale (False).
@@ -178,7 +180,7 @@ def running_reward_normalizer(*, shift_mean: bool = True, eps: float = 1e-8) -> 
     >>> out, state.count
     (tensor([-0.7071,  0.7071]), tensor(2., dtype=torch.float64))
     """
-    check_positive("eps", eps, strict=False)
+    check_positive("eps", eps, strict=False, finite=True)
 
     def init(device: torch.device | str | None = None) -> RunningMomentsState:
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -197,7 +199,11 @@ def running_reward_normalizer(*, shift_mean: bool = True, eps: float = 1e-8) -> 
         # Batch statistics in float64 too: they are merged into float64 state, and a
         # float32 batch mean of rewards near 1e4 would be off by 5e-4.
         x = rewards.detach().to(torch.float64)
-        _, n_b, mean_b, m2_b = batch_moments(x, mask, process_group=process_group)
+        # A non-finite reward (a failed scorer's NaN, an inf) is left out of the statistics,
+        # which would otherwise stay NaN for the rest of the run; its own output stays NaN.
+        finite = torch.isfinite(x)
+        weights = torch.where(finite, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+        _, n_b, mean_b, m2_b = batch_moments(torch.where(finite, x, 0.0), weights, process_group=process_group)
         n_a, mean_a, m2_a = state
         n = n_a + n_b
         delta = mean_b - mean_a

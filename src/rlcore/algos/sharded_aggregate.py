@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlcore._checks import check_choice, check_ndim, check_shape, check_tensor
+from rlcore._checks import check_choice, check_ndim, check_shape, check_tensor, host_readable
 from rlcore.algos.aggregate import AGGREGATION_MODES, Count, aggregate
 from rlcore.ops import acc_dtype
 
@@ -61,6 +61,25 @@ def sequence_sharded_counts(mask: torch.Tensor, *, cp_group: Any, dp_group: Any 
     if dp_group is not None:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=_group(dp_group))
     return {"num_tokens": totals[0], "num_seqs": totals[1], "seq_tokens": seq_tokens}
+
+
+def _check_seq_tokens(seq_tokens: torch.Tensor, mask: torch.Tensor) -> None:
+    """Each sequence's count over the group holds at least this rank's part of it (NaN and < 0 fail).
+
+    Read only where that stalls nothing (CPU tensors in eager mode), like every value check.
+    """
+    if not (host_readable(seq_tokens) and host_readable(mask)) or mask.dim() != 2 or seq_tokens.dtype == torch.bool:
+        return
+    local = (mask.double() if mask.dtype.is_floating_point else (mask != 0).double()).sum(-1)
+    total = seq_tokens.double()
+    bad = ~(total >= local - 1e-6 * local.abs().clamp(min=1.0))
+    if bad.any():
+        i = int(bad.to(torch.int8).argmax())
+        raise ValueError(
+            f"seq_tokens: got {total[i].item()!r} for sequence {i}, which holds {local[i].item()!r} counted tokens "
+            "on this rank alone, expected each sequence's counted tokens over the whole context-parallel group "
+            "(rlcore.algos.sequence_sharded_counts)"
+        )
 
 
 def sequence_sharded_aggregate(
@@ -104,6 +123,7 @@ def sequence_sharded_aggregate(
     check_choice("mode", mode, AGGREGATION_MODES)
     check_tensor("seq_tokens", seq_tokens)
     check_shape("seq_tokens", seq_tokens, (loss_t.shape[0],))
+    _check_seq_tokens(seq_tokens, mask)
     if mode != "seq-mean-token-mean":
         return aggregate(loss_t, mask, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
     acc = acc_dtype(loss_t.dtype)

@@ -21,6 +21,7 @@ gradients summed over ``cp`` (and ``dp``) ranks are those of the whole batch.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -35,7 +36,13 @@ from rlcore.models.ulysses import ulysses_attention
 from rlcore.ops import Packed, pack, shift_labels
 from rlcore.ops.linear_logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
 
-__all__ = ["CP_MODES", "ContextParallelShard", "ShardedLogprobs", "shard_packed", "sharded_token_logprobs"]
+__all__ = [
+    "CP_MODES",
+    "ContextParallelShard",
+    "ShardedLogprobs",
+    "shard_packed",
+    "sharded_token_logprobs",
+]
 
 CP_MODES = ("ring", "ulysses")
 
@@ -148,6 +155,89 @@ def shard_packed(packed: Packed, group: Any, *, mode: str = "ring") -> ContextPa
     )
 
 
+def _batch_device(batch: Any) -> torch.device:
+    """The device of the batch's token ids (the CPU when it holds none)."""
+    if isinstance(batch, Packed):
+        return batch.input_ids.device
+    first: Any = None
+    if isinstance(batch, Mapping):
+        first = batch.get("input_ids")
+    elif isinstance(batch, Sequence) and len(batch) > 0:
+        first = batch[0]
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+
+
+def _fingerprint(packed: Packed, options: tuple[Any, ...]) -> int:
+    """A 63-bit digest of the row's layout (boundaries, padded shape) and the call's options."""
+    bounds = [int(b) for b in packed.cu_seqlens.tolist()]  # sync-ok: planning reads them on the host anyway
+    text = repr((bounds, tuple(packed.padded_shape), tuple(packed.indices.shape), options))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _check_ranks_agree(
+    packed: Packed | None,
+    group: Any,
+    *,
+    vocab_size: int | None = None,
+    options: tuple[Any, ...] = (),
+    local: Exception | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Every rank of a context-parallel group checks that all hold the same valid row before any collective runs.
+
+    One all-gather of five int64 per rank: a digest of the row's layout and ``options``,
+    a checksum of its token ids, their smallest and largest id, and whether this rank's
+    own checks passed (``local`` is ``None``). Then every rank raises the same
+    ``ValueError`` when the ranks disagree, any id is outside ``[0, vocab_size)``, or a
+    rank rejected its input (that rank raises its own ``local`` error) — so no rank is
+    left waiting in the ring or the all-to-all for a peer that has already failed.
+
+    Args:
+      packed: this rank's packed row, or ``None`` when building it failed (``local`` set).
+      group: the context-parallel ``ProcessGroup`` or 1-D ``DeviceMesh``.
+      vocab_size: the model's vocabulary size, or ``None`` to skip the id range check.
+      options: anything else every rank must call with (mode, temperature, chunk sizes).
+      local: the error this rank's own checks raised, if any.
+      device: where the all-gather runs when ``packed`` is ``None`` (the batch's device).
+    """
+    pg = as_process_group("group", group)
+    if packed is not None:
+        ids = packed.input_ids.long()
+        device = ids.device
+        weights = torch.arange(1, ids.numel() + 1, device=device, dtype=torch.int64)
+        nonempty = ids.numel() > 0
+        lo = ids.min() if nonempty else torch.zeros((), dtype=torch.int64, device=device)
+        hi = ids.max() if nonempty else torch.zeros((), dtype=torch.int64, device=device)
+        head = torch.tensor([_fingerprint(packed, options)], dtype=torch.int64, device=device)
+        mine = torch.cat([head, torch.stack([(ids * weights).sum(), lo, hi]), head.new_ones(1) * (local is None)])
+    else:
+        mine = torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64, device=device)
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(seen, mine, group=pg)
+    table = torch.stack(seen).cpu().tolist()  # sync-ok: five ints per rank, once per forward
+    if local is not None:
+        raise local
+    bad = [r for r, row in enumerate(table) if not row[4]]
+    if bad:
+        raise ValueError(
+            f"batch: rank(s) {bad} of the context-parallel group rejected their input (see their error), "
+            "expected every rank to hold the same valid batch; nothing was run"
+        )
+    odd = next((r for r, row in enumerate(table) if row[:2] != table[0][:2]), None)
+    if odd is not None:
+        raise ValueError(
+            f"batch: the context-parallel ranks hold different batches or options (rank {odd} differs from rank 0), "
+            "expected every rank of the group to call with the same batch, mode, temperature and chunk sizes; "
+            "nothing was run"
+        )
+    lo, hi = table[0][2], table[0][3]
+    if vocab_size is not None and (lo < 0 or hi >= vocab_size):
+        raise ValueError(
+            f"input_ids: got token ids in [{lo}, {hi}], expected ids in [0, {vocab_size}) (the model's "
+            "vocabulary); nothing was run"
+        )
+
+
 class ShardedLogprobs(NamedTuple):
     """What :func:`sharded_token_logprobs` returns: this rank's part of the ``[B, T]`` scores."""
 
@@ -194,6 +284,12 @@ def sharded_token_logprobs(
 
     Returns:
       A :class:`ShardedLogprobs` ``(logp [B, T], entropy [B, T] or None, mask [B, T])``.
+
+    Before any rank enters the attention's collectives, the ranks compare their batches,
+    options and input checks (one small all-gather), so a
+    token id outside the vocabulary (``apply.vocab_size``) or ranks given different
+    batches raise the same ``ValueError`` on every rank instead of leaving the peers
+    waiting in the ring until the process-group timeout.
     """
     output_weight = getattr(apply, "output_weight", None)
     if not callable(output_weight):
@@ -201,8 +297,25 @@ def sharded_token_logprobs(
             f"apply: got {type(apply).__name__} without an output_weight(params) method, "
             "expected a model function such as rlcore.models.from_hf(model)[0]"
         )
-    packed = batch if isinstance(batch, Packed) else pack(batch)
-    shard = shard_packed(packed, group, mode=mode)
+    pg = as_process_group("group", group)
+    local: Exception | None = None
+    packed: Packed | None = None
+    shard: ContextParallelShard | None = None
+    try:
+        packed = batch if isinstance(batch, Packed) else pack(batch)
+        shard = shard_packed(packed, pg, mode=mode)
+    except ValueError as err:
+        local = err
+    options = (mode, temperature, chunk_size, vocab_chunk_size, with_entropy)
+    _check_ranks_agree(
+        packed,
+        pg,
+        vocab_size=getattr(apply, "vocab_size", None),
+        options=options,
+        local=local,
+        device=_batch_device(batch),
+    )
+    assert packed is not None and shard is not None
     hidden = apply(
         params,
         shard.input_ids,

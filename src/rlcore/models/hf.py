@@ -228,6 +228,11 @@ class HFCausalLM:
             hook.remove()
         return caught[0][0]
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding: token ids and labels must lie in ``[0, vocab_size)`` (a DTensor's global shape)."""
+        return int(self.model.get_parameter(self.output_weight_name).shape[0])
+
     def output_weight(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The output-embedding (``lm_head``) weight ``[V, H]`` from ``params`` (or the model's own)."""
         if self.sharded is not None:

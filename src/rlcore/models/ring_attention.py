@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlcore._checks import check_positive
 from rlcore.models._group import as_process_group
 from rlcore.models.sequence_shards import SequenceShards
 
@@ -212,11 +213,13 @@ def ring_attention(
       shards: the split plan from :func:`rlcore.models.plan_sequence_shards`.
       group: the context-parallel ``ProcessGroup`` (or 1-D ``DeviceMesh``) of
         ``shards.world`` ranks, this rank being ``shards.rank``.
-      scale: softmax scale, ``1 / sqrt(D)`` by default.
+      scale: softmax scale, a finite number > 0; ``1 / sqrt(D)`` by default.
 
     Returns:
       ``[2L, Hq, D]`` in ``query.dtype``.
     """
+    if scale is not None:
+        check_positive("scale", scale, finite=True)
     pg = as_process_group("group", group)
     shards.check_local(query, key, value, world=dist.get_world_size(pg), rank=dist.get_rank(pg))
     scale = query.shape[-1] ** -0.5 if scale is None else scale

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import numbers
 
 import torch
 
@@ -180,6 +181,9 @@ def plan_sequence_shards(cu_seqlens: torch.Tensor | list[int], *, world: int, ra
             )
         bounds = [int(b) for b in cu_seqlens.tolist()]  # sync-ok: planning on host ints
     else:
+        odd = next((b for b in cu_seqlens if isinstance(b, bool) or not isinstance(b, numbers.Integral)), None)
+        if odd is not None:
+            raise ValueError(f"cu_seqlens: got {odd!r} among the boundaries, expected ints")
         bounds = [int(b) for b in cu_seqlens]
     if len(bounds) < 2 or bounds[0] != 0 or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens: got {bounds[:8]}, expected non-decreasing boundaries from 0, at least two")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlcore._checks import check_positive
 from rlcore.models._group import as_process_group
 from rlcore.models.attention import packed_causal_attention
 from rlcore.models.sequence_shards import SequenceShards
@@ -81,11 +82,13 @@ def ulysses_attention(
       value: ``[2L, Hkv, D]``.
       shards: the split plan from :func:`rlcore.models.plan_sequence_shards`.
       group: the context-parallel ``ProcessGroup`` (or 1-D ``DeviceMesh``).
-      scale: softmax scale, ``1 / sqrt(D)`` by default.
+      scale: softmax scale, a finite number > 0; ``1 / sqrt(D)`` by default.
 
     Returns:
       ``[2L, Hq, D]`` in ``query.dtype``.
     """
+    if scale is not None:
+        check_positive("scale", scale, finite=True)
     pg = as_process_group("group", group)
     shards.check_local(query, key, value, world=dist.get_world_size(pg), rank=dist.get_rank(pg))
     world = shards.world

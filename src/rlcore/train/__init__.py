@@ -16,6 +16,7 @@ from rlcore.train.checkpoint import (
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
 from rlcore.train.context_parallel import (
     ContextParallelRecipe,
+    DataParallelRecipe,
     check_context_parallel_model,
     cp_logprob_stage,
     cp_response_logprobs,
@@ -152,6 +153,7 @@ __all__ += [
 # Context parallelism: sequences split over the "cp" ranks of the mesh.
 __all__ += [
     "ContextParallelRecipe",
+    "DataParallelRecipe",
     "check_context_parallel_model",
     "cp_logprob_stage",
     "cp_response_logprobs",

@@ -26,6 +26,8 @@ its share of the tokens only:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +42,7 @@ from rlcore.train.stages import eval_mode
 
 __all__ = [
     "ContextParallelRecipe",
+    "DataParallelRecipe",
     "check_context_parallel_model",
     "cp_logprob_stage",
     "cp_response_logprobs",
@@ -50,8 +53,8 @@ __all__ = [
 
 Batch = dict[str, torch.Tensor]
 
-# Terms aggregated like the loss (each rank holds its share): summed over the group.
-_ADDITIVE = frozenset({"pg_loss", "kl", "entropy", "vf_loss"})
+# Policy losses whose per-token value depends on the whole sequence (a length-normalised sequence ratio).
+_SEQUENCE_COUPLED = (algos.gspo_loss, algos.gmpo_loss)
 
 
 def check_context_parallel_model(config: Any, *, context_parallel: int, mode: str) -> None:
@@ -106,11 +109,22 @@ def replica_groups(mesh: DeviceMesh) -> Any:
     return mine
 
 
+def _portable(err: Exception) -> Exception:
+    """``err`` itself when it pickles (the peers raise the same error), else a ``RuntimeError`` with its message."""
+    try:
+        pickle.dumps(err)
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
 def replicate_stage(s: Stage, group: Any) -> Stage:
     """``s`` run on rank 0 of ``group`` only, its outputs broadcast to the group's other ranks.
 
     The context-parallel ranks must score the same responses: sampling (and rewards
-    that may time out or draw noise) runs once, on the group's first rank.
+    that may time out or draw noise) runs once, on the group's first rank. When it
+    raises there, the error is broadcast too and every rank of the group raises it, so
+    no peer waits in the broadcast until the process-group timeout.
 
     Args:
       s: a stage (the rollout, the reward).
@@ -124,9 +138,22 @@ def replicate_stage(s: Stage, group: Any) -> Stage:
     first = dist.get_rank(group) == 0
 
     def replicated(b: Batch) -> Any:
-        box: list[Any] = [fn(b) if first else None]
+        box: list[Any] = [None]
+        failure: BaseException | None = None
+        if first:
+            try:
+                box = [(True, fn(b))]
+            except Exception as err:
+                # The peers wait in the broadcast: they get the error instead of waiting for a timeout.
+                failure = err
+                box = [(False, _portable(err))]
         dist.broadcast_object_list(box, src=root, group=group)
-        return box[0]
+        if failure is not None:
+            raise failure
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     return dataclasses.replace(s, fn=replicated)
 
@@ -239,6 +266,45 @@ def cp_rl_forward(
     return forward
 
 
+def _metric_terms(recipe: Any, batch: Batch) -> tuple[Any, Any]:
+    """The recipe's metric weight for ``batch`` and its non-mean reductions (every metric a mean without them)."""
+    weight = recipe.metric_weight(batch) if hasattr(recipe, "metric_weight") else 1.0
+    reductions = recipe.metric_reductions() if hasattr(recipe, "metric_reductions") else {}
+    return weight, reductions
+
+
+class DataParallelRecipe:
+    """A recipe whose metrics are those of the whole batch over the data-parallel ranks (each holding other rows).
+
+    The loss is unchanged (each rank's share of the global-count normalised loss; the
+    gradients are summed by FSDP2). The metrics are combined with
+    :func:`rlcore.algos.reduce_metrics` after every update: the means weighted by the
+    recipe's ``metric_weight(batch)`` (counted tokens, or pairs), ``ratio_max`` /
+    ``ratio_min`` the true extremes, the loss terms (``pg_loss``, ``kl``, ``entropy``,
+    ``vf_loss``) summed, as the recipe's ``metric_reductions()`` says; so every rank
+    logs the metrics a single process would log for the same global batch.
+
+    Args:
+      recipe: an :class:`rlcore.algos.Algorithm`, an :class:`rlcore.algos.DPO`, or any
+        object with ``global_counts`` and ``loss``.
+      group: the data-parallel ``ProcessGroup`` or 1-D ``DeviceMesh``.
+    """
+
+    def __init__(self, recipe: Any, group: Any):
+        self.recipe, self.group = recipe, group
+
+    def global_counts(self, batch: Batch, *, process_group: Any = None) -> dict[str, torch.Tensor]:
+        """The recipe's own global counts (summed over ``process_group``)."""
+        out: dict[str, torch.Tensor] = self.recipe.global_counts(batch, process_group=process_group)
+        return out
+
+    def loss(self, batch: Batch, **counts: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``recipe.loss(batch, **counts)`` with its metrics combined over the group."""
+        loss, metrics = self.recipe.loss(batch, **counts)
+        weight, reductions = _metric_terms(self.recipe, batch)
+        return loss, algos.reduce_metrics(metrics, weight, process_groups=[self.group], reductions=reductions)
+
+
 class ContextParallelRecipe:
     """A recipe whose batches hold one rank's share of each sequence's tokens: global counts over ``cp`` (and ``dp``).
 
@@ -246,17 +312,29 @@ class ContextParallelRecipe:
     ``num_seqs``, ``seq_tokens``), which :meth:`rlcore.algos.Algorithm.loss` aggregates
     exactly. ``loss`` returns the loss of the whole (micro-)batch over the group as its
     value (what is logged and checked for finiteness on every rank) with the gradient of
-    this rank's share (FSDP2 sums the shares); the additive metrics (``pg_loss``, ``kl``,
-    ``entropy``, ``vf_loss``) are summed over the group, the others (the policy loss's
-    local statistics, clip fractions) averaged.
+    this rank's share (FSDP2 sums the shares). The metrics are those of the whole batch
+    (:func:`rlcore.algos.reduce_metrics` over ``cp``, then ``dp_group``): the additive
+    ones (``pg_loss``, ``kl``, ``entropy``, ``vf_loss``) summed, ``ratio_max`` /
+    ``ratio_min`` the true extremes, the others (``approx_kl``, ``ratio_mean``, the clip
+    fractions) token-weighted means, so they equal the single-process run's.
 
     Args:
       recipe: an :class:`rlcore.algos.Algorithm`.
       group: the context-parallel ``ProcessGroup`` or 1-D ``DeviceMesh``.
+      dp_group: the data-parallel one, if any (the metrics are combined over it too).
     """
 
-    def __init__(self, recipe: algos.Algorithm, group: Any):
-        self.recipe, self.group = recipe, group
+    def __init__(self, recipe: algos.Algorithm, group: Any, *, dp_group: Any = None):
+        loss = recipe.policy_loss
+        while isinstance(loss, functools.partial):
+            loss = loss.func
+        if loss in _SEQUENCE_COUPLED:
+            raise ValueError(
+                f"recipe.policy_loss: got {loss.__name__}, expected a token-local policy loss (ppo_clip_loss, "
+                "cispo_loss, sapo_loss, reinforce_loss, ...): its sequence ratio needs every token of a sequence, "
+                "which context parallelism splits over the ranks"
+            )
+        self.recipe, self.group, self.dp_group = recipe, group, dp_group
         self.pg = _process_group(group)
         self.size = dist.get_world_size(self.pg)
 
@@ -267,9 +345,9 @@ class ContextParallelRecipe:
     def loss(self, batch: Batch, **counts: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``recipe.loss(batch, **counts)``: valued as the group's total, differentiated as this rank's share."""
         loss, metrics = self.recipe.loss(batch, **counts)
-        names = sorted(metrics)
-        stacked = torch.stack([loss.detach().float(), *(metrics[k].detach().float().reshape(()) for k in names)])
-        dist.all_reduce(stacked, group=self.pg)
-        total = loss + (stacked[0].to(loss.dtype) - loss.detach())
-        out = {k: v if k in _ADDITIVE else v / self.size for k, v in zip(names, stacked[1:])}
+        whole = loss.detach().float().reshape(1).clone()
+        dist.all_reduce(whole, group=self.pg)
+        total = loss + (whole[0].to(loss.dtype) - loss.detach())
+        weight, reductions = _metric_terms(self.recipe, batch)
+        out = algos.reduce_metrics(metrics, weight, process_groups=[self.pg, self.dp_group], reductions=reductions)
         return total, out

@@ -10,6 +10,7 @@ vllm-ascend -- plugs into the trainer.
 from __future__ import annotations
 
 import inspect
+import numbers
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -102,6 +103,9 @@ def generate(
     ]:
         if not ok:
             raise ValueError(f"{name}: got {value!r}, expected {want}")
+    vocab = _vocab_size(model)
+    _check_token_id("eos_token_id", eos_token_id, vocab)
+    _check_token_id("pad_token_id", pad_token_id, vocab)
     device = prompts.device
     ids = prompts.repeat_interleave(n, 0)
     attention = prompt_mask.to(torch.long).repeat_interleave(n, 0)
@@ -144,6 +148,34 @@ def generate(
     )
 
 
+def _vocab_size(model: Any) -> int | None:
+    """Rows of the model's output embedding (the ids it can emit), or its config's ``vocab_size``; ``None`` if neither."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _check_token_id(name: str, value: Any, vocab: int | None) -> None:
+    """``ValueError`` unless ``value`` is an int token id (not a bool) in ``[0, vocab)`` (``vocab=None``: any id >= 0).
+
+    >>> _check_token_id("eos_token_id", True, 10)
+    Traceback (most recent call last):
+    ...
+    ValueError: eos_token_id: got True (bool), expected an int token id in [0, 10)
+    """
+    want = f"an int token id in [0, {vocab})" if vocab is not None else "an int token id >= 0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: got {value!r} ({type(value).__name__}), expected {want}")
+    index = int(value)
+    if index < 0 or (vocab is not None and index >= vocab):
+        where = f" (the model's vocabulary has {vocab} ids)" if vocab is not None else ""
+        raise ValueError(f"{name}: got {value!r}, expected {want}{where}")
+
+
 class TorchEngine:
     """The in-process engine: :func:`generate` on the training model itself (co-located, shared weights).
 
@@ -154,6 +186,10 @@ class TorchEngine:
     """
 
     def __init__(self, model: Any, **sampling: Any):
+        vocab = _vocab_size(model)
+        for key in ("eos_token_id", "pad_token_id"):
+            if key in sampling:
+                _check_token_id(key, sampling[key], vocab)
         self.model, self.sampling = model, sampling
 
     def generate(

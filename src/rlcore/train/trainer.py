@@ -83,6 +83,7 @@ from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint,
 from rlcore.train.config import Config, check_launch
 from rlcore.train.context_parallel import (
     ContextParallelRecipe,
+    DataParallelRecipe,
     check_context_parallel_model,
     cp_logprob_stage,
     cp_rl_forward,
@@ -198,8 +199,9 @@ def make_generator(seed: int, rank: int, step: int, phase: int) -> torch.Generat
     return torch.Generator().manual_seed(value if -(2**63) <= value < 2**64 else value % 2**64)
 
 
-# Metrics that are shares of a loss normalised by global counts: summed over data-parallel ranks.
-_SUMMED = frozenset({"loss", "pg_loss", "vf_loss"})
+# The loss is each rank's share of a loss normalised by global counts: summed over data-parallel ranks.
+# The recipe's own metrics are already those of the whole batch (DataParallelRecipe, ContextParallelRecipe).
+_SUMMED = frozenset({"loss"})
 
 
 class _World:
@@ -254,9 +256,9 @@ class _World:
     def reduce(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One step's metric sums combined over the data-parallel ranks (a sum and a max all-reduce).
 
-        Sums (``_``-prefixed) and the losses normalised by global counts (``loss``,
-        ``pg_loss``, ``vf_loss``: each rank holds its share) are added; ``_lag_max`` is
-        the maximum; the recipe's other metrics (local means) are averaged.
+        Sums (``_``-prefixed) and the loss (each rank holds its share of a loss normalised
+        by global counts) are added; ``_lag_max`` is the maximum; the other metrics (the
+        recipe's, already the whole batch's and equal on every rank) are averaged.
         """
         if self.group is None:
             return values
@@ -846,7 +848,7 @@ def _graph(
     if isinstance(task, PreferencePrompts):  # the dataset's pairs: reference log-probs, then the update
         update = update_stage(
             preference_forward(models.policy),
-            algo,
+            algo if world.group is None else DataParallelRecipe(algo, world.group),
             opt,
             inputs=[*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", "prompt_mask", "iteration"],
             micro_batch=rl.mini_batch_size,
@@ -889,11 +891,13 @@ def _graph(
         forward = rl_forward(models.policy, critic=models.critic, temperature=rl.temperature)
         if world.cp is not None:
             forward = cp_rl_forward(models.policy, group=world.cp[0], mode=world.cp[1], temperature=rl.temperature)
-            recipe = ContextParallelRecipe(algo, world.cp[0])
+            recipe = ContextParallelRecipe(algo, world.cp[0], dp_group=world.group)
         extra = ["old_values", "returns"] if models.critic is not None else []
         inputs = ["prompts", "responses", *produced[:2], *extra, *logged]
     if rl.multi_turn is not None:  # the environments score; the forwards attend the observation tokens
-        stages, forward, inputs = multi_turn_graph(stages, forward, inputs, recipe)
+        stages, forward, inputs = multi_turn_graph(stages, forward, inputs, algo)
+    if world.cp is None and world.group is not None:  # the metrics of the whole batch on every rank
+        recipe = DataParallelRecipe(recipe, world.group)
     stages.append(
         update_stage(
             forward,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from rlcore._checks import check_floating, check_positive, check_same_shape
+from rlcore._checks import check_counts, check_floating, check_positive, check_same_shape
 from rlcore.algos.collectives import resolve_process_group
 from rlcore.ops import masked_whiten, pivot_shift, safe_div
 
@@ -40,7 +40,8 @@ def batch_moments(
 
     Args:
       x: values, any shape, floating point.
-      weights: same shape; nonzero marks an element that counts.
+      weights: same shape; nonzero marks an element that counts (weights ``>= 0``: a
+        negative one is a ``ValueError`` where it can be read without a sync).
       process_group: a process group or 1-D ``DeviceMesh``; ``None`` keeps it local.
 
     Returns:
@@ -50,6 +51,9 @@ def batch_moments(
     >>> dev.tolist(), float(count), float(mean), float(m2)  # sync-ok: doctest output
     ([-1.0, 1.0, 0.0], 2.0, 2.0, 2.0)
     """
+    check_floating("x", x)
+    check_same_shape("weights", weights, "x", x)
+    check_counts("weights", weights)
     d, w, pivot, count = pivot_shift(x.to(torch.float64), weights, None)
     on = w != 0
     mean_d = safe_div((d * w).sum(), count)
@@ -117,8 +121,10 @@ def batch_normalize(
     tensor([-1.,  0.,  1.])
     """
     check_floating("x", x)
-    check_positive("eps", eps, strict=False)
+    check_positive("eps", eps, strict=False, finite=True)
     check_same_shape("mask", mask, "x", x)
+    if mask.dtype != torch.bool:
+        check_counts("mask", mask)
     if process_group is None:
         return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, unbiased=unbiased)
     dev, count, mean, m2 = batch_moments(x, mask, process_group=process_group)

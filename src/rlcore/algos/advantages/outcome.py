@@ -79,7 +79,7 @@ def grpo_advantages(
     """
     n = check_outcome(scores, group_ids, num_groups, group_size, check_ids=False)  # checked by the segment op
     check_choice("scale", scale, _SCALES)
-    check_positive("eps", eps, strict=False)
+    check_positive("eps", eps, strict=False, finite=True)
     if scale == "group":
         return segment_zscore(scores, group_ids, num_segments=n, group_size=group_size, eps=eps)
     if group_ids is None:  # the declared layout (check_outcome requires group_size here)
@@ -162,11 +162,11 @@ def gpg_advantages(
     tensor([ 1., -1.,  0.,  0.])
     """
     n = check_outcome(scores, group_ids, num_groups)
-    check_positive("f_norm", f_norm)
+    check_positive("f_norm", f_norm, finite=True)
     if isinstance(alpha, str):
         check_choice("alpha", alpha, ("auto",))
     else:
-        check_positive("alpha", alpha)
+        check_positive("alpha", alpha, finite=True)
     s = scores.to(acc_dtype(scores.dtype))
     centred = segment_centred(s, group_ids, num_segments=n)
     if isinstance(alpha, str):  # "auto", the one name check_choice lets through

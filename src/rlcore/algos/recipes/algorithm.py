@@ -15,6 +15,7 @@ import torch
 from rlcore._checks import check_shape
 from rlcore.algos.aggregate import aggregate, global_counts
 from rlcore.algos.kl import KLController
+from rlcore.algos.metric_reduction import RL_METRIC_REDUCTIONS
 from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate
 
 __all__ = ["Algorithm", "Batch", "chain"]
@@ -110,6 +111,21 @@ class Algorithm(NamedTuple):
         before splitting it, and pass it to :meth:`loss` as ``**counts``.
         """
         return global_counts(batch_entry(batch, "mask", "the token mask"), process_group=process_group)
+
+    def metric_weight(self, batch: Batch) -> torch.Tensor:
+        """The weight of this batch's mean metrics when ranks combine them: the mask's total (its counted tokens).
+
+        The policy and value losses' metrics are means over the mask's weights;
+        :func:`rlcore.algos.reduce_metrics` weights each rank's by this.
+        """
+        mask = batch_entry(batch, "mask", "the token mask")
+        if mask.dtype == torch.bool:
+            return torch.count_nonzero(mask).float()
+        return mask.sum(dtype=torch.float64 if mask.dtype == torch.float64 else torch.float32).float()
+
+    def metric_reductions(self) -> dict[str, str]:
+        """How :meth:`loss`'s metrics combine over ranks: :data:`rlcore.algos.RL_METRIC_REDUCTIONS` (others: means)."""
+        return dict(RL_METRIC_REDUCTIONS)
 
     def loss(
         self,
