@@ -497,3 +497,25 @@ def test_torchrun_two_ranks_shard_each_global_batch_of_the_dataset(user, tmp_pat
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
     last = json.loads((folder / "rank0.jsonl").read_text().splitlines()[-1])
     assert last == sorted(set(sample_indices(len(rows), 4, seed=0, position=8).indices))
+
+
+def test_reprobe30_offline_dpo_with_the_progress_bar_exits_0_and_shows_the_dpo_metrics(user, tmp_path, capsys):
+    """Offline DPO with the progress bar on (the default): the final summary and the bar carry the DPO metrics
+    (there is no reward), and curves.png is written."""
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _preference_rows(16)))
+    config = tmp_path / "dpo.yaml"
+    config.write_text(DPO_CONFIG.format(model=user["model"]))
+    out = tmp_path / "out"
+    argv = ["train", "--config", str(config), "--dataset", str(data), "--output_dir", str(out)]
+    assert main([*argv, "trainer.progress=true", "trainer.plot=true", "trainer.steps=4"]) == 0
+    captured = capsys.readouterr()
+    done = [line for line in captured.out.splitlines() if line.startswith("done:")]
+    assert len(done) == 1 and "reward" not in done[0], done
+    records = read_metrics(out / "metrics.jsonl")
+    margins = sum(r["margins"] for r in records[:1]), sum(r["margins"] for r in records[-1:])
+    assert f"margins of steps 0-0 {margins[0]:.3f}, of steps 3-3 {margins[1]:.3f}" in done[0], done
+    assert "accuracies of steps 0-0" in done[0] and "loss of steps 0-0" in done[0], done
+    bar = captured.err.splitlines()
+    assert any("margin=" in line and "acc=" in line and "loss=" in line for line in bar), captured.err[-400:]
+    assert (out / "curves.png").is_file()

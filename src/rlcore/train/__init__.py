@@ -25,7 +25,7 @@ from rlcore.train.context_parallel import (
 )
 from rlcore.train.export_cli import export_checkpoint
 from rlcore.train.lora import LORA_KEYS, adapter_modules, attach_lora, check_lora_launch, lora_options
-from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
+from rlcore.train.metrics import MetricsLog, headline, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import (
     MESH_DIMS,
     check_parallel_sizes,
@@ -102,6 +102,7 @@ __all__ = [
     "filter_logits",
     "full_state_dict",
     "generate",
+    "headline",
     "left_pad",
     "load_checkpoint",
     "load_config",

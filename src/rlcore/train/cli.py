@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.overrides = [*args.overrides, *rest, *(f"{key}={json.dumps(v)}" for key, v in flags if v is not None)]
     signal.signal(signal.SIGTERM, _interrupt)
     from rlcore.train.config import load_config
+    from rlcore.train.metrics import headline
     from rlcore.train.trainer import train
 
     try:
@@ -85,14 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("rlcore: interrupted; the last checkpoint is intact", file=sys.stderr)
         return 130
     if records and cfg.trainer.progress and os.environ.get("RANK", "0") == "0":
-        k = max(1, len(records) // 10)
-        head, tail = records[:k], records[-k:]
-        first, last = (sum(r["reward"] for r in part) / len(part) for part in (head, tail))
-        # After a resume the records start at the checkpoint's step: name the steps, not "the first k".
-        span = lambda part: f"steps {part[0]['step']}-{part[-1]['step']}"  # noqa: E731
         print(
-            f"done: step {records[-1]['step']}; mean reward of {span(head)} {first:.3f}, "
-            f"of {span(tail)} {last:.3f}; metrics, curves.png, timeline.png and checkpoint in {cfg.trainer.output_dir}"
+            f"done: step {records[-1]['step']}; {headline(records)}; "
+            f"metrics, curves.png, timeline.png and checkpoint in {cfg.trainer.output_dir}"
         )
     return 0
 
