@@ -518,4 +518,5 @@ def test_reprobe30_offline_dpo_with_the_progress_bar_exits_0_and_shows_the_dpo_m
     assert "accuracies of steps 0-0" in done[0] and "loss of steps 0-0" in done[0], done
     bar = captured.err.splitlines()
     assert any("margin=" in line and "acc=" in line and "loss=" in line for line in bar), captured.err[-400:]
+    assert "Generating train split" not in captured.err  # datasets' bar does not cut into the run's
     assert (out / "curves.png").is_file()

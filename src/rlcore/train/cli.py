@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["main"]
 
@@ -44,6 +45,26 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _library_bars_off() -> Iterator[None]:
+    """Transformers' and datasets' own progress bars off for the run ("Writing model shards" at every save,
+    "Generating train split" at load would cut into the training bar); their warnings stay on."""
+    switches = []
+    for name in ("transformers.utils.logging", "datasets.utils.logging"):
+        try:
+            module = __import__(name, fromlist=["is_progress_bar_enabled"])
+        except ImportError:  # the optional dependency is not installed: nothing of it to silence
+            continue
+        switches.append((module, module.is_progress_bar_enabled()))
+        module.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for module, enabled in switches:
+            if enabled:
+                module.enable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlcore`` script; returns the exit status.
 
@@ -70,9 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        records = train(
-            cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change
-        ).records
+        with _library_bars_off():
+            records = train(
+                cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change
+            ).records
     except ValueError as err:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
