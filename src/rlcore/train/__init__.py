@@ -13,7 +13,7 @@ from rlcore.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
+from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, max_positions, parse_config
 from rlcore.train.context_parallel import (
     ContextParallelRecipe,
     check_context_parallel_model,
@@ -109,6 +109,7 @@ __all__ = [
     "logprob_stage",
     "make_generator",
     "make_task",
+    "max_positions",
     "multi_turn_graph",
     "multi_turn_rollout_stage",
     "parallelize",

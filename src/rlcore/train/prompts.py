@@ -21,7 +21,6 @@ when it has one.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,15 +76,22 @@ class HFTokenizer:
         return self.hf.decode(ids[:cut], skip_special_tokens=True)
 
 
-def _model_tokenizer(cfg: Config) -> tuple[Any, HFTokenizer]:
-    """The model directory's tokenizer, and its trainer interface; a dataset needs a directory, not an inline config."""
+def _load_tokenizer(cfg: Config) -> Any:
+    """``data.tokenizer`` when set, else the model directory's tokenizer; an inline config has none."""
+    if cfg.data.tokenizer is not None:
+        return load_tokenizer(cfg.data.tokenizer, what="data.tokenizer")
     path = cfg.model.model_name_or_path
     if not isinstance(path, str):
         raise ValueError(
-            "model.model_name_or_path: a prompt dataset (data.path) needs a model directory with a tokenizer, "
-            "got an inline config"
+            "model.model_name_or_path: a prompt dataset (data.path) needs a tokenizer: got an inline config, "
+            "expected a model directory with a tokenizer, or data.tokenizer set to a tokenizer directory"
         )
-    hf = load_tokenizer(path)
+    return load_tokenizer(path)
+
+
+def _model_tokenizer(cfg: Config) -> tuple[Any, HFTokenizer]:
+    """The run's Hugging Face tokenizer (:func:`_load_tokenizer`), and its trainer interface."""
+    hf = _load_tokenizer(cfg)
     return hf, HFTokenizer(hf)
 
 
@@ -350,10 +356,10 @@ def make_prompt_source(
 
 
 def source_tokenizer(cfg: Config, task_options: dict[str, Any]) -> Any:
-    """The run's tokenizer alone (what a rollout worker needs): the model directory's with a dataset, else the task's."""
+    """The run's tokenizer alone (what a rollout worker needs): with a dataset, ``data.tokenizer`` or the model
+    directory's; else the task's."""
     if cfg.data.path is not None:
-        assert isinstance(cfg.model.model_name_or_path, str)
-        return HFTokenizer(load_tokenizer(os.fspath(cfg.model.model_name_or_path)))
+        return HFTokenizer(_load_tokenizer(cfg))
     return make_task(cfg.data.task, **task_options).tokenizer
 
 
