@@ -301,10 +301,14 @@ def _validate(cfg: Config) -> None:
             f"config key 'trainer.seed': got {tr.seed}, expected an int in [-2**63, 2**64) (torch's range)"
         )
     _check_output_dir(tr.output_dir)
-    for key in ("path", "val_path", "tokenizer"):
+    for key, kind in (
+        ("path", "a dataset path"),
+        ("val_path", "a dataset path"),
+        ("tokenizer", "a tokenizer directory"),
+    ):
         value = getattr(cfg.data, key)
         if value is not None and not value.strip():
-            raise ValueError(f"config key 'data.{key}': got {value!r}, expected a path or null")
+            raise ValueError(f"config key 'data.{key}': got {value!r}, expected {kind} or null")
     _check_data_keys(cfg.data, rl.algo)
     if not 0 < rl.top_p <= 1:
         raise ValueError(f"config key 'rl.top_p': got {rl.top_p!r}, expected a value in (0, 1]")
