@@ -339,6 +339,10 @@ def test_reprobe_empty_dataset_path_names_the_key(key):
     [
         ({"tokenizer": "tok"}, "grpo", r"'data.tokenizer': got '.*tok' with data.path null, expected null"),
         ({"tokenizer": " "}, "grpo", r"'data.tokenizer': got ' ', expected a tokenizer directory or null"),
+        ({"val_path": "v.jsonl"}, "grpo", r"'data.val_path': got '.*v.jsonl' with data.path null, expected null"),
+        ({"max_prompt_length": 8}, "grpo", r"'data.max_prompt_length': got 8 with data.path null, expected null"),
+        ({"max_response_length": 8}, "dpo", r"'data.max_response_length': got 8 with data.path null"),
+        ({"system_prompt": "Be brief."}, "grpo", r"'data.system_prompt': got 'Be brief.' with data.path null"),
         (
             {"path": "p.jsonl", "chosen_key": "a", "rejected_key": "a"},
             "dpo",

@@ -338,11 +338,13 @@ def _validate(cfg: Config) -> None:
 
 def _check_data_keys(data: DataConfig, algo: str) -> None:
     """The dataset keys that contradict each other, refused before any work."""
-    if data.tokenizer is not None and data.path is None:
-        raise ValueError(
-            f"config key 'data.tokenizer': got {data.tokenizer!r} with data.path null, expected null "
-            "(the built-in tasks have their own tokenizer; a tokenizer is for a dataset)"
-        )
+    if data.path is None:  # the built-in task: a dataset's keys would be ignored without a word
+        for key in ("tokenizer", "val_path", "max_prompt_length", "max_response_length", "system_prompt"):
+            if getattr(data, key) is not None:
+                raise ValueError(
+                    f"config key 'data.{key}': got {getattr(data, key)!r} with data.path null, expected null "
+                    f"(it applies to a dataset; the built-in task data.task={data.task!r} ignores it)"
+                )
     if algo == "dpo" and data.path is not None:
         if data.chosen_key == data.rejected_key:
             raise ValueError(
