@@ -293,6 +293,13 @@ def _truncated_parquet(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _empty_parquet(path: Path) -> Path:
+    import datasets
+
+    datasets.Dataset.from_dict({"prompt": [], "answer": []}).to_parquet(str(path))
+    return path
+
+
 def _saved(path: Path, rows: list[dict], damage: str) -> Path:
     import datasets
 
@@ -328,6 +335,8 @@ MALFORMED = {
         lambda d, rows: _bytes(d / "p.csv", b"prompt,answer\ncaf\xe9,1\n"),
         r"line 2 of '.*p\.csv' is not UTF-8",
     ),
+    "csv of its header alone": (lambda d, rows: _text(d / "p.csv", "prompt,answer\n"), r"it holds no rows"),
+    "parquet of no rows": (lambda d, rows: _empty_parquet(d / "p.parquet"), r"'.*p\.parquet' holds no rows"),
     "truncated parquet": (lambda d, rows: _truncated_parquet(d / "p.parquet", rows), r"parquet file: ArrowInvalid"),
     "parquet that is text": (lambda d, rows: _text(d / "p.parquet", "prompt\n"), r"not a readable parquet file"),
     "saved dataset, truncated shard": (

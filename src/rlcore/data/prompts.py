@@ -53,6 +53,16 @@ def _reader_errors_unlogged(kind: str) -> Iterator[None]:
         logger.removeFilter(drop)
 
 
+def _parquet_rows(path: str) -> int | None:
+    """The rows a Parquet file's footer declares, or None when it cannot be read (the reader then says why)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except Exception:  # a damaged file: the reader's error names it
+        return None
+
+
 def _check_utf8(path: str, what: str) -> None:
     """A text file that is not UTF-8 is refused naming its line (pyarrow would read the bytes and fail later)."""
     import codecs
@@ -153,6 +163,8 @@ def read_table(path: str | os.PathLike, *, split: str = "train", what: str = "da
             raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
         if kind != "parquet":
             _check_utf8(path, what)
+        elif _parquet_rows(path) == 0:  # pyarrow's reader fails on it with "BatchSize must be greater than 0"
+            raise ValueError(f"{what}: {path!r} holds no rows, expected at least one prompt")
         reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet}.get(
             kind, datasets.Dataset.from_csv
         )
@@ -161,6 +173,8 @@ def read_table(path: str | os.PathLike, *, split: str = "train", what: str = "da
                 table = reader(path, keep_in_memory=True)
         except Exception as err:  # datasets' and pyarrow's own errors (ValueErrors among them), named
             problem = _json_problem(path) if kind == "json" else None
+            if problem is None and "corresponds to no data" in str(err):  # a CSV of its header alone, say
+                problem = "it holds no rows, expected at least one prompt"
             raise ValueError(f"{what}: {path!r} is not a readable {kind} file: {problem or _one_line(err)}") from err
     if len(table) == 0:
         raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
