@@ -339,6 +339,16 @@ def test_reprobe_empty_dataset_path_names_the_key(key):
     [
         ({"tokenizer": "tok"}, "grpo", r"'data.tokenizer': got '.*tok' with data.path null, expected null"),
         ({"tokenizer": " "}, "grpo", r"'data.tokenizer': got ' ', expected a tokenizer directory or null"),
+        ({"task": "addition", "digits": 0}, "grpo", r"'data.digits': got 0, expected >= 1"),
+        ({"task": "reversal", "min_length": 5}, "grpo", r"'data.min_length': got 5 with data.length 4, expected 1 <="),
+        ({"task": "reversal", "min_length": 0}, "grpo", r"'data.min_length': got 0 with data.length 4"),
+        ({"task": "reversal", "letters": ""}, "grpo", r"'data.letters': got '', expected distinct characters"),
+        ({"task": "reversal", "letters": "aba"}, "grpo", r"'data.letters': got 'aba', expected distinct"),
+        (
+            {"task": "reversal", "letters": "ab>"},
+            "grpo",
+            r"'data.letters': got 'ab>', expected distinct characters other",
+        ),
         ({"val_path": "v.jsonl"}, "grpo", r"'data.val_path': got '.*v.jsonl' with data.path null, expected null"),
         ({"max_prompt_length": 8}, "grpo", r"'data.max_prompt_length': got 8 with data.path null, expected null"),
         ({"max_response_length": 8}, "dpo", r"'data.max_response_length': got 8 with data.path null"),

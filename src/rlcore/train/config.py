@@ -338,6 +338,19 @@ def _validate(cfg: Config) -> None:
 
 def _check_data_keys(data: DataConfig, algo: str) -> None:
     """The dataset keys that contradict each other, refused before any work."""
+    if data.path is None and data.task in ("addition", "multiplication") and data.digits < 1:
+        raise ValueError(f"config key 'data.digits': got {data.digits}, expected >= 1")
+    if data.path is None and data.task == "reversal":
+        if not 1 <= data.min_length <= data.length:
+            raise ValueError(
+                f"config key 'data.min_length': got {data.min_length} with data.length {data.length}, "
+                "expected 1 <= data.min_length <= data.length"
+            )
+        if not data.letters or len(set(data.letters)) != len(data.letters) or ">" in data.letters:
+            raise ValueError(
+                f"config key 'data.letters': got {data.letters!r}, expected distinct characters other than '>' "
+                "(the prompt's separator)"
+            )
     if data.path is None:  # the built-in task: a dataset's keys would be ignored without a word
         for key in ("tokenizer", "val_path", "max_prompt_length", "max_response_length", "system_prompt"):
             if getattr(data, key) is not None:
