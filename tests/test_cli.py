@@ -258,3 +258,19 @@ def test_reprobe_output_dir_os_errors_exit_2_with_one_line(tmp_path, capsys, mon
     assert main(["train", "--config", CONFIG, f"trainer.output_dir={tmp_path / 'out'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlcore: error: ") and "Permission denied" in err and err.count("\n") == 1
+
+
+def test_reprobe30_grpo_with_the_progress_bar_exits_0_with_its_reward_and_no_library_bars(tmp_path, capsys):
+    """A GRPO run with the progress bar on: the summary and the bar carry the reward; transformers' shard-writing
+    bar does not cut into the training bar at each save."""
+    out = tmp_path / "run"
+    argv = ["train", "--config", CONFIG, *TINY, "trainer.steps=2", "trainer.save_every=1", f"trainer.output_dir={out}"]
+    assert main([*argv, "trainer.progress=true"]) == 0
+    captured = capsys.readouterr()
+    records = read_metrics(out / "metrics.jsonl")
+    done = [line for line in captured.out.splitlines() if line.startswith("done:")]
+    expected = f"mean reward of steps 0-0 {records[0]['reward']:.3f}, of steps 1-1 {records[1]['reward']:.3f}"
+    assert len(done) == 1 and expected in done[0], done
+    assert "reward=" in captured.err and "kl=" in captured.err and "margin=" not in captured.err
+    assert (out / "hf" / "config.json").is_file()  # the export ran, at every save
+    assert "Writing model shards" not in captured.err, captured.err[-600:]

@@ -332,3 +332,77 @@ def test_reprobe_empty_dataset_path_names_the_key(key):
     # `--dataset ""` said the run needed a model directory with a tokenizer.
     with pytest.raises(ValueError, match=rf"^config key 'data.{key}': got '', expected a dataset path or null$"):
         parse_config({"model": {"model_name_or_path": INLINE}, "data": {key: ""}})
+
+
+@pytest.mark.parametrize(
+    "data, algo, message",
+    [
+        ({"tokenizer": "tok"}, "grpo", r"'data.tokenizer': got '.*tok' with data.path null, expected null"),
+        ({"tokenizer": " "}, "grpo", r"'data.tokenizer': got ' ', expected a tokenizer directory or null"),
+        ({"task": "addition", "digits": 0}, "grpo", r"'data.digits': got 0, expected >= 1"),
+        ({"task": "reversal", "min_length": 5}, "grpo", r"'data.min_length': got 5 with data.length 4, expected 1 <="),
+        ({"task": "reversal", "min_length": 0}, "grpo", r"'data.min_length': got 0 with data.length 4"),
+        ({"task": "reversal", "letters": ""}, "grpo", r"'data.letters': got '', expected distinct characters"),
+        ({"task": "reversal", "letters": "aba"}, "grpo", r"'data.letters': got 'aba', expected distinct"),
+        (
+            {"task": "reversal", "letters": "ab>"},
+            "grpo",
+            r"'data.letters': got 'ab>', expected distinct characters other",
+        ),
+        ({"val_path": "v.jsonl"}, "grpo", r"'data.val_path': got '.*v.jsonl' with data.path null, expected null"),
+        ({"max_prompt_length": 8}, "grpo", r"'data.max_prompt_length': got 8 with data.path null, expected null"),
+        ({"max_response_length": 8}, "dpo", r"'data.max_response_length': got 8 with data.path null"),
+        ({"system_prompt": "Be brief."}, "grpo", r"'data.system_prompt': got 'Be brief.' with data.path null"),
+        (
+            {"path": "p.jsonl", "chosen_key": "a", "rejected_key": "a"},
+            "dpo",
+            r"'data.rejected_key': got 'a', the same column as data.chosen_key",
+        ),
+        ({"path": "p.jsonl", "chosen_key": "prompt"}, "dpo", r"'data.chosen_key': got 'prompt', the same column as"),
+    ],
+)
+def test_reprobe30_contradicting_data_keys_are_refused(tmp_path, data, algo, message):
+    raw = {"model": {"model_name_or_path": INLINE}, "rl": {"algo": algo, "num_rollouts": 1}, "data": data}
+    with pytest.raises(ValueError, match=message):
+        load_config(_write(tmp_path, raw))
+
+
+def test_reprobe30_data_paths_in_a_config_file_are_relative_to_it_and_overrides_to_the_working_directory(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "conf").mkdir()
+    raw = {"model": {"model_name_or_path": INLINE}, "data": {"path": "d/p.jsonl", "val_path": "/abs/v.jsonl"}}
+    raw["data"]["tokenizer"] = "tok"
+    path = tmp_path / "conf" / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(path)
+    conf = tmp_path / "conf"
+    assert (cfg.data.path, cfg.data.val_path, cfg.data.tokenizer) == (
+        str(conf / "d/p.jsonl"),
+        "/abs/v.jsonl",
+        str(conf / "tok"),
+    )
+    cfg = load_config(path, ["data.path=mine.jsonl"])  # --dataset: the working directory's
+    assert cfg.data.path == "mine.jsonl" and cfg.data.tokenizer == str(conf / "tok")
+
+
+@pytest.mark.parametrize(
+    "algo, key, value", [("grpo", "rl.max_new_tokens", 40), ("dpo", "data.max_response_length", 40)]
+)
+def test_reprobe30_the_position_limit_is_checked_with_a_dataset(tiny_model_dir, algo, key, value):
+    # prompts of up to 30 tokens and 40 more need 70 positions; the model has INLINE's default, 32768 -> set 64.
+    raw = {
+        "model": {"model_name_or_path": {**INLINE, "max_position_embeddings": 64}},
+        "rl": {"algo": algo, "num_rollouts": 1 if algo == "dpo" else 2},
+        "data": {"path": "p.jsonl", "max_prompt_length": 30},
+    }
+    section, name = key.split(".")
+    raw[section][name] = value
+    with pytest.raises(
+        ValueError,
+        match=rf"config key '{key}': got 40; prompts of up to data.max_prompt_length=30 tokens then need 70 positions, more than the model's max_position_embeddings=64",
+    ):
+        parse_config(raw)
+    raw[section][name] = 34
+    assert parse_config(raw).data.max_prompt_length == 30

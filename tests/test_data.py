@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.data import epoch_permutation, load_preferences, load_prompts, read_table, sample_indices
+from rlcore.data import RESERVED_COLUMNS, epoch_permutation, load_preferences, load_prompts, read_table, sample_indices
 from rlcore.testing.hf_fixtures import arithmetic_rows, tiny_tokenizer, write_prompt_files
 
 
@@ -130,7 +130,10 @@ def test_errors_are_one_line_and_name_the_thing(tmp_path, rows):
         (lambda: load_prompts(path, answer_key="solution"), r"answer_key: column 'solution' is not in '.*p\.jsonl'"),
         (lambda: load_prompts((tmp_path / "e.jsonl").open("w").close() or tmp_path / "e.jsonl"), "is empty"),
         (lambda: load_prompts(tmp_path / "p.txt"), "expected a file ending in"),
-        (lambda: read_table(tmp_path / "bad.jsonl", what="data.val_path"), r"data\.val_path: reading .* failed with"),
+        (
+            lambda: read_table(tmp_path / "bad.jsonl", what="data.val_path"),
+            r"data\.val_path: '.*bad\.jsonl' is not a readable json file: line 2 is not valid JSON",
+        ),
     ]
     (tmp_path / "p.txt").write_text("x")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{not json\n')
@@ -264,3 +267,139 @@ def test_preference_errors_name_the_column_and_the_file(tmp_path, rows, tokenize
         load_preferences(bad, tokenizer=tokenizer, max_response_length=0)
     with pytest.raises(ValueError, match="tokenizer: got None"):
         load_preferences(bad, tokenizer=None)
+
+
+@pytest.mark.parametrize("name", RESERVED_COLUMNS)
+def test_reprobe30_a_column_named_as_a_reward_argument_is_refused_at_load(tmp_path, rows, tokenizer, name):
+    # The trainer calls reward(prompts, responses, batch=..., **columns): such a column failed at step 0 with
+    # "TypeError: got multiple values".
+    path = _write_jsonl(tmp_path / "p.jsonl", [{**r, name: 1} for r in rows])
+    with pytest.raises(ValueError, match=rf"data\.path: '.*p\.jsonl' has a column named '{name}'.*rename that column"):
+        load_prompts(path)
+    assert {"prompts", "responses", "batch"} <= set(RESERVED_COLUMNS)
+    # A preference dataset's response columns never reach the rewards: any name does.
+    pairs = [{"prompt": p["prompt"], "responses": p["chosen"], "rejected": p["rejected"]} for p in _pairs(rows)]
+    assert len(
+        load_preferences(_write_jsonl(tmp_path / "pairs.jsonl", pairs), tokenizer=tokenizer, chosen_key="responses")
+    ) == len(rows)
+
+
+def _truncated_parquet(path: Path, rows: list[dict]) -> Path:
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def _empty_parquet(path: Path) -> Path:
+    import datasets
+
+    datasets.Dataset.from_dict({"prompt": [], "answer": []}).to_parquet(str(path))
+    return path
+
+
+def _saved(path: Path, rows: list[dict], damage: str) -> Path:
+    import datasets
+
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    arrow = next(path.glob("*.arrow"))
+    if damage == "truncated":
+        arrow.write_bytes(arrow.read_bytes()[:100])
+    elif damage == "missing shard":
+        arrow.unlink()
+    else:
+        (path / "state.json").write_text("{broken")
+    return path
+
+
+MALFORMED = {
+    "jsonl of blank lines": (lambda d, rows: _text(d / "p.jsonl", "\n\n  \n"), r"holds only blank lines"),
+    "jsonl with a broken line": (
+        lambda d, rows: _text(d / "p.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n{"prompt": "c"}\n'),
+        r"line 3 is not valid JSON",
+    ),
+    "jsonl with a list line": (lambda d, rows: _text(d / "p.jsonl", '{"prompt": "a"}\n[1, 2]\n'), r"line 2 holds list"),
+    "jsonl of non-UTF-8 bytes": (
+        lambda d, rows: _bytes(d / "p.jsonl", b'{"prompt": "a"}\n{"prompt": "\xff\xfe"}\n'),
+        r"line 2 of '.*p\.jsonl' is not UTF-8 text",
+    ),
+    "json cut short": (
+        lambda d, rows: _text(d / "p.json", '[{"prompt": "a"},\n {"prompt": '),
+        r"line 2 column 13: Expecting value",
+    ),
+    "csv with an open quote": (lambda d, rows: _text(d / "p.csv", 'prompt,answer\n"a,b\n'), r"csv file: ParserError"),
+    "csv of blank lines": (lambda d, rows: _text(d / "p.csv", "\n\n"), r"csv file: EmptyDataError"),
+    "csv of latin-1 bytes": (
+        lambda d, rows: _bytes(d / "p.csv", b"prompt,answer\ncaf\xe9,1\n"),
+        r"line 2 of '.*p\.csv' is not UTF-8",
+    ),
+    "csv of its header alone": (lambda d, rows: _text(d / "p.csv", "prompt,answer\n"), r"it holds no rows"),
+    "parquet of no rows": (lambda d, rows: _empty_parquet(d / "p.parquet"), r"'.*p\.parquet' holds no rows"),
+    "truncated parquet": (lambda d, rows: _truncated_parquet(d / "p.parquet", rows), r"parquet file: ArrowInvalid"),
+    "parquet that is text": (lambda d, rows: _text(d / "p.parquet", "prompt\n"), r"not a readable parquet file"),
+    "saved dataset, truncated shard": (
+        lambda d, rows: _saved(d / "saved", rows, "truncated"),
+        r"reading the saved dataset '.*saved' failed",
+    ),
+    "saved dataset, missing shard": (
+        lambda d, rows: _saved(d / "saved", rows, "missing shard"),
+        r"reading the saved dataset '.*saved' failed with FileNotFoundError",
+    ),
+    "saved dataset, broken state.json": (
+        lambda d, rows: _saved(d / "saved", rows, "state"),
+        r"reading the saved dataset '.*saved' failed with JSONDecodeError",
+    ),
+    "directory that is no dataset": (
+        lambda d, rows: _text(d / "folder" / "notes.txt", "x").parent,
+        r"reading the saved dataset '.*folder' failed",
+    ),
+}
+
+
+def _text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_reprobe30_malformed_files_are_one_line_naming_the_file(tmp_path, rows, case, capfd):
+    make, pattern = MALFORMED[case]
+    path = make(tmp_path, rows)
+    with pytest.raises(ValueError, match=pattern) as info:
+        load_prompts(path, what="data.val_path")
+    message = str(info.value)
+    assert message.startswith("data.val_path: ") and str(path) in message and "\n" not in message, message
+    assert "Failed to" not in capfd.readouterr().err  # datasets' own log line of the same failure is not printed
+
+
+@pytest.mark.parametrize(
+    "template, pattern",
+    [
+        ("{% for m in messages %}{{ m.content }", r"TemplateSyntaxError"),
+        ("{{ raise_exception('only user turns') }}", r"only user turns"),
+        ("{{ messages[0].content.nope.deeper }}", r"UndefinedError"),
+    ],
+)
+def test_reprobe30_chat_template_errors_name_the_row_and_the_file(tmp_path, rows, template, pattern):
+    tok = tiny_tokenizer([r["prompt"] for r in rows], chat_template=template)
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(
+        ValueError,
+        match=rf"apply_chat_template: the tokenizer's chat template failed on row 0 of '.*p\.jsonl': .*{pattern}",
+    ) as info:
+        load_prompts(path, tokenizer=tok)
+    assert "\n" not in str(info.value)
+
+
+def test_reprobe30_the_same_column_chosen_and_rejected_is_refused(tmp_path, rows, tokenizer):
+    path = _write_jsonl(tmp_path / "pairs.jsonl", _pairs(rows))
+    with pytest.raises(ValueError, match=r"rejected_key: got 'chosen', the same column as chosen_key"):
+        load_preferences(path, tokenizer=tokenizer, rejected_key="chosen")

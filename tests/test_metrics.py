@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlcore.train import MetricsLog, read_metrics
+from rlcore.train import MetricsLog, headline, plot_curves, read_metrics
 
 
 def _write(path, records, tail=""):
@@ -38,3 +38,42 @@ def test_damaged_metrics_lines_name_the_file_and_line(tmp_path):
     # A fresh run (no resume) overwrites whatever is there without reading it.
     MetricsLog(path, total=1, start=0, progress=False).close()
     assert read_metrics(path) == []
+
+
+def _panels(monkeypatch, records, tmp_path):
+    """The y labels of the panels plot_curves draws."""
+    import matplotlib.figure
+
+    seen = []
+    save = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        seen.append([ax.get_ylabel() for ax in fig.axes])
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    assert plot_curves(records, tmp_path / "curves.png").is_file()
+    return seen[-1]
+
+
+def test_reprobe30_offline_dpo_curves_plot_its_loss_margins_and_accuracies(tmp_path, monkeypatch):
+    dpo = [{"step": s, "loss": 0.69 - s / 100, "margins": s / 10, "accuracies": s / 4} for s in range(4)]
+    assert _panels(monkeypatch, dpo, tmp_path) == ["loss", "margins", "accuracies"]
+    rl = [{"step": s, "reward": s / 4, "kl": 0.0, "loss": 1e-8} for s in range(4)]
+    assert _panels(monkeypatch, rl, tmp_path) == ["reward", "kl"]
+
+
+def test_reprobe30_headline_and_bar_name_the_dpo_metrics_when_there_is_no_reward(tmp_path, capsys):
+    dpo = [{"step": s + 5, "loss": 0.7 - s / 10, "margins": s / 2, "accuracies": s / 19} for s in range(20)]
+    # first 10% = steps 5-6 (margins 0, 0.5), last 10% = steps 23-24 (margins 9, 9.5)
+    assert headline(dpo).startswith("margins of steps 5-6 0.250, of steps 23-24 9.250; accuracies of steps 5-6 0.026")
+    assert "loss of steps 5-6 0.650, of steps 23-24 -1.150" in headline(dpo)
+    assert headline([{"step": 0, "reward": 0.25}]) == "mean reward of steps 0-0 0.250, of steps 0-0 0.250"
+    bars = []
+    for record in (dpo[-1], {"step": 1, "reward": 0.5, "loss": 1e-8}):
+        log = MetricsLog(tmp_path / "m.jsonl", total=2, start=0, progress=True)
+        log.write(record)
+        log.close()
+        bars.append(capsys.readouterr().err)
+    assert "loss=-1.2" in bars[0] and "margin=9.5" in bars[0] and "acc=1" in bars[0], bars
+    assert "reward=0.5" in bars[1] and "loss=" not in bars[1], bars  # an RL run's headline is its reward

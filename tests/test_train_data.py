@@ -497,3 +497,96 @@ def test_torchrun_two_ranks_shard_each_global_batch_of_the_dataset(user, tmp_pat
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
     last = json.loads((folder / "rank0.jsonl").read_text().splitlines()[-1])
     assert last == sorted(set(sample_indices(len(rows), 4, seed=0, position=8).indices))
+
+
+def test_reprobe30_offline_dpo_with_the_progress_bar_exits_0_and_shows_the_dpo_metrics(user, tmp_path, capsys):
+    """Offline DPO with the progress bar on (the default): the final summary and the bar carry the DPO metrics
+    (there is no reward), and curves.png is written."""
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _preference_rows(16)))
+    config = tmp_path / "dpo.yaml"
+    config.write_text(DPO_CONFIG.format(model=user["model"]))
+    out = tmp_path / "out"
+    argv = ["train", "--config", str(config), "--dataset", str(data), "--output_dir", str(out)]
+    assert main([*argv, "trainer.progress=true", "trainer.plot=true", "trainer.steps=4"]) == 0
+    captured = capsys.readouterr()
+    done = [line for line in captured.out.splitlines() if line.startswith("done:")]
+    assert len(done) == 1 and "reward" not in done[0], done
+    records = read_metrics(out / "metrics.jsonl")
+    margins = sum(r["margins"] for r in records[:1]), sum(r["margins"] for r in records[-1:])
+    assert f"margins of steps 0-0 {margins[0]:.3f}, of steps 3-3 {margins[1]:.3f}" in done[0], done
+    assert "accuracies of steps 0-0" in done[0] and "loss of steps 0-0" in done[0], done
+    bar = captured.err.splitlines()
+    assert any("margin=" in line and "acc=" in line and "loss=" in line for line in bar), captured.err[-400:]
+    assert "Generating train split" not in captured.err  # datasets' bar does not cut into the run's
+    assert (out / "curves.png").is_file()
+
+
+def _one_error_line(capsys) -> str:
+    """The CLI's whole stderr, which must be one line (no library log or progress lines beside it)."""
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rlcore: error: "), lines
+    return lines[0]
+
+
+def test_reprobe30_malformed_datasets_exit_2_from_the_cli_with_one_line_naming_the_file(user, tmp_path, capsys):
+    import datasets
+
+    rows = [json.loads(line) for line in Path(user["train"]).read_text().splitlines()]
+    cases = {"blank.jsonl": b"\n\n", "broken.jsonl": b'{"prompt": "x", "answer": "1", "a": 1, "b": 0}\n{"prompt": \n'}
+    cases["latin.jsonl"] = b'{"prompt": "caf\xe9", "answer": "1", "a": 1, "b": 0}\n'
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "cut.parquet"))
+    (tmp_path / "cut.parquet").write_bytes((tmp_path / "cut.parquet").read_bytes()[:300])
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps({**r, "batch": 1}) + "\n" for r in rows))
+    capsys.readouterr()
+    expected = {
+        "blank.jsonl": "holds only blank lines",
+        "broken.jsonl": "line 2 is not valid JSON",
+        "latin.jsonl": "line 1 of",
+        "cut.parquet": "not a readable parquet file",
+        "batch.jsonl": "has a column named 'batch'",
+    }
+    for name, words in expected.items():
+        assert main(["train", "--config", str(user["config"]), "--dataset", str(tmp_path / name)]) == 2, name
+        err = _one_error_line(capsys)
+        assert str(tmp_path / name) in err and words in err, err
+
+
+def test_reprobe30_the_position_limit_is_checked_on_the_dataset(user, tmp_path, capsys):
+    # The model has 512 positions; the config cannot know the prompts' lengths, the load does.
+    assert (
+        main(["train", "--config", str(user["config"]), "--dataset", str(user["train"]), "rl.max_new_tokens=505"]) == 2
+    )
+    err = _one_error_line(capsys)
+    assert re.search(
+        r"data\.(val_)?path: row \d+ of '.*' needs \d+ positions \(its prompt and rl\.max_new_tokens=505\), more than the model's max_position_embeddings=512",
+        err,
+    ), err
+    config = tmp_path / "dpo.yaml"
+    config.write_text(
+        DPO_CONFIG.format(model=user["model"]).replace("max_response_length: 12", "max_response_length: 600")
+    )
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({**r, "chosen": "7 " * 270}) + "\n" for r in _preference_rows(4)))
+    assert main(["train", "--config", str(config), "--dataset", str(data), "--output_dir", str(tmp_path / "o")]) == 2
+    err = _one_error_line(capsys)
+    assert "data.path: row 0 of" in err and "(its prompt and its longer response), more than the model's" in err, err
+
+
+SHIPPED_DPO = Path(__file__).resolve().parents[1] / "configs" / "dpo_offline_tiny.yaml"
+
+
+def test_reprobe30_the_shipped_offline_dpo_config_learns_with_the_progress_bar_on(tmp_path, capsys):
+    """configs/dpo_offline_tiny.yaml on a shortened schedule: the CLI exits 0 with the progress bar on (the
+    default), and the implicit reward margin rises from its first to its last steps (the full run: shipped-configs)."""
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(SHIPPED_DPO), "--output_dir", str(out), "trainer.steps=20"]) == 0
+    captured = capsys.readouterr()
+    assert "512 preference pairs" in captured.out and "done: step 19; margins of steps 0-1" in captured.out
+    assert "margin=" in captured.err
+    records = read_metrics(out / "metrics.jsonl")
+    margins = [r["margins"] for r in records]
+    assert len(margins) == 20 and sum(margins[-2:]) / 2 > sum(margins[:2]) / 2 + 0.01, margins
+    assert (out / "hf" / "tokenizer.json").is_file()  # the shipped tokenizer travels with the export

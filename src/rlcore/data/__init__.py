@@ -4,11 +4,12 @@
 """
 
 from rlcore.data.preferences import PreferenceSet, load_preferences
-from rlcore.data.prompts import OVERLONG, PromptSet, load_prompts, read_table
+from rlcore.data.prompts import OVERLONG, RESERVED_COLUMNS, PromptSet, load_prompts, read_table
 from rlcore.data.sampling import PromptDraw, epoch_permutation, sample_indices
 
 __all__ = [
     "OVERLONG",
+    "RESERVED_COLUMNS",
     "PreferenceSet",
     "PromptDraw",
     "PromptSet",

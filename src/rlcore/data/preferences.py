@@ -117,6 +117,10 @@ def load_preferences(
         raise ValueError(f"max_response_length: got {max_response_length!r}, expected a positive int or None")
     if overlong not in OVERLONG:
         raise ValueError(f"overlong: got {overlong!r}, expected one of {list(OVERLONG)}")
+    if chosen_key == rejected_key:
+        raise ValueError(
+            f"rejected_key: got {rejected_key!r}, the same column as chosen_key; expected the dispreferred responses"
+        )
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     if not isinstance(eos, int):
         raise ValueError(f"eos_token_id: got {eos!r}, and the tokenizer has no EOS token; expected an int")
@@ -131,6 +135,7 @@ def load_preferences(
         overlong=overlong,
         split=split,
         what=what,
+        response_keys=(chosen_key, rejected_key),
     )
     source = prompts.source
     for name, key in (("chosen_key", chosen_key), ("rejected_key", rejected_key)):

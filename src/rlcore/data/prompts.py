@@ -9,21 +9,104 @@ is imported on first use; nothing is ever downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["OVERLONG", "PromptSet", "load_prompts", "read_table"]
+__all__ = ["OVERLONG", "RESERVED_COLUMNS", "PromptSet", "load_prompts", "read_table"]
 
 OVERLONG = ("drop", "truncate_left", "truncate_right", "error")
+#: Column names a prompt dataset may not have: the trainer passes the other columns to the
+#: rewards as keywords beside these arguments (``reward(prompts, responses, batch=..., **columns)``).
+RESERVED_COLUMNS = ("prompts", "responses", "batch", "reward", "self")
 _SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_CHUNK = 1 << 20
 
 
 def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
+    # datasets wraps the reader's error in a DatasetGenerationError that says nothing: name the cause.
+    while type(err).__name__ == "DatasetGenerationError" and (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+class _DropErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _reader_errors_unlogged(kind: str) -> Iterator[None]:
+    """datasets' readers log their failure before raising it; the raised error is reported (named) instead,
+    so the user sees one line. Their warnings still reach the log."""
+    logger = logging.getLogger(f"datasets.packaged_modules.{kind}.{kind}")
+    drop = _DropErrors()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _parquet_rows(path: str) -> int | None:
+    """The rows a Parquet file's footer declares, or None when it cannot be read (the reader then says why)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except Exception:  # a damaged file: the reader's error names it
+        return None
+
+
+def _check_utf8(path: str, what: str) -> None:
+    """A text file that is not UTF-8 is refused naming its line (pyarrow would read the bytes and fail later)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                line += chunk.count(b"\n", 0, max(err.start, 0))
+                raise ValueError(f"{what}: line {line} of {path!r} is not UTF-8 text ({err.reason})") from None
+            if not chunk:
+                return
+            line += chunk.count(b"\n")
+
+
+def _json_problem(path: str) -> str | None:
+    """Where a JSON / JSON Lines file is malformed, in words with its line; None when the json module reads it."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        return "it holds only blank lines, expected one JSON object per line"
+    if text.lstrip().startswith("["):  # one JSON document: a list of records
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"line {err.lineno} column {err.colno}: {err.msg}"
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        if bad is not None:
+            return f"item {bad} of its list holds {type(rows[bad]).__name__}, expected an object of columns"
+        return None if rows else "it holds an empty list, expected at least one record"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"line {number} is not valid JSON ({err.msg} at column {err.colno})"
+        if not isinstance(row, dict):
+            return f"line {number} holds {type(row).__name__}, expected a JSON object of columns"
+    return None
 
 
 def _saved_without_rows(path: str, split: str) -> bool:
@@ -59,29 +142,40 @@ def read_table(path: str | os.PathLike, *, split: str = "train", what: str = "da
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"{what}: got {path!r}, which does not exist (rlcore reads local datasets only)")
-    try:
-        if os.path.isdir(path):
-            if _saved_without_rows(path, split):
-                raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
+    if os.path.isdir(path):
+        if _saved_without_rows(path, split):
+            raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
+        try:
             table = datasets.load_from_disk(path)
-            if isinstance(table, datasets.DatasetDict):
-                if split not in table:
-                    raise ValueError(f"{what}: {path!r} holds splits {sorted(table)}, expected one named {split!r}")
-                table = table[split]
-        else:
-            kind = _SUFFIXES.get(os.path.splitext(path)[1].lower())
-            if kind is None:
-                raise ValueError(f"{what}: got {path!r}, expected a file ending in {sorted(_SUFFIXES)} or a directory")
-            if os.path.getsize(path) == 0:
-                raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
-            reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet}.get(
-                kind, datasets.Dataset.from_csv
-            )
-            table = reader(path, keep_in_memory=True)
-    except ValueError:
-        raise
-    except Exception as err:
-        raise ValueError(f"{what}: reading {path!r} failed with {_one_line(err)}") from err
+        except Exception as err:  # datasets' and pyarrow's own errors (ValueErrors among them), named
+            raise ValueError(f"{what}: reading the saved dataset {path!r} failed with {_one_line(err)}") from err
+        if isinstance(table, datasets.DatasetDict):
+            if split not in table:
+                raise ValueError(f"{what}: {path!r} holds splits {sorted(table)}, expected one named {split!r}")
+            table = table[split]
+    else:
+        kind = _SUFFIXES.get(os.path.splitext(path)[1].lower())
+        if kind is None:
+            raise ValueError(f"{what}: got {path!r}, expected a file ending in {sorted(_SUFFIXES)} or a directory")
+        if not os.path.isfile(path):
+            raise ValueError(f"{what}: got {path!r}, which is not a regular file")
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
+        if kind != "parquet":
+            _check_utf8(path, what)
+        elif _parquet_rows(path) == 0:  # pyarrow's reader fails on it with "BatchSize must be greater than 0"
+            raise ValueError(f"{what}: {path!r} holds no rows, expected at least one prompt")
+        reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet}.get(
+            kind, datasets.Dataset.from_csv
+        )
+        try:
+            with _reader_errors_unlogged(kind):
+                table = reader(path, keep_in_memory=True)
+        except Exception as err:  # datasets' and pyarrow's own errors (ValueErrors among them), named
+            problem = _json_problem(path) if kind == "json" else None
+            if problem is None and "corresponds to no data" in str(err):  # a CSV of its header alone, say
+                problem = "it holds no rows, expected at least one prompt"
+            raise ValueError(f"{what}: {path!r} is not a readable {kind} file: {problem or _one_line(err)}") from err
     if len(table) == 0:
         raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
     return table
@@ -151,7 +245,12 @@ def _as_text(prompt: Any, row: int, source: str, tokenizer: Any, template: bool,
             )
         if system_prompt is not None and not (messages and messages[0].get("role") == "system"):
             messages = [{"role": "system", "content": system_prompt}, *messages]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # Jinja's errors (syntax, undefined, raise_exception) and the template's own
+            raise ValueError(
+                f"apply_chat_template: the tokenizer's chat template failed on row {row} of {source!r}: {_one_line(err)}"
+            ) from err
     if not isinstance(prompt, str):
         raise ValueError(
             f"prompt_key: row {row} of {source!r} holds {type(prompt).__name__}, expected a string "
@@ -172,6 +271,7 @@ def load_prompts(
     overlong: str = "drop",
     split: str = "train",
     what: str = "data.path",
+    response_keys: Sequence[str] = (),
 ) -> PromptSet:
     """Read a prompt dataset and prepare its prompts for the policy.
 
@@ -191,12 +291,15 @@ def load_prompts(
         tokens) or raise an ``"error"``.
       split: the split of a saved ``DatasetDict``.
       what: the setting that gave ``path``, named in errors.
+      response_keys: columns holding responses (a preference dataset's), which never reach
+        the rewards and so may have a name of :data:`RESERVED_COLUMNS`.
 
     Returns:
       A :class:`PromptSet` with ``num_dropped`` / ``num_truncated`` for the log.
 
     Raises:
-      ValueError: one line naming the setting, the column and the file.
+      ValueError: one line naming the setting, the column and the file; a column named as
+        one of :data:`RESERVED_COLUMNS` is refused, and so is a chat template that fails.
 
     >>> import json, os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "p.jsonl")
@@ -229,6 +332,12 @@ def load_prompts(
         raise ValueError(
             f"answer_key: {source!r} has a column 'answers' besides the answer column {answer_key!r}; "
             "rewards receive the answer column as 'answers', so rename one of them"
+        )
+    reserved = [c for c in others if c in RESERVED_COLUMNS and c not in response_keys]
+    if reserved:
+        raise ValueError(
+            f"{what}: {source!r} has a column named {reserved[0]!r}, a name the rewards receive as an argument "
+            f"of their own ({', '.join(RESERVED_COLUMNS)}); rename that column"
         )
     data = table.to_dict()
     prompts = data[prompt_key]

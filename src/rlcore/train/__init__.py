@@ -13,7 +13,7 @@ from rlcore.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, parse_config
+from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, max_positions, parse_config
 from rlcore.train.context_parallel import (
     ContextParallelRecipe,
     DataParallelRecipe,
@@ -26,7 +26,7 @@ from rlcore.train.context_parallel import (
 )
 from rlcore.train.export_cli import export_checkpoint
 from rlcore.train.lora import LORA_KEYS, adapter_modules, attach_lora, check_lora_launch, lora_options
-from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
+from rlcore.train.metrics import MetricsLog, headline, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import (
     MESH_DIMS,
     check_parallel_sizes,
@@ -103,12 +103,14 @@ __all__ = [
     "filter_logits",
     "full_state_dict",
     "generate",
+    "headline",
     "left_pad",
     "load_checkpoint",
     "load_config",
     "logprob_stage",
     "make_generator",
     "make_task",
+    "max_positions",
     "multi_turn_graph",
     "multi_turn_rollout_stage",
     "parallelize",

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["main"]
 
@@ -44,6 +45,26 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _library_bars_off() -> Iterator[None]:
+    """Transformers' and datasets' own progress bars off for the run ("Writing model shards" at every save,
+    "Generating train split" at load would cut into the training bar); their warnings stay on."""
+    switches = []
+    for name in ("transformers.utils.logging", "datasets.utils.logging"):
+        try:
+            module = __import__(name, fromlist=["is_progress_bar_enabled"])
+        except ImportError:  # the optional dependency is not installed: nothing of it to silence
+            continue
+        switches.append((module, module.is_progress_bar_enabled()))
+        module.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for module, enabled in switches:
+            if enabled:
+                module.enable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlcore`` script; returns the exit status.
 
@@ -65,13 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.overrides = [*args.overrides, *rest, *(f"{key}={json.dumps(v)}" for key, v in flags if v is not None)]
     signal.signal(signal.SIGTERM, _interrupt)
     from rlcore.train.config import load_config
+    from rlcore.train.metrics import headline
     from rlcore.train.trainer import train
 
     try:
         cfg = load_config(args.config, args.overrides)
-        records = train(
-            cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change
-        ).records
+        with _library_bars_off():
+            records = train(
+                cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change
+            ).records
     except ValueError as err:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
@@ -85,14 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("rlcore: interrupted; the last checkpoint is intact", file=sys.stderr)
         return 130
     if records and cfg.trainer.progress and os.environ.get("RANK", "0") == "0":
-        k = max(1, len(records) // 10)
-        head, tail = records[:k], records[-k:]
-        first, last = (sum(r["reward"] for r in part) / len(part) for part in (head, tail))
-        # After a resume the records start at the checkpoint's step: name the steps, not "the first k".
-        span = lambda part: f"steps {part[0]['step']}-{part[-1]['step']}"  # noqa: E731
         print(
-            f"done: step {records[-1]['step']}; mean reward of {span(head)} {first:.3f}, "
-            f"of {span(tail)} {last:.3f}; metrics, curves.png, timeline.png and checkpoint in {cfg.trainer.output_dir}"
+            f"done: step {records[-1]['step']}; {headline(records)}; "
+            f"metrics, curves.png, timeline.png and checkpoint in {cfg.trainer.output_dir}"
         )
     return 0
 

@@ -34,6 +34,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.warmup_steps, trainer.warmup_lr, trainer.warmup_batch_size   supervised warm-up first
     data.path, data.val_path                 a prompt dataset (JSONL / Parquet / save_to_disk) instead of the task,
                                              and a validation set; the tokenizer is the model directory's
+    data.tokenizer                           a tokenizer directory instead of the model's (a randomly initialised,
+                                             inline model has none); data.* paths in the file are relative to it
     data.prompt_key, data.answer_key         its columns (other columns reach the rewards as keyword columns)
     data.apply_chat_template, data.system_prompt, data.max_prompt_length, data.overlong, data.shuffle
     data.chosen_key, data.rejected_key       with rl.algo dpo: the preference dataset's response columns (offline
@@ -66,7 +68,7 @@ from rlcore.agent import parse_multi_turn
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
 
-__all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "parse_config"]
+__all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo")
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -137,6 +139,7 @@ class DataConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     max_response_length: int | None = None
+    tokenizer: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,10 +301,15 @@ def _validate(cfg: Config) -> None:
             f"config key 'trainer.seed': got {tr.seed}, expected an int in [-2**63, 2**64) (torch's range)"
         )
     _check_output_dir(tr.output_dir)
-    for key in ("path", "val_path"):
+    for key, kind in (
+        ("path", "a dataset path"),
+        ("val_path", "a dataset path"),
+        ("tokenizer", "a tokenizer directory"),
+    ):
         value = getattr(cfg.data, key)
         if value is not None and not value.strip():
-            raise ValueError(f"config key 'data.{key}': got {value!r}, expected a dataset path or null")
+            raise ValueError(f"config key 'data.{key}': got {value!r}, expected {kind} or null")
+    _check_data_keys(cfg.data, rl.algo)
     if not 0 < rl.top_p <= 1:
         raise ValueError(f"config key 'rl.top_p': got {rl.top_p!r}, expected a value in (0, 1]")
     if rl.beta is not None:
@@ -326,6 +334,48 @@ def _validate(cfg: Config) -> None:
             "config mapping (rlcore downloads nothing; save the model locally and override model.model_name_or_path=DIR)"
         )
     _check_model(cfg)
+
+
+def _check_data_keys(data: DataConfig, algo: str) -> None:
+    """The dataset keys that contradict each other, refused before any work."""
+    if data.path is None and data.task in ("addition", "multiplication") and data.digits < 1:
+        raise ValueError(f"config key 'data.digits': got {data.digits}, expected >= 1")
+    if data.path is None and data.task == "reversal":
+        if not 1 <= data.min_length <= data.length:
+            raise ValueError(
+                f"config key 'data.min_length': got {data.min_length} with data.length {data.length}, "
+                "expected 1 <= data.min_length <= data.length"
+            )
+        if not data.letters or len(set(data.letters)) != len(data.letters) or ">" in data.letters:
+            raise ValueError(
+                f"config key 'data.letters': got {data.letters!r}, expected distinct characters other than '>' "
+                "(the prompt's separator)"
+            )
+    if data.path is None:  # the built-in task: a dataset's keys would be ignored without a word
+        for key in ("tokenizer", "val_path", "max_prompt_length", "max_response_length", "system_prompt"):
+            if getattr(data, key) is not None:
+                raise ValueError(
+                    f"config key 'data.{key}': got {getattr(data, key)!r} with data.path null, expected null "
+                    f"(it applies to a dataset; the built-in task data.task={data.task!r} ignores it)"
+                )
+    if algo == "dpo" and data.path is not None:
+        if data.chosen_key == data.rejected_key:
+            raise ValueError(
+                f"config key 'data.rejected_key': got {data.rejected_key!r}, the same column as data.chosen_key; "
+                "expected the dispreferred response column"
+            )
+        for key in ("chosen_key", "rejected_key"):
+            if getattr(data, key) == data.prompt_key:
+                raise ValueError(
+                    f"config key 'data.{key}': got {data.prompt_key!r}, the same column as data.prompt_key; "
+                    "expected a response column"
+                )
+
+
+def max_positions(cfg: Config) -> int | None:
+    """The model's ``max_position_embeddings`` (its config read without loading weights), or None when it has none."""
+    positions = getattr(_hf_config(cfg.model.model_name_or_path), "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) else None
 
 
 def _hf_config(path: str | dict) -> Any:
@@ -388,6 +438,8 @@ def _check_model(cfg: Config) -> None:
         if isinstance(kv, int) and (kv < 1 or heads % kv):
             raise ValueError(f"{key}: num_key_value_heads={kv} does not divide num_attention_heads={heads}")
     positions = getattr(hf, "max_position_embeddings", None)
+    if isinstance(positions, int) and cfg.data.path is not None:
+        _check_dataset_positions(cfg, positions)
     if isinstance(positions, int) and cfg.data.path is None:
         prompt, answer = _longest_sequences(cfg.data)
         # The warm-up and DPO sequences hold the answer, one more token and the end of sequence.
@@ -405,6 +457,25 @@ def _check_model(cfg: Config) -> None:
                 f"(data.task={cfg.data.task!r}) then need {need} positions, more than the model's "
                 f"max_position_embeddings={positions}"
             )
+
+
+def _check_dataset_positions(cfg: Config, positions: int) -> None:
+    """A dataset's length limits against the model's positions (the data's own lengths are checked at load)."""
+    d, rl = cfg.data, cfg.rl
+    if d.max_prompt_length is None:
+        return
+    offline = rl.algo == "dpo"
+    response, key = (
+        (d.max_response_length, "data.max_response_length") if offline else (rl.max_new_tokens, "rl.max_new_tokens")
+    )
+    if rl.multi_turn is not None:
+        response, key = parse_multi_turn(rl.multi_turn).max_total_tokens, "rl.multi_turn.max_total_tokens"
+    if response is not None and d.max_prompt_length + response > positions:
+        raise ValueError(
+            f"config key {key!r}: got {response}; prompts of up to data.max_prompt_length={d.max_prompt_length} "
+            f"tokens then need {d.max_prompt_length + response} positions, more than the model's "
+            f"max_position_embeddings={positions}"
+        )
 
 
 def _check_multi_turn(cfg: Config) -> None:
@@ -500,7 +571,26 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
             f"config: {str(path)!r} holds a {type(raw).__name__} at the top level, expected a mapping of sections "
             "(model, rl, parallel, deploy, data, trainer)"
         )
-    return parse_config(_resolve_reward_files(apply_overrides(raw, overrides), os.path.dirname(os.path.abspath(path))))
+    base_dir = os.path.dirname(os.path.abspath(path))
+    # The file's data paths are relative to it; an override's (--dataset) to the working directory.
+    return parse_config(_resolve_reward_files(apply_overrides(_resolve_data_files(raw, base_dir), overrides), base_dir))
+
+
+def _resolve_data_files(raw: Mapping[str, Any], base_dir: str) -> dict[str, Any]:
+    """``data.path``, ``data.val_path`` and ``data.tokenizer`` given as relative paths, made relative to the config's folder."""
+    out = dict(raw)
+    data = raw.get("data")
+    if isinstance(data, Mapping):
+        out["data"] = {
+            key: os.path.join(base_dir, value)
+            if key in ("path", "val_path", "tokenizer")
+            and isinstance(value, str)
+            and value.strip()
+            and not os.path.isabs(os.path.expanduser(value))
+            else value
+            for key, value in data.items()
+        }
+    return out
 
 
 def _resolve_reward_files(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:

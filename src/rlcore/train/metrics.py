@@ -1,15 +1,20 @@
-"""Run metrics: JSONL lines, a tqdm progress bar, a PNG of the reward and KL curves, and a Gantt timeline PNG."""
+"""Run metrics: JSONL lines, a tqdm progress bar, a PNG of the learning curves, and a Gantt timeline PNG.
+
+An RL run's headline is its reward (and KL); an offline DPO run scores nothing, so its
+headline is the DPO loss, the implicit reward margins and the preference accuracies.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "plot_curves", "plot_timeline", "read_metrics"]
+__all__ = ["MetricsLog", "headline", "plot_curves", "plot_timeline", "read_metrics"]
 
 _BAR_KEYS = {
     "reward": "reward",
@@ -19,6 +24,39 @@ _BAR_KEYS = {
     "tokens_per_s_device": "tok/s/dev",
     "policy_lag": "lag",
 }
+# Offline DPO (no reward in its records): what says whether it learns.
+_PREFERENCE_KEYS = {"loss": "loss", "margins": "margin", "accuracies": "acc"}
+
+
+def _bar_keys(record: dict[str, Any]) -> dict[str, str]:
+    return _BAR_KEYS if "reward" in record else {**_PREFERENCE_KEYS, **_BAR_KEYS}
+
+
+def headline(records: Sequence[dict[str, Any]]) -> str:
+    """The run's learning in one phrase: the first and the last 10% of its steps (at least one step each).
+
+    An RL run's mean reward; an offline DPO run's (no ``reward`` in its records) mean
+    margins, accuracies and loss. Steps are named, as a resumed run starts at its checkpoint.
+
+    >>> headline([{"step": s, "reward": s / 10} for s in range(10)])
+    'mean reward of steps 0-0 0.000, of steps 9-9 0.900'
+    >>> headline([{"step": 0, "loss": 0.7, "margins": 0.0, "accuracies": 0.0}])
+    'margins of steps 0-0 0.000, of steps 0-0 0.000; accuracies of steps 0-0 0.000, of steps 0-0 0.000; loss of steps 0-0 0.700, of steps 0-0 0.700'
+    """
+    if not records:
+        return "no steps"
+    k = max(1, len(records) // 10)
+    head, tail = records[:k], records[-k:]
+
+    def span(part: Sequence[dict[str, Any]]) -> str:
+        return f"steps {part[0]['step']}-{part[-1]['step']}"
+
+    keys = {"reward": "mean reward"} if "reward" in records[-1] else {m: m for m in ("margins", "accuracies", "loss")}
+    phrases = []
+    for key, name in keys.items():
+        first, last = (sum(float(r.get(key, math.nan)) for r in part) / len(part) for part in (head, tail))
+        phrases.append(f"{name} of {span(head)} {first:.3f}, of {span(tail)} {last:.3f}")
+    return "; ".join(phrases)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -82,7 +120,7 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         if self._bar is not None:
             self._bar.set_postfix(
-                {short: f"{record[k]:.3g}" for k, short in _BAR_KEYS.items() if k in record}, refresh=False
+                {short: f"{record[k]:.3g}" for k, short in _bar_keys(record).items() if k in record}, refresh=False
             )
             self._bar.update(1)
 
@@ -92,13 +130,20 @@ class MetricsLog:
 
 
 def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Save a two-panel PNG of reward (with validation reward, pass@1, pass@k) and KL against the step (Agg backend)."""
+    """Save a PNG of the learning curves against the step (Agg backend).
+
+    An RL run: two panels, reward (with validation reward, pass@1, pass@k) and KL. An
+    offline DPO run (no ``reward`` in its records): three panels, the DPO loss, the
+    implicit reward margins and the preference accuracies.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
+    if records and not any("reward" in r for r in records):
+        return _plot_preference_curves(records, steps, Path(path), plt)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, key in zip(axes, ("reward", "kl")):
         ax.plot(steps, [r.get(key, float("nan")) for r in records], lw=1.5)
@@ -122,6 +167,21 @@ def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     axes[1].set_title("KL to the reference policy")
     fig.tight_layout()
     path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _plot_preference_curves(records: list[dict[str, Any]], steps: list[int], path: Path, plt: Any) -> Path:
+    fig, axes = plt.subplots(1, len(_PREFERENCE_KEYS), figsize=(13, 3.5))
+    titles = {"loss": "DPO loss", "margins": "implicit reward margin", "accuracies": "preference accuracy"}
+    for ax, key in zip(axes, _PREFERENCE_KEYS):
+        ax.plot(steps, [r.get(key, float("nan")) for r in records], lw=1.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.set_title(titles[key])
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

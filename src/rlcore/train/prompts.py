@@ -21,17 +21,17 @@ when it has one.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from rlcore.agent import parse_multi_turn
 from rlcore.data import PromptSet, load_preferences, load_prompts, sample_indices
 from rlcore.dataflow import Stage, stage
 from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
-from rlcore.train.config import Config
+from rlcore.train.config import Config, max_positions
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import reward_stage
 from rlcore.train.tasks import make_task
@@ -77,15 +77,22 @@ class HFTokenizer:
         return self.hf.decode(ids[:cut], skip_special_tokens=True)
 
 
-def _model_tokenizer(cfg: Config) -> tuple[Any, HFTokenizer]:
-    """The model directory's tokenizer, and its trainer interface; a dataset needs a directory, not an inline config."""
+def _load_tokenizer(cfg: Config) -> Any:
+    """``data.tokenizer`` when set, else the model directory's tokenizer; an inline config has none."""
+    if cfg.data.tokenizer is not None:
+        return load_tokenizer(cfg.data.tokenizer, what="data.tokenizer")
     path = cfg.model.model_name_or_path
     if not isinstance(path, str):
         raise ValueError(
-            "model.model_name_or_path: a prompt dataset (data.path) needs a model directory with a tokenizer, "
-            "got an inline config"
+            "model.model_name_or_path: a prompt dataset (data.path) needs a tokenizer: got an inline config, "
+            "expected a model directory with a tokenizer, or data.tokenizer set to a tokenizer directory"
         )
-    hf = load_tokenizer(path)
+    return load_tokenizer(path)
+
+
+def _model_tokenizer(cfg: Config) -> tuple[Any, HFTokenizer]:
+    """The run's Hugging Face tokenizer (:func:`_load_tokenizer`), and its trainer interface."""
+    hf = _load_tokenizer(cfg)
     return hf, HFTokenizer(hf)
 
 
@@ -100,6 +107,30 @@ def _prompt_options(cfg: Config, tokenizer: Any) -> dict[str, Any]:
         "max_prompt_length": d.max_prompt_length,
         "overlong": d.overlong,
     }
+
+
+def _check_positions(cfg: Config, lengths: Sequence[int], what: str, source: str, budget: str) -> None:
+    """The longest sequence of a dataset against the model's positions: the config's check, which knows only
+    ``data.max_prompt_length``, done on the data. ``lengths``: tokens per row; ``budget``: what they hold, in words."""
+    positions = max_positions(cfg)
+    if positions is None or not lengths:
+        return
+    row = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[row] > positions:
+        raise ValueError(
+            f"{what}: row {row} of {source!r} needs {lengths[row]} positions ({budget}), more than the model's "
+            f"max_position_embeddings={positions}; data.max_prompt_length drops or truncates longer prompts"
+        )
+
+
+def _check_prompt_positions(cfg: Config, data: PromptSet, what: str) -> None:
+    """Prompts and the tokens a rollout adds after them (``rl.max_new_tokens``, or a multi-turn trajectory's)."""
+    key, extra = "rl.max_new_tokens", cfg.rl.max_new_tokens
+    if cfg.rl.multi_turn is not None:
+        key, extra = "rl.multi_turn.max_total_tokens", parse_multi_turn(cfg.rl.multi_turn).max_total_tokens
+    if data.prompt_ids is not None:
+        lengths = [len(x) + extra for x in data.prompt_ids]
+        _check_positions(cfg, lengths, what, data.source, f"its prompt and {key}={extra}")
 
 
 def _config_reward(cfg: Config, default: Any) -> Any:
@@ -139,6 +170,8 @@ class _SeededDataset:
         self.hf_tokenizer, self.tokenizer = _model_tokenizer(cfg)
         self.options = _prompt_options(cfg, self.hf_tokenizer)
         self.val = None if d.val_path is None else load_prompts(d.val_path, what="data.val_path", **self.options)
+        if self.val is not None:
+            _check_prompt_positions(cfg, self.val, "data.val_path")
         self.seed, self.shuffle, self.world_size = cfg.trainer.seed, d.shuffle, world_size
         self.batch_size = cfg.rl.batch_size
 
@@ -175,6 +208,7 @@ class DatasetPrompts(_SeededDataset):
         d = cfg.data
         assert d.path is not None
         self.dataset = load_prompts(d.path, what="data.path", **self.options)
+        _check_prompt_positions(cfg, self.dataset, "data.path")
         if cfg.rewards is not None:
             self.reward = build_reward(cfg.rewards, what="rewards")
         elif d.answer_key is not None:
@@ -283,6 +317,12 @@ class PreferencePrompts(_SeededDataset):
             what="data.path",
         )
         self.dataset = self.pairs.prompts
+        assert self.dataset.prompt_ids is not None
+        lengths = [
+            len(p) + max(len(c), len(r))
+            for p, c, r in zip(self.dataset.prompt_ids, self.pairs.chosen_ids, self.pairs.rejected_ids)
+        ]
+        _check_positions(cfg, lengths, "data.path", self.dataset.source, "its prompt and its longer response")
         self.reward: Any = None  # offline DPO scores nothing; validation needs a reward
         if cfg.rewards is not None:
             self.reward = build_reward(cfg.rewards, what="rewards")
@@ -350,10 +390,10 @@ def make_prompt_source(
 
 
 def source_tokenizer(cfg: Config, task_options: dict[str, Any]) -> Any:
-    """The run's tokenizer alone (what a rollout worker needs): the model directory's with a dataset, else the task's."""
+    """The run's tokenizer alone (what a rollout worker needs): with a dataset, ``data.tokenizer`` or the model
+    directory's; else the task's."""
     if cfg.data.path is not None:
-        assert isinstance(cfg.model.model_name_or_path, str)
-        return HFTokenizer(load_tokenizer(os.fspath(cfg.model.model_name_or_path)))
+        return HFTokenizer(_load_tokenizer(cfg))
     return make_task(cfg.data.task, **task_options).tokenizer
 
 
