@@ -433,3 +433,52 @@ def test_reprobe30_a_second_process_saving_into_the_same_folder_is_refused(tmp_p
     assert load_checkpoint(tmp_path)["step"] == 1
     save_checkpoint(tmp_path, {"step": 2})  # the lock went with its holder
     assert load_checkpoint(tmp_path)["step"] == 2
+
+
+TINY = [
+    "model.model_name_or_path.hidden_size=32",
+    "model.model_name_or_path.intermediate_size=64",
+    "model.model_name_or_path.num_hidden_layers=1",
+    "rl.batch_size=2",
+    "rl.mini_batch_size=2",
+    "rl.num_rollouts=2",
+    "trainer.warmup_steps=1",
+    "trainer.warmup_batch_size=4",
+    "trainer.threads=1",
+    "trainer.reward_workers=0",
+    "trainer.progress=false",
+    "trainer.plot=false",
+]
+
+
+def _one_error_line(capsys) -> str:  # type: ignore[no-untyped-def]
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlcore:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def test_reprobe30_trainer_checkpoints_by_step_refuses_a_shorter_resume_and_checks_digests(tmp_path, capsys):
+    from rlcore.train.cli import main
+
+    out = tmp_path / "run"
+    config = str(ROOT / "configs" / "grpo_tiny.yaml")
+    run = ["train", "--config", config, *TINY, f"trainer.output_dir={out}"]
+    assert main([*run, "trainer.steps=3", "trainer.save_every=2"]) == 0
+    # Numbered by step: the last save holds 3 steps (not "v000002", the second save).
+    assert _latest(out).name == "step000003" and load_checkpoint(out)["step"] == 2
+    capsys.readouterr()
+    # A resume to fewer steps than the checkpoint holds trained nothing and said nothing.
+    assert main([*run, "--resume", "trainer.steps=2"]) == 2
+    line = _one_error_line(capsys)
+    assert "trainer.steps is 2" in line and "already holds 3 steps" in line, line
+    # A byte flipped in a shard: both the resume and the export name the checkpoint's file.
+    shard = _latest(out) / "__0_0.distcp"
+    _flip_byte(shard, at=shard.stat().st_size - 9)
+    assert main([*run, "--resume", "trainer.steps=4"]) == 2
+    line = _one_error_line(capsys)
+    assert str(shard) in line and "checksum" in line, line
+    assert main(["export", str(out), str(tmp_path / "hf")]) == 2
+    line = _one_error_line(capsys)
+    assert str(shard) in line and "checksum" in line, line
+    assert not (tmp_path / "hf").exists()

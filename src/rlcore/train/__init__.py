@@ -50,6 +50,7 @@ from rlcore.train.rundir import (
     RUN_FILES,
     check_resume_config,
     check_resume_shapes,
+    check_resume_steps,
     config_changes,
     prepare_run_dir,
 )
@@ -141,6 +142,7 @@ __all__ += [
     "Validator",
     "check_resume_config",
     "check_resume_shapes",
+    "check_resume_steps",
     "config_changes",
     "export_checkpoint",
     "make_prompt_source",

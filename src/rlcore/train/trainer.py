@@ -94,7 +94,7 @@ from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_me
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
 from rlcore.train.prompts import PreferencePrompts, make_prompt_source, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
-from rlcore.train.rundir import check_resume_config, check_resume_shapes, prepare_run_dir
+from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps, prepare_run_dir
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
@@ -358,7 +358,7 @@ def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config, s
 
     ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state.
     """
-    save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes})
+    save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes}, step=step + 1)
 
 
 def _restore(out: Path, models: _Models, opt: _Optimiser, cfg: Config) -> int:
@@ -1032,6 +1032,7 @@ def _train(
         check_resume_shapes(
             saved.get("model_shapes"), shapes, checkpoint=out / "checkpoint", model=str(cfg.model.model_name_or_path)
         )
+        check_resume_steps(saved.get("step"), tr.steps, checkpoint=out / "checkpoint")
     if not resume and tr.warmup_steps:
         supervised_warmup(
             policy,
