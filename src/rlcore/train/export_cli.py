@@ -81,4 +81,5 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
     except RuntimeError as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise ValueError(f"checkpoint: the policy in {str(run)!r} does not fit its recorded model: {first}") from err
-    return export_hf(model, out_dir, tokenizer=getattr(tokenizer, "hf", None))
+    # A dataset run's transformers tokenizer, or the built-in task's character tokenizer.
+    return export_hf(model, out_dir, tokenizer=getattr(tokenizer, "hf", tokenizer))

@@ -1122,12 +1122,14 @@ def _train(
             if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
                 _save(out, step, models, opt, cfg, shapes)  # every rank: DCP writes each rank's shards
                 if tr.export:  # the policy as a Hugging Face directory beside the checkpoint
+                    # A built-in task's character tokenizer is written as a transformers one.
+                    hf_tok = task.tokenizer if task.hf_tokenizer is None else task.hf_tokenizer
                     if world.size == 1:
-                        export_hf(models.policy, out / "hf", tokenizer=task.hf_tokenizer)
+                        export_hf(models.policy, out / "hf", tokenizer=hf_tok)
                     else:  # gathered (collective), written into the unsharded architecture by rank 0
                         weights = full_state_dict(models.policy)
                         if leader:
-                            export_hf(replica, out / "hf", tokenizer=task.hf_tokenizer, params=weights)
+                            export_hf(replica, out / "hf", tokenizer=hf_tok, params=weights)
 
         graph = _graph(cfg, models, recipe, opt, steps, dep.rollout, rewards, task, world, on_step_end)
         policy.train()
