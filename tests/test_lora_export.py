@@ -309,3 +309,37 @@ def test_reprobe30_special_words_of_the_agent_tokenizer_keep_their_ids(tmp_path)
     assert not (tmp_path / "w" / "tokenizer.json").exists()
     with pytest.raises(ValueError, match="tokenizer: got str"):
         export_hf(AutoModelForCausalLM.from_pretrained(model), tmp_path / "x", tokenizer="abc")
+
+
+def test_reprobe30_an_export_failing_mid_way_leaves_the_previous_one_loadable(tmp_path, model_dir, monkeypatch):
+    # save_pretrained wrote straight into out_dir: a full disk or a kill mid-export left a
+    # truncated model.safetensors over the previous export.
+    import errno
+    import os
+
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    model, _ = load_policy(model_dir)
+    out = export_hf(model, tmp_path / "hf")
+    before = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(out).state_dict().items()}
+    real = PreTrainedModel.save_pretrained
+
+    def disk_full(self, directory, **kwargs):  # type: ignore[no-untyped-def]
+        real(self, directory, **kwargs)
+        weights = os.path.join(directory, "model.safetensors")
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 3)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(model, out)
+    monkeypatch.undo()
+    after = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(before[k], v) for k, v in after.items())
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no partial folder left beside it
+    export_hf(model, out)  # and the next export replaces it
+    assert not torch.equal(AutoModelForCausalLM.from_pretrained(out).lm_head.weight, before["lm_head.weight"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -98,7 +100,9 @@ def export_hf(
     A LoRA model (``peft.PeftModel``) is written with its adapters merged, as a plain
     model of the base architecture, so inference servers need no peft. ``params`` (e.g.
     the trained tensors of :func:`rlcore.models.from_hf`) replace the model's own tensors
-    of the same names. Weights are safetensors; the model itself is not modified.
+    of the same names. Weights are safetensors; the model itself is not modified. The
+    files are written into a hidden folder beside ``out_dir`` and then moved in, so an
+    export killed or failing mid-way (a full disk) leaves the previous one loadable.
 
     Args:
       model: a transformers causal LM, or a ``peft.PeftModel`` around one.
@@ -152,7 +156,38 @@ def export_hf(
         _set_special_ids(twin, tokenizer, force=False)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    twin.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    for old in out.parent.glob(f".{out.name}.partial-*"):  # left by an export killed mid-way
+        shutil.rmtree(old, ignore_errors=True)
+    # Written beside, then moved in file by file: an export killed or failing mid-way (a full
+    # disk) leaves the previous one loadable, never a truncated weights file.
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        twin.save_pretrained(stage, safe_serialization=True, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(stage)
+        _move_in(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return out
+
+
+def _is_weights(name: str) -> bool:
+    return name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json"))
+
+
+def _move_in(stage: Path, out: Path) -> None:
+    """Move the files of ``stage`` into ``out`` (``os.replace``, each synced first), weights before the config;
+    then remove weight files of an older export that this one does not have (another sharding)."""
+    new = sorted(stage.iterdir(), key=lambda p: (p.name == "config.json", p.name))
+    for path in new:
+        target = out / path.name
+        if path.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(path, target)
+    names = {p.name for p in new}
+    for path in out.iterdir():
+        if path.is_file() and _is_weights(path.name) and path.name not in names:
+            path.unlink()
