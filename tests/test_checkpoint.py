@@ -482,3 +482,28 @@ def test_reprobe30_trainer_checkpoints_by_step_refuses_a_shorter_resume_and_chec
     line = _one_error_line(capsys)
     assert str(shard) in line and "checksum" in line, line
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "the checkpoint folder", "a version folder"])
+def test_reprobe30_export_refuses_an_out_dir_that_is_a_file_or_inside_the_checkpoint(tmp_path, capsys, where):
+    # A file gave "[Errno 17] File exists"; the checkpoint folder itself was filled with the model's files.
+    from rlcore.train import load_config
+    from rlcore.train.cli import main
+    from rlcore.train.trainer import build_model
+
+    cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", TINY)
+    save_checkpoint(tmp_path, {"step": 0, "config": cfg.to_dict(), "policy": build_model(cfg, 9)})
+    assert main(["export", str(tmp_path), str(tmp_path / "hf")]) == 0  # a checkpoint that exports
+    capsys.readouterr()
+    target = {
+        "a file": tmp_path / "model.bin",
+        "the checkpoint folder": tmp_path / CHECKPOINT_NAME,
+        "a version folder": _latest(tmp_path) / "hf",
+    }[where]
+    if where == "a file":
+        target.write_bytes(b"x")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main(["export", str(tmp_path), str(target)]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"rlcore: error: out_dir: {str(target)!r} is ") and "expected" in line, line
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

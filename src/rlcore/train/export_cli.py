@@ -49,6 +49,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
             f"checkpoint: no training checkpoint at {str(run / CHECKPOINT_NAME)!r}, expected a run's output "
             "directory (trainer.output_dir) or its checkpoint folder"
         )
+    out, folder = Path(out_dir).resolve(), (run / CHECKPOINT_NAME).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {str(out_dir)!r} is a file, expected a directory to write the model to")
+    if out == folder or folder in out.parents:
+        raise ValueError(
+            f"out_dir: {str(out_dir)!r} is inside the checkpoint folder {str(run / CHECKPOINT_NAME)!r}, expected "
+            "another directory (e.g. the run's hf/)"
+        )
     try:
         state = load_checkpoint(run)
     except CheckpointError:
