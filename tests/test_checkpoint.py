@@ -507,3 +507,23 @@ def test_reprobe30_export_refuses_an_out_dir_that_is_a_file_or_inside_the_checkp
     line = _one_error_line(capsys)
     assert line.startswith(f"rlcore: error: out_dir: {str(target)!r} is ") and "expected" in line, line
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_reprobe30_a_save_committed_during_a_read_is_followed(tmp_path, monkeypatch):
+    # `rlcore export` of a running job: the trainer's next save removed the version being read.
+    import torch.distributed.checkpoint as dcp
+
+    save_checkpoint(tmp_path, {"model": torch.nn.Linear(2, 2), "step": 1})
+    newer = torch.nn.Linear(2, 2)
+    real = dcp.FileSystemReader.read_metadata
+    calls = []
+
+    def racing(self):  # type: ignore[no-untyped-def]
+        if not calls:
+            save_checkpoint(tmp_path, {"model": newer, "step": 2})  # commits, removes the version being read
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", racing)
+    data = load_checkpoint(tmp_path)
+    assert data["step"] == 2 and torch.equal(data["model"]["weight"], newer.weight.detach())

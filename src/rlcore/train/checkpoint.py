@@ -517,7 +517,10 @@ def load_checkpoint(
     same shape as at the save, e.g. ``{"policy": (policy, opt), "step": 0}``), modules
     and optimisers are loaded in place, resharded to their current layout (collective
     when a process group is initialised), and the saved data entries are returned. A
-    rank beyond the saved world size gets rank 0's data.
+    rank beyond the saved world size gets rank 0's data. Every file is checked against
+    the size and sha256 its manifest records before anything is loaded. A version
+    replaced by a save while this process reads it (outside a process group) is
+    followed to the newly committed one.
 
     Args:
       output_dir: the run's output directory.
@@ -550,12 +553,35 @@ def load_checkpoint(
                 f"write the name of one, e.g. {whole[-1]!r}, into it to resume from that version",
             )
         raise ValueError(f"resume: no checkpoint at {str(root)!r}; run without --resume first")
-    path = root / _read_latest(root)
+    kinds = {name: _kind(name, value) for name, value in (state or {}).items()}
+    collective = state is not None and _collective(kinds)
+    version = _read_latest(root)
+    for attempt in range(3):
+        try:
+            return _load_version(root / version, state, kinds, collective, strict)
+        except (CheckpointError, OSError):
+            # A save committed while this read (``rlcore export`` of a running job) and removed
+            # the version being read: read the new one. Ranks of a group never race a save.
+            now = None if collective or attempt == 2 else _committed(root)
+            if now is None or now == version:
+                raise
+            version = now
+    raise AssertionError("unreachable")
+
+
+def _committed(root: Path) -> str | None:
+    try:
+        return _read_latest(root)
+    except CheckpointError:
+        return None
+
+
+def _load_version(
+    path: Path, state: Mapping[str, Any] | None, kinds: Mapping[str, str], collective: bool, strict: bool
+) -> dict[str, Any]:
     manifest = _manifest(path)
     _verify_files(path, manifest)
     saved: dict[str, str] = manifest["entries"]
-    kinds = {name: _kind(name, value) for name, value in (state or {}).items()}
-    collective = state is not None and _collective(kinds)
     data = _data(path, dist.get_rank() if collective else 0)
     absent = sorted({k for k, v in saved.items() if v == "data"} - set(data))
     if absent:
