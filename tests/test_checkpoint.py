@@ -494,6 +494,7 @@ def test_reprobe30_export_refuses_an_out_dir_that_is_a_file_or_inside_the_checkp
     cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", TINY)
     save_checkpoint(tmp_path, {"step": 0, "config": cfg.to_dict(), "policy": build_model(cfg, 9)})
     assert main(["export", str(tmp_path), str(tmp_path / "hf")]) == 0  # a checkpoint that exports
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()  # the task's character tokenizer, written too
     capsys.readouterr()
     target = {
         "a file": tmp_path / "model.bin",

@@ -71,7 +71,7 @@ def _char_tokenizer_as_hf(tokenizer: Any) -> Any:
     # Special words (tool-call tags) after the alphabet, matched before the characters.
     fast.add_tokens([AddedToken(w, normalized=False, special=False) for w in specials])
     want = [int(tokenizer.encode(w)[0]) for w in specials]
-    got = list(fast.convert_tokens_to_ids(specials)) if specials else []
+    got = [fast.convert_tokens_to_ids(w) for w in specials]
     if got != want or len(fast) != tokenizer.vocab_size:  # pragma: no cover  (the ids are built to agree)
         raise AssertionError(f"tokenizer ids differ: {got} vs {want}, {len(fast)} vs {tokenizer.vocab_size} tokens")
     return fast
