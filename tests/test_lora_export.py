@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -343,3 +344,20 @@ def test_reprobe30_an_export_failing_mid_way_leaves_the_previous_one_loadable(tm
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no partial folder left beside it
     export_hf(model, out)  # and the next export replaces it
     assert not torch.equal(AutoModelForCausalLM.from_pretrained(out).lm_head.weight, before["lm_head.weight"])
+
+
+def test_reprobe30_an_export_leaves_a_concurrent_ones_folder_and_removes_a_dead_ones(tmp_path, model_dir):
+    # The trainer's export and a user's `rlcore export` into the same hf/ must not delete each other's files.
+    import subprocess
+    import sys
+
+    model, _ = load_policy(model_dir)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    running = tmp_path / f".hf.partial-{os.getpid()}-abc"
+    killed = tmp_path / f".hf.partial-{dead.pid}-abc"
+    for d in (running, killed):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    export_hf(model, tmp_path / "hf")
+    assert running.is_dir() and not killed.exists()

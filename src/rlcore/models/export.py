@@ -156,11 +156,12 @@ def export_hf(
         _set_special_ids(twin, tokenizer, force=False)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.parent.glob(f".{out.name}.partial-*"):  # left by an export killed mid-way
-        shutil.rmtree(old, ignore_errors=True)
+    for old in out.parent.glob(f".{out.name}.partial-*"):
+        if not _writer_alive(old.name):  # left by an export killed mid-way
+            shutil.rmtree(old, ignore_errors=True)
     # Written beside, then moved in file by file: an export killed or failing mid-way (a full
     # disk) leaves the previous one loadable, never a truncated weights file.
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
         twin.save_pretrained(stage, safe_serialization=True, max_shard_size=max_shard_size)
         if tokenizer is not None:
@@ -169,6 +170,20 @@ def export_hf(
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return out
+
+
+def _writer_alive(name: str) -> bool:
+    """The process that named a ``.NAME.partial-PID-...`` folder still runs (it may be exporting now)."""
+    pid = name.rsplit(".partial-", 1)[-1].split("-", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def _is_weights(name: str) -> bool:
