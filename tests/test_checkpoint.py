@@ -306,3 +306,225 @@ def test_cli_exits_with_status_2_on_a_damaged_checkpoint(tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.startswith("rlcore:")]
     assert len(lines) == 1 and where in lines[0] and "truncated" in lines[0], err[-2000:]
     assert "Traceback" not in err
+
+
+# --- issue 30: checksums, folders named by step, hostile re-probe ---------------------------
+
+
+def _flip_byte(file: Path, at: int | None = None) -> None:
+    blob = bytearray(file.read_bytes())
+    i = len(blob) // 2 if at is None else at
+    blob[i] ^= 0x01
+    file.write_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize("target", ["shard", "data", "metadata"])
+def test_reprobe30_a_flipped_byte_is_found_by_its_checksum(tmp_path, target):
+    # A byte flipped inside a DCP shard loaded silently: the tensors were the damaged ones.
+    model, opt = _trained(0)
+    save_checkpoint(tmp_path, {"policy": (model, opt), "step": 1})
+    version = _latest(tmp_path)
+    file = {"shard": version / "__0_0.distcp", "data": version / "data_0.pt", "metadata": version / ".metadata"}[target]
+    size = file.stat().st_size
+    _flip_byte(file, at=size - 9 if target == "shard" else None)  # inside the last tensor's bytes
+    assert file.stat().st_size == size
+    fresh, fresh_opt = _trained(1)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    for state in (None, {"policy": (fresh, fresh_opt), "step": None}):
+        with pytest.raises(CheckpointError, match="fails its checksum") as info:
+            load_checkpoint(tmp_path, state)
+        assert str(file) in str(info.value) and "\n" not in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+
+
+def test_reprobe30_the_manifest_records_every_file_with_its_digest(tmp_path):
+    import hashlib
+    import json
+
+    save_checkpoint(tmp_path, {"policy": _trained(0), "step": 1})
+    version = _latest(tmp_path)
+    files = json.loads((version / "manifest.json").read_bytes())["files"]
+    on_disk = {p.relative_to(version).as_posix() for p in version.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(files) == on_disk and {"__0_0.distcp", ".metadata", "data_0.pt"} <= on_disk
+    for rel, info in files.items():
+        blob = (version / rel).read_bytes()
+        assert info == {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+def test_reprobe30_a_version_1_checkpoint_without_digests_still_loads(tmp_path):
+    import json
+
+    model = _model()
+    save_checkpoint(tmp_path, {"model": model, "step": 4})
+    manifest = _latest(tmp_path) / "manifest.json"
+    old = json.loads(manifest.read_bytes())
+    old["version"] = 1
+    del old["files"]
+    manifest.write_text(json.dumps(old))
+    assert load_checkpoint(tmp_path)["step"] == 4
+
+
+def test_reprobe30_folders_are_named_by_step_and_old_names_still_load(tmp_path):
+    # Folders were numbered by save: v000020 after 400 steps.
+    save_checkpoint(tmp_path, {"model": torch.nn.Linear(2, 2), "step": 19}, step=20)
+    assert _latest(tmp_path).name == "step000020"
+    save_checkpoint(tmp_path, {"model": torch.nn.Linear(2, 2), "step": 399}, step=400)
+    assert _latest(tmp_path).name == "step000400" and load_checkpoint(tmp_path)["step"] == 399
+    versions = sorted(p.name for p in (tmp_path / CHECKPOINT_NAME).iterdir() if p.is_dir())
+    assert versions == ["step000400"]
+    # The same step saved again goes to a folder of its own until it is committed.
+    save_checkpoint(tmp_path, {"model": torch.nn.Linear(2, 2), "step": 1399}, step=400)
+    assert _latest(tmp_path).name == "step000400_1" and load_checkpoint(tmp_path)["step"] == 1399
+    # A run directory of the older naming resumes, and its next save is named by step.
+    old = tmp_path / "old"
+    save_checkpoint(old, {"model": torch.nn.Linear(2, 2), "step": 7})
+    assert _latest(old).name == "v000001" and load_checkpoint(old)["step"] == 7
+    save_checkpoint(old, {"model": torch.nn.Linear(2, 2), "step": 8}, step=9)
+    assert _latest(old).name == "step000009"
+    assert sorted(p.name for p in (old / CHECKPOINT_NAME).iterdir() if p.is_dir()) == ["step000009"]
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="step: got"):
+            save_checkpoint(tmp_path, {"step": 0}, step=bad)  # type: ignore[arg-type]
+
+
+def test_reprobe30_a_missing_marker_names_the_saved_versions(tmp_path):
+    # Deleting `latest` made the checkpoint look absent ("run without --resume first"),
+    # and a run without --resume then refused the directory.
+    save_checkpoint(tmp_path, {"model": torch.nn.Linear(2, 2), "step": 5}, step=6)
+    (tmp_path / CHECKPOINT_NAME / "latest").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"is missing, though the folder holds the saved versions \['step000006'\]"
+    ):
+        load_checkpoint(tmp_path)
+    (tmp_path / CHECKPOINT_NAME / "latest").write_text("step000006\n")  # what the message says to do
+    assert load_checkpoint(tmp_path)["step"] == 5
+
+
+def test_reprobe30_a_full_disk_leaves_no_partial_version_and_the_last_one_loads(tmp_path, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    save_checkpoint(tmp_path, {"model": torch.nn.Linear(2, 2), "step": 3}, step=4)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", full)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(tmp_path, {"model": torch.nn.Linear(2, 2), "step": 4}, step=5)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / CHECKPOINT_NAME).iterdir() if p.is_dir()) == ["step000004"]
+    assert load_checkpoint(tmp_path)["step"] == 3
+
+
+def test_reprobe30_a_second_process_saving_into_the_same_folder_is_refused(tmp_path):
+    # Two runs with one output_dir deleted each other's versions mid-save.
+    import fcntl
+
+    save_checkpoint(tmp_path, {"step": 1})
+    held = os.open(tmp_path / CHECKPOINT_NAME / ".lock", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another process's save in progress (flock locks are per open file)
+    try:
+        with pytest.raises(CheckpointError, match="another process is saving a checkpoint here now"):
+            save_checkpoint(tmp_path, {"step": 2})
+    finally:
+        os.close(held)
+    assert load_checkpoint(tmp_path)["step"] == 1
+    save_checkpoint(tmp_path, {"step": 2})  # the lock went with its holder
+    assert load_checkpoint(tmp_path)["step"] == 2
+
+
+TINY = [
+    "model.model_name_or_path.hidden_size=32",
+    "model.model_name_or_path.intermediate_size=64",
+    "model.model_name_or_path.num_hidden_layers=1",
+    "rl.batch_size=2",
+    "rl.mini_batch_size=2",
+    "rl.num_rollouts=2",
+    "trainer.warmup_steps=1",
+    "trainer.warmup_batch_size=4",
+    "trainer.threads=1",
+    "trainer.reward_workers=0",
+    "trainer.progress=false",
+    "trainer.plot=false",
+]
+
+
+def _one_error_line(capsys) -> str:  # type: ignore[no-untyped-def]
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlcore:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def test_reprobe30_trainer_checkpoints_by_step_refuses_a_shorter_resume_and_checks_digests(tmp_path, capsys):
+    from rlcore.train.cli import main
+
+    out = tmp_path / "run"
+    config = str(ROOT / "configs" / "grpo_tiny.yaml")
+    run = ["train", "--config", config, *TINY, f"trainer.output_dir={out}"]
+    assert main([*run, "trainer.steps=3", "trainer.save_every=2"]) == 0
+    # Numbered by step: the last save holds 3 steps (not "v000002", the second save).
+    assert _latest(out).name == "step000003" and load_checkpoint(out)["step"] == 2
+    capsys.readouterr()
+    # A resume to fewer steps than the checkpoint holds trained nothing and said nothing.
+    assert main([*run, "--resume", "trainer.steps=2"]) == 2
+    line = _one_error_line(capsys)
+    assert "trainer.steps is 2" in line and "already holds 3 steps" in line, line
+    # A byte flipped in a shard: both the resume and the export name the checkpoint's file.
+    shard = _latest(out) / "__0_0.distcp"
+    _flip_byte(shard, at=shard.stat().st_size - 9)
+    assert main([*run, "--resume", "trainer.steps=4"]) == 2
+    line = _one_error_line(capsys)
+    assert str(shard) in line and "checksum" in line, line
+    assert main(["export", str(out), str(tmp_path / "hf")]) == 2
+    line = _one_error_line(capsys)
+    assert str(shard) in line and "checksum" in line, line
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "the checkpoint folder", "a version folder"])
+def test_reprobe30_export_refuses_an_out_dir_that_is_a_file_or_inside_the_checkpoint(tmp_path, capsys, where):
+    # A file gave "[Errno 17] File exists"; the checkpoint folder itself was filled with the model's files.
+    from rlcore.train import load_config
+    from rlcore.train.cli import main
+    from rlcore.train.trainer import build_model
+
+    cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", TINY)
+    save_checkpoint(tmp_path, {"step": 0, "config": cfg.to_dict(), "policy": build_model(cfg, 9)})
+    assert main(["export", str(tmp_path), str(tmp_path / "hf")]) == 0  # a checkpoint that exports
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()  # the task's character tokenizer, written too
+    capsys.readouterr()
+    target = {
+        "a file": tmp_path / "model.bin",
+        "the checkpoint folder": tmp_path / CHECKPOINT_NAME,
+        "a version folder": _latest(tmp_path) / "hf",
+    }[where]
+    if where == "a file":
+        target.write_bytes(b"x")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main(["export", str(tmp_path), str(target)]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"rlcore: error: out_dir: {str(target)!r} is ") and "expected" in line, line
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_reprobe30_a_save_committed_during_a_read_is_followed(tmp_path, monkeypatch):
+    # `rlcore export` of a running job: the trainer's next save removed the version being read.
+    import torch.distributed.checkpoint as dcp
+
+    save_checkpoint(tmp_path, {"model": torch.nn.Linear(2, 2), "step": 1})
+    newer = torch.nn.Linear(2, 2)
+    real = dcp.FileSystemReader.read_metadata
+    calls = []
+
+    def racing(self):  # type: ignore[no-untyped-def]
+        if not calls:
+            save_checkpoint(tmp_path, {"model": newer, "step": 2})  # commits, removes the version being read
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", racing)
+    data = load_checkpoint(tmp_path)
+    assert data["step"] == 2 and torch.equal(data["model"]["weight"], newer.weight.detach())

@@ -232,3 +232,129 @@ def test_wait_ready_raises_the_factory_error_and_returns_once_built():
         worker.wait_ready(timeout=120)
         worker.wait_ready(timeout=120)  # already ready: returns at once
         assert worker.process.is_alive()
+
+
+# --------------------------------------------------------------------------- issue 30: no leak on kill -9
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _descendants(pid):
+    """Live descendants of ``pid`` (psutil when installed, else /proc)."""
+    try:
+        import psutil
+    except ImportError:
+        children = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+        out, todo = [], [pid]
+        while todo:
+            kids = children.get(todo.pop(), [])
+            out += kids
+            todo += kids
+        return out
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_9_and_wait_for(proc, pids, seconds):
+    import signal
+
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:  # do not leak them into the next tests
+        os.kill(p, 9)
+    return left
+
+
+_OWNER = """
+import sys, time
+from rlcore.dataflow import RolloutWorker
+sys.path.insert(0, sys.argv[1])
+from test_deploy import make_generate
+worker = RolloutWorker(make_generate, args=("ok",))
+worker.wait_ready(timeout=120)
+print(worker.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_reprobe30_the_rollout_worker_dies_with_its_parent_on_kill_9():
+    # The worker (and the resource tracker it holds open) lived on for minutes.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, tests], stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        worker = int(proc.stdout.readline())
+        pids = _descendants(proc.pid)
+        assert worker in pids and len(pids) >= 2, pids  # the worker and the resource tracker
+    finally:
+        pids = _descendants(proc.pid)
+        left = _kill_9_and_wait_for(proc, pids, 5.0)
+    assert not left, f"alive 5 s after the parent's kill -9: {left}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_reprobe30_kill_9_of_a_disaggregated_trainer_leaves_no_process(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    overrides = [
+        "model.model_name_or_path.hidden_size=32",
+        "model.model_name_or_path.num_hidden_layers=1",
+        "rl.batch_size=2",
+        "rl.mini_batch_size=2",
+        "rl.num_rollouts=2",
+        "trainer.warmup_steps=1",
+        "trainer.warmup_batch_size=4",
+        "trainer.threads=1",
+        "trainer.progress=false",
+        "trainer.plot=false",
+        "trainer.steps=100000",
+        "trainer.save_every=0",
+        "deploy.mode=disaggregated",
+        f"trainer.output_dir={out}",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    config = str(ROOT / "configs" / "grpo_tiny.yaml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlcore.train", "--config", config, *overrides],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    metrics = out / "metrics.jsonl"
+    try:
+        end = time.monotonic() + 180
+        while time.monotonic() < end and not (metrics.is_file() and metrics.stat().st_size > 0):
+            assert proc.poll() is None, "the trainer exited before its first step"
+            time.sleep(0.2)
+        pids = _descendants(proc.pid)
+        assert len(pids) >= 2, pids  # the rollout worker, the reward worker, the resource tracker
+    finally:
+        pids = _descendants(proc.pid)
+        left = _kill_9_and_wait_for(proc, pids, 5.0)
+    assert not left, f"alive 5 s after the trainer's kill -9: {left}"

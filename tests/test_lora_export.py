@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -228,3 +229,135 @@ def test_export_loads_with_transformers_and_generates(tmp_path, model_dir, lora)
     half = export_hf(model, tmp_path / "bf16", dtype=torch.bfloat16)
     assert next(AutoModelForCausalLM.from_pretrained(half, dtype="auto").parameters()).dtype == torch.bfloat16
     assert math.isfinite(float(_logp(loaded, ids).sum()))
+
+
+# --- issue 30: a built-in task's run writes its character tokenizer -------------------------
+
+
+def test_reprobe30_a_built_in_task_run_writes_a_loadable_tokenizer_and_special_ids(tmp_path):
+    # hf/ of a built-in-task run had no tokenizer and `eos_token_id: null`.
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlcore.train import generate, left_pad, load_config, make_task, train
+
+    root = Path(__file__).resolve().parents[1]
+    overrides = [
+        "model.model_name_or_path.hidden_size=32",
+        "model.model_name_or_path.intermediate_size=64",
+        "model.model_name_or_path.num_hidden_layers=1",
+        "rl.batch_size=2",
+        "rl.mini_batch_size=2",
+        "rl.num_rollouts=2",
+        "trainer.warmup_steps=20",  # enough for greedy outputs of several letters
+        "trainer.warmup_batch_size=16",
+        "trainer.threads=1",
+        "trainer.reward_workers=0",
+        "trainer.progress=false",
+        "trainer.plot=false",
+        "trainer.steps=1",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    cfg = load_config(root / "configs" / "grpo_tiny.yaml", overrides)
+    run = train(cfg)
+    hf = tmp_path / "hf"
+    assert (hf / "tokenizer.json").is_file() and (hf / "tokenizer_config.json").is_file()
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((hf / name).read_text())
+        assert (saved["eos_token_id"], saved["pad_token_id"], saved.get("bos_token_id")) == (1, 0, None), name
+    tok = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    task = make_task("reversal", length=4, min_length=2, letters="abcdef")
+    prompts = [s["prompt"] for s in task.sample(16, torch.Generator().manual_seed(1))]
+    ids = [task.tokenizer.encode(p) for p in prompts]
+    assert [tok(p)["input_ids"] for p in prompts] == ids  # the run's encoding
+    assert (tok.eos_token_id, tok.pad_token_id, len(tok)) == (1, 0, task.tokenizer.vocab_size)
+    # The model's greedy output, through transformers' generate, is the run's own.
+    policy = run.policy.eval()
+    padded, mask = left_pad(ids, 0)
+    ours = generate(policy, padded, mask, eos_token_id=1, max_new_tokens=5, temperature=0.0)
+    texts = []
+    with torch.no_grad():
+        for row, p in enumerate(ids):
+            out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=5)[0, len(p) :].tolist()
+            want = ours.responses[row][ours.mask[row].bool()].tolist()
+            assert out == want, (prompts[row], out, want)
+            texts.append(tok.decode(out, skip_special_tokens=True))
+            assert texts[-1] == task.tokenizer.decode(want)
+    # The outputs compared are letters, some several, not a bare <eos> each.
+    assert sum(map(bool, texts)) >= 8 and max(map(len, texts)) >= 3, repr(texts)
+
+
+def test_reprobe30_special_words_of_the_agent_tokenizer_keep_their_ids(tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlcore.agent import Multiplication
+
+    tok = Multiplication().tokenizer
+    model = build_tiny_qwen2(tmp_path / "m", seed=0, vocab_size=tok.vocab_size, with_tokenizer=False)
+    from transformers import AutoModelForCausalLM
+
+    export_hf(AutoModelForCausalLM.from_pretrained(model), tmp_path / "hf", tokenizer=tok)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = '<tool_call>{"name":"calculator","arguments":{"expression":"12*3"}}</tool_call><tool_response>36'
+    assert hf(text)["input_ids"] == tok.encode(text) and len(hf) == tok.vocab_size
+    assert hf.decode(tok.encode(text)) == text
+    wide = type(tok)("ab\u00e9")  # a character of two bytes: no tokenizer is written, a warning says why
+    with pytest.warns(RuntimeWarning, match="not single bytes"):
+        export_hf(AutoModelForCausalLM.from_pretrained(model), tmp_path / "w", tokenizer=wide)
+    assert not (tmp_path / "w" / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="tokenizer: got str"):
+        export_hf(AutoModelForCausalLM.from_pretrained(model), tmp_path / "x", tokenizer="abc")
+
+
+def test_reprobe30_an_export_failing_mid_way_leaves_the_previous_one_loadable(tmp_path, model_dir, monkeypatch):
+    # save_pretrained wrote straight into out_dir: a full disk or a kill mid-export left a
+    # truncated model.safetensors over the previous export.
+    import errno
+    import os
+
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    model, _ = load_policy(model_dir)
+    out = export_hf(model, tmp_path / "hf")
+    before = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(out).state_dict().items()}
+    real = PreTrainedModel.save_pretrained
+
+    def disk_full(self, directory, **kwargs):  # type: ignore[no-untyped-def]
+        real(self, directory, **kwargs)
+        weights = os.path.join(directory, "model.safetensors")
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 3)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(model, out)
+    monkeypatch.undo()
+    after = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(before[k], v) for k, v in after.items())
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no partial folder left beside it
+    export_hf(model, out)  # and the next export replaces it
+    assert not torch.equal(AutoModelForCausalLM.from_pretrained(out).lm_head.weight, before["lm_head.weight"])
+
+
+def test_reprobe30_an_export_leaves_a_concurrent_ones_folder_and_removes_a_dead_ones(tmp_path, model_dir):
+    # The trainer's export and a user's `rlcore export` into the same hf/ must not delete each other's files.
+    import subprocess
+    import sys
+
+    model, _ = load_policy(model_dir)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    running = tmp_path / f".hf.partial-{os.getpid()}-abc"
+    killed = tmp_path / f".hf.partial-{dead.pid}-abc"
+    for d in (running, killed):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    export_hf(model, tmp_path / "hf")
+    assert running.is_dir() and not killed.exists()

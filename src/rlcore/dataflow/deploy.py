@@ -18,9 +18,16 @@ MindSpeed-RL (Feng et al., 2025, arXiv:2507.19017) runs the same stage graph eit
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import multiprocessing as std_mp
+import multiprocessing.connection
+import os
 import queue
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -51,8 +58,44 @@ def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequenc
     return [s if s.resource in keep else dataclasses.replace(s, resource=resource) for s in stages]
 
 
-def _worker_main(factory: Callable[..., Any], args: tuple, threads: int, jobs: Any, weights: Any, results: Any) -> None:
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(deathsig: bool) -> None:
+    """Exit when the trainer that started this worker dies, even by ``kill -9`` (nothing else would end it).
+
+    The worker waits on its job queue, whose write end it holds itself, so it never sees the
+    trainer go. On Linux the kernel sends it ``SIGKILL`` when the starting thread exits
+    (``deathsig``: only when that thread was the main one, which lives as long as the
+    trainer); everywhere a thread watches the parent's sentinel, a pipe that reads EOF
+    when the parent is gone (also the race where it died before ``prctl``).
+    """
+    if deathsig and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = std_mp.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="rlcore-rollout-parent-watch").start()
+
+
+def _worker_main(
+    factory: Callable[..., Any],
+    args: tuple,
+    threads: int,
+    jobs: Any,
+    weights: Any,
+    results: Any,
+    deathsig: bool = False,
+) -> None:
     """The rollout process: build the generate function, then serve jobs with the requested weights version."""
+    _die_with_parent(deathsig)
     torch.set_num_threads(threads)
     try:
         fn = factory(*args)
@@ -157,7 +200,9 @@ class RolloutWorker(ProxyRollout):
     an update without waiting for the worker (shared-memory copies through a queue).
 
     The worker is a daemon process: :meth:`close` (or leaving the ``with`` block) stops
-    it, terminating it if it does not exit within ``join_timeout``.
+    it, terminating it if it does not exit within ``join_timeout``. It also exits by
+    itself when the process that started it dies, even by ``kill -9`` (it watches its
+    parent; on Linux the kernel also kills it, when it was started from the main thread).
 
     Args:
       factory: a picklable (module-level) function building ``generate``.
@@ -181,8 +226,12 @@ class RolloutWorker(ProxyRollout):
         ctx = mp.get_context(start_method)
         self._jobs, self._weights, self._results = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.join_timeout = join_timeout
+        # The kernel's parent-death signal follows the starting thread: only the main one outlives the worker.
+        deathsig = threading.current_thread() is threading.main_thread()
         self.process = ctx.Process(  # type: ignore[attr-defined]  # get_context() returns a concrete context
-            target=_worker_main, args=(factory, args, threads, self._jobs, self._weights, self._results), daemon=True
+            target=_worker_main,
+            args=(factory, args, threads, self._jobs, self._weights, self._results, deathsig),
+            daemon=True,
         )
         self.process.start()
         self.published = -1

@@ -51,6 +51,7 @@ from rlcore.train.rundir import (
     RUN_FILES,
     check_resume_config,
     check_resume_shapes,
+    check_resume_steps,
     config_changes,
     prepare_run_dir,
 )
@@ -144,6 +145,7 @@ __all__ += [
     "Validator",
     "check_resume_config",
     "check_resume_shapes",
+    "check_resume_steps",
     "config_changes",
     "export_checkpoint",
     "make_prompt_source",

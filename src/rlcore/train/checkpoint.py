@@ -19,9 +19,12 @@ entries, another model size, another algorithm's entries) raises
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -53,9 +56,14 @@ __all__ = [
 
 CHECKPOINT_NAME = "checkpoint"
 _FORMAT = "rlcore-checkpoint"
-_VERSION = 1
+_VERSION = 2  # 2: the manifest records every file's size and sha256; 1 (no digests) is still read
+_READS = (1, 2)
 _LATEST = "latest"
 _MANIFEST = "manifest.json"
+_LOCK = ".lock"
+# Version folders: ``step000400`` (the steps the checkpoint holds; ``step000400_1`` for a second
+# save of the same step), or ``v000001`` (numbered by save: unnamed saves, and older checkpoints).
+_VERSION_NAME = re.compile(r"(?:v(\d{6})|step(\d{6,})(?:_(\d+))?)")
 
 
 class CheckpointError(ValueError):
@@ -123,7 +131,96 @@ def _write(path: Path, write: Any) -> None:
 
 
 def _version(name: str) -> int | None:
-    return int(name[1:]) if len(name) == 7 and name[0] == "v" and name[1:].isdigit() else None
+    """The save number of a ``v000001`` folder, ``0`` for a ``step...`` folder, ``None`` for anything else."""
+    m = _VERSION_NAME.fullmatch(name)
+    if m is None:
+        return None
+    return int(m.group(1)) if m.group(1) is not None else 0
+
+
+def _order(name: str) -> tuple[int, int, int]:
+    """Sort key of version folders: ``v`` ones by save number, then ``step`` ones by step and repeat."""
+    m = _VERSION_NAME.fullmatch(name)
+    assert m is not None
+    if m.group(1) is not None:
+        return (0, int(m.group(1)), 0)
+    return (1, int(m.group(2)), int(m.group(3) or 0))
+
+
+def _new_name(root: Path, step: int | None, previous: str | None) -> str:
+    """The folder of the next version: by step when given, else by save; never the committed one's."""
+    if step is None:
+        numbers = [int(m.group(1)) for p in root.iterdir() if (m := _VERSION_NAME.fullmatch(p.name)) and m.group(1)]
+        return f"v{max(numbers, default=0) + 1:06d}"
+    name, k = f"step{step:06d}", 0
+    while name == previous:  # the same step saved again: its committed folder stays until the commit
+        k += 1
+        name = f"step{step:06d}_{k}"
+    return name
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_digests(path: Path) -> dict[str, dict[str, Any]]:
+    """Every file of a version (the manifest aside): relative path -> size and sha256."""
+    out: dict[str, dict[str, Any]] = {}
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = file.relative_to(path).as_posix()
+        if rel != _MANIFEST:
+            out[rel] = {"size": file.stat().st_size, "sha256": _digest(file)}
+    return out
+
+
+def _verify_files(path: Path, manifest: Mapping[str, Any]) -> None:
+    """Each file the manifest lists has its recorded size and sha256 (a version 1 manifest lists none)."""
+    files = manifest.get("files")
+    if files is None and manifest.get("version") == 1:
+        return
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+        for v in files.values()
+    ):
+        raise _fail(path / _MANIFEST, f"lists files {str(files)[:80]!r}, expected name -> {{size, sha256}}")
+    for rel, info in files.items():
+        file = path / rel
+        if ".." in Path(rel).parts or not file.is_file():
+            raise _fail(file, "is missing (the checkpoint version is incomplete)")
+        size = file.stat().st_size
+        if size < info["size"]:
+            raise _fail(file, f"is truncated: {size} bytes, the manifest records {info['size']}")
+        if size != info["size"]:
+            raise _fail(file, f"has {size} bytes, the manifest records {info['size']} (changed after the save?)")
+        if _digest(file) != info["sha256"]:
+            raise _fail(
+                file,
+                "fails its checksum: its sha256 is not the one the manifest records (the file was damaged or changed "
+                "after the save)",
+            )
+
+
+def _lock(root: Path) -> int | None:
+    """Hold the folder's save lock (one saving process at a time; the kernel drops it when the process dies)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    fd = os.open(root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        raise _fail(
+            root, "another process is saving a checkpoint here now (two runs with the same trainer.output_dir?)"
+        ) from None
+    return fd
 
 
 def _read_latest(root: Path) -> str:
@@ -145,7 +242,7 @@ def _broadcast(name: str) -> str:
     return str(box[0])
 
 
-def save_checkpoint(output_dir: str | os.PathLike, state: Mapping[str, Any]) -> Path:
+def save_checkpoint(output_dir: str | os.PathLike, state: Mapping[str, Any], *, step: int | None = None) -> Path:
     """Write ``state`` to ``output_dir/checkpoint/`` as a new version, committed atomically.
 
     Each value of ``state`` is one of
@@ -161,9 +258,16 @@ def save_checkpoint(output_dir: str | os.PathLike, state: Mapping[str, Any]) -> 
     data only) this process writes alone. The previous version stays the committed one
     until the new one is complete on every rank.
 
+    The manifest records the size and sha256 of every file of the version;
+    :func:`load_checkpoint` checks them, so a damaged byte is found before it loads. One
+    process saves into a folder at a time (a second one gets a :class:`CheckpointError`);
+    a failed save (a full disk, Ctrl-C) removes its partial version.
+
     Args:
       output_dir: the run's output directory.
       state: entry name -> module, (module, optimizers) or data.
+      step: the number of steps the state holds, which names the version's folder
+        (``step000400``); ``None`` numbers the folders by save (``v000001``).
 
     Returns:
       the directory of the version written.
@@ -176,47 +280,86 @@ def save_checkpoint(output_dir: str | os.PathLike, state: Mapping[str, Any]) -> 
     """
     if not isinstance(state, Mapping) or not all(isinstance(k, str) and k and "." not in k for k in state):
         raise ValueError(f"state: got {type(state).__name__}, expected a mapping with non-empty str keys without '.'")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step: got {step!r}, expected a non-negative int (the steps the checkpoint holds) or None")
     kinds = {name: _kind(name, value) for name, value in state.items()}
     collective = _collective(kinds)
     rank = dist.get_rank() if collective else 0
     root = Path(output_dir) / CHECKPOINT_NAME
+    lock: int | None = None
     previous: str | None = None
     name = ""
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        try:
-            previous = _read_latest(root)
-        except CheckpointError:
-            previous = None  # a missing or damaged pointer: this save replaces it
-        numbers = [v for p in root.iterdir() if (v := _version(p.name)) is not None]
-        name = f"v{max(numbers, default=0) + 1:06d}"
-        # Leftovers of interrupted saves: every version but the committed one.
-        for p in root.iterdir():
-            if _version(p.name) is not None and p.name != previous:
-                shutil.rmtree(p, ignore_errors=True)
-        (root / name).mkdir()
-    if collective:
-        name = _broadcast(name)
-    path = root / name
-    data = {k: v for k, v in state.items() if kinds[k] == "data"}
-    _write(path / f"data_{rank}.pt", lambda f: torch.save(data, f))
-    tensors = {k: _tensor_state(kinds[k], v) for k, v in state.items() if kinds[k] != "data"}
-    if tensors:
-        with _quiet_single_process(not collective):
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=not collective)
-    if collective:
-        dist.barrier()
-    if rank == 0:
-        world = dist.get_world_size() if collective else 1
-        manifest = {"format": _FORMAT, "version": _VERSION, "world_size": world, "entries": kinds}
-        _write(path / _MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        _fsync_dir(path)
-        tmp = root / f".{_LATEST}.tmp"
-        _write(tmp, lambda f: f.write(f"{name}\n".encode()))
-        os.replace(tmp, root / _LATEST)
-        _fsync_dir(root)
-        if previous is not None:
-            shutil.rmtree(root / previous, ignore_errors=True)
+    try:
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                lock = _lock(root)
+                previous, name = _begin(root, step)
+            except BaseException:
+                if collective:  # the other ranks wait for the folder's name: tell them
+                    _broadcast("")
+                raise
+        if collective:
+            name = _broadcast(name)
+            if not name:
+                raise _fail(root, "rank 0 could not start the save (its error names the cause)")
+        return _save_version(root / name, state, kinds, collective, rank, previous)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _begin(root: Path, step: int | None) -> tuple[str | None, str]:
+    """Rank 0: the committed version (if any) and the new version's folder, created empty."""
+    try:
+        previous: str | None = _read_latest(root)
+    except CheckpointError:
+        previous = None  # a missing or damaged pointer: this save replaces it
+    name = _new_name(root, step, previous)
+    # Leftovers of interrupted saves: every version but the committed one.
+    for p in root.iterdir():
+        if _version(p.name) is not None and p.name != previous:
+            shutil.rmtree(p, ignore_errors=True)
+    (root / name).mkdir()
+    return previous, name
+
+
+def _save_version(
+    path: Path, state: Mapping[str, Any], kinds: Mapping[str, str], collective: bool, rank: int, previous: str | None
+) -> Path:
+    root, name = path.parent, path.name
+    committed = False
+    try:
+        data = {k: v for k, v in state.items() if kinds[k] == "data"}
+        _write(path / f"data_{rank}.pt", lambda f: torch.save(data, f))
+        tensors = {k: _tensor_state(kinds[k], v) for k, v in state.items() if kinds[k] != "data"}
+        if tensors:
+            with _quiet_single_process(not collective):
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=not collective)
+        if collective:
+            dist.barrier()
+        if rank == 0:
+            world = dist.get_world_size() if collective else 1
+            manifest = {
+                "format": _FORMAT,
+                "version": _VERSION,
+                "world_size": world,
+                "entries": dict(kinds),
+                "files": _file_digests(path),
+            }
+            _write(path / _MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+            _fsync_dir(path)
+            tmp = root / f".{_LATEST}.tmp"
+            _write(tmp, lambda f: f.write(f"{name}\n".encode()))
+            os.replace(tmp, root / _LATEST)
+            committed = True
+            _fsync_dir(root)
+            if previous is not None:
+                shutil.rmtree(root / previous, ignore_errors=True)
+    except BaseException:
+        if rank == 0 and not committed:  # a full disk, Ctrl-C: the partial version goes, the last one stays
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     if collective:
         dist.barrier()
     return path
@@ -235,8 +378,8 @@ def _manifest(path: Path) -> dict[str, Any]:
         raise _fail(file, f"is not a readable manifest ({_cause(err)})") from err
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
         raise _fail(file, f"is not an rlcore checkpoint manifest (format {str(manifest)[:60]!r})")
-    if manifest.get("version") != _VERSION:
-        raise _fail(file, f"has format version {manifest.get('version')!r}, this rlcore reads {_VERSION}")
+    if manifest.get("version") not in _READS:
+        raise _fail(file, f"has format version {manifest.get('version')!r}, this rlcore reads {list(_READS)}")
     entries = manifest.get("entries")
     if not isinstance(entries, dict) or not all(v in ("module", "trainable", "data") for v in entries.values()):
         raise _fail(file, f"lists entries {str(entries)[:80]!r}, expected name -> 'module' | 'trainable' | 'data'")
@@ -374,7 +517,10 @@ def load_checkpoint(
     same shape as at the save, e.g. ``{"policy": (policy, opt), "step": 0}``), modules
     and optimisers are loaded in place, resharded to their current layout (collective
     when a process group is initialised), and the saved data entries are returned. A
-    rank beyond the saved world size gets rank 0's data.
+    rank beyond the saved world size gets rank 0's data. Every file is checked against
+    the size and sha256 its manifest records before anything is loaded. A version
+    replaced by a save while this process reads it (outside a process group) is
+    followed to the newly committed one.
 
     Args:
       output_dir: the run's output directory.
@@ -392,12 +538,50 @@ def load_checkpoint(
     """
     root = Path(output_dir) / CHECKPOINT_NAME
     if not (root / _LATEST).exists():
+        whole = (
+            sorted(
+                (p.name for p in root.iterdir() if _version(p.name) is not None and (p / _MANIFEST).is_file()),
+                key=_order,
+            )
+            if root.is_dir()
+            else []
+        )
+        if whole:
+            raise _fail(
+                root / _LATEST,
+                f"is missing, though the folder holds the saved versions {whole} (the marker was deleted?); "
+                f"write the name of one, e.g. {whole[-1]!r}, into it to resume from that version",
+            )
         raise ValueError(f"resume: no checkpoint at {str(root)!r}; run without --resume first")
-    path = root / _read_latest(root)
-    manifest = _manifest(path)
-    saved: dict[str, str] = manifest["entries"]
     kinds = {name: _kind(name, value) for name, value in (state or {}).items()}
     collective = state is not None and _collective(kinds)
+    version = _read_latest(root)
+    for attempt in range(3):
+        try:
+            return _load_version(root / version, state, kinds, collective, strict)
+        except (CheckpointError, OSError):
+            # A save committed while this read (``rlcore export`` of a running job) and removed
+            # the version being read: read the new one. Ranks of a group never race a save.
+            now = None if collective or attempt == 2 else _committed(root)
+            if now is None or now == version:
+                raise
+            version = now
+    raise AssertionError("unreachable")
+
+
+def _committed(root: Path) -> str | None:
+    try:
+        return _read_latest(root)
+    except CheckpointError:
+        return None
+
+
+def _load_version(
+    path: Path, state: Mapping[str, Any] | None, kinds: Mapping[str, str], collective: bool, strict: bool
+) -> dict[str, Any]:
+    manifest = _manifest(path)
+    _verify_files(path, manifest)
+    saved: dict[str, str] = manifest["entries"]
     data = _data(path, dist.get_rank() if collective else 0)
     absent = sorted({k for k, v in saved.items() if v == "data"} - set(data))
     if absent:

@@ -49,6 +49,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
             f"checkpoint: no training checkpoint at {str(run / CHECKPOINT_NAME)!r}, expected a run's output "
             "directory (trainer.output_dir) or its checkpoint folder"
         )
+    out, folder = Path(out_dir).resolve(), (run / CHECKPOINT_NAME).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {str(out_dir)!r} is a file, expected a directory to write the model to")
+    if out == folder or folder in out.parents:
+        raise ValueError(
+            f"out_dir: {str(out_dir)!r} is inside the checkpoint folder {str(run / CHECKPOINT_NAME)!r}, expected "
+            "another directory (e.g. the run's hf/)"
+        )
     try:
         state = load_checkpoint(run)
     except CheckpointError:
@@ -81,4 +89,5 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
     except RuntimeError as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise ValueError(f"checkpoint: the policy in {str(run)!r} does not fit its recorded model: {first}") from err
-    return export_hf(model, out_dir, tokenizer=getattr(tokenizer, "hf", None))
+    # A dataset run's transformers tokenizer, or the built-in task's character tokenizer.
+    return export_hf(model, out_dir, tokenizer=getattr(tokenizer, "hf", tokenizer))

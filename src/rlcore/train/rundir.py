@@ -7,7 +7,8 @@ config a checkpoint recorded with the current one: model keys (shapes, adapters)
 never change on resume, other hyper-parameters only with ``--allow-config-change``;
 run-length and bookkeeping keys (``trainer.steps``, ``trainer.output_dir``, ...) are free.
 :func:`check_resume_shapes` compares the model's tensor shapes a checkpoint recorded with
-those of the model the config builds now (the same directory may hold other weights).
+those of the model the config builds now (the same directory may hold other weights);
+:func:`check_resume_steps` refuses a resume to fewer steps than the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FREE_KEYS", "RUN_FILES", "check_resume_config", "check_resume_shapes", "config_changes", "prepare_run_dir"]
+__all__ = [
+    "FREE_KEYS",
+    "RUN_FILES",
+    "check_resume_config",
+    "check_resume_shapes",
+    "check_resume_steps",
+    "config_changes",
+    "prepare_run_dir",
+]
 
 # What a run writes into its output directory.
 RUN_FILES = ("metrics.jsonl", "checkpoint", "hf", "curves.png", "timeline.png")
@@ -191,3 +200,29 @@ def check_resume_shapes(
     for name, shape in current.items():
         if name not in saved:
             raise ValueError(f"{where} {name!r} of shape {list(shape)} in {now} is not in the checkpoint {hint}")
+
+
+def check_resume_steps(saved_step: Any, steps: int, *, checkpoint: str | os.PathLike) -> None:
+    """Refuse a resume whose ``trainer.steps`` is below the steps the checkpoint holds (it would train nothing).
+
+    Args:
+      saved_step: the checkpoint's ``step`` entry, the index of its last step (``None``: nothing to check).
+      steps: ``trainer.steps`` of the resumed run.
+      checkpoint: the checkpoint's path, named in the error.
+
+    Raises:
+      ValueError: one line naming both numbers.
+
+    >>> check_resume_steps(399, 300, checkpoint="out/checkpoint")
+    Traceback (most recent call last):
+    ...
+    ValueError: resume: trainer.steps is 300, but checkpoint 'out/checkpoint' already holds 400 steps; set trainer.steps above 400 to train further (a resume does not go back to an earlier step)
+    """
+    if isinstance(saved_step, bool) or not isinstance(saved_step, int):
+        return
+    done = saved_step + 1
+    if steps < done:
+        raise ValueError(
+            f"resume: trainer.steps is {steps}, but checkpoint {str(checkpoint)!r} already holds {done} steps; set "
+            f"trainer.steps above {done} to train further (a resume does not go back to an earlier step)"
+        )

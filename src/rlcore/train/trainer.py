@@ -95,7 +95,7 @@ from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_me
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
 from rlcore.train.prompts import PreferencePrompts, make_prompt_source, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
-from rlcore.train.rundir import check_resume_config, check_resume_shapes, prepare_run_dir
+from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps, prepare_run_dir
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
@@ -360,7 +360,7 @@ def _save(out: Path, step: int, models: _Models, opt: _Optimiser, cfg: Config, s
 
     ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state.
     """
-    save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes})
+    save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes}, step=step + 1)
 
 
 def _restore(out: Path, models: _Models, opt: _Optimiser, cfg: Config) -> int:
@@ -1036,6 +1036,7 @@ def _train(
         check_resume_shapes(
             saved.get("model_shapes"), shapes, checkpoint=out / "checkpoint", model=str(cfg.model.model_name_or_path)
         )
+        check_resume_steps(saved.get("step"), tr.steps, checkpoint=out / "checkpoint")
     if not resume and tr.warmup_steps:
         supervised_warmup(
             policy,
@@ -1125,12 +1126,14 @@ def _train(
             if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
                 _save(out, step, models, opt, cfg, shapes)  # every rank: DCP writes each rank's shards
                 if tr.export:  # the policy as a Hugging Face directory beside the checkpoint
+                    # A built-in task's character tokenizer is written as a transformers one.
+                    hf_tok = task.tokenizer if task.hf_tokenizer is None else task.hf_tokenizer
                     if world.size == 1:
-                        export_hf(models.policy, out / "hf", tokenizer=task.hf_tokenizer)
+                        export_hf(models.policy, out / "hf", tokenizer=hf_tok)
                     else:  # gathered (collective), written into the unsharded architecture by rank 0
                         weights = full_state_dict(models.policy)
                         if leader:
-                            export_hf(replica, out / "hf", tokenizer=task.hf_tokenizer, params=weights)
+                            export_hf(replica, out / "hf", tokenizer=hf_tok, params=weights)
 
         graph = _graph(cfg, models, recipe, opt, steps, dep.rollout, rewards, task, world, on_step_end)
         policy.train()
