@@ -394,3 +394,39 @@ def test_reprobe_reward_class_that_cannot_be_called_is_refused_when_built(tmp_pa
     (tmp_path / "odd.py").write_text("class Scores:\n    def score(self, prompts, responses):\n        return [1.0]\n")
     with pytest.raises(ValueError, match=r"rewards\[0\].reward: .*odd.py:Scores' built a Scores with neither"):
         build_reward([f"{tmp_path / 'odd.py'}:Scores"])
+
+
+@pytest.mark.parametrize("body", ["import sys\nsys.exit(3)\n", "raise SystemExit('bye')\n", "exit()\n"])
+def test_reprobe30_reward_file_calling_exit_at_import_is_a_named_error(tmp_path, body):
+    # sys.exit at import escaped as a bare SystemExit: the CLI exited with the file's status.
+    (tmp_path / "exits.py").write_text(body)
+    with pytest.raises(
+        ValueError, match=r"rewards\[1\]\.reward: got 'exits\.py:Score', but importing .*exits\.py"
+    ) as info:
+        build_reward(["length", "exits.py:Score"], base_dir=tmp_path)
+    assert "SystemExit" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_reprobe30_reward_class_calling_exit_when_built_is_a_named_error(tmp_path):
+    (tmp_path / "exits.py").write_text("import sys\n\nclass Score:\n    def __init__(self):\n        sys.exit(4)\n")
+    with pytest.raises(
+        ValueError, match=r"rewards\[0\]: building 'exits\.py:Score' with kwargs \{\} raised SystemExit: 4"
+    ):
+        build_reward(["exits.py:Score"], base_dir=tmp_path)
+
+
+def test_reprobe30_cli_reward_file_calling_exit_is_status_2_with_one_line(tmp_path, capsys):
+    from pathlib import Path
+
+    import yaml
+
+    from rlcore.train.cli import main
+
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "grpo_tiny.yaml").read_text())
+    raw["rewards"] = ["exits.py:Score"]  # relative to the config's folder
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    code = main(["train", "--config", str(tmp_path / "run.yaml"), f"trainer.output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "rewards[0].reward" in err[0] and "exits.py" in err[0] and "SystemExit" in err[0], err

@@ -74,6 +74,19 @@ def _scores(obj: Any) -> bool:
     return callable(obj) or _has_forward(obj)
 
 
+def _load(ref: str, *, what: str, base_dir: str | None) -> Any:
+    """:func:`rlcore.references.load_reference`, with a ``sys.exit`` in the user's module as a named error."""
+    try:
+        return load_reference(ref, what=what, base_dir=base_dir)
+    except SystemExit as err:
+        source = ref.rpartition(":")[0]
+        path = source if not source.endswith(".py") or base_dir is None else os.path.join(base_dir, source)
+        raise ValueError(
+            f"{what}: got {ref!r}, but importing {path!r} raised SystemExit: {err.code} "
+            "(a reward module must not exit when imported)"
+        ) from err
+
+
 def _rebuild(entry: dict[str, Any], base_dir: str | None, what: str) -> ConfiguredReward:
     return ConfiguredReward(entry, base_dir=base_dir, what=what)
 
@@ -97,7 +110,7 @@ class ConfiguredReward:
         self.what = what
         ref, kwargs = self.entry["reward"], dict(self.entry.get("kwargs") or {})
         if ":" in ref:
-            target = load_reference(ref, what=f"{what}.reward", base_dir=self.base_dir)
+            target = _load(ref, what=f"{what}.reward", base_dir=self.base_dir)
         elif ref in REWARDS:
             target = REWARDS[ref]
         else:
@@ -114,7 +127,7 @@ class ConfiguredReward:
         if inspect.isclass(target) or (ref in REWARDS and ":" not in ref):
             try:
                 built = target(**kwargs)
-            except Exception as err:
+            except (Exception, SystemExit) as err:  # a constructor's exit() is a bad reward, not the run's status
                 raise ValueError(
                     f"{self.what}: building {ref!r} with kwargs {kwargs} raised {type(err).__name__}: {err}"
                 ) from err
