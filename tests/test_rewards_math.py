@@ -7,6 +7,7 @@ import time
 from fractions import Fraction
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +142,15 @@ def test_reprobe30_extraction_runs_inside_the_per_item_timeout():
         assert reward(["q"], ["#### 2"], answers=["2"]).tolist() == [1.0]  # and the next item is checked
     finally:
         reward.close()
+
+
+def test_reprobe30_tensor_answers_are_their_numbers(math_reward):
+    # A tensor answer was compared as the text "tensor(3.)".
+    responses = [r"The answer is $3$", r"\boxed{\frac{14}{2}}", "#### 0.5"]
+    answers = [torch.tensor(3.0), torch.tensor([7]), torch.tensor(0.5, dtype=torch.float64)]
+    assert math_reward(["q"] * 3, responses, answers=answers).tolist() == [1.0, 1.0, 1.0]
+    assert math_reward(["q"] * 2, responses[:2], answers=torch.tensor([3.0, 7.0])).tolist() == [1.0, 1.0]
+    math_reward.pop_metrics()
+    with pytest.raises(ValueError, match=r"answers\[0\]: got a tensor of shape \(1, 2\), expected a string"):
+        math_reward(["q"], ["1"], answers=[torch.ones(1, 2)])
+    assert math_reward.pop_metrics()["checked"] == 0  # refused before anything was counted

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from rlcore.rewards._answers import reference_answers
+
 __all__ = ["AnswerMatch", "FormatMatch", "LengthReward", "extract_answer"]
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -57,7 +59,7 @@ def _check_column(name: str, values: Sequence[Any] | None, n: int) -> Sequence[A
         raise ValueError(f"{name}: got None, expected a column of {n} reference answers")
     if len(values) != n:
         raise ValueError(f"{name}: got {len(values)} values, expected {n} (one per response)")
-    return values
+    return reference_answers(values, name)
 
 
 class AnswerMatch:
@@ -68,7 +70,7 @@ class AnswerMatch:
     A response without an answer scores 0.
 
     Args (call): ``prompts``, ``responses`` (``B`` strings), ``answers`` (``B`` reference
-    answers, strings or numbers).
+    answers: strings, numbers, or one-element tensors read as their number).
 
     >>> AnswerMatch(numeric=True)(["1+1="], ["it is 2.0"], answers=["2"])
     tensor([1.])

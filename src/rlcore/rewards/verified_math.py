@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rlcore.rewards._answers import reference_answers
 from rlcore.rewards._math_verify_worker import extract_final_answer
 
 __all__ = ["VerifiedMath", "extract_final_answer"]
@@ -121,7 +122,7 @@ class VerifiedMath:
       startup_timeout: seconds a new worker may take to import math-verify.
 
     Call with ``prompts``, ``responses`` (``B`` strings) and ``answers`` (``B`` reference
-    answers, strings or numbers); returns float32 ``[B]``.
+    answers: strings, numbers, or one-element tensors read as their number); returns float32 ``[B]``.
 
     >>> reward = VerifiedMath()
     >>> reward(["q"] * 3, ["\\\\boxed{\\\\frac{1}{2}}", "#### 0.5", "it is 2"], answers=["0.5", "1/2", "3"])
@@ -192,6 +193,7 @@ class VerifiedMath:
         if answers is None or len(answers) != len(responses):
             got = None if answers is None else f"{len(answers)} values"
             raise ValueError(f"answers: got {got}, expected {len(responses)} reference answers (one per response)")
+        answers = reference_answers(answers)
         with self._lock:
             scores = []
             for response, answer in zip(responses, answers):
