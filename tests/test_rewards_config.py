@@ -309,8 +309,10 @@ def test_reward_pool_brings_the_counters_back_per_batch(num_workers):
     reward = build_reward([{"reward": "math", "kwargs": {"timeout": 1.0}}, "length"])
     try:
         with RewardPool(reward, num_workers=num_workers, timeout=120) as pool:
+            # the verified-maths counters, and each component's raw scores summed (the per-reward breakdown)
+            breakdown = ["length/score_sum", "length/scored", "math/score_sum", "math/scored"]
             assert pool.pop_metrics(0) == dict.fromkeys(
-                ["math/checked", "math/correct", "math/errors", "math/no_answer", "math/timeouts"], 0.0
+                ["math/checked", "math/correct", "math/errors", "math/no_answer", "math/timeouts", *breakdown], 0.0
             )
             first = pool.submit(["q"] * 3, ["\\boxed{2}", PATHOLOGICAL, "none"], batch=0, answers=["2", "1", "3"])
             assert first.result().tolist() == [2.0, 1.0, 1.0]  # math + length (max_length default)
@@ -323,9 +325,19 @@ def test_reward_pool_brings_the_counters_back_per_batch(num_workers):
                 "math/errors": 0,
                 "math/no_answer": 1,
                 "math/timeouts": 1,
+                "math/score_sum": 1,
+                "math/scored": 3,
+                "length/score_sum": 3,
+                "length/scored": 3,
             }
             assert pool.pop_metrics(0)["math/checked"] == 0  # popped
-            assert pool.pop_metrics(1) == {**dict.fromkeys(got, 0.0), "math/checked": 1.0}
+            assert pool.pop_metrics(1) == {
+                **dict.fromkeys(got, 0.0),
+                "math/checked": 1.0,
+                "math/scored": 1.0,
+                "length/score_sum": 1.0,
+                "length/scored": 1.0,
+            }
     finally:
         close_reward(reward)
 

@@ -30,7 +30,15 @@ from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward
 from rlcore.rewards.verified_math import VerifiedMath
 
-__all__ = ["REWARDS", "ConfiguredReward", "build_reward", "close_reward", "register_reward", "reward_metrics"]
+__all__ = [
+    "REWARDS",
+    "ConfiguredReward",
+    "build_reward",
+    "close_reward",
+    "register_reward",
+    "reward_log_values",
+    "reward_metrics",
+]
 
 # DeepSeek-R1's format (arXiv:2501.12948): reasoning in <think>, the answer in <answer>.
 R1_FORMAT = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
@@ -218,14 +226,40 @@ def _components(reward: Any) -> list[tuple[str, Any]]:
 def reward_metrics(reward: Any) -> dict[str, float]:
     """The counters of every component that keeps some (``pop_metrics``), as ``{"name/counter": value}``; resets them.
 
+    A :class:`rlcore.rewards.Weighted` (what :func:`build_reward` returns) adds each
+    component's raw scores summed, ``name/score_sum`` and ``name/scored``: sums, so that
+    batches and data-parallel ranks add up; :func:`reward_log_values` turns them into means.
+
     >>> reward_metrics(build_reward(["length"]))
-    {}
+    {'length/score_sum': 0.0, 'length/scored': 0.0}
     """
     out: dict[str, float] = {}
+    if isinstance(reward, Weighted):  # each component's raw scores: the per-reward breakdown
+        out.update(reward.pop_metrics())
     for name, component in _components(reward):
         pop = getattr(component, "pop_metrics", None)
         if callable(pop):
             out.update({f"{name}/{key}": float(value) for key, value in pop().items()})
+    return out
+
+
+def reward_log_values(counts: Mapping[str, float]) -> dict[str, float]:
+    """What a run logs from reward counters (summed over batches and ranks): each component's mean raw score.
+
+    ``name/score_sum`` and ``name/scored`` become ``name``, their ratio (left out when
+    nothing was scored); every other counter (``math/timeouts``, ...) passes unchanged.
+
+    >>> reward_log_values({"length/score_sum": 3.0, "length/scored": 4.0, "math/timeouts": 1.0})
+    {'length': 0.75, 'math/timeouts': 1.0}
+    """
+    out: dict[str, float] = {}
+    for key, value in counts.items():
+        name, _, counter = key.rpartition("/")
+        if counter == "score_sum" and f"{name}/scored" in counts:
+            if counts[f"{name}/scored"] > 0:
+                out[name] = float(value) / float(counts[f"{name}/scored"])
+        elif not (counter == "scored" and f"{name}/score_sum" in counts):
+            out[key] = float(value)
     return out
 
 
