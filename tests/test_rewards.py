@@ -426,3 +426,51 @@ def test_reprobe30_tensor_answers_are_their_numbers(answers):
 def test_reprobe30_a_tensor_answer_of_several_values_is_refused():
     with pytest.raises(ValueError, match=r"answers\[1\]: got a tensor of shape \(2,\), expected a string, a number"):
         AnswerMatch(numeric=True)(["q"] * 2, ["1", "2"], answers=[torch.tensor(1), torch.tensor([1, 2])])
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), True])
+def test_reprobe30_weighted_refuses_a_weight_that_is_not_a_finite_number(weight):
+    # An infinite weight gave inf scores, silently, from Weighted's own call.
+    with pytest.raises(ValueError, match=r"rewards\[0\]: got weight .*, expected a finite number"):
+        Weighted([(weight, count_a)])
+
+
+class _Unreadable(float):
+    def __float__(self):
+        raise RuntimeError("cannot read me")
+
+
+def test_reprobe30_a_score_that_cannot_be_read_is_a_named_reward_error():
+    # An element whose float() raised escaped as a raw RuntimeError, naming no reward.
+    def unreadable(prompts, responses, **_):
+        return [_Unreadable(1.0)] * len(responses)
+
+    with pytest.raises(RewardError, match=r"reward 'unreadable' on batch 1: got a score .* that cannot be read"):
+        evaluate(unreadable, ["p"], ["a"], batch=1)
+
+
+def test_reprobe30_a_reward_whose_name_raises_is_still_named():
+    # A name property that raised escaped as a raw RuntimeError from the error message's own making.
+    class NoName:
+        @property
+        def name(self):
+            raise RuntimeError("no name")
+
+        def __call__(self, prompts, responses, **_):
+            return []
+
+    with pytest.raises(RewardError, match=r"reward 'NoName': got scores of shape \(0,\), expected \(1,\)"):
+        evaluate(NoName(), ["p"], ["a"])
+
+
+def test_reprobe30_an_async_reward_is_refused_clearly():
+    async def coro_reward(prompts, responses, **_):
+        return [1.0] * len(responses)
+
+    with pytest.raises(RewardError, match=r"reward 'coro_reward'.*returned a coroutine.*async"):
+        evaluate(coro_reward, ["p"], ["a"])
+
+
+def test_reprobe30_list_answers_are_refused_by_answer_match():
+    with pytest.raises(ValueError, match=r"answers\[0\]: got a list, expected a string, a number"):
+        AnswerMatch()(["q"], ["#### 1"], answers=[["1", "2"]])

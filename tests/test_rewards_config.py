@@ -442,3 +442,50 @@ def test_reprobe30_cli_reward_file_calling_exit_is_status_2_with_one_line(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and "rewards[0].reward" in err[0] and "exits.py" in err[0] and "SystemExit" in err[0], err
+
+
+ODD_FILE = """
+async def coro(prompts, responses, **kwargs):
+    return [1.0] * len(responses)
+
+
+def one_argument(text):
+    return [1.0]
+
+
+def strict_keywords(prompts, responses, *, answers):
+    return [1.0] * len(responses)
+
+
+class ForwardTakesOne:
+    def forward(self, responses):
+        return [1.0] * len(responses)
+
+
+class AsyncCall:
+    async def __call__(self, prompts, responses, **kwargs):
+        return [1.0] * len(responses)
+"""
+
+
+@pytest.mark.parametrize(
+    "entry, pattern",
+    [
+        ("odd.py:coro", r"rewards\[0\]\.reward: 'odd\.py:coro' is an async function"),
+        ("odd.py:AsyncCall", r"rewards\[0\]\.reward: 'odd\.py:AsyncCall' built a AsyncCall whose __call__ is async"),
+        ("odd.py:one_argument", r"rewards\[0\]\.reward: 'odd\.py:one_argument' cannot be called as "),
+        ("odd.py:ForwardTakesOne", r"rewards\[0\]\.reward: 'odd\.py:ForwardTakesOne' cannot be called as "),
+        (
+            {"reward": "odd.py:strict_keywords", "kwargs": {"bonus": 1}},
+            r"rewards\[0\]\.kwargs: 'odd\.py:strict_keywords' does not take \{'bonus': 1\}",
+        ),
+    ],
+)
+def test_reprobe30_reward_with_an_odd_signature_is_refused_when_built(tmp_path, entry, pattern):
+    # Each was accepted and failed only at step 0 (or, async, returned a coroutine).
+    (tmp_path / "odd.py").write_text(ODD_FILE)
+    with pytest.raises(ValueError, match=pattern) as info:
+        build_reward([entry], base_dir=tmp_path)
+    assert "\n" not in str(info.value)
+    # the usual shapes still build: keyword-only columns, **kwargs, a forward method
+    build_reward(["odd.py:strict_keywords", "length"], base_dir=tmp_path)

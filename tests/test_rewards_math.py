@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from fractions import Fraction
 
@@ -154,3 +155,29 @@ def test_reprobe30_tensor_answers_are_their_numbers(math_reward):
     with pytest.raises(ValueError, match=r"answers\[0\]: got a tensor of shape \(1, 2\), expected a string"):
         math_reward(["q"], ["1"], answers=[torch.ones(1, 2)])
     assert math_reward.pop_metrics()["checked"] == 0  # refused before anything was counted
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"timeout": float("inf")}, "timeout"),  # raised OverflowError at the first call
+        ({"timeout": float("nan")}, "timeout"),
+        ({"startup_timeout": 0}, "startup_timeout"),  # failed only at the first call, mid-run
+        ({"startup_timeout": float("inf")}, "startup_timeout"),
+        ({"float_rounding": "x"}, "float_rounding"),  # accepted, used only past exact equality
+        ({"float_rounding": -1}, "float_rounding"),
+        ({"float_rounding": True}, "float_rounding"),
+        ({"numeric_precision": 0}, "numeric_precision"),
+        ({"numeric_precision": "15"}, "numeric_precision"),
+        ({"strict": "no"}, "strict"),  # a truthy string: strict comparison, silently
+    ],
+)
+def test_reprobe30_bad_verified_math_options_are_refused_when_built(kwargs, key):
+    with pytest.raises(ValueError, match=rf"^{key}: got {re.escape(repr(kwargs[key]))}, expected"):
+        VerifiedMath(**kwargs)
+
+
+def test_reprobe30_list_answers_are_refused_naming_the_index(math_reward):
+    # A list of acceptable answers was compared as its text "['1', '2']" and scored 0, silently.
+    with pytest.raises(ValueError, match=r"answers\[1\]: got a list, expected a string, a number"):
+        math_reward(["q"] * 2, ["1", "2"], answers=["1", ["1", "2"]])

@@ -15,7 +15,8 @@ def reference_answers(values: Sequence[Any], name: str = "answers") -> list[Any]
     numbers and ``None`` pass unchanged.
 
     Raises:
-      ValueError: naming ``name[i]``, for an array answer of more than one value.
+      ValueError: naming ``name[i]``, for an array answer of more than one value, or a
+        list, tuple, dict, set or bytes answer (it would be compared as its text).
     """
     out = []
     for i, value in enumerate(values):
@@ -27,5 +28,10 @@ def reference_answers(values: Sequence[Any], name: str = "answers") -> list[Any]
                     "expected a string, a number, or a one-element tensor"
                 )
             value = value.item()
+        elif isinstance(value, (list, tuple, dict, set, bytes)):
+            raise ValueError(
+                f"{name}[{i}]: got a {type(value).__name__}, expected a string, a number, or a one-element tensor "
+                "(one reference answer per response)"
+            )
         out.append(value)
     return out

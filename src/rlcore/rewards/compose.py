@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,13 @@ import torch
 from rlcore.rewards.protocol import evaluate, reward_name
 
 __all__ = ["Weighted"]
+
+
+def _finite(weight: float) -> bool:
+    try:
+        return math.isfinite(weight)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 class Weighted:
@@ -37,8 +45,11 @@ class Weighted:
         if not rewards:
             raise ValueError("rewards: got an empty sequence, expected (weight, reward) pairs")
         for i, pair in enumerate(rewards):
-            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], (int, float))):
+            if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"rewards[{i}]: got {pair!r}, expected a (weight, reward) pair")
+            weight = pair[0]
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
+                raise ValueError(f"rewards[{i}]: got weight {weight!r}, expected a finite number")
         self.rewards = list(rewards)
         self._setup()
 

@@ -9,6 +9,7 @@ rewards too, unchanged: :func:`evaluate` calls ``forward`` when an object has on
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Sequence
@@ -36,10 +37,14 @@ def reward_name(reward: Any) -> str:
     >>> reward_name(len)
     'len'
     """
-    name = getattr(reward, "name", None)
-    if isinstance(name, str):
-        return name
-    return getattr(reward, "__name__", None) or type(reward).__name__
+    for attribute in ("name", "__name__"):
+        try:
+            name = getattr(reward, attribute, None)
+        except Exception:  # a property that raises: the message is still made
+            name = None
+        if isinstance(name, str) and name:
+            return name
+    return type(reward).__name__
 
 
 def _as_float(value: Any) -> float:
@@ -75,7 +80,13 @@ def _complex(where: str, what: str) -> RewardError:
 def _element(value: Any, index: int, where: str) -> float:
     """One score of a list: a number, a boolean, or a 0-d torch / numpy array or numpy scalar of either."""
     if isinstance(value, (bool, numbers.Real)):
-        return _as_float(value)
+        try:
+            return _as_float(value)
+        except Exception as err:  # a Real whose float() raises
+            raise RewardError(
+                f"{where}: got a score {_type_name(value)} at index {index} that cannot be read as a number "
+                f"({type(err).__name__}: {err})"
+            ) from err
     kind = _kind(value) if tuple(getattr(value, "shape", (0,))) == () else None
     if isinstance(value, numbers.Complex) or kind == "c":
         raise _complex(where, f"{value!r} at index {index}")
@@ -85,6 +96,30 @@ def _element(value: Any, index: int, where: str) -> float:
 
 
 def _as_scores(out: Any, n: int, where: str) -> torch.Tensor:
+    if inspect.isawaitable(out):
+        if inspect.iscoroutine(out):
+            out.close()  # never awaited: no "coroutine was never awaited" warning
+        raise RewardError(
+            f"{where}: returned a coroutine (an async reward), expected scores; "
+            "define the reward with def, not async def (it runs in a worker process or thread already)"
+        )
+    try:
+        scores = _read_scores(out, n, where)
+    except RewardError:
+        raise
+    except Exception as err:  # an object whose conversion raises: named, never a raw traceback
+        raise RewardError(
+            f"{where}: got a score of type {_type_name(out)} that cannot be read as numbers ({type(err).__name__}: {err})"
+        ) from err
+    if scores.shape != (n,):
+        raise RewardError(f"{where}: got scores of shape {tuple(scores.shape)}, expected ({n},) -- one per response")
+    if not torch.isfinite(scores).all():
+        index = int(torch.nonzero(~torch.isfinite(scores))[0])
+        raise RewardError(f"{where}: got a non-finite score {scores[index]} at index {index}, expected finite scores")
+    return scores
+
+
+def _read_scores(out: Any, n: int, where: str) -> torch.Tensor:
     kind = _kind(out)
     if kind == "c":
         raise _complex(where, f"scores ({_type_name(out)})")
@@ -99,11 +134,6 @@ def _as_scores(out: Any, n: int, where: str) -> torch.Tensor:
             raise RewardError(f"{where}: got {_type_name(out)}, expected a tensor [{n}] or a list of {n} numbers")
         # An int past float's range is a score of infinite size, refused below like inf.
         scores = torch.tensor([_element(v, i, where) for i, v in enumerate(out)], dtype=torch.float32)
-    if scores.shape != (n,):
-        raise RewardError(f"{where}: got scores of shape {tuple(scores.shape)}, expected ({n},) -- one per response")
-    if not torch.isfinite(scores).all():
-        index = int(torch.nonzero(~torch.isfinite(scores))[0])
-        raise RewardError(f"{where}: got a non-finite score {scores[index]} at index {index}, expected finite scores")
     return scores
 
 

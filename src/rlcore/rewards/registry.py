@@ -144,12 +144,44 @@ class ConfiguredReward:
                     f"{self.what}.reward: {ref!r} built a {type(built).__name__} with neither __call__ nor forward, "
                     "expected a reward: scores = reward(prompts, responses, **columns)"
                 )
+            method = "forward" if _has_forward(built) else "__call__"
+            self._check_signature(
+                getattr(built, method), ref, {}, f"built a {type(built).__name__} whose {method} is async"
+            )
             return built
         if not _scores(target):
             raise ValueError(
                 f"{self.what}.reward: {ref!r} is a {type(target).__name__}, expected a class or a callable"
             )
+        self._check_signature(target, ref, kwargs, "is an async function")
         return functools.partial(target, **kwargs) if kwargs else target
+
+    def _check_signature(self, fn: Any, ref: str, kwargs: dict[str, Any], is_async: str) -> None:
+        """Refuse, when built, what would fail at the first step: an async reward, or one that cannot take the call."""
+        if inspect.iscoroutinefunction(fn) or (
+            not inspect.isroutine(fn) and inspect.iscoroutinefunction(type(fn).__call__)
+        ):
+            raise ValueError(
+                f"{self.what}.reward: {ref!r} {is_async}, expected a plain function (def): "
+                "rewards are called synchronously, in a worker process or thread"
+            )
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+            return
+        try:
+            signature.bind_partial([], [])
+        except TypeError:
+            raise ValueError(
+                f"{self.what}.reward: {ref!r} cannot be called as reward(prompts, responses, **columns): "
+                f"its signature is {signature}"
+            ) from None
+        try:
+            signature.bind_partial([], [], **kwargs)
+        except TypeError:
+            raise ValueError(
+                f"{self.what}.kwargs: {ref!r} does not take {kwargs}: its signature is {signature}"
+            ) from None
 
     def forward(self, prompts: Sequence[Any], responses: Sequence[str], **columns: Any) -> Any:
         """The wrapped reward's scores (through its ``forward`` when it has one)."""

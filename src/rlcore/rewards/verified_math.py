@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import subprocess
@@ -143,8 +144,14 @@ class VerifiedMath:
         strict: bool = True,
         startup_timeout: float = 120.0,
     ):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout: got {timeout!r}, expected a positive number of seconds")
+        for key, seconds in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+                raise ValueError(f"{key}: got {seconds!r}, expected a positive finite number of seconds")
+        for key, value, low in (("float_rounding", float_rounding, 0), ("numeric_precision", numeric_precision, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key}: got {value!r}, expected an int >= {low} (digits)")
+        if not isinstance(strict, bool):
+            raise ValueError(f"strict: got {strict!r}, expected true or false")
         self.timeout = float(timeout)
         self.options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
         self.startup_timeout = float(startup_timeout)
