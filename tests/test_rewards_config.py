@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import threading
 import time
 
@@ -489,3 +490,40 @@ def test_reprobe30_reward_with_an_odd_signature_is_refused_when_built(tmp_path, 
     assert "\n" not in str(info.value)
     # the usual shapes still build: keyword-only columns, **kwargs, a forward method
     build_reward(["odd.py:strict_keywords", "length"], base_dir=tmp_path)
+
+
+COUNTERS_FILE = """
+class NeedsStep:
+    def __call__(self, prompts, responses, **kwargs):
+        return [1.0] * len(responses)
+
+    def pop_metrics(self, step):
+        return {}
+
+
+class NotAMapping(NeedsStep):
+    def pop_metrics(self):
+        return None
+
+
+class TextCounter(NeedsStep):
+    def pop_metrics(self):
+        return {"seen": "many"}
+"""
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("NeedsStep", "raised TypeError"),
+        ("NotAMapping", "returned NoneType"),
+        ("TextCounter", "counter 'seen' is 'many'"),
+    ],
+)
+def test_reprobe30_a_reward_with_an_odd_pop_metrics_is_named(tmp_path, name, problem):
+    # A user class's own pop_metrics (another signature, another return) raised a raw
+    # TypeError / AttributeError / ValueError when the trainer made its reward pool.
+    (tmp_path / "counters.py").write_text(COUNTERS_FILE)
+    reward = build_reward([f"counters.py:{name}"], base_dir=tmp_path)
+    with pytest.raises(ValueError, match=rf"reward '{name}': pop_metrics\(\) {re.escape(problem)}.*expected"):
+        RewardPool(reward, num_workers=0)

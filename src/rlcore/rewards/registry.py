@@ -20,12 +20,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlcore.references import load_reference
 from rlcore.rewards.compose import Weighted
+from rlcore.rewards.protocol import RewardError
 from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward
 from rlcore.rewards.verified_math import VerifiedMath
@@ -271,7 +273,24 @@ def reward_metrics(reward: Any) -> dict[str, float]:
     for name, component in _components(reward):
         pop = getattr(component, "pop_metrics", None)
         if callable(pop):
-            out.update({f"{name}/{key}": float(value) for key, value in pop().items()})
+            out.update({f"{name}/{key}": value for key, value in _counters(name, pop).items()})
+    return out
+
+
+def _counters(name: str, pop: Callable[[], Any]) -> dict[str, float]:
+    """``pop()`` as counters, or a :class:`RewardError` naming the reward: a user class's own ``pop_metrics`` may be anything."""
+    expected = "expected pop_metrics() -> a mapping of counter names to numbers"
+    try:
+        counts = pop()
+    except Exception as err:
+        raise RewardError(f"reward {name!r}: pop_metrics() raised {type(err).__name__}: {err}; {expected}") from err
+    if not isinstance(counts, Mapping):
+        raise RewardError(f"reward {name!r}: pop_metrics() returned {type(counts).__name__}; {expected}")
+    out = {}
+    for key, value in counts.items():
+        if not isinstance(value, numbers.Real):
+            raise RewardError(f"reward {name!r}: pop_metrics() counter {key!r} is {value!r}; {expected}")
+        out[str(key)] = float(value)
     return out
 
 
