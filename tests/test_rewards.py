@@ -474,3 +474,21 @@ def test_reprobe30_an_async_reward_is_refused_clearly():
 def test_reprobe30_list_answers_are_refused_by_answer_match():
     with pytest.raises(ValueError, match=r"answers\[0\]: got a list, expected a string, a number"):
         AnswerMatch()(["q"], ["#### 1"], answers=[["1", "2"]])
+
+
+@pytest.mark.parametrize(
+    "build, key",
+    [
+        (lambda: LengthReward(max_length=1, slack=float("nan")), "slack"),  # scored 0 for every miss, silently
+        (lambda: LengthReward(max_length="3"), "max_length"),  # a raw TypeError
+        (lambda: LengthReward(min_length=True), "min_length"),
+        (lambda: LengthReward(max_length=2.5), "max_length"),
+        (lambda: AnswerMatch(numeric=True, rel_tol=-1), "rel_tol"),  # a ValueError only at the first call
+        (lambda: AnswerMatch(numeric=True, abs_tol=float("nan")), "abs_tol"),  # nothing ever matched
+        (lambda: AnswerMatch(pattern=5), "pattern"),  # a raw TypeError
+        (lambda: FormatMatch(None), "pattern"),
+    ],
+)
+def test_reprobe30_rule_reward_arguments_at_their_edges_are_refused_naming_them(build, key):
+    with pytest.raises(ValueError, match=rf"^{key}: got "):
+        build()

@@ -527,3 +527,18 @@ def test_reprobe30_a_reward_with_an_odd_pop_metrics_is_named(tmp_path, name, pro
     reward = build_reward([f"counters.py:{name}"], base_dir=tmp_path)
     with pytest.raises(ValueError, match=rf"reward '{name}': pop_metrics\(\) {re.escape(problem)}.*expected"):
         RewardPool(reward, num_workers=0)
+
+
+@pytest.mark.parametrize(
+    "entry, pattern",
+    [
+        ({"reward": "length", "weight": 10**400}, r"rewards\[0\]\.weight: got 1000.*, expected a finite number"),
+        ({"reward": "length", "name": ["a"]}, r"rewards\[0\]\.name: got \['a'\], expected a non-empty string"),
+        ({"reward": "length", "name": True}, r"rewards\[0\]\.name: got True, expected a non-empty string"),
+    ],
+)
+def test_reprobe30_config_entry_edges_are_named(entry, pattern):
+    # A YAML integer past float's range raised a raw OverflowError (a traceback from the CLI);
+    # a list as the name was logged as its text.
+    with pytest.raises(ValueError, match=pattern):
+        build_reward([entry])

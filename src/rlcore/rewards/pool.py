@@ -553,9 +553,9 @@ class RewardPool:
 
         >>> from rlcore.rewards import build_reward
         >>> with RewardPool(build_reward(["length"]), num_workers=0) as pool:
-        ...     _ = pool.submit(["q"], ["a"], batch=3).result()
-        ...     pool.pop_metrics(3)
-        {}
+        ...     _ = pool.submit(["q", "q"], ["a", "a" * 9], batch=3).result()
+        ...     pool.pop_metrics(3)  # the length reward's raw scores summed over the 2 responses
+        {'length/score_sum': 2.0, 'length/scored': 2.0}
         """
         return self._counters.pop(batch)
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlcore.references import load_reference
-from rlcore.rewards.compose import Weighted
+from rlcore.rewards.compose import Weighted, _finite
 from rlcore.rewards.protocol import RewardError
 from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward
@@ -214,8 +213,14 @@ def _entries(spec: Any, what: str) -> list[dict[str, Any]]:
         if not isinstance(entry["reward"], str):
             raise ValueError(f"{where}.reward: got {entry['reward']!r}, expected a name or a reference string")
         weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ValueError(f"{where}.weight: got {weight!r}, expected a finite number")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
+            shown = repr(weight) if len(repr(weight)) <= 40 else f"{repr(weight)[:20]}... ({len(repr(weight))} digits)"
+            raise ValueError(f"{where}.weight: got {shown}, expected a finite number")
+        name = entry.get("name")
+        if name is not None and (
+            isinstance(name, bool) or not isinstance(name, (str, int)) or (isinstance(name, str) and not name.strip())
+        ):
+            raise ValueError(f"{where}.name: got {name!r}, expected a non-empty string (the reward's name in the logs)")
         if not isinstance(entry.get("kwargs") or {}, Mapping):
             raise ValueError(f"{where}.kwargs: got {entry['kwargs']!r}, expected a mapping of keyword arguments")
         out.append(dict(entry))
