@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcore.rewards import RewardPool, build_reward, reward_log_values, reward_metrics
+from rlcore.rewards import RewardPool, build_reward, reward_log_values
 from rlcore.train import load_config, read_metrics, train
 from tiny_runs import TINY
 
@@ -28,15 +28,17 @@ def _three_rewards():
 
 def test_reprobe30_weighted_counts_each_components_raw_scores():
     reward = _three_rewards()
-    reward_metrics(reward)  # nothing counted yet
-    total = reward(["q"] * 3, ["12", "#### abc", "7"], answers=["12", "abc", "8"])
-    # by hand: length [1, 0, 1], answer_match [1, 1, 0], digits [1, 0, 1]
-    assert total.tolist() == [0.5 + 2.0 + 0.25, 2.0, 0.5 + 0.25]
-    got = reward_log_values(reward_metrics(reward))
-    assert got == {"length": pytest.approx(2 / 3), "answer_match": pytest.approx(2 / 3), "digits": pytest.approx(2 / 3)}
-    reward(["q"], ["abcd"], answers=["x"])
-    assert reward_log_values(reward_metrics(reward)) == {"length": 0.0, "answer_match": 0.0, "digits": 0.0}
-    assert reward_log_values(reward_metrics(reward)) == {}  # popped: nothing scored since
+    with RewardPool(reward, num_workers=0) as pool:
+        assert reward_log_values(pool.pop_metrics(0)) == {}  # nothing scored yet
+        total = pool.submit(["q"] * 3, ["12", "#### abc", "7"], batch=0, answers=["12", "abc", "8"]).result()
+        # by hand: length [1, 0, 1], answer_match [1, 1, 0], digits [1, 0, 1]
+        assert total.tolist() == [0.5 + 2.0 + 0.25, 2.0, 0.5 + 0.25]
+        # a call outside the pool (a validation of the same reward object) is not counted in the step
+        reward(["q"], ["12"], answers=["12"])
+        third = pytest.approx(2 / 3)
+        assert reward_log_values(pool.pop_metrics(0)) == {"length": third, "answer_match": third, "digits": third}
+        pool.submit(["q"], ["abcd"], batch=1, answers=["x"]).result()
+        assert reward_log_values(pool.pop_metrics(1)) == {"length": 0.0, "answer_match": 0.0, "digits": 0.0}
 
 
 def test_reprobe30_breakdown_is_summed_over_ranks_before_the_mean():
@@ -45,8 +47,9 @@ def test_reprobe30_breakdown_is_summed_over_ranks_before_the_mean():
     ranks = []
     for responses in (["1", "2"], ["abc"]):
         reward = build_reward([{"reward": "format", "kwargs": {"pattern": r"\d+"}, "name": "digits"}, "length"])
-        reward(["q"] * len(responses), responses)
-        ranks.append(reward_metrics(reward))
+        with RewardPool(reward, num_workers=0) as pool:
+            pool.submit(["q"] * len(responses), responses, batch=0).result()
+            ranks.append(pool.pop_metrics(0))
     summed = {k: ranks[0][k] + ranks[1][k] for k in ranks[0]}
     assert reward_log_values(summed)["digits"] == pytest.approx(2 / 3)
 

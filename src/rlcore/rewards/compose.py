@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,8 +26,8 @@ class Weighted:
     Each component is called through :func:`rlcore.rewards.evaluate`, so
     ``BaseReward``-style objects mix with plain callables and a failing component is
     named in the error. :meth:`components` gives the unweighted scores by name, and
-    :meth:`pop_metrics` each component's raw scores summed since the last pop (the
-    per-reward breakdown a run logs: :func:`rlcore.rewards.reward_log_values`).
+    :meth:`scores_and_parts` the total with them from one call (a
+    :class:`rlcore.rewards.RewardPool` counts them: the per-reward breakdown a run logs).
 
     Args:
       rewards: a sequence of ``(weight, reward)`` pairs.
@@ -51,21 +50,9 @@ class Weighted:
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
                 raise ValueError(f"rewards[{i}]: got weight {weight!r}, expected a finite number")
         self.rewards = list(rewards)
-        self._setup()
 
-    def _setup(self) -> None:
-        self._lock = threading.Lock()
-        self._sums = dict.fromkeys(self._keys(), 0.0)
-        self._scored = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"rewards": self.rewards}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._setup()
-
-    def _keys(self) -> list[str]:
+    def names(self) -> list[str]:
+        """The components' names, the keys of :meth:`components` (``name#i`` where a name repeats)."""
         keys: list[str] = []
         for i, (_, reward) in enumerate(self.rewards):
             key = reward_name(reward)
@@ -78,32 +65,20 @@ class Weighted:
         """The unweighted scores ``[B]`` of each component, keyed by name (``name#i`` if a name repeats)."""
         return {
             key: evaluate(reward, prompts, responses, batch=batch, **columns)
-            for key, (_, reward) in zip(self._keys(), self.rewards)
+            for key, (_, reward) in zip(self.names(), self.rewards)
         }
 
-    def __call__(
+    def scores_and_parts(
         self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The weighted total ``[B]`` and each component's unweighted scores (:meth:`components`) of one call."""
         parts = self.components(prompts, responses, batch=batch, **columns)
         total = torch.zeros(len(responses), dtype=torch.float32)
         for (weight, _), scores in zip(self.rewards, parts.values()):
             total += weight * scores
-        with self._lock:  # counted only once every component has scored
-            for key, scores in parts.items():
-                self._sums[key] += float(scores.double().sum())
-            self._scored += len(responses)
-        return total
+        return total, parts
 
-    def pop_metrics(self) -> dict[str, float]:
-        """Each component's raw scores summed since the last call, ``{name}/score_sum``, and ``{name}/scored``; resets.
-
-        Sums (not means), so that batches and data-parallel ranks add up before
-        :func:`rlcore.rewards.reward_log_values` divides.
-        """
-        with self._lock:
-            sums, scored = self._sums, self._scored
-            self._sums, self._scored = dict.fromkeys(sums, 0.0), 0
-        return {
-            **{f"{key}/score_sum": value for key, value in sums.items()},
-            **{f"{key}/scored": float(scored) for key in sums},
-        }
+    def __call__(
+        self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
+    ) -> torch.Tensor:
+        return self.scores_and_parts(prompts, responses, batch=batch, **columns)[0]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rlcore.rewards._answers import reference_answers
+from rlcore.rewards.compose import Weighted
 from rlcore.rewards.protocol import RewardError, evaluate, reward_name
 from rlcore.rewards.registry import reward_metrics
 
@@ -82,8 +83,8 @@ def _worker(conn: multiprocessing.connection.Connection, payload: bytes, name: s
         try:
             # Lists cross the process boundary more cheaply than tensors (no shared-memory handles). The
             # reward's counters (timeouts, ...) travel back with the scores: they would be lost in here.
-            scores = evaluate(reward, prompts, responses, batch=batch, **columns).tolist()
-            msg: tuple[str, Any] = ("ok", (scores, reward_metrics(reward)))
+            scored, counts = _score(reward, prompts, responses, batch, columns)
+            msg: tuple[str, Any] = ("ok", (scored.tolist(), counts))
         except Exception as err:
             msg = ("raised", _sendable(err, f"reward {name!r} on batch {batch!r}"))
         conn.send(msg)
@@ -97,6 +98,42 @@ def _jsonable(value: Any) -> Any:
         return value
     except (TypeError, ValueError, OverflowError):
         return str(value)
+
+
+class _Parts:
+    """A :class:`Weighted` called once through :func:`evaluate` (its name in errors), keeping its components' scores."""
+
+    def __init__(self, reward: Weighted, batch: Any):
+        self.reward, self.batch, self.name = reward, batch, reward_name(reward)
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> torch.Tensor:
+        total, self.parts = self.reward.scores_and_parts(prompts, responses, batch=self.batch, **columns)
+        return total
+
+
+def _breakdown_keys(reward: Any) -> list[str]:
+    if not isinstance(reward, Weighted):
+        return []
+    return [f"{key}/{counter}" for key in reward.names() for counter in ("score_sum", "scored")]
+
+
+def _score(
+    reward: Any, prompts: Sequence[str], responses: Sequence[str], batch: Any, columns: dict
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One call's scores and counters: the reward's own (:func:`reward_metrics`) and, for a
+    :class:`Weighted`, each component's raw scores summed (``name/score_sum``, ``name/scored``)
+    -- of this call only, whoever else calls the same reward object (a validation, a thread)."""
+    if not isinstance(reward, Weighted):
+        scores = evaluate(reward, prompts, responses, batch=batch, **columns)
+        return scores, reward_metrics(reward)
+    call = _Parts(reward, batch)
+    scores = evaluate(call, prompts, responses, batch=batch, **columns)
+    counts = reward_metrics(reward)
+    for key, part in call.parts.items():
+        counts[f"{key}/score_sum"] = float(part.double().sum())
+        counts[f"{key}/scored"] = float(len(responses))
+    return scores, counts
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -369,7 +406,9 @@ class RewardPool:
 
     The reward's counters (``pop_metrics`` of its components, e.g. the verified-maths
     timeouts: :func:`rlcore.rewards.reward_metrics`) are collected after each call, in
-    the worker processes too, and summed per ``batch``: :meth:`pop_metrics`.
+    the worker processes too, and summed per ``batch``: :meth:`pop_metrics`. For a
+    :class:`rlcore.rewards.Weighted`, each component's raw scores of the call are summed
+    beside them (``name/score_sum``, ``name/scored``; :func:`rlcore.rewards.reward_log_values`).
 
     Use as a context manager, or call :meth:`close`.
 
@@ -400,7 +439,7 @@ class RewardPool:
         self._samples: dict[Any, list[dict[str, Any]]] = {}
         self._samples_lock = threading.Lock()
         # The counter names, read once here (nothing is counted yet), so that every batch reports them all.
-        self._counters = _Counters(sorted(reward_metrics(reward)))
+        self._counters = _Counters(sorted([*reward_metrics(reward), *_breakdown_keys(reward)]))
         if num_workers:
             try:
                 payload = pickle.dumps(reward)
@@ -541,8 +580,8 @@ class RewardPool:
 
     def _evaluate(self, prompts: list[str], responses: list[str], batch: Any, columns: dict) -> torch.Tensor:
         """One call in this process; its counters go to ``batch`` (calls running at once may mix theirs)."""
-        scores = evaluate(self.reward, prompts, responses, batch=batch, **columns)
-        self._counters.add(batch, reward_metrics(self.reward))
+        scores, counts = _score(self.reward, prompts, responses, batch, columns)
+        self._counters.add(batch, counts)
         return scores
 
     def pop_metrics(self, batch: Any = None) -> dict[str, float]:

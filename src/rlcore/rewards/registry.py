@@ -265,16 +265,10 @@ def _components(reward: Any) -> list[tuple[str, Any]]:
 def reward_metrics(reward: Any) -> dict[str, float]:
     """The counters of every component that keeps some (``pop_metrics``), as ``{"name/counter": value}``; resets them.
 
-    A :class:`rlcore.rewards.Weighted` (what :func:`build_reward` returns) adds each
-    component's raw scores summed, ``name/score_sum`` and ``name/scored``: sums, so that
-    batches and data-parallel ranks add up; :func:`reward_log_values` turns them into means.
-
     >>> reward_metrics(build_reward(["length"]))
-    {'length/score_sum': 0.0, 'length/scored': 0.0}
+    {}
     """
     out: dict[str, float] = {}
-    if isinstance(reward, Weighted):  # each component's raw scores: the per-reward breakdown
-        out.update(reward.pop_metrics())
     for name, component in _components(reward):
         pop = getattr(component, "pop_metrics", None)
         if callable(pop):
@@ -301,6 +295,11 @@ def _counters(name: str, pop: Callable[[], Any]) -> dict[str, float]:
 
 def reward_log_values(counts: Mapping[str, float]) -> dict[str, float]:
     """What a run logs from reward counters (summed over batches and ranks): each component's mean raw score.
+
+    A :class:`rlcore.rewards.RewardPool` scoring a :class:`rlcore.rewards.Weighted` (what
+    :func:`build_reward` returns) counts each component's raw scores of every call,
+    ``name/score_sum`` and ``name/scored``: sums, so that batches and data-parallel ranks
+    add up before the division here.
 
     ``name/score_sum`` and ``name/scored`` become ``name``, their ratio (left out when
     nothing was scored); every other counter (``math/timeouts``, ...) passes unchanged.
