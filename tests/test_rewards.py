@@ -1,6 +1,7 @@
 """rlcore.rewards: protocol, rule rewards, weighted composition, the process pool, error messages."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -363,3 +364,131 @@ def test_reprobe_a_base_exception_in_the_reward_thread_reaches_the_waiter_at_onc
             pool.submit(["q"], ["a"], batch=0).result(timeout=120)
     finally:
         pool.close()
+
+
+def test_reprobe30_numpy_scores_are_numbers():
+    # numpy.bool_ was refused with "got bool ..., expected numbers or booleans".
+    np = pytest.importorskip("numpy")
+
+    def numpy_scores(prompts, responses, **_):
+        return [np.bool_(True), np.bool_(False), np.float32(0.5), np.int64(2), np.array(1.5), np.array(True)]
+
+    assert evaluate(numpy_scores, ["p"] * 6, ["r"] * 6).tolist() == [1.0, 0.0, 0.5, 2.0, 1.5, 1.0]
+    for array in (np.array([True, False]), np.array([0.25, 2.0], dtype=np.float16), np.array([3, -1])):
+        got = evaluate(lambda p, r, a=array: a, ["p"] * 2, ["r"] * 2)
+        assert got.tolist() == [float(v) for v in array.tolist()] and got.dtype == torch.float32
+    assert evaluate(lambda p, r: [torch.tensor(0.5), torch.tensor(True)], ["p"] * 2, ["r"] * 2).tolist() == [0.5, 1.0]
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        torch.tensor([1.0 + 2.0j, 1.0]),
+        torch.tensor([1.0 + 0.0j, 0.0]),
+        [1.0, 2.0 + 1.0j],
+        [1.0, torch.tensor(1.0 + 1.0j)],
+    ],
+    ids=["complex-tensor", "complex-tensor-real-valued", "complex-list", "complex-0d-tensor"],
+)
+def test_reprobe30_complex_scores_are_refused_naming_the_reward(out):
+    # A complex tensor was accepted and its imaginary part dropped silently.
+    def complex_reward(prompts, responses, **_):
+        return out
+
+    with pytest.raises(RewardError, match=r"reward 'complex_reward' on batch 2: got complex"):
+        evaluate(complex_reward, ["p", "q"], ["a", "b"], batch=2)
+
+
+def test_reprobe30_complex_numpy_scores_are_refused():
+    np = pytest.importorskip("numpy")
+    for out in (np.array([1 + 1j, 2]), [np.complex128(1), 1.0]):
+        with pytest.raises(RewardError, match=r"reward '<lambda>': got complex"):
+            evaluate(lambda p, r, o=out: o, ["p", "q"], ["a", "b"])
+
+
+def test_reprobe30_odd_score_elements_are_named_by_their_full_type():
+    for out, name in (([1.0, torch.ones(2)], "torch.Tensor of shape (2,)"), ([1.0, [1.0]], "list")):
+        with pytest.raises(RewardError, match=rf"got {re.escape(name)} at index 1, expected numbers or booleans"):
+            evaluate(lambda p, r, o=out: o, ["p", "q"], ["a", "b"])
+
+
+@pytest.mark.parametrize("answers", [[torch.tensor(3.0), torch.tensor([7])], torch.tensor([3.0, 7.0])])
+def test_reprobe30_tensor_answers_are_their_numbers(answers):
+    # A tensor answer was read as the text "tensor(3.)".
+    responses = ["it is 3", "#### 7.0"]
+    assert AnswerMatch(numeric=True)(["q"] * 2, responses, answers=answers).tolist() == [1.0, 1.0]
+    assert AnswerMatch()(["q"] * 2, ["it is 3", "#### 7"], answers=[torch.tensor(3), torch.tensor([7])]).tolist() == [
+        1.0,
+        1.0,
+    ]
+
+
+def test_reprobe30_a_tensor_answer_of_several_values_is_refused():
+    with pytest.raises(ValueError, match=r"answers\[1\]: got a tensor of shape \(2,\), expected a string, a number"):
+        AnswerMatch(numeric=True)(["q"] * 2, ["1", "2"], answers=[torch.tensor(1), torch.tensor([1, 2])])
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), True])
+def test_reprobe30_weighted_refuses_a_weight_that_is_not_a_finite_number(weight):
+    # An infinite weight gave inf scores, silently, from Weighted's own call.
+    with pytest.raises(ValueError, match=r"rewards\[0\]: got weight .*, expected a finite number"):
+        Weighted([(weight, count_a)])
+
+
+class _Unreadable(float):
+    def __float__(self):
+        raise RuntimeError("cannot read me")
+
+
+def test_reprobe30_a_score_that_cannot_be_read_is_a_named_reward_error():
+    # An element whose float() raised escaped as a raw RuntimeError, naming no reward.
+    def unreadable(prompts, responses, **_):
+        return [_Unreadable(1.0)] * len(responses)
+
+    with pytest.raises(RewardError, match=r"reward 'unreadable' on batch 1: got a score .* that cannot be read"):
+        evaluate(unreadable, ["p"], ["a"], batch=1)
+
+
+def test_reprobe30_a_reward_whose_name_raises_is_still_named():
+    # A name property that raised escaped as a raw RuntimeError from the error message's own making.
+    class NoName:
+        @property
+        def name(self):
+            raise RuntimeError("no name")
+
+        def __call__(self, prompts, responses, **_):
+            return []
+
+    with pytest.raises(RewardError, match=r"reward 'NoName': got scores of shape \(0,\), expected \(1,\)"):
+        evaluate(NoName(), ["p"], ["a"])
+
+
+def test_reprobe30_an_async_reward_is_refused_clearly():
+    async def coro_reward(prompts, responses, **_):
+        return [1.0] * len(responses)
+
+    with pytest.raises(RewardError, match=r"reward 'coro_reward'.*returned a coroutine.*async"):
+        evaluate(coro_reward, ["p"], ["a"])
+
+
+def test_reprobe30_list_answers_are_refused_by_answer_match():
+    with pytest.raises(ValueError, match=r"answers\[0\]: got a list, expected a string, a number"):
+        AnswerMatch()(["q"], ["#### 1"], answers=[["1", "2"]])
+
+
+@pytest.mark.parametrize(
+    "build, key",
+    [
+        (lambda: LengthReward(max_length=1, slack=float("nan")), "slack"),  # scored 0 for every miss, silently
+        (lambda: LengthReward(max_length="3"), "max_length"),  # a raw TypeError
+        (lambda: LengthReward(min_length=True), "min_length"),
+        (lambda: LengthReward(max_length=2.5), "max_length"),
+        (lambda: AnswerMatch(numeric=True, rel_tol=-1), "rel_tol"),  # a ValueError only at the first call
+        (lambda: AnswerMatch(numeric=True, abs_tol=float("nan")), "abs_tol"),  # nothing ever matched
+        (lambda: AnswerMatch(pattern=5), "pattern"),  # a raw TypeError
+        (lambda: FormatMatch(None), "pattern"),
+    ],
+)
+def test_reprobe30_rule_reward_arguments_at_their_edges_are_refused_naming_them(build, key):
+    with pytest.raises(ValueError, match=rf"^{key}: got "):
+        build()

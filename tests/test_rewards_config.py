@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import threading
 import time
 
@@ -199,7 +200,8 @@ def test_extract_final_answer_rules():
     assert extract_final_answer(r"\boxed{\boxed{3}}") == ("boxed", "3")
     assert extract_final_answer(r"\boxed{4} then \boxed{\frac{1}{") == ("boxed", "4")
     assert extract_final_answer("a\n#### 1,000 apples\nthanks 3") == ("####", "1,000 apples")
-    assert extract_final_answer("it costs -3/4 or 1,250.5") == ("number", "1,250.5")
+    assert extract_final_answer("it costs -3/4 or 1,250.5") is None  # unmarked: math-verify's extraction reads it
+    assert extract_final_answer(r"\boxed{\left\{ x \right.} ok") == ("boxed", r"\left\{ x \right.")
     assert extract_final_answer("no answer") is None
 
 
@@ -308,8 +310,10 @@ def test_reward_pool_brings_the_counters_back_per_batch(num_workers):
     reward = build_reward([{"reward": "math", "kwargs": {"timeout": 1.0}}, "length"])
     try:
         with RewardPool(reward, num_workers=num_workers, timeout=120) as pool:
+            # the verified-maths counters, and each component's raw scores summed (the per-reward breakdown)
+            breakdown = ["length/score_sum", "length/scored", "math/score_sum", "math/scored"]
             assert pool.pop_metrics(0) == dict.fromkeys(
-                ["math/checked", "math/correct", "math/errors", "math/no_answer", "math/timeouts"], 0.0
+                ["math/checked", "math/correct", "math/errors", "math/no_answer", "math/timeouts", *breakdown], 0.0
             )
             first = pool.submit(["q"] * 3, ["\\boxed{2}", PATHOLOGICAL, "none"], batch=0, answers=["2", "1", "3"])
             assert first.result().tolist() == [2.0, 1.0, 1.0]  # math + length (max_length default)
@@ -322,9 +326,19 @@ def test_reward_pool_brings_the_counters_back_per_batch(num_workers):
                 "math/errors": 0,
                 "math/no_answer": 1,
                 "math/timeouts": 1,
+                "math/score_sum": 1,
+                "math/scored": 3,
+                "length/score_sum": 3,
+                "length/scored": 3,
             }
             assert pool.pop_metrics(0)["math/checked"] == 0  # popped
-            assert pool.pop_metrics(1) == {**dict.fromkeys(got, 0.0), "math/checked": 1.0}
+            assert pool.pop_metrics(1) == {
+                **dict.fromkeys(got, 0.0),
+                "math/checked": 1.0,
+                "math/scored": 1.0,
+                "length/score_sum": 1.0,
+                "length/scored": 1.0,
+            }
     finally:
         close_reward(reward)
 
@@ -393,3 +407,138 @@ def test_reprobe_reward_class_that_cannot_be_called_is_refused_when_built(tmp_pa
     (tmp_path / "odd.py").write_text("class Scores:\n    def score(self, prompts, responses):\n        return [1.0]\n")
     with pytest.raises(ValueError, match=r"rewards\[0\].reward: .*odd.py:Scores' built a Scores with neither"):
         build_reward([f"{tmp_path / 'odd.py'}:Scores"])
+
+
+@pytest.mark.parametrize("body", ["import sys\nsys.exit(3)\n", "raise SystemExit('bye')\n", "exit()\n"])
+def test_reprobe30_reward_file_calling_exit_at_import_is_a_named_error(tmp_path, body):
+    # sys.exit at import escaped as a bare SystemExit: the CLI exited with the file's status.
+    (tmp_path / "exits.py").write_text(body)
+    with pytest.raises(
+        ValueError, match=r"rewards\[1\]\.reward: got 'exits\.py:Score', but importing .*exits\.py"
+    ) as info:
+        build_reward(["length", "exits.py:Score"], base_dir=tmp_path)
+    assert "SystemExit" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_reprobe30_reward_class_calling_exit_when_built_is_a_named_error(tmp_path):
+    (tmp_path / "exits.py").write_text("import sys\n\nclass Score:\n    def __init__(self):\n        sys.exit(4)\n")
+    with pytest.raises(
+        ValueError, match=r"rewards\[0\]: building 'exits\.py:Score' with kwargs \{\} raised SystemExit: 4"
+    ):
+        build_reward(["exits.py:Score"], base_dir=tmp_path)
+
+
+def test_reprobe30_cli_reward_file_calling_exit_is_status_2_with_one_line(tmp_path, capsys):
+    from pathlib import Path
+
+    import yaml
+
+    from rlcore.train.cli import main
+
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "grpo_tiny.yaml").read_text())
+    raw["rewards"] = ["exits.py:Score"]  # relative to the config's folder
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    code = main(["train", "--config", str(tmp_path / "run.yaml"), f"trainer.output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "rewards[0].reward" in err[0] and "exits.py" in err[0] and "SystemExit" in err[0], err
+
+
+ODD_FILE = """
+async def coro(prompts, responses, **kwargs):
+    return [1.0] * len(responses)
+
+
+def one_argument(text):
+    return [1.0]
+
+
+def strict_keywords(prompts, responses, *, answers):
+    return [1.0] * len(responses)
+
+
+class ForwardTakesOne:
+    def forward(self, responses):
+        return [1.0] * len(responses)
+
+
+class AsyncCall:
+    async def __call__(self, prompts, responses, **kwargs):
+        return [1.0] * len(responses)
+"""
+
+
+@pytest.mark.parametrize(
+    "entry, pattern",
+    [
+        ("odd.py:coro", r"rewards\[0\]\.reward: 'odd\.py:coro' is an async function"),
+        ("odd.py:AsyncCall", r"rewards\[0\]\.reward: 'odd\.py:AsyncCall' built a AsyncCall whose __call__ is async"),
+        ("odd.py:one_argument", r"rewards\[0\]\.reward: 'odd\.py:one_argument' cannot be called as "),
+        ("odd.py:ForwardTakesOne", r"rewards\[0\]\.reward: 'odd\.py:ForwardTakesOne' cannot be called as "),
+        (
+            {"reward": "odd.py:strict_keywords", "kwargs": {"bonus": 1}},
+            r"rewards\[0\]\.kwargs: 'odd\.py:strict_keywords' does not take \{'bonus': 1\}",
+        ),
+    ],
+)
+def test_reprobe30_reward_with_an_odd_signature_is_refused_when_built(tmp_path, entry, pattern):
+    # Each was accepted and failed only at step 0 (or, async, returned a coroutine).
+    (tmp_path / "odd.py").write_text(ODD_FILE)
+    with pytest.raises(ValueError, match=pattern) as info:
+        build_reward([entry], base_dir=tmp_path)
+    assert "\n" not in str(info.value)
+    # the usual shapes still build: keyword-only columns, **kwargs, a forward method
+    build_reward(["odd.py:strict_keywords", "length"], base_dir=tmp_path)
+
+
+COUNTERS_FILE = """
+class NeedsStep:
+    def __call__(self, prompts, responses, **kwargs):
+        return [1.0] * len(responses)
+
+    def pop_metrics(self, step):
+        return {}
+
+
+class NotAMapping(NeedsStep):
+    def pop_metrics(self):
+        return None
+
+
+class TextCounter(NeedsStep):
+    def pop_metrics(self):
+        return {"seen": "many"}
+"""
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("NeedsStep", "raised TypeError"),
+        ("NotAMapping", "returned NoneType"),
+        ("TextCounter", "counter 'seen' is 'many'"),
+    ],
+)
+def test_reprobe30_a_reward_with_an_odd_pop_metrics_is_named(tmp_path, name, problem):
+    # A user class's own pop_metrics (another signature, another return) raised a raw
+    # TypeError / AttributeError / ValueError when the trainer made its reward pool.
+    (tmp_path / "counters.py").write_text(COUNTERS_FILE)
+    reward = build_reward([f"counters.py:{name}"], base_dir=tmp_path)
+    with pytest.raises(ValueError, match=rf"reward '{name}': pop_metrics\(\) {re.escape(problem)}.*expected"):
+        RewardPool(reward, num_workers=0)
+
+
+@pytest.mark.parametrize(
+    "entry, pattern",
+    [
+        ({"reward": "length", "weight": 10**400}, r"rewards\[0\]\.weight: got 1000.*, expected a finite number"),
+        ({"reward": "length", "name": ["a"]}, r"rewards\[0\]\.name: got \['a'\], expected a non-empty string"),
+        ({"reward": "length", "name": True}, r"rewards\[0\]\.name: got True, expected a non-empty string"),
+    ],
+)
+def test_reprobe30_config_entry_edges_are_named(entry, pattern):
+    # A YAML integer past float's range raised a raw OverflowError (a traceback from the CLI);
+    # a list as the name was logged as its text.
+    with pytest.raises(ValueError, match=pattern):
+        build_reward([entry])

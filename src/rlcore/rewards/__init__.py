@@ -10,6 +10,7 @@ from rlcore.rewards.registry import (
     build_reward,
     close_reward,
     register_reward,
+    reward_log_values,
     reward_metrics,
 )
 from rlcore.rewards.reward_model import RewardModel
@@ -35,6 +36,7 @@ __all__ = [
     "extract_answer",
     "extract_final_answer",
     "register_reward",
+    "reward_log_values",
     "reward_metrics",
     "reward_name",
 ]

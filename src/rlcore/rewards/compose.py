@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,12 +13,21 @@ from rlcore.rewards.protocol import evaluate, reward_name
 __all__ = ["Weighted"]
 
 
+def _finite(weight: float) -> bool:
+    try:
+        return math.isfinite(weight)
+    except OverflowError:  # an int past float's range
+        return False
+
+
 class Weighted:
     """``sum_k w_k * reward_k(prompts, responses, **columns)``: one reward from several.
 
     Each component is called through :func:`rlcore.rewards.evaluate`, so
     ``BaseReward``-style objects mix with plain callables and a failing component is
-    named in the error. :meth:`components` gives the unweighted scores by name, for logging.
+    named in the error. :meth:`components` gives the unweighted scores by name, and
+    :meth:`scores_and_parts` the total with them from one call (a
+    :class:`rlcore.rewards.RewardPool` counts them: the per-reward breakdown a run logs).
 
     Args:
       rewards: a sequence of ``(weight, reward)`` pairs.
@@ -34,24 +44,41 @@ class Weighted:
         if not rewards:
             raise ValueError("rewards: got an empty sequence, expected (weight, reward) pairs")
         for i, pair in enumerate(rewards):
-            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], (int, float))):
+            if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"rewards[{i}]: got {pair!r}, expected a (weight, reward) pair")
+            weight = pair[0]
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
+                raise ValueError(f"rewards[{i}]: got weight {weight!r}, expected a finite number")
         self.rewards = list(rewards)
+
+    def names(self) -> list[str]:
+        """The components' names, the keys of :meth:`components` (``name#i`` where a name repeats)."""
+        keys: list[str] = []
+        for i, (_, reward) in enumerate(self.rewards):
+            key = reward_name(reward)
+            keys.append(key if key not in keys else f"{key}#{i}")
+        return keys
 
     def components(
         self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
     ) -> dict[str, torch.Tensor]:
         """The unweighted scores ``[B]`` of each component, keyed by name (``name#i`` if a name repeats)."""
-        out: dict[str, torch.Tensor] = {}
-        for i, (_, reward) in enumerate(self.rewards):
-            key = reward_name(reward)
-            out[key if key not in out else f"{key}#{i}"] = evaluate(reward, prompts, responses, batch=batch, **columns)
-        return out
+        return {
+            key: evaluate(reward, prompts, responses, batch=batch, **columns)
+            for key, (_, reward) in zip(self.names(), self.rewards)
+        }
+
+    def scores_and_parts(
+        self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The weighted total ``[B]`` and each component's unweighted scores (:meth:`components`) of one call."""
+        parts = self.components(prompts, responses, batch=batch, **columns)
+        total = torch.zeros(len(responses), dtype=torch.float32)
+        for (weight, _), scores in zip(self.rewards, parts.values()):
+            total += weight * scores
+        return total, parts
 
     def __call__(
         self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
     ) -> torch.Tensor:
-        total = torch.zeros(len(responses), dtype=torch.float32)
-        for weight, reward in self.rewards:
-            total += weight * evaluate(reward, prompts, responses, batch=batch, **columns)
-        return total
+        return self.scores_and_parts(prompts, responses, batch=batch, **columns)[0]

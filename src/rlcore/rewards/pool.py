@@ -6,6 +6,7 @@ import atexit
 import collections
 import contextlib
 import ctypes
+import json
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 
+from rlcore.rewards._answers import reference_answers
+from rlcore.rewards.compose import Weighted
 from rlcore.rewards.protocol import RewardError, evaluate, reward_name
 from rlcore.rewards.registry import reward_metrics
 
@@ -80,11 +83,57 @@ def _worker(conn: multiprocessing.connection.Connection, payload: bytes, name: s
         try:
             # Lists cross the process boundary more cheaply than tensors (no shared-memory handles). The
             # reward's counters (timeouts, ...) travel back with the scores: they would be lost in here.
-            scores = evaluate(reward, prompts, responses, batch=batch, **columns).tolist()
-            msg: tuple[str, Any] = ("ok", (scores, reward_metrics(reward)))
+            scored, counts = _score(reward, prompts, responses, batch, columns)
+            msg: tuple[str, Any] = ("ok", (scored.tolist(), counts))
         except Exception as err:
             msg = ("raised", _sendable(err, f"reward {name!r} on batch {batch!r}"))
         conn.send(msg)
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` if it can be written as JSON (a one-element tensor as its number), else its text."""
+    try:
+        value = reference_answers([value])[0]
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError, OverflowError):
+        return str(value)
+
+
+class _Parts:
+    """A :class:`Weighted` called once through :func:`evaluate` (its name in errors), keeping its components' scores."""
+
+    def __init__(self, reward: Weighted, batch: Any):
+        self.reward, self.batch, self.name = reward, batch, reward_name(reward)
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> torch.Tensor:
+        total, self.parts = self.reward.scores_and_parts(prompts, responses, batch=self.batch, **columns)
+        return total
+
+
+def _breakdown_keys(reward: Any) -> list[str]:
+    if not isinstance(reward, Weighted):
+        return []
+    return [f"{key}/{counter}" for key in reward.names() for counter in ("score_sum", "scored")]
+
+
+def _score(
+    reward: Any, prompts: Sequence[str], responses: Sequence[str], batch: Any, columns: dict
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One call's scores and counters: the reward's own (:func:`reward_metrics`) and, for a
+    :class:`Weighted`, each component's raw scores summed (``name/score_sum``, ``name/scored``)
+    -- of this call only, whoever else calls the same reward object (a validation, a thread)."""
+    if not isinstance(reward, Weighted):
+        scores = evaluate(reward, prompts, responses, batch=batch, **columns)
+        return scores, reward_metrics(reward)
+    call = _Parts(reward, batch)
+    scores = evaluate(call, prompts, responses, batch=batch, **columns)
+    counts = reward_metrics(reward)
+    for key, part in call.parts.items():
+        counts[f"{key}/score_sum"] = float(part.double().sum())
+        counts[f"{key}/scored"] = float(len(responses))
+    return scores, counts
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -352,10 +401,14 @@ class RewardPool:
         can hang).
       timeout: seconds one batch may run (from the moment a worker takes it) before
         ``result()`` raises; ``None`` waits for ever.
+      samples: rows of each scored batch kept for :meth:`pop_samples` (prompt,
+        response, score and answer, spread over the batch); 0 keeps none.
 
     The reward's counters (``pop_metrics`` of its components, e.g. the verified-maths
     timeouts: :func:`rlcore.rewards.reward_metrics`) are collected after each call, in
-    the worker processes too, and summed per ``batch``: :meth:`pop_metrics`.
+    the worker processes too, and summed per ``batch``: :meth:`pop_metrics`. For a
+    :class:`rlcore.rewards.Weighted`, each component's raw scores of the call are summed
+    beside them (``name/score_sum``, ``name/scored``; :func:`rlcore.rewards.reward_log_values`).
 
     Use as a context manager, or call :meth:`close`.
 
@@ -365,9 +418,11 @@ class RewardPool:
     tensor([1., 0.])
     """
 
-    def __init__(self, reward: Any, *, num_workers: int = 1, timeout: float | None = None):
+    def __init__(self, reward: Any, *, num_workers: int = 1, timeout: float | None = None, samples: int = 0):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers: got {num_workers!r}, expected an int >= 0")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples: got {samples!r}, expected an int >= 0 (rows kept per batch)")
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
@@ -380,8 +435,11 @@ class RewardPool:
         self._submitted = 0
         self._dispatcher: _Dispatcher | None = None
         self._closed = False
+        self.samples = samples
+        self._samples: dict[Any, list[dict[str, Any]]] = {}
+        self._samples_lock = threading.Lock()
         # The counter names, read once here (nothing is counted yet), so that every batch reports them all.
-        self._counters = _Counters(sorted(reward_metrics(reward)))
+        self._counters = _Counters(sorted([*reward_metrics(reward), *_breakdown_keys(reward)]))
         if num_workers:
             try:
                 payload = pickle.dumps(reward)
@@ -410,6 +468,22 @@ class RewardPool:
         index, self._submitted = self._submitted, self._submitted + 1
         where = self._where(batch, index)
         future: Future = Future()
+        if self.samples:  # the rows are kept before the caller's future completes
+            outer, future = future, self._keep_samples(future, batch, prompts, responses, columns.get("answers"))
+            self._submit(future, where, index, batch, prompts, responses, columns)
+            return outer
+        return self._submit(future, where, index, batch, prompts, responses, columns)
+
+    def _submit(
+        self,
+        future: Future,
+        where: str,
+        index: int,
+        batch: Any,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        columns: dict[str, Any],
+    ) -> Future:
         if self._dispatcher is not None:
             try:
                 payload = pickle.dumps((list(prompts), list(responses), batch, columns))
@@ -427,6 +501,56 @@ class RewardPool:
                 _settle(future, error=err)
             return future
         return self._submit_in_thread(future, where, list(prompts), list(responses), batch, columns)
+
+    def _keep_samples(
+        self, outer: Future, batch: Any, prompts: Sequence[Any], responses: Sequence[str], answers: Any
+    ) -> Future:
+        """The future the scoring completes: it keeps up to ``samples`` rows spread over the batch, then completes ``outer``."""
+        inner: Future = Future()
+        # A caller's cancel reaches the job (which checks the inner future before it runs).
+        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+        n = len(responses)
+        rows = sorted({i * n // self.samples for i in range(min(self.samples, n))})
+        try:
+            picked = [(prompts[i], responses[i], answers[i] if answers is not None else None) for i in rows]
+        except (IndexError, KeyError, TypeError):  # a malformed column: the reward's own check names it
+            picked = []
+
+        def keep(done: Future) -> None:
+            if done.cancelled():
+                outer.cancel()
+                return
+            error = done.exception()
+            if error is None and picked:
+                self._store(batch, rows, picked, done.result(), answers is not None)
+            _settle(outer, result=done.result() if error is None else None, error=error)
+
+        inner.add_done_callback(keep)
+        return inner
+
+    def _store(
+        self, batch: Any, rows: list[int], picked: list[tuple[Any, Any, Any]], scores: Any, answered: bool
+    ) -> None:
+        kept = []
+        for i, (prompt, response, answer) in zip(rows, picked):
+            row = {"prompt": _jsonable(prompt), "response": _jsonable(response), "score": float(scores[i])}
+            if answered:
+                row["answer"] = _jsonable(answer)
+            kept.append(row)
+        with self._samples_lock:
+            self._samples.setdefault(batch, []).extend(kept)
+
+    def pop_samples(self, batch: Any = None) -> list[dict[str, Any]]:
+        """The sample rows kept of ``batch``'s finished calls (``{prompt, response, score[, answer]}``); forgets them.
+
+        >>> from rlcore.rewards import LengthReward
+        >>> with RewardPool(LengthReward(max_length=2), num_workers=0, samples=1) as pool:
+        ...     _ = pool.submit(["q", "q"], ["ab", "abc"], batch=0).result()
+        ...     pool.pop_samples(0)
+        [{'prompt': 'q', 'response': 'ab', 'score': 1.0}]
+        """
+        with self._samples_lock:
+            return self._samples.pop(batch, [])
 
     def _submit_in_thread(
         self, future: Future, where: str, prompts: list[str], responses: list[str], batch: Any, columns: dict
@@ -456,8 +580,8 @@ class RewardPool:
 
     def _evaluate(self, prompts: list[str], responses: list[str], batch: Any, columns: dict) -> torch.Tensor:
         """One call in this process; its counters go to ``batch`` (calls running at once may mix theirs)."""
-        scores = evaluate(self.reward, prompts, responses, batch=batch, **columns)
-        self._counters.add(batch, reward_metrics(self.reward))
+        scores, counts = _score(self.reward, prompts, responses, batch, columns)
+        self._counters.add(batch, counts)
         return scores
 
     def pop_metrics(self, batch: Any = None) -> dict[str, float]:
@@ -468,9 +592,9 @@ class RewardPool:
 
         >>> from rlcore.rewards import build_reward
         >>> with RewardPool(build_reward(["length"]), num_workers=0) as pool:
-        ...     _ = pool.submit(["q"], ["a"], batch=3).result()
-        ...     pool.pop_metrics(3)
-        {}
+        ...     _ = pool.submit(["q", "q"], ["a", "a" * 9], batch=3).result()
+        ...     pool.pop_metrics(3)  # the length reward's raw scores summed over the 2 responses
+        {'length/score_sum': 2.0, 'length/scored': 2.0}
         """
         return self._counters.pop(batch)
 

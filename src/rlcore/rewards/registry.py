@@ -19,18 +19,27 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlcore.references import load_reference
-from rlcore.rewards.compose import Weighted
+from rlcore.rewards.compose import Weighted, _finite
+from rlcore.rewards.protocol import RewardError
 from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward
 from rlcore.rewards.verified_math import VerifiedMath
 
-__all__ = ["REWARDS", "ConfiguredReward", "build_reward", "close_reward", "register_reward", "reward_metrics"]
+__all__ = [
+    "REWARDS",
+    "ConfiguredReward",
+    "build_reward",
+    "close_reward",
+    "register_reward",
+    "reward_log_values",
+    "reward_metrics",
+]
 
 # DeepSeek-R1's format (arXiv:2501.12948): reasoning in <think>, the answer in <answer>.
 R1_FORMAT = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
@@ -74,6 +83,19 @@ def _scores(obj: Any) -> bool:
     return callable(obj) or _has_forward(obj)
 
 
+def _load(ref: str, *, what: str, base_dir: str | None) -> Any:
+    """:func:`rlcore.references.load_reference`, with a ``sys.exit`` in the user's module as a named error."""
+    try:
+        return load_reference(ref, what=what, base_dir=base_dir)
+    except SystemExit as err:
+        source = ref.rpartition(":")[0]
+        path = source if not source.endswith(".py") or base_dir is None else os.path.join(base_dir, source)
+        raise ValueError(
+            f"{what}: got {ref!r}, but importing {path!r} raised SystemExit: {err.code} "
+            "(a reward module must not exit when imported)"
+        ) from err
+
+
 def _rebuild(entry: dict[str, Any], base_dir: str | None, what: str) -> ConfiguredReward:
     return ConfiguredReward(entry, base_dir=base_dir, what=what)
 
@@ -97,7 +119,7 @@ class ConfiguredReward:
         self.what = what
         ref, kwargs = self.entry["reward"], dict(self.entry.get("kwargs") or {})
         if ":" in ref:
-            target = load_reference(ref, what=f"{what}.reward", base_dir=self.base_dir)
+            target = _load(ref, what=f"{what}.reward", base_dir=self.base_dir)
         elif ref in REWARDS:
             target = REWARDS[ref]
         else:
@@ -114,7 +136,7 @@ class ConfiguredReward:
         if inspect.isclass(target) or (ref in REWARDS and ":" not in ref):
             try:
                 built = target(**kwargs)
-            except Exception as err:
+            except (Exception, SystemExit) as err:  # a constructor's exit() is a bad reward, not the run's status
                 raise ValueError(
                     f"{self.what}: building {ref!r} with kwargs {kwargs} raised {type(err).__name__}: {err}"
                 ) from err
@@ -123,12 +145,44 @@ class ConfiguredReward:
                     f"{self.what}.reward: {ref!r} built a {type(built).__name__} with neither __call__ nor forward, "
                     "expected a reward: scores = reward(prompts, responses, **columns)"
                 )
+            method = "forward" if _has_forward(built) else "__call__"
+            self._check_signature(
+                getattr(built, method), ref, {}, f"built a {type(built).__name__} whose {method} is async"
+            )
             return built
         if not _scores(target):
             raise ValueError(
                 f"{self.what}.reward: {ref!r} is a {type(target).__name__}, expected a class or a callable"
             )
+        self._check_signature(target, ref, kwargs, "is an async function")
         return functools.partial(target, **kwargs) if kwargs else target
+
+    def _check_signature(self, fn: Any, ref: str, kwargs: dict[str, Any], is_async: str) -> None:
+        """Refuse, when built, what would fail at the first step: an async reward, or one that cannot take the call."""
+        if inspect.iscoroutinefunction(fn) or (
+            not inspect.isroutine(fn) and inspect.iscoroutinefunction(type(fn).__call__)
+        ):
+            raise ValueError(
+                f"{self.what}.reward: {ref!r} {is_async}, expected a plain function (def): "
+                "rewards are called synchronously, in a worker process or thread"
+            )
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+            return
+        try:
+            signature.bind_partial([], [])
+        except TypeError:
+            raise ValueError(
+                f"{self.what}.reward: {ref!r} cannot be called as reward(prompts, responses, **columns): "
+                f"its signature is {signature}"
+            ) from None
+        try:
+            signature.bind_partial([], [], **kwargs)
+        except TypeError:
+            raise ValueError(
+                f"{self.what}.kwargs: {ref!r} does not take {kwargs}: its signature is {signature}"
+            ) from None
 
     def forward(self, prompts: Sequence[Any], responses: Sequence[str], **columns: Any) -> Any:
         """The wrapped reward's scores (through its ``forward`` when it has one)."""
@@ -159,8 +213,14 @@ def _entries(spec: Any, what: str) -> list[dict[str, Any]]:
         if not isinstance(entry["reward"], str):
             raise ValueError(f"{where}.reward: got {entry['reward']!r}, expected a name or a reference string")
         weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ValueError(f"{where}.weight: got {weight!r}, expected a finite number")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
+            shown = repr(weight) if len(repr(weight)) <= 40 else f"{repr(weight)[:20]}... ({len(repr(weight))} digits)"
+            raise ValueError(f"{where}.weight: got {shown}, expected a finite number")
+        name = entry.get("name")
+        if name is not None and (
+            isinstance(name, bool) or not isinstance(name, (str, int)) or (isinstance(name, str) and not name.strip())
+        ):
+            raise ValueError(f"{where}.name: got {name!r}, expected a non-empty string (the reward's name in the logs)")
         if not isinstance(entry.get("kwargs") or {}, Mapping):
             raise ValueError(f"{where}.kwargs: got {entry['kwargs']!r}, expected a mapping of keyword arguments")
         out.append(dict(entry))
@@ -212,7 +272,49 @@ def reward_metrics(reward: Any) -> dict[str, float]:
     for name, component in _components(reward):
         pop = getattr(component, "pop_metrics", None)
         if callable(pop):
-            out.update({f"{name}/{key}": float(value) for key, value in pop().items()})
+            out.update({f"{name}/{key}": value for key, value in _counters(name, pop).items()})
+    return out
+
+
+def _counters(name: str, pop: Callable[[], Any]) -> dict[str, float]:
+    """``pop()`` as counters, or a :class:`RewardError` naming the reward: a user class's own ``pop_metrics`` may be anything."""
+    expected = "expected pop_metrics() -> a mapping of counter names to numbers"
+    try:
+        counts = pop()
+    except Exception as err:
+        raise RewardError(f"reward {name!r}: pop_metrics() raised {type(err).__name__}: {err}; {expected}") from err
+    if not isinstance(counts, Mapping):
+        raise RewardError(f"reward {name!r}: pop_metrics() returned {type(counts).__name__}; {expected}")
+    out = {}
+    for key, value in counts.items():
+        if not isinstance(value, numbers.Real):
+            raise RewardError(f"reward {name!r}: pop_metrics() counter {key!r} is {value!r}; {expected}")
+        out[str(key)] = float(value)
+    return out
+
+
+def reward_log_values(counts: Mapping[str, float]) -> dict[str, float]:
+    """What a run logs from reward counters (summed over batches and ranks): each component's mean raw score.
+
+    A :class:`rlcore.rewards.RewardPool` scoring a :class:`rlcore.rewards.Weighted` (what
+    :func:`build_reward` returns) counts each component's raw scores of every call,
+    ``name/score_sum`` and ``name/scored``: sums, so that batches and data-parallel ranks
+    add up before the division here.
+
+    ``name/score_sum`` and ``name/scored`` become ``name``, their ratio (left out when
+    nothing was scored); every other counter (``math/timeouts``, ...) passes unchanged.
+
+    >>> reward_log_values({"length/score_sum": 3.0, "length/scored": 4.0, "math/timeouts": 1.0})
+    {'length': 0.75, 'math/timeouts': 1.0}
+    """
+    out: dict[str, float] = {}
+    for key, value in counts.items():
+        name, _, counter = key.rpartition("/")
+        if counter == "score_sum" and f"{name}/scored" in counts:
+            if counts[f"{name}/scored"] > 0:
+                out[name] = float(value) / float(counts[f"{name}/scored"])
+        elif not (counter == "scored" and f"{name}/score_sum" in counts):
+            out[key] = float(value)
     return out
 
 

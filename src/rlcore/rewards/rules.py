@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from rlcore.rewards._answers import reference_answers
+
 __all__ = ["AnswerMatch", "FormatMatch", "LengthReward", "extract_answer"]
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -45,6 +47,15 @@ def extract_answer(text: str, *, pattern: str | None = None) -> str | None:
     return found[-1] if found else None
 
 
+def _regex(pattern: Any, flags: int = 0) -> re.Pattern[str]:
+    if not isinstance(pattern, str):
+        raise ValueError(f"pattern: got {pattern!r}, expected a regular expression string")
+    try:
+        return re.compile(pattern, flags)
+    except re.error as err:
+        raise ValueError(f"pattern: got {pattern!r}, not a regular expression ({err})") from err
+
+
 def _to_number(text: str) -> float | None:
     try:
         return float(text.replace(",", "").strip())
@@ -57,7 +68,7 @@ def _check_column(name: str, values: Sequence[Any] | None, n: int) -> Sequence[A
         raise ValueError(f"{name}: got None, expected a column of {n} reference answers")
     if len(values) != n:
         raise ValueError(f"{name}: got {len(values)} values, expected {n} (one per response)")
-    return values
+    return reference_answers(values, name)
 
 
 class AnswerMatch:
@@ -68,7 +79,7 @@ class AnswerMatch:
     A response without an answer scores 0.
 
     Args (call): ``prompts``, ``responses`` (``B`` strings), ``answers`` (``B`` reference
-    answers, strings or numbers).
+    answers: strings, numbers, or one-element tensors read as their number).
 
     >>> AnswerMatch(numeric=True)(["1+1="], ["it is 2.0"], answers=["2"])
     tensor([1.])
@@ -80,7 +91,10 @@ class AnswerMatch:
         self, *, pattern: str | None = None, numeric: bool = False, rel_tol: float = 1e-12, abs_tol: float = 1e-9
     ):
         if pattern is not None:
-            re.compile(pattern)
+            _regex(pattern)
+        for key, tol in (("rel_tol", rel_tol), ("abs_tol", abs_tol)):
+            if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf:
+                raise ValueError(f"{key}: got {tol!r}, expected a finite number >= 0")
         self.pattern, self.numeric, self.rel_tol, self.abs_tol = pattern, numeric, rel_tol, abs_tol
 
     def _match(self, response: str, answer: Any) -> bool:
@@ -112,7 +126,7 @@ class FormatMatch:
     name = "format_match"
 
     def __init__(self, pattern: str, *, search: bool = False, flags: int = re.DOTALL):
-        self.regex = re.compile(pattern, flags)
+        self.regex = _regex(pattern, flags)
         self.search = search
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], **_: Any) -> torch.Tensor:
@@ -133,6 +147,9 @@ class LengthReward:
     name = "length"
 
     def __init__(self, *, min_length: int = 0, max_length: int | None = None, slack: int = 0):
+        for key, value in (("min_length", min_length), ("max_length", max_length), ("slack", slack)):
+            if (value is not None or key != "max_length") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{key}: got {value!r}, expected an int (characters)")
         if min_length < 0 or (max_length is not None and max_length < min_length) or slack < 0:
             raise ValueError(
                 f"min_length, max_length, slack: got {min_length}, {max_length}, {slack}, "

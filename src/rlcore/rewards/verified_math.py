@@ -1,11 +1,13 @@
 """Verified maths: the final answer of a response checked against the reference with math-verify, under a timeout.
 
-The answer is extracted here (the last ``\\boxed{...}`` with nested braces, else the
-text after the last ``####``, else the last number) and compared by math-verify
+The answer is the last ``\\boxed{...}`` (nested braces balanced), else the text after
+the last ``####``, else what math-verify's own extraction finds in the response (LaTeX
+in math mode such as ``$\\frac{6}{8}$``, then plain expressions); it is compared by math-verify
 (symbolic and numeric equivalence: ``\\frac{1}{2}`` = ``0.5`` = ``50\\%``,
 ``2(x+1)`` = ``2x+2``). Each comparison runs in a worker process that is killed when it
 exceeds ``timeout`` seconds, so a pathological expression (``9^{9^{9^{9^9}}}``) scores
-0 and is counted, instead of stalling the run; this works from any thread (math-verify's
+0 and is counted, instead of stalling the run (the extraction runs in the worker too,
+under the same timeout); this works from any thread (math-verify's
 own timeout uses signals, which work only on the main thread). The trainer's process
 never imports math-verify or sympy.
 """
@@ -14,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
-import re
 import subprocess
 import sys
 import threading
@@ -26,51 +28,12 @@ from typing import Any
 
 import torch
 
+from rlcore.rewards._answers import reference_answers
+from rlcore.rewards._math_verify_worker import extract_final_answer
+
 __all__ = ["VerifiedMath", "extract_final_answer"]
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_math_verify_worker.py")
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_HASHES = re.compile(r"####[ \t]*([^\n]*)")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-
-
-def _balanced(text: str, start: int) -> str | None:
-    """The text from ``start`` up to the brace that closes the one just before it, or ``None``."""
-    depth = 1
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i]
-    return None
-
-
-def extract_final_answer(text: str) -> tuple[str, str] | None:
-    """The final answer of a response and where it came from: ``("boxed" | "####" | "number", answer)``.
-
-    In order: the last complete ``\\boxed{...}`` (braces balanced, so
-    ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``; MATH, arXiv:2103.03874), the text
-    after the last ``####`` (GSM8K, arXiv:2110.14168), the last number (``1,250.5``,
-    ``-3``, ``3/4``). ``None`` when the response has none.
-
-    >>> extract_final_answer("so \\\\boxed{\\\\frac{1}{2}} it is")
-    ('boxed', '\\\\frac{1}{2}')
-    >>> extract_final_answer("she pays 3 + 4 dollars\\n#### 7")
-    ('####', '7')
-    >>> extract_final_answer("first 12, then -1,250.5")
-    ('number', '-1,250.5')
-    """
-    for match in reversed(list(_BOXED.finditer(text))):
-        inner = _balanced(text, match.end())
-        if inner is not None and inner.strip():
-            return "boxed", inner.strip()
-    hashes = [h.strip() for h in _HASHES.findall(text) if h.strip()]
-    if hashes:
-        return "####", hashes[-1]
-    numbers = _NUMBER.findall(text)
-    return ("number", numbers[-1]) if numbers else None
 
 
 def _gold_text(answer: Any) -> str:
@@ -147,7 +110,8 @@ def _kill_all(workers: list[_Worker]) -> None:
 class VerifiedMath:
     """1.0 where the response's final answer is mathematically equal to the reference answer, else 0.0.
 
-    Answers come from :func:`extract_final_answer`; equality is math-verify's
+    Answers come from :func:`extract_final_answer` (a ``\\boxed{}`` answer, then ``####``),
+    else from math-verify's own extraction over the whole response; equality is math-verify's
     ``verify(parse(gold), parse(answer))`` (Kydlíček et al., huggingface/Math-Verify),
     run in a worker process with a per-item ``timeout``: an item that runs longer scores
     0, the worker is replaced (a warm standby takes over at once) and the item is
@@ -159,7 +123,7 @@ class VerifiedMath:
       startup_timeout: seconds a new worker may take to import math-verify.
 
     Call with ``prompts``, ``responses`` (``B`` strings) and ``answers`` (``B`` reference
-    answers, strings or numbers); returns float32 ``[B]``.
+    answers: strings, numbers, or one-element tensors read as their number); returns float32 ``[B]``.
 
     >>> reward = VerifiedMath()
     >>> reward(["q"] * 3, ["\\\\boxed{\\\\frac{1}{2}}", "#### 0.5", "it is 2"], answers=["0.5", "1/2", "3"])
@@ -180,8 +144,14 @@ class VerifiedMath:
         strict: bool = True,
         startup_timeout: float = 120.0,
     ):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout: got {timeout!r}, expected a positive number of seconds")
+        for key, seconds in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+                raise ValueError(f"{key}: got {seconds!r}, expected a positive finite number of seconds")
+        for key, value, low in (("float_rounding", float_rounding, 0), ("numeric_precision", numeric_precision, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key}: got {value!r}, expected an int >= {low} (digits)")
+        if not isinstance(strict, bool):
+            raise ValueError(f"strict: got {strict!r}, expected true or false")
         self.timeout = float(timeout)
         self.options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
         self.startup_timeout = float(startup_timeout)
@@ -207,13 +177,11 @@ class VerifiedMath:
         return self._workers[0]
 
     def _check(self, response: str, answer: Any) -> float:
-        found = extract_final_answer(response)
-        if found is None or answer is None:
+        if answer is None:
             self._counts["no_answer"] += 1
             return 0.0
-        kind, text = found
-        request = {"gold": _gold_text(answer), "answer": f"\\boxed{{{text}}}" if kind == "boxed" else text}
-        reply = self._active().ask({**request, **self.options}, self.timeout)
+        request = {"gold": _gold_text(answer), "response": response, **self.options}
+        reply = self._active().ask(request, self.timeout)
         if reply is None:
             self._workers.pop(0)
             self._counts["timeouts"] += 1
@@ -221,6 +189,8 @@ class VerifiedMath:
         if "error" in reply:
             self._counts["errors"] += 1
             return 0.0
+        if reply.get("found") is None:
+            self._counts["no_answer"] += 1
         self._counts["correct"] += bool(reply["ok"])
         return float(bool(reply["ok"]))
 
@@ -230,6 +200,7 @@ class VerifiedMath:
         if answers is None or len(answers) != len(responses):
             got = None if answers is None else f"{len(answers)} values"
             raise ValueError(f"answers: got {got}, expected {len(responses)} reference answers (one per response)")
+        answers = reference_answers(answers)
         with self._lock:
             scores = []
             for response, answer in zip(responses, answers):

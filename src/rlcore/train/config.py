@@ -47,6 +47,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.eval_every, trainer.eval_samples validation every n steps: mean reward, pass@1 (greedy) and
                                              pass@k (k sampled); trainer.eval_threshold: a correct score's floor
     trainer.export                           every save also writes output_dir/hf (save_pretrained)
+    trainer.log_samples                      every n steps, a few prompt / response / score rows to
+                                             output_dir/samples.jsonl (0: none)
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class TrainerConfig:
     eval_samples: int = 4
     eval_threshold: float = 0.5
     export: bool = True
+    log_samples: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +289,7 @@ def _validate(cfg: Config) -> None:
         ("deploy.rollout_timeout", cfg.deploy.rollout_timeout),
         ("trainer.steps", tr.steps),
         ("trainer.eval_every", tr.eval_every),
+        ("trainer.log_samples", tr.log_samples),
     ):
         _positive(key, value, strict=False)
     for key in ("warmup_lr", "warmup_batch_size"):

@@ -77,7 +77,7 @@ from rlcore.models import (
     token_logprobs,
 )
 from rlcore.ops import masked_sum
-from rlcore.rewards import RewardPool
+from rlcore.rewards import RewardPool, reward_log_values
 from rlcore.train.agent_stages import multi_turn_graph, multi_turn_rollout_stage
 from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rlcore.train.config import Config, check_launch
@@ -122,6 +122,8 @@ _DTYPES = {
 # Random streams, one per (phase, step, rank): the task's prompts, the warm-up's, the
 # rollout's sampling, DPO's perturbed answers.
 DATA, WARMUP, SAMPLING, PERTURB = 0, 1, 2, 3
+# Rows of a step written to samples.jsonl (trainer.log_samples), spread over the leader's batch.
+_SAMPLE_ROWS = 4
 
 
 class Run(NamedTuple):
@@ -1076,7 +1078,20 @@ def _train(
     scorer = reward if reward is not None else task.reward
     # Offline DPO scores nothing during training: no reward worker processes.
     workers = 0 if isinstance(task, PreferencePrompts) else tr.reward_workers
-    rewards = RewardPool(scorer, num_workers=workers, timeout=tr.reward_timeout)
+    rewards = RewardPool(
+        scorer, num_workers=workers, timeout=tr.reward_timeout, samples=_SAMPLE_ROWS * bool(tr.log_samples)
+    )
+    sample_log = (
+        MetricsLog(
+            out / "samples.jsonl",
+            total=tr.steps,
+            start=start,
+            progress=False,
+            resume_step=start - 1 if resume else None,
+        )
+        if leader and tr.log_samples
+        else None
+    )
     deployment: _Deployment | _NoRollout | None = None
     validator = None
     if tr.eval_every and task.val is not None:
@@ -1108,10 +1123,16 @@ def _train(
                 local.update(world.reduce(extra))
             metrics = {k: float(v) for k, v in local.items()}
             # The reward's counters (verified-maths timeouts, ...), summed over the data-parallel ranks.
+            # Each weighted reward's mean raw score (reward/<name>) from the summed counters.
             counts = rewards.pop_metrics(step)
             if counts:
                 summed = world.reduce({f"_{k}": torch.tensor(v) for k, v in sorted(counts.items())})
-                metrics.update({f"reward/{k[1:]}": float(v) for k, v in summed.items()})
+                logged = reward_log_values({k[1:]: float(v) for k, v in summed.items()})
+                metrics.update({f"reward/{k}": v for k, v in logged.items()})
+            rows = rewards.pop_samples(step)
+            if sample_log is not None and step % tr.log_samples == 0:
+                for row in rows:
+                    sample_log.write({"step": step, **row})
             samples = world.dp_size * rl.batch_size * n
             # As the seed system defines it: (prompt + response tokens) x samples / devices / step time.
             metrics["tokens_per_s_device"] = (
