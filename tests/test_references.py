@@ -40,3 +40,23 @@ def test_errors(tmp_path):
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="got 3"):
         load_reference(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("code", ["import sys\nsys.exit(3)\n", "raise SystemExit('bye')\n"])
+def test_reprobe30_a_file_calling_exit_at_import_is_a_named_error(tmp_path, code):
+    # Tools and environments are loaded through here too: a bare SystemExit ended the CLI with the file's status.
+    (tmp_path / "my_env.py").write_text(code)
+    with pytest.raises(
+        ValueError, match=r"rl\.multi_turn\.env: got 'my_env\.py:Env', but importing .* raised SystemExit"
+    ):
+        load_reference("my_env.py:Env", what="rl.multi_turn.env", base_dir=tmp_path)
+    (tmp_path / "pkg_exit.py").write_text(code)
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=r"importing 'pkg_exit' raised SystemExit"):
+            load_reference("pkg_exit:Tool", what="rl.multi_turn.tools[0]")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("pkg_exit", None)

@@ -36,7 +36,7 @@ def _import_file(ref: str, path: str, what: str) -> Any:
         spec.loader.exec_module(module)
     except BaseException as err:
         del sys.modules[module_name]
-        if not isinstance(err, Exception):
+        if not isinstance(err, (Exception, SystemExit)):  # Ctrl-C stays Ctrl-C; sys.exit() is the file's error
             raise
         raise ValueError(f"{what}: got {ref!r}, but importing {path!r} raised {_one_line(err)}") from err
     return module
@@ -59,7 +59,7 @@ def load_reference(ref: str, *, what: str = "reference", base_dir: str | os.Path
 
     Raises:
       ValueError: one line naming ``what``, the reference and what went wrong (a
-        missing file, the import error, a missing attribute).
+        missing file, the import error or a ``sys.exit`` at import, a missing attribute).
 
     >>> load_reference("rlcore.rewards:LengthReward").__name__
     'LengthReward'
@@ -79,7 +79,7 @@ def load_reference(ref: str, *, what: str = "reference", base_dir: str | os.Path
     else:
         try:
             module = importlib.import_module(source)
-        except Exception as err:
+        except (Exception, SystemExit) as err:
             raise ValueError(f"{what}: got {ref!r}, but importing {source!r} raised {_one_line(err)}") from err
     obj: Any = module
     for part in name.split("."):
