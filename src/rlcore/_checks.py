@@ -26,6 +26,7 @@ __all__ = [
     "check_same_shape",
     "check_shape",
     "check_tensor",
+    "finite_number",
     "host_readable",
     "value_bounds",
 ]
@@ -95,6 +96,14 @@ def check_positive(name: str, value: float, *, strict: bool = True, finite: bool
     if not ok:
         want = ("> 0" if strict else ">= 0") + (" and finite" if finite else "")
         raise ValueError(f"{name}: got {value!r}, expected a number {want}")
+
+
+def finite_number(value: float) -> bool:
+    """``value`` is finite; an int past float's range is not (``math.isfinite`` raises on it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_count(name: str, count: Any) -> None:

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from rlcore._checks import finite_number
 from rlcore.rewards.protocol import evaluate, reward_name
 
 __all__ = ["Weighted"]
-
-
-def _finite(weight: float) -> bool:
-    try:
-        return math.isfinite(weight)
-    except OverflowError:  # an int past float's range
-        return False
 
 
 class Weighted:
@@ -47,7 +40,7 @@ class Weighted:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"rewards[{i}]: got {pair!r}, expected a (weight, reward) pair")
             weight = pair[0]
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not finite_number(weight):
                 raise ValueError(f"rewards[{i}]: got weight {weight!r}, expected a finite number")
         self.rewards = list(rewards)
 

@@ -24,8 +24,9 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rlcore._checks import finite_number
 from rlcore.references import load_reference
-from rlcore.rewards.compose import Weighted, _finite
+from rlcore.rewards.compose import Weighted
 from rlcore.rewards.protocol import RewardError
 from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward
@@ -213,7 +214,7 @@ def _entries(spec: Any, what: str) -> list[dict[str, Any]]:
         if not isinstance(entry["reward"], str):
             raise ValueError(f"{where}.reward: got {entry['reward']!r}, expected a name or a reference string")
         weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not finite_number(weight):
             shown = repr(weight) if len(repr(weight)) <= 40 else f"{repr(weight)[:20]}... ({len(repr(weight))} digits)"
             raise ValueError(f"{where}.weight: got {shown}, expected a finite number")
         name = entry.get("name")
