@@ -78,7 +78,7 @@ from rlcore.models import (
 )
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool
-from rlcore.train.agent_stages import multi_turn_graph, multi_turn_rollout_stage
+from rlcore.train.agent_stages import check_multi_turn, multi_turn_graph, multi_turn_rollout_stage
 from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rlcore.train.config import Config, check_launch
 from rlcore.train.context_parallel import (
@@ -973,6 +973,8 @@ def train(
     try:
         prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
         task = make_prompt_source(cfg, task_options(cfg), world_size=world.dp_size)
+        if cfg.rl.multi_turn is not None:  # tools, environment and stop tokens: refused before the warm-up
+            check_multi_turn(cfg, task)
         if task.dataset is not None and world.rank == 0:
             print(task.summary(), flush=True)
         run = _train(
