@@ -638,3 +638,26 @@ def test_reprobe30_an_environment_without_reset_ends_only_its_trajectory(model):
     with pytest.warns(RuntimeWarning, match="object.reset: AttributeError"):
         out, _ = _bounded(60, lambda: _rollout(model, [object(), OneShot()]))
     assert out["num_env_errors"].tolist() == [1, 0]
+
+
+def test_reprobe30_an_environment_factory_that_raises_ends_only_its_trajectory():
+    task = Multiplication(digits=2)
+    made = [0]
+
+    def flaky():
+        made[0] += 1
+        if made[0] == 1:
+            raise RuntimeError("no sandbox left")
+        return task.make_env()
+
+    s = multi_turn_stage(
+        tiny_model(vocab=task.tokenizer.vocab_size),
+        task.tokenizer,
+        flaky,
+        MultiTurnConfig(max_turns=1),
+        to_sample=lambda batch, row: {"prompt": "12*34=", "answer": "408"},
+    )
+    ids, mask = left_pad([task.tokenizer.encode("12*34=")] * 2, 0)
+    with pytest.warns(RuntimeWarning, match="the environment factory raised RuntimeError: no sandbox left"):
+        out = _bounded(60, lambda: s.fn({"prompts": ids, "prompts_mask": mask}))[0]
+    assert out["num_env_errors"].tolist() == [1, 0]

@@ -519,3 +519,23 @@ def test_reprobe30_a_stop_token_that_is_not_one_token_is_refused():
         tok.token_id("</tool_call>"),
         tok.token_id("="),
     ]
+
+
+def test_reprobe30_stuck_sync_calls_do_not_starve_the_later_ones():
+    """Each sync call has a thread of its own: calls stuck past their timeout do not occupy the slots of later calls."""
+    release = threading.Event()
+    with StepRunner(max_concurrency=2, timeout=0.2) as runner:
+        stuck = [runner.submit(release.wait) for _ in range(2)]
+        for f in stuck:
+            with pytest.raises(TimeoutError):
+                f.result(timeout=30)
+        assert runner.submit(lambda: "free").result(timeout=30) == "free"
+    release.set()
+
+
+def test_reprobe30_deeply_nested_tool_call_json_is_a_malformed_call():
+    body = "[" * 100_000 + "]" * 100_000
+    parsed = HermesParser()(f"<tool_call>{body}</tool_call>")
+    assert parsed.calls == [] and "is not valid JSON" in parsed.errors[0]
+    args = json.dumps({"name": "f", "arguments": body})
+    assert HermesParser()(f"<tool_call>{args}</tool_call>").errors[0].startswith("malformed tool call: arguments")
