@@ -91,9 +91,10 @@ def _observation_ids(
     if isinstance(obs, str):
         if not obs:
             return []
-        head = None if room is None else max(room + 1, 128) * _CHARS_PER_TOKEN
-        if head is not None and len(obs) > head and _encodes_longer(encode, obs[:head], room):
-            return None
+        if room is not None:
+            head = max(room + 1, 128) * _CHARS_PER_TOKEN
+            if len(obs) > head and _encodes_longer(encode, obs[:head], room):
+                return None
         ids = list(encode(obs))
     elif isinstance(obs, torch.Tensor):
         if obs.dtype == torch.bool or obs.is_floating_point() or obs.is_complex() or obs.dim() > 1:
@@ -274,7 +275,7 @@ def multi_turn_rollout(
 
     try:
         trajs = [_Trajectory(list(p)) for p in prompts]
-        resets = []
+        resets: list[concurrent.futures.Future | None] = []
         for traj, env, sample in zip(trajs, envs, samples):
             try:
                 resets.append(run.submit(env.reset, sample))
