@@ -599,12 +599,12 @@ def test_reprobe30_a_blocking_async_tool_cannot_stall_the_rollout(model):
     from rlcore.agent import Tool
 
     async def stall():
-        time.sleep(4)
+        time.sleep(12)
 
     env = FaultyCaller([Tool("stall", stall)], '<tool_call>{"name": "stall", "arguments": {}}</tool_call>', timeout=0.2)
     with pytest.warns(RuntimeWarning, match="tool 'stall' blocked the environments' event loop"):
         out, seconds = _bounded(60, lambda: _rollout(model, [env], timeout=0.5))
-    assert seconds < 3.5  # not the 4 s of the sleep, let alone for ever
+    assert seconds < 9  # step timeout + grace, not the 12 s of the sleep, let alone for ever
     assert out["num_env_errors"].tolist() == [1]
 
 
@@ -612,11 +612,14 @@ def test_reprobe30_a_flood_of_tool_output_is_not_tokenized_whole(model):
     """A 2 MB observation cannot fit the budget: it ends the trajectory as truncated without tokenizing 2 MB."""
     tok = Multiplication().tokenizer
     flood = Returns(StepResult("1" * 2_000_000, 0.0, False, {}))
-    t0 = time.perf_counter()
-    tok.encode("1" * 200_000)
-    tenth = time.perf_counter() - t0  # a tenth of the flood, tokenized whole
-    out, seconds = _bounded(60, lambda: _rollout(model, [flood, OneShot()], encode=tok.encode))
-    assert seconds < tenth + 1.0
+    encoded = []
+
+    def encode(text):
+        encoded.append(len(text))
+        return tok.encode(text)
+
+    out, _ = _bounded(60, lambda: _rollout(model, [flood, OneShot()], encode=encode))
+    assert sum(encoded) <= 10_000  # a head of the flood, not 2 MB (about 3 s with this tokenizer)
     assert out["truncated"].tolist() == [True, False] and out["num_env_errors"].eq(0).all()
     # A long observation that fits is still tokenized whole and appended.
     fits = Returns(StepResult("1" * 10, 0.0, False, {}))

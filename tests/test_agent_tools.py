@@ -404,7 +404,7 @@ def test_reprobe30_a_blocked_loop_is_bounded_and_named():
     from rlcore.agent import call_tool
 
     async def stall():
-        time.sleep(3)
+        time.sleep(10)
 
     runner = StepRunner(max_concurrency=2, timeout=0.5)
     future = runner.submit(functools.partial(call_tool, timeout=60), Tool("stall", stall), {})
@@ -412,7 +412,7 @@ def test_reprobe30_a_blocked_loop_is_bounded_and_named():
     with pytest.raises(TimeoutError, match="tool 'stall' blocked the environments' event loop"):
         runner.wait(future)
     runner.close()
-    assert time.perf_counter() - t0 < 2.5  # well before the 3 s sleep ends
+    assert time.perf_counter() - t0 < 7  # timeout + grace + close, well before the 10 s sleep ends
 
 
 def test_reprobe30_a_call_that_ignores_cancellation_is_bounded():
@@ -428,7 +428,7 @@ def test_reprobe30_a_call_that_ignores_cancellation_is_bounded():
     with pytest.raises(TimeoutError, match="ignored its cancellation"):
         runner.wait(runner.submit(stubborn))
     runner.close()
-    assert time.perf_counter() - t0 < 6
+    assert time.perf_counter() - t0 < 10
 
 
 def test_reprobe30_a_stuck_sync_tool_does_not_hold_the_interpreter_exit(tmp_path):

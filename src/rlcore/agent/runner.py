@@ -42,8 +42,11 @@ class StepRunner:
     42
     """
 
-    # Seconds between the loop's heartbeats; a loop silent for longer than ``timeout`` is blocked.
+    # Seconds between the loop's heartbeats; a loop silent for longer than ``timeout`` + ``grace`` is
+    # blocked, and a call running ``grace`` past its timeout ignores its cancellation (the grace
+    # absorbs a loaded machine's scheduling delays).
     beat = 0.05
+    grace = 2.0
 
     def __init__(self, *, max_concurrency: int = 64, timeout: float | None = None):
         if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
@@ -87,7 +90,7 @@ class StepRunner:
                 try:
                     result = await work
                     return await labelled(result, name) if inspect.isawaitable(result) else result
-                except (asyncio.CancelledError, Exception):
+                except (asyncio.CancelledError, GeneratorExit, Exception):  # GeneratorExit: closed unfinished
                     raise
                 except BaseException as err:  # SystemExit of user code fails this call, never the loop
                     raise RuntimeError(f"{name} raised {type(err).__name__}: {err}") from err
@@ -111,8 +114,9 @@ class StepRunner:
 
         Without a ``timeout`` it waits as long as the call takes. With one it raises
         :class:`TimeoutError` (and cancels the call) when the loop has not run for
-        ``timeout`` seconds (a coroutine blocks it: the message names it) or the call
-        runs ``timeout`` + 1 s after it started (it ignores its cancellation).
+        ``timeout`` + ``grace`` seconds (a coroutine blocks it: the message names it) or
+        the call runs ``timeout`` + ``grace`` seconds after it started (it ignores its
+        cancellation).
         """
         started = self._started.pop(future, [])
         if self.timeout is None:
@@ -124,14 +128,14 @@ class StepRunner:
                 if future.done():
                     raise
             now = time.monotonic()
-            if now - self._last_beat > self.timeout:
+            if now - self._last_beat > self.timeout + self.grace:
                 what = self.running or "an environment call"
                 future.cancel()
                 raise TimeoutError(
-                    f"{what} blocked the environments' event loop for more than {self.timeout} s "
+                    f"{what} blocked the environments' event loop for more than {self.timeout + self.grace} s "
                     "(a blocking call inside async def?)"
                 )
-            if started and now - started[0] > self.timeout + 1.0:
+            if started and now - started[0] > self.timeout + self.grace:
                 future.cancel()
                 raise TimeoutError(f"an environment call ran past {self.timeout} s and ignored its cancellation")
 

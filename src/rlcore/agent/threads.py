@@ -80,6 +80,10 @@ class _Labelled:
                     _RUNNING[ident] = previous
             try:
                 value, error = (yield signal), None
+            except GeneratorExit:  # closed unfinished (garbage collection may have closed the inner one first)
+                with contextlib.suppress(RuntimeError):
+                    getattr(inner, "close", lambda: None)()
+                raise
             except BaseException as err:  # cancellation and the like go on to the inner awaitable
                 value, error = None, err
 

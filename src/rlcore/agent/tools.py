@@ -109,7 +109,7 @@ async def _outcome(awaitable: Any, label: str) -> tuple[bool, Any]:
     """``(True, result)`` or ``(False, error)``: a ``SystemExit`` of the tool's code is its failure, not the loop's end."""
     try:
         return True, await labelled(awaitable, label)
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed unfinished
         raise
     except BaseException as err:
         return False, err
