@@ -496,3 +496,171 @@ def test_trajectory_logprobs_and_metrics(model, runner):
     assert m["tool_call_rate"] == torch.tensor(sum(c > 0 for c in calls) / 3)
     observed = sum(len(t) for o, e in zip(obs, envs) for t in o[: len(e.actions) - 1])
     torch.testing.assert_close(m["observation_tokens"], torch.tensor(observed / 3))
+
+
+# --- issue 30 re-probe: environments and tools that exit, block, flood or lie ---------------
+
+
+def _bounded(seconds, fn):
+    """fn() in a daemon thread; fails (rather than hangs) when it takes longer than ``seconds``."""
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as err:
+            box["err"] = err
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.perf_counter()
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s"
+    if "err" in box:
+        raise box["err"]
+    return box["out"], time.perf_counter() - t0
+
+
+class Returns:
+    """Answers its first turn with a fixed StepResult (or raises it, when it is an exception)."""
+
+    def __init__(self, result, reset=""):
+        self.result, self.reset_obs = result, reset
+
+    def reset(self, sample):
+        return self.reset_obs
+
+    def step(self, action):
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+
+class AsyncExit:
+    def reset(self, sample):
+        return ""
+
+    async def step(self, action):
+        raise SystemExit(2)
+
+
+def _rollout(model, envs, *, timeout=2.0, max_total_tokens=20, encode=list, **kw):
+    with StepRunner(max_concurrency=8, timeout=timeout) as runner:
+        return multi_turn_rollout(
+            model,
+            [[3, 4]] * len(envs),
+            envs,
+            decode=ids_text,
+            encode_observation=encode,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            max_turns=2,
+            max_new_tokens=3,
+            max_total_tokens=max_total_tokens,
+            generator=torch.Generator().manual_seed(0),
+            runner=runner,
+            **kw,
+        )
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (Returns(SystemExit(1)), "Returns.step: RuntimeError: .*raised SystemExit"),
+        (AsyncExit(), "AsyncExit.step: RuntimeError: .*raised SystemExit"),
+        (Returns(KeyboardInterrupt()), "raised KeyboardInterrupt"),
+        (Returns(StepResult([5, VOCAB], 0.0, False, {})), rf"token id {VOCAB} is outside the model's vocabulary"),
+        (Returns(StepResult([5, -1], 0.0, False, {})), "token id -1 is outside"),
+        (Returns(StepResult(b"\x05\x06", 0.0, False, {})), "observation: got bytes"),
+        (Returns(StepResult(torch.tensor([5.7, 6.2]), 0.0, False, {})), "observation: got a torch.float32 tensor"),
+        (Returns(StepResult(torch.tensor([True]), 0.0, False, {})), "observation: got a torch.bool tensor"),
+        (Returns(StepResult([5, 6.0], 0.0, False, {})), "got float 6.0 among the token ids"),
+        (Returns(StepResult([5], 0.0, False, {"tool_calls": "2"})), r"Returns.step: ValueError: info\['tool_calls'\]"),
+        (Returns(StepResult([5], 0.0, False, {"tool_errors": -1})), r"info\['tool_errors'\]: got -1"),
+        (Returns(StepResult([5], 0.0, False, {"tool_latency": "slow"})), r"info\['tool_latency'\]"),
+        (Returns(StepResult([5], 0.0, False, ["not", "a", "map"])), "info: got list"),
+        (Returns(StepResult([5], 1 + 2j, True, {})), "reward: got"),
+        (Returns(StepResult([5], "1", True, {})), "reward: got '1'"),
+        (Returns(StepResult([5], 0.0, torch.ones(2), {})), "Returns.step"),
+    ],
+)
+def test_reprobe30_a_lying_environment_ends_only_its_own_trajectory(model, bad, message):
+    with pytest.warns(RuntimeWarning, match=message):
+        out, _ = _bounded(60, lambda: _rollout(model, [bad, OneShot()]))
+    assert out["num_env_errors"].tolist() == [1, 0]
+    assert out["scores"].tolist() == [0.0, 0.5]
+    assert out["responses"].max() < VOCAB and out["responses"].min() >= 0
+
+
+def test_reprobe30_a_blocking_async_tool_cannot_stall_the_rollout(model):
+    """time.sleep inside an async tool blocks the environments' loop: the rollout gives up after the step timeout and names the tool."""
+    from rlcore.agent import Tool
+
+    async def stall():
+        time.sleep(12)
+
+    env = FaultyCaller([Tool("stall", stall)], '<tool_call>{"name": "stall", "arguments": {}}</tool_call>', timeout=0.2)
+    with pytest.warns(RuntimeWarning, match="tool 'stall' blocked the environments' event loop"):
+        out, seconds = _bounded(60, lambda: _rollout(model, [env], timeout=0.5))
+    assert seconds < 9  # step timeout + grace, not the 12 s of the sleep, let alone for ever
+    assert out["num_env_errors"].tolist() == [1]
+
+
+def test_reprobe30_a_flood_of_tool_output_is_not_tokenized_whole(model):
+    """A 2 MB observation cannot fit the budget: it ends the trajectory as truncated without tokenizing 2 MB."""
+    tok = Multiplication().tokenizer
+    flood = Returns(StepResult("1" * 2_000_000, 0.0, False, {}))
+    encoded = []
+
+    def encode(text):
+        encoded.append(len(text))
+        return tok.encode(text)
+
+    out, _ = _bounded(60, lambda: _rollout(model, [flood, OneShot()], encode=encode))
+    assert sum(encoded) <= 10_000  # a head of the flood, not 2 MB (about 3 s with this tokenizer)
+    assert out["truncated"].tolist() == [True, False] and out["num_env_errors"].eq(0).all()
+    # A long observation that fits is still tokenized whole and appended.
+    fits = Returns(StepResult("1" * 10, 0.0, False, {}))
+    out, _ = _bounded(60, lambda: _rollout(model, [fits], encode=tok.encode, max_total_tokens=40))
+    assert (out["responses_mask"][0] - out["mask"][0]).sum() == 10
+
+
+def test_reprobe30_a_reset_observation_past_the_model_positions_is_refused(model):
+    """The model has 256 positions: a reset observation that leaves no room for max_total_tokens ends its trajectory."""
+    long_reset = Returns(StepResult("", 1.0, True, {}), reset=[5] * 240)
+    short_reset = Returns(StepResult("", 1.0, True, {}), reset=[5] * 200)
+    with pytest.warns(RuntimeWarning, match="Returns.reset: ValueError: observation: more than 234 tokens"):
+        out, _ = _bounded(60, lambda: _rollout(model, [long_reset, short_reset]))
+    assert out["num_env_errors"].tolist() == [1, 0] and out["num_turns"].tolist() == [0, 1]
+    assert out["prompt_mask"][1].sum() == 202
+
+
+def test_reprobe30_an_environment_without_reset_ends_only_its_trajectory(model):
+    with pytest.warns(RuntimeWarning, match="object.reset: AttributeError"):
+        out, _ = _bounded(60, lambda: _rollout(model, [object(), OneShot()]))
+    assert out["num_env_errors"].tolist() == [1, 0]
+
+
+def test_reprobe30_an_environment_factory_that_raises_ends_only_its_trajectory():
+    task = Multiplication(digits=2)
+    made = [0]
+
+    def flaky():
+        made[0] += 1
+        if made[0] == 1:
+            raise RuntimeError("no sandbox left")
+        return task.make_env()
+
+    s = multi_turn_stage(
+        tiny_model(vocab=task.tokenizer.vocab_size),
+        task.tokenizer,
+        flaky,
+        MultiTurnConfig(max_turns=1),
+        to_sample=lambda batch, row: {"prompt": "12*34=", "answer": "408"},
+    )
+    ids, mask = left_pad([task.tokenizer.encode("12*34=")] * 2, 0)
+    with pytest.warns(RuntimeWarning, match="the environment factory raised RuntimeError: no sandbox left"):
+        out = _bounded(60, lambda: s.fn({"prompts": ids, "prompts_mask": mask}))[0]
+    assert out["num_env_errors"].tolist() == [1, 0]

@@ -1,6 +1,7 @@
 """rlcore.agent without a model: the Hermes parser, tools, ToolEnv faults, StepRunner, references and config."""
 
 import asyncio
+import functools
 import json
 import textwrap
 import threading
@@ -341,3 +342,200 @@ def test_shipped_agent_config():
     assert mt.max_total_tokens >= len(
         task.warmup_batch(task.sample(64, __import__("torch").Generator()))["input_ids"][0]
     )
+
+
+# --- issue 30 re-probe: tools that exit, hang or block; config errors at parse time ---------
+
+
+def _exit_now(x):
+    raise SystemExit(3)
+
+
+async def _exit_async(x):
+    raise SystemExit(4)
+
+
+def _interrupt(x):
+    raise KeyboardInterrupt
+
+
+class _BadStr:
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (_exit_now, "raised SystemExit: 3"),
+        (_exit_async, "raised SystemExit: 4"),
+        (_interrupt, "raised KeyboardInterrupt"),
+        (lambda x: _BadStr(), r"whose str\(\) raised"),
+    ],
+)
+def test_reprobe30_a_tool_that_exits_is_a_tool_error(fn, message):
+    """call_tool raises only ToolError: a SystemExit of the tool's code fails the call, not the loop or the process."""
+    from rlcore.agent import ToolError, call_tool
+
+    with pytest.raises(ToolError, match=message):
+        asyncio.run(asyncio.wait_for(call_tool(Tool("bad", fn), {"x": 1}, timeout=5), 10))
+    env = ToolEnv([Tool("bad", fn), Tool("echo", lambda x: x)], timeout=5)
+    obs, _, done, info = asyncio.run(asyncio.wait_for(env.step(_call("bad", x=1) + _call("echo", x="ok")), 10))
+    assert info["tool_errors"] == 1 and "ok" in obs and not done
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_reprobe30_an_environment_that_exits_fails_its_own_call(how):
+    def sync_exit():
+        raise SystemExit(5)
+
+    async def async_exit():
+        raise SystemExit(6)
+
+    with StepRunner(max_concurrency=2, timeout=5) as runner:
+        bad = runner.submit(sync_exit if how == "sync" else async_exit)
+        with pytest.raises(RuntimeError, match="raised SystemExit"):
+            runner.wait(bad)
+        assert runner.wait(runner.submit(lambda: 7)) == 7  # the loop lives on
+
+
+def test_reprobe30_a_blocked_loop_is_bounded_and_named():
+    """time.sleep inside async def blocks the loop: wait() gives up after the timeout and names the blocking tool."""
+    from rlcore.agent import call_tool
+
+    async def stall():
+        time.sleep(10)
+
+    runner = StepRunner(max_concurrency=2, timeout=0.5)
+    future = runner.submit(functools.partial(call_tool, timeout=60), Tool("stall", stall), {})
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="tool 'stall' blocked the environments' event loop"):
+        runner.wait(future)
+    runner.close()
+    assert time.perf_counter() - t0 < 7  # timeout + grace + close, well before the 10 s sleep ends
+
+
+def test_reprobe30_a_call_that_ignores_cancellation_is_bounded():
+    async def stubborn():
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                continue
+
+    runner = StepRunner(max_concurrency=2, timeout=0.3)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="ignored its cancellation"):
+        runner.wait(runner.submit(stubborn))
+    runner.close()
+    assert time.perf_counter() - t0 < 10
+
+
+def test_reprobe30_a_stuck_sync_tool_does_not_hold_the_interpreter_exit(tmp_path):
+    """A tool that never returns runs in a daemon thread: the process exits as soon as its work is done."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, threading
+            from rlcore.agent import StepRunner, Tool, ToolEnv
+            env = ToolEnv([Tool("stuck", lambda: threading.Event().wait())], timeout=0.2)
+            call = '<tool_call>{"name": "stuck", "arguments": {}}</tool_call>'
+            with StepRunner(max_concurrency=2, timeout=1) as runner:
+                print(runner.submit(env.step, call).result(timeout=30).info["tool_errors"])
+                try:  # a stuck environment call too
+                    runner.submit(threading.Event().wait).result(timeout=30)
+                except TimeoutError:
+                    print("timeout")
+            """
+        )
+    )
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "timeout"]
+    assert time.perf_counter() - t0 < 30
+
+
+def test_reprobe30_tool_env_formats_are_checked_at_construction():
+    for key, value in [
+        ("response_format", "<r>{name}</r>"),
+        ("response_format", "{} {}"),
+        ("error_format", "error {"),
+        ("error_format", 3),
+        ("separator", None),
+        ("timeout", "1"),
+        ("parser", "hermes"),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            ToolEnv([calculator], **{key: value})
+    ToolEnv([calculator], response_format="<r>{}</r>", error_format="error", separator="")  # fixed text is fine
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({"response_fromat": "{}"}, "rl.multi_turn.env_options.response_fromat"),
+        ({"response_format": "{x}"}, "rl.multi_turn.env_options"),
+        ({"error_format": "{} {}"}, "rl.multi_turn.env_options"),
+        ({"tools": []}, "rl.multi_turn.env_options.tools"),
+    ],
+)
+def test_reprobe30_env_options_are_checked_when_the_config_is_parsed(options, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        parse_multi_turn({"tools": ["rlcore.agent.calc:calculator"], "env_options": options})
+
+
+def test_reprobe30_env_options_of_an_env_factory_are_checked_against_its_signature(tmp_path):
+    (tmp_path / "envs.py").write_text(
+        textwrap.dedent(
+            """
+            from rlcore.agent import ToolEnv
+            def make(tools, *, budget=1):
+                return ToolEnv(tools)
+            def loose(**options):
+                return ToolEnv([])
+            """
+        )
+    )
+    cfg = parse_multi_turn({"env": "envs.py:make", "env_options": {"budgett": 2}})
+    with pytest.raises(ValueError, match=r"rl\.multi_turn\.env_options\.budgett.*budget"):
+        build_env_factory(cfg, base_dir=tmp_path)
+    build_env_factory(parse_multi_turn({"env": "envs.py:make", "env_options": {"budget": 2}}), base_dir=tmp_path)
+    build_env_factory(parse_multi_turn({"env": "envs.py:loose", "env_options": {"any": 2}}), base_dir=tmp_path)
+
+
+def test_reprobe30_a_stop_token_that_is_not_one_token_is_refused():
+    from rlcore.agent import stop_token_ids
+
+    tok = Multiplication().tokenizer
+    for bad in ["</tool_call>1", "</tool>", ""]:
+        with pytest.raises(ValueError, match=r"rl\.multi_turn\.stop_tokens\[1\]"):
+            stop_token_ids(MultiTurnConfig(stop_tokens=("</tool_call>", bad)), tok)
+    assert stop_token_ids(MultiTurnConfig(stop_tokens=("</tool_call>", "=")), tok) == [
+        tok.token_id("</tool_call>"),
+        tok.token_id("="),
+    ]
+
+
+def test_reprobe30_stuck_sync_calls_do_not_starve_the_later_ones():
+    """Each sync call has a thread of its own: calls stuck past their timeout do not occupy the slots of later calls."""
+    release = threading.Event()
+    with StepRunner(max_concurrency=2, timeout=0.2) as runner:
+        stuck = [runner.submit(release.wait) for _ in range(2)]
+        for f in stuck:
+            with pytest.raises(TimeoutError):
+                f.result(timeout=30)
+        assert runner.submit(lambda: "free").result(timeout=30) == "free"
+    release.set()
+
+
+def test_reprobe30_deeply_nested_tool_call_json_is_a_malformed_call():
+    body = "[" * 100_000 + "]" * 100_000
+    parsed = HermesParser()(f"<tool_call>{body}</tool_call>")
+    assert parsed.calls == [] and "is not valid JSON" in parsed.errors[0]
+    args = json.dumps({"name": "f", "arguments": body})
+    assert HermesParser()(f"<tool_call>{args}</tool_call>").errors[0].startswith("malformed tool call: arguments")

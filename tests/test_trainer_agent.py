@@ -12,11 +12,14 @@ from rlcore.train import (
     left_pad,
     load_config,
     logprob_stage,
+    make_prompt_source,
     make_task,
     multi_turn_graph,
     multi_turn_rollout_stage,
     read_metrics,
     rl_forward,
+    supervised_warmup,
+    task_options,
     train,
 )
 
@@ -126,3 +129,161 @@ def test_multi_turn_config_is_validated(tmp_path):
         load_config(CONFIG, ["deploy.mode=disaggregated"])
     with pytest.raises(ValueError, match=r"rl.multi_turn.max_total_tokens': got 200"):
         load_config(CONFIG, ["rl.multi_turn.max_total_tokens=200"])
+
+
+def test_reprobe30_task_prompts_pass_on_the_task_warmup_traces():
+    """The prompt source that wraps Multiplication gives the trainer the task's tool-using traces, not prompt + answer."""
+    cfg = load_config(CONFIG, ["trainer.progress=false"])
+    source = make_prompt_source(cfg, task_options(cfg))
+    assert source.warmup_batch is not None
+    samples = source.sample(4, torch.Generator().manual_seed(0))
+    batch = source.warmup_batch(samples)
+    tok = source.tokenizer
+    call = tok.token_id("<tool_call>")
+    trained = batch["input_ids"][batch["mask"] != 0]
+    assert (trained == call).sum() == 4  # one tool call per trace is trained on
+    # A task without traces of its own: the trainer's prompt + answer sequences.
+    plain = make_prompt_source(load_config(ROOT / "configs" / "grpo_tiny.yaml", []), {})
+    assert plain.warmup_batch is None
+
+
+def _warmup_losses(cfg):
+    source = make_prompt_source(cfg, task_options(cfg))
+    torch.manual_seed(cfg.trainer.seed)
+    model = build_model(cfg, source.tokenizer.vocab_size)
+    return supervised_warmup(model, source, cfg)
+
+
+def test_reprobe30_shipped_agent_warmup_learns_the_tool_traces():
+    """The shipped config's full warm-up: the trace loss falls from ~3.4 (uniform) to well below 0.5."""
+    cfg = load_config(CONFIG, ["trainer.progress=false", "trainer.threads=1"])
+    losses = _warmup_losses(cfg)
+    assert losses.shape == (cfg.trainer.warmup_steps,)
+    assert losses[:5].mean() > 2.0  # it starts near the uniform loss over the vocabulary ...
+    assert losses[-10:].mean() < 0.5  # ... and learns the traces (direct answers stay near 2.0)
+
+
+def test_reprobe30_shipped_agent_config_learns(tmp_path):
+    """The shipped agent config on a shortened GRPO schedule: after the warm-up almost every trajectory calls the tool and most answer right."""
+    cfg = load_config(
+        CONFIG,
+        [
+            "trainer.steps=6",
+            "rl.multi_turn.eval_every=0",
+            "trainer.progress=false",
+            "trainer.plot=false",
+            f"trainer.output_dir={tmp_path}",
+        ],
+    )
+    train(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == 6
+    assert min(r["tool_call_rate"] for r in records) >= 0.9
+    assert max(r["tool_errors"] for r in records) <= 0.5
+    # T=1 samples answer right (the regression scored 0.0 at every step).
+    assert sum(r["reward"] for r in records) / len(records) >= 0.5
+
+
+ENVS = '''
+import threading
+
+from rlcore.agent import StepResult, Tool, ToolEnv
+
+
+def hang(**arguments):
+    threading.Event().wait()
+
+
+class Stuck(ToolEnv):
+    """Calls a tool that never returns, whatever the policy wrote, then ends the episode."""
+
+    def __init__(self, tools=()):
+        super().__init__([Tool("calculator", hang, timeout=0.2)])
+
+    async def step(self, action):
+        result = await super().step('<tool_call>{"name": "calculator", "arguments": {}}</tool_call>')
+        return result._replace(done=True)
+
+
+class BadInfo:
+    def reset(self, sample):
+        return ""
+
+    def step(self, action):
+        return StepResult("", 0.0, True, {"tool_calls": "many"})
+
+
+def make(tools, *, budget=1):
+    return ToolEnv(tools)
+'''
+
+QUICK = [*TINY[:-3], "trainer.warmup_steps=2", "trainer.progress=false", "trainer.plot=false", "trainer.steps=1"]
+# A custom environment takes none of the shipped ToolEnv's options.
+QUICK += ["rl.multi_turn.env_options=null", "rl.multi_turn.eval_every=0"]
+
+
+def test_reprobe30_a_stuck_tool_does_not_keep_the_cli_alive(tmp_path):
+    """rlcore train exits after its last step although a tool thread never returns."""
+    import subprocess
+    import sys
+
+    (tmp_path / "envs.py").write_text(ENVS)
+    cmd = [sys.executable, "-m", "rlcore.train", "--config", str(CONFIG), *QUICK]
+    cmd += [f"rl.multi_turn.env={tmp_path / 'envs.py'}:Stuck", f"trainer.output_dir={tmp_path / 'run'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert records[0]["tool_errors"] == 1.0  # every trajectory's call timed out; the run went on
+
+
+def test_reprobe30_environment_errors_in_the_trainer_name_the_env_and_key(tmp_path):
+    (tmp_path / "envs.py").write_text(ENVS)
+    cfg = load_config(
+        CONFIG,
+        [*QUICK, f"rl.multi_turn.env={tmp_path / 'envs.py'}:BadInfo", f"trainer.output_dir={tmp_path / 'run'}"],
+    )
+    with pytest.warns(RuntimeWarning, match=r"BadInfo.step: ValueError: info\['tool_calls'\]: got 'many'"):
+        train(cfg)
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["env_errors"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rl.multi_turn.stop_tokens=['</tool>']", r"rl\.multi_turn\.stop_tokens\[0\]': got '</tool>'"),
+        ("rl.multi_turn.env_options={'budgett': 2}", r"rl\.multi_turn\.env_options\.budgett': not a parameter"),
+    ],
+)
+def test_reprobe30_agent_setup_errors_come_before_the_warmup(tmp_path, override, message):
+    (tmp_path / "envs.py").write_text(ENVS)
+    cfg = load_config(
+        CONFIG,
+        [
+            *QUICK,
+            "trainer.warmup_steps=100000",  # reached only if the check came after the warm-up
+            f"rl.multi_turn.env={tmp_path / 'envs.py'}:make",
+            override,
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+    )
+    with pytest.raises(ValueError, match=message):
+        _bounded_train(cfg)
+
+
+def _bounded_train(cfg, seconds=120):
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            train(cfg)
+        except BaseException as err:
+            box["err"] = err
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"train still running after {seconds} s"
+    if "err" in box:
+        raise box["err"]

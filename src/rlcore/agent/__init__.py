@@ -5,6 +5,7 @@
 * :mod:`~rlcore.agent.parsers` -- :class:`HermesParser` for ``<tool_call>{json}</tool_call>``;
 * :mod:`~rlcore.agent.tool_env` -- :class:`ToolEnv`, an environment made of tools;
 * :mod:`~rlcore.agent.runner` -- :class:`StepRunner`, environment calls off the generation thread;
+* :mod:`~rlcore.agent.threads` -- :func:`in_daemon_thread`, :func:`labelled`: user code that hangs or blocks;
 * :mod:`~rlcore.agent.rollout` -- :func:`multi_turn_rollout`; :mod:`~rlcore.agent.stage` -- :func:`multi_turn_stage`;
 * :mod:`~rlcore.agent.config` -- the ``rl.multi_turn`` section; :func:`rlcore.references.load_reference` for ``"file.py:Name"``;
 * :mod:`~rlcore.agent.calc` -- the shipped task (multiplication with a calculator).
@@ -25,6 +26,7 @@ from rlcore.agent.protocols import Environment, Observation, StepResult
 from rlcore.agent.rollout import TRAJECTORY_KEYS, multi_turn_rollout
 from rlcore.agent.runner import StepRunner
 from rlcore.agent.stage import STAGE_OUTPUTS, multi_turn_stage, trajectory_rows
+from rlcore.agent.threads import in_daemon_thread, labelled, running_label
 from rlcore.agent.tokenizer import SpecialCharTokenizer
 from rlcore.agent.tool_env import ToolEnv
 from rlcore.agent.tools import Tool, ToolError, call_tool, tool
@@ -52,10 +54,13 @@ __all__ = [
     "calculator",
     "call_tool",
     "evaluate_arithmetic",
+    "in_daemon_thread",
+    "labelled",
     "multi_turn_rollout",
     "multi_turn_stage",
     "observation_encoder",
     "parse_multi_turn",
+    "running_label",
     "sample_turn",
     "stop_token_ids",
     "tool",

@@ -101,7 +101,24 @@ def parse_multi_turn(raw: Mapping[str, Any] | None, *, key: str = "rl.multi_turn
                 raise ValueError(f"{where}: got {value!r}, expected a mapping")
             value = dict(value)
         values[name] = value
-    return MultiTurnConfig(**values)
+    cfg = MultiTurnConfig(**values)
+    if cfg.env is None:
+        _check_tool_env_options(cfg.env_options, key)
+    return cfg
+
+
+def _check_tool_env_options(options: Mapping[str, Any], key: str) -> None:
+    """``env_options`` of the default :class:`ToolEnv`: its keyword options, with values it accepts."""
+    allowed = [p for p in inspect.signature(ToolEnv).parameters if p not in ("tools", "reward")]
+    for name in options:
+        if name not in allowed:
+            raise ValueError(
+                f"config key '{key}.env_options.{name}': unknown option of ToolEnv, expected one of {', '.join(allowed)}"
+            )
+    try:
+        ToolEnv([], **options)
+    except ValueError as err:
+        raise ValueError(f"config key '{key}.env_options': {err}") from None
 
 
 def build_tools(cfg: MultiTurnConfig, *, base_dir: str | os.PathLike | None = None) -> list[Tool]:
@@ -153,13 +170,31 @@ def build_env_factory(
         takes_tools = "tools" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         takes_tools = False
+    _check_factory_options(factory, options, cfg.env)
     if takes_tools:
         options["tools"] = tools
     return lambda: factory(**options)
 
 
+def _check_factory_options(factory: Callable[..., Any], options: Mapping[str, Any], ref: str) -> None:
+    """Every ``env_options`` key is a keyword parameter of the factory (unless it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "tools"]
+    for name in options:
+        if name not in names:
+            raise ValueError(
+                f"config key 'rl.multi_turn.env_options.{name}': not a parameter of {ref!r}, "
+                f"expected one of {', '.join(names) or '(none)'}"
+            )
+
+
 def stop_token_ids(cfg: MultiTurnConfig, tokenizer: Any) -> list[int]:
-    """The ids of ``cfg.stop_tokens``; each must be one token of ``tokenizer`` (a string that is not is skipped).
+    """The ids of ``cfg.stop_tokens``; each must be one token of ``tokenizer``, else ValueError naming it.
 
     >>> from rlcore.agent.calc import Multiplication
     >>> tok = Multiplication().tokenizer
@@ -167,15 +202,20 @@ def stop_token_ids(cfg: MultiTurnConfig, tokenizer: Any) -> list[int]:
     True
     """
     ids = []
-    for text in cfg.stop_tokens:
+    for i, text in enumerate(cfg.stop_tokens):
+        where = f"config key 'rl.multi_turn.stop_tokens[{i}]'"
         if callable(getattr(tokenizer, "convert_tokens_to_ids", None)) and hasattr(tokenizer, "get_vocab"):
-            if text in tokenizer.get_vocab():
-                ids.append(int(tokenizer.convert_tokens_to_ids(text)))
+            if text not in tokenizer.get_vocab():
+                raise ValueError(f"{where}: got {text!r}, which is not a token of the tokenizer, expected one token")
+            ids.append(int(tokenizer.convert_tokens_to_ids(text)))
             continue
         try:
-            encoded = tokenizer.encode(text)
-        except ValueError:
-            continue
-        if len(encoded) == 1:
-            ids.append(int(encoded[0]))
+            encoded = list(tokenizer.encode(text))
+        except ValueError as err:
+            raise ValueError(f"{where}: got {text!r}, which the tokenizer cannot encode ({err})") from None
+        if len(encoded) != 1:
+            raise ValueError(
+                f"{where}: got {text!r}, which the tokenizer encodes as {len(encoded)} tokens, expected one"
+            )
+        ids.append(int(encoded[0]))
     return ids

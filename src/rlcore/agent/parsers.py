@@ -75,7 +75,7 @@ class HermesParser:
             body = match.group(1).strip()
             try:
                 obj = json.loads(body)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # invalid, or nested past the interpreter's recursion limit
                 errors.append(f"malformed tool call: {body[:200]} is not valid JSON")
                 continue
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -83,7 +83,7 @@ class HermesParser:
                 continue
             arguments = obj.get("arguments", {})
             if isinstance(arguments, str):  # some models emit the arguments as a JSON string
-                with contextlib.suppress(json.JSONDecodeError):
+                with contextlib.suppress(ValueError, RecursionError):
                     arguments = json.loads(arguments)
             if not isinstance(arguments, dict):
                 errors.append(f"malformed tool call: arguments of {obj['name']!r} are not a JSON object")

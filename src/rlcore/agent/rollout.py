@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import numbers
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -69,17 +71,101 @@ def _check(name: str, value: Any, ok: bool, want: str) -> None:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _observation_ids(obs: Any, encode: Callable[[str], list[int]]) -> list[int]:
+# Characters per token that no tokenizer is expected to exceed on average: text longer than
+# max(room + 1, 128) * this is tokenized by its head first, so a flood is not tokenized whole.
+
+
+_CHARS_PER_TOKEN = 32
+
+
+def _observation_ids(
+    obs: Any, encode: Callable[[str], list[int]], *, room: int | None, vocab: int | None
+) -> list[int] | None:
+    """An observation's token ids, or None when it has more than ``room`` tokens (it cannot fit).
+
+    Raises ValueError for what is not text or token ids in ``[0, vocab)``.
+    """
     if isinstance(obs, str):
-        return list(encode(obs)) if obs else []
-    if isinstance(obs, torch.Tensor):
-        return [int(t) for t in obs.reshape(-1).tolist()]
-    if isinstance(obs, Sequence) and all(_is_int(t) for t in obs):
-        return list(obs)
-    raise ValueError(f"observation: got {type(obs).__name__}, expected text or a list of token ids")
+        if not obs:
+            return []
+        if room is not None:
+            head = max(room + 1, 128) * _CHARS_PER_TOKEN
+            if len(obs) > head and _encodes_longer(encode, obs[:head], room):
+                return None
+        ids = list(encode(obs))
+    elif isinstance(obs, torch.Tensor):
+        if obs.dtype == torch.bool or obs.is_floating_point() or obs.is_complex() or obs.dim() > 1:
+            raise ValueError(
+                f"observation: got a {obs.dtype} tensor of shape {tuple(obs.shape)}, expected a 1-D integer tensor of token ids"
+            )
+        if room is not None and obs.numel() > room:
+            return None
+        ids = obs.tolist()
+    elif isinstance(obs, (bytes, bytearray, memoryview)):
+        raise ValueError(f"observation: got {type(obs).__name__}, expected text (str) or a list of token ids")
+    elif isinstance(obs, Sequence):
+        if room is not None and len(obs) > room:
+            return None
+        ids = list(obs)
+        bad = next((t for t in ids if not _is_int(t)), None)
+        if bad is not None:
+            raise ValueError(f"observation: got {type(bad).__name__} {bad!r} among the token ids, expected ints")
+        ids = [int(t) for t in ids]
+    else:
+        raise ValueError(f"observation: got {type(obs).__name__}, expected text or a list of token ids")
+    bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise ValueError(f"observation: token id {bad} is outside the model's vocabulary [0, {vocab})")
+    if room is not None and len(ids) > room:
+        return None
+    return ids
+
+
+def _encodes_longer(encode: Callable[[str], list[int]], head: str, room: int) -> bool:
+    """``head`` (a cut of the text) has more than ``room`` tokens; False when the cut cannot be encoded alone."""
+    try:
+        return len(encode(head)) > room
+    except ValueError:  # the cut split a token the tokenizer spells whole: decide on the whole text
+        return False
+
+
+def _info_counts(info: Any) -> tuple[int, int, float]:
+    """``tool_calls``, ``tool_errors`` and ``tool_latency`` of a step's ``info`` (absent: 0); ValueError naming a bad key."""
+    if info is None:
+        return 0, 0, 0.0
+    if not isinstance(info, Mapping):
+        raise ValueError(f"info: got {type(info).__name__}, expected a mapping (or None)")
+    counts = []
+    for key in ("tool_calls", "tool_errors"):
+        value = info.get(key, 0)
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"info[{key!r}]: got {value!r}, expected an int >= 0")
+        counts.append(int(value))
+    latency = info.get("tool_latency", 0.0)
+    if not isinstance(latency, numbers.Real) or isinstance(latency, bool) or not 0 <= float(latency) < math.inf:
+        raise ValueError(f"info['tool_latency']: got {latency!r}, expected a number of seconds >= 0")
+    return counts[0], counts[1], float(latency)
+
+
+def _model_limits(model: Any) -> tuple[int | None, int | None]:
+    """The model's vocabulary (rows of its input embedding) and position limit, where it tells them."""
+    vocab = None
+    embeddings = getattr(model, "get_input_embeddings", None)
+    if callable(embeddings):
+        weight = getattr(embeddings(), "weight", None)
+        vocab = int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None
+    config = getattr(model, "config", None)
+    if vocab is None:
+        vocab = getattr(config, "vocab_size", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    return (vocab if _is_int(vocab) else None), (positions if _is_int(positions) else None)
+
+
+def _where(env: Any, method: str) -> str:
+    return f"{type(env).__name__}.{method}"
 
 
 def multi_turn_rollout(
@@ -177,15 +263,39 @@ def multi_turn_rollout(
     own_runner = runner is None
     run = runner if runner is not None else StepRunner(max_concurrency=max(1, min(batch, 64)), timeout=step_timeout)
     stops = (eos_token_id, *stop_token_ids)
+    vocab, positions = _model_limits(model)
+    failures: list[str] = []
+
+    def fail(traj: _Trajectory, err: BaseException, where: str) -> None:
+        """A failing environment ends its own trajectory, never the batch."""
+        failures.append(f"{where}: {type(err).__name__}: {err}")
+        traj.env_errors += 1
+        traj.done = True
+        traj.final = 0.0
+
     try:
         trajs = [_Trajectory(list(p)) for p in prompts]
-        resets = [run.submit(env.reset, sample) for env, sample in zip(envs, samples)]
-        for traj, fut in zip(trajs, resets):
+        resets: list[concurrent.futures.Future | None] = []
+        for traj, env, sample in zip(trajs, envs, samples):
             try:
-                traj.prompt += _observation_ids(fut.result(), encode_observation)
-            except Exception:  # the environment failed to start: the trajectory ends before its first turn
-                traj.env_errors += 1
-                traj.done = True
+                resets.append(run.submit(env.reset, sample))
+            except Exception as err:  # no reset method: this trajectory's failure
+                resets.append(None)
+                fail(traj, err, _where(env, "reset"))
+        for traj, env, fut in zip(trajs, envs, resets):
+            if fut is None:
+                continue
+            room = None if positions is None else positions - max_total_tokens - len(traj.prompt)
+            try:
+                obs_ids = _observation_ids(run.wait(fut), encode_observation, room=room, vocab=vocab)
+                if obs_ids is None:
+                    raise ValueError(
+                        f"observation: more than {room} tokens after a prompt of {len(traj.prompt)}, "
+                        f"with max_total_tokens {max_total_tokens} past the model's max_position_embeddings {positions}"
+                    )
+                traj.prompt += obs_ids
+            except Exception as err:  # the environment failed to start: the trajectory ends before its first turn
+                fail(traj, err, _where(env, "reset"))
         for turn in range(max_turns):
             active = [i for i, t in enumerate(trajs) if not t.done]
             if not active:
@@ -225,34 +335,51 @@ def multi_turn_rollout(
                 traj, n = trajs[i], lengths[row]
                 traj.append(tokens[row][:n], logps[row][:n], 1)
                 traj.turns += 1
+                future = futures[row]
                 try:
-                    result = futures[row].result()
+                    result = run.wait(future)
+                    if not isinstance(result, tuple) or len(result) != 4:
+                        raise ValueError(
+                            f"got {type(result).__name__}, expected a StepResult (observation, reward, done, info)"
+                        )
                     obs, reward, done, info = result
+                    if isinstance(reward, torch.Tensor) and reward.numel() == 1 and not reward.is_complex():
+                        reward = reward.item()
+                    if not isinstance(reward, numbers.Real):
+                        raise ValueError(f"reward: got {reward!r}, expected a real number")
                     reward = float(reward)
                     if not math.isfinite(reward):
-                        raise ValueError(f"reward {reward} is not finite")
-                    obs_ids = [] if done else _observation_ids(obs, encode_observation)
-                except Exception:  # a failing environment ends its own trajectory, never the batch
-                    traj.env_errors += 1
-                    traj.done = True
-                    traj.final = 0.0
+                        raise ValueError(f"reward: got {reward}, expected a finite number")
+                    done = bool(done)
+                    calls, errors, latency = _info_counts(info)
+                    # An observation is appended only if a policy turn can follow it.
+                    last = done or turn + 1 == max_turns
+                    room = max_total_tokens - len(traj.tokens) - 1
+                    obs_ids = [] if last else _observation_ids(obs, encode_observation, room=room, vocab=vocab)
+                except Exception as err:
+                    fail(traj, err, _where(envs[i], "step"))
                     continue
                 traj.rewards[-1] += reward
                 traj.score += reward
                 traj.final = reward
-                info = info if isinstance(info, Mapping) else {}
-                traj.calls += int(info.get("tool_calls", 0))
-                traj.errors += int(info.get("tool_errors", 0))
-                traj.latency += float(info.get("tool_latency", 0.0))
+                traj.calls += calls
+                traj.errors += errors
+                traj.latency += latency
                 if done:
                     traj.done = True
-                elif turn + 1 == max_turns or len(traj.tokens) + len(obs_ids) >= max_total_tokens:
+                elif obs_ids is None or turn + 1 == max_turns:
                     traj.done = traj.truncated = True
                 else:
                     traj.append(obs_ids, [0.0] * len(obs_ids), 0)
     finally:
         if own_runner:
             run.close()
+    if failures:
+        warnings.warn(
+            f"multi_turn_rollout: an environment error ended its trajectory (counted in num_env_errors): {failures[0]}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return _collate(trajs, pad_token_id, device)
 
 

@@ -65,6 +65,26 @@ def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m != 0].tolist() for row, m in zip(ids, mask)]
 
 
+class _FailedEnvironment:
+    """Stands for an environment whose factory raised: its reset raises that error, so only its trajectory ends."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def reset(self, sample: Mapping[str, Any]) -> str:
+        raise RuntimeError(f"the environment factory raised {type(self.error).__name__}: {self.error}") from self.error
+
+    def step(self, action: str) -> Any:
+        raise RuntimeError("the environment was never made")
+
+
+def _make_or_fail(make_env: Callable[[], Environment]) -> Any:
+    try:
+        return make_env()
+    except Exception as err:  # a factory failing for one trajectory ends that trajectory only
+        return _FailedEnvironment(err)
+
+
 def multi_turn_stage(
     model: Any,
     tokenizer: Any,
@@ -151,7 +171,7 @@ def multi_turn_stage(
             traj = multi_turn_rollout(
                 model,
                 prompts,
-                [make_env() for _ in prompts],
+                [_make_or_fail(make_env) for _ in prompts],
                 samples,
                 tokenizer=tokenizer,
                 stop_token_ids=stops,

@@ -61,8 +61,22 @@ class ToolEnv:
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"tools: got names {names}, expected distinct names")
-        if not timeout > 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout: got {timeout!r}, expected a number > 0")
+        if parser is not None and not callable(parser):
+            raise ValueError(f"parser: got {parser!r}, expected a ToolCallParser (text -> ParsedCalls)")
+        if not isinstance(separator, str):
+            raise ValueError(f"separator: got {separator!r}, expected a str")
+        for key, fmt in (("response_format", response_format), ("error_format", error_format)):
+            if not isinstance(fmt, str):
+                raise ValueError(f"{key}: got {fmt!r}, expected a str")
+            try:
+                fmt.format("x")
+            except (KeyError, IndexError, ValueError) as err:
+                raise ValueError(
+                    f"{key}: got {fmt!r}, which str.format cannot fill with one text ({type(err).__name__}: {err}); "
+                    "expected one '{}' (write '{{' and '}}' for literal braces)"
+                ) from None
         if "{}" not in response_format:
             raise ValueError(f"response_format: got {response_format!r}, expected a format with one '{{}}'")
         self.tools = {t.name: t for t in tools}

@@ -14,6 +14,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rlcore.agent.threads import in_daemon_thread, labelled
+
 __all__ = ["Tool", "ToolError", "call_tool", "tool"]
 
 
@@ -103,12 +105,25 @@ def tool(
     )
 
 
+async def _outcome(awaitable: Any, label: str) -> tuple[bool, Any]:
+    """``(True, result)`` or ``(False, error)``: a ``SystemExit`` of the tool's code is its failure, not the loop's end."""
+    try:
+        return True, await labelled(awaitable, label)
+    except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed unfinished
+        raise
+    except BaseException as err:
+        return False, err
+
+
 async def call_tool(t: Tool, arguments: Mapping[str, Any], *, timeout: float | None = None) -> str:
-    """Run one tool call, sync tools in a worker thread, bounded by ``timeout`` seconds; the result as text.
+    """Run one tool call, sync tools in a daemon thread, bounded by ``timeout`` seconds; the result as text.
 
     Raises :class:`ToolError` (never anything else) when the arguments are not a JSON
-    object, the tool raises, or it runs past the timeout. A sync tool that overruns
-    keeps its worker thread until it returns; the call itself is abandoned at once.
+    object, the tool raises (``SystemExit`` and ``KeyboardInterrupt`` of its code
+    included), or it runs past the timeout. A sync tool that overruns keeps its daemon
+    thread until it returns (it does not hold the interpreter's exit); the call itself is
+    abandoned at once. A coroutine tool that blocks the event loop is marked with
+    :func:`rlcore.agent.labelled` as ``tool '<name>'``, so the rollout can name it.
 
     >>> asyncio.run(call_tool(Tool("add", lambda a, b: a + b), {"a": 2, "b": 3}))
     '5'
@@ -116,17 +131,23 @@ async def call_tool(t: Tool, arguments: Mapping[str, Any], *, timeout: float | N
     if not isinstance(arguments, Mapping):
         raise ToolError(f"tool {t.name!r}: arguments must be a JSON object, got {type(arguments).__name__}")
     limit = t.timeout if t.timeout is not None else timeout
+    label = f"tool {t.name!r}"
     try:
         if inspect.iscoroutinefunction(t.fn):
-            result = await asyncio.wait_for(t.fn(**arguments), limit)
+            ok, result = await asyncio.wait_for(_outcome(t.fn(**arguments), label), limit)
         else:
-            result = await asyncio.wait_for(asyncio.to_thread(t.fn, **arguments), limit)
-            if inspect.isawaitable(result):
-                result = await asyncio.wait_for(result, limit)
+            ok, result = await asyncio.wait_for(_outcome(in_daemon_thread(t.fn, **arguments), label), limit)
+            if ok and inspect.isawaitable(result):
+                ok, result = await asyncio.wait_for(_outcome(result, label), limit)
     except (TimeoutError, asyncio.TimeoutError):
         raise ToolError(f"tool {t.name!r} timed out after {limit} s") from None
     except asyncio.CancelledError:
         raise
-    except Exception as err:
+    except Exception as err:  # calling it failed (e.g. arguments its signature refuses)
         raise ToolError(f"tool {t.name!r} raised {type(err).__name__}: {err}") from err
-    return result if isinstance(result, str) else str(result)
+    if not ok:
+        raise ToolError(f"tool {t.name!r} raised {type(result).__name__}: {result}") from result
+    try:
+        return result if isinstance(result, str) else str(result)
+    except Exception as err:  # a result whose __str__ raises
+        raise ToolError(f"tool {t.name!r} returned a {type(result).__name__} whose str() raised {err!r}") from err

@@ -4,7 +4,13 @@ Read :mod:`rlcore.train.trainer` as the worked example of assembling your own lo
 from rlcore's primitives.
 """
 
-from rlcore.train.agent_stages import ROLLOUT_COLUMNS, MultiTurnRollout, multi_turn_graph, multi_turn_rollout_stage
+from rlcore.train.agent_stages import (
+    ROLLOUT_COLUMNS,
+    MultiTurnRollout,
+    check_multi_turn,
+    multi_turn_graph,
+    multi_turn_rollout_stage,
+)
 from rlcore.train.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -97,6 +103,7 @@ __all__ = [
     "build_algorithm",
     "build_model",
     "check_launch",
+    "check_multi_turn",
     "check_parallel_sizes",
     "clip_grad_norm",
     "device_mesh",

@@ -28,13 +28,13 @@ from typing import Any, NamedTuple
 import torch
 
 from rlcore import algos
-from rlcore.agent import build_env_factory, multi_turn_stage, parse_multi_turn, trajectory_metrics
+from rlcore.agent import build_env_factory, multi_turn_stage, parse_multi_turn, stop_token_ids, trajectory_metrics
 from rlcore.dataflow import Stage, stage
 from rlcore.train.config import Config
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import advantages_stage
 
-__all__ = ["ROLLOUT_COLUMNS", "MultiTurnRollout", "multi_turn_graph", "multi_turn_rollout_stage"]
+__all__ = ["ROLLOUT_COLUMNS", "MultiTurnRollout", "check_multi_turn", "multi_turn_graph", "multi_turn_rollout_stage"]
 
 Batch = dict[str, Any]
 
@@ -64,6 +64,19 @@ class MultiTurnRollout(NamedTuple):
 
 def _pad(rows: Sequence[torch.Tensor], value: float = 0) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=value)
+
+
+def check_multi_turn(cfg: Config, task: Any) -> None:
+    """Build what ``rl.multi_turn`` names once, so that its errors come before any training step or warm-up.
+
+    Loads the tools and the environment factory (:func:`rlcore.agent.build_env_factory`:
+    references, ``env_options`` against the factory's parameters) and resolves the stop
+    tokens with the task's tokenizer (:func:`rlcore.agent.stop_token_ids`: each one token).
+    Raises ``ValueError`` naming the config key.
+    """
+    mt = parse_multi_turn(cfg.rl.multi_turn)
+    build_env_factory(mt, reward=task.reward)
+    stop_token_ids(mt, task.tokenizer)
 
 
 def multi_turn_rollout_stage(

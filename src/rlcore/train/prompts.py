@@ -138,7 +138,13 @@ def _config_reward(cfg: Config, default: Any) -> Any:
 
 
 class TaskPrompts:
-    """A built-in generated task (``data.task``) as a prompt source; its rule reward unless ``rewards`` is set."""
+    """A built-in generated task (``data.task``) as a prompt source; its rule reward unless ``rewards`` is set.
+
+    ``warmup_batch`` is the task's own supervised traces (``samples -> {"input_ids",
+    "attention_mask", "mask"}``, e.g. the tool-using traces of
+    :class:`rlcore.agent.Multiplication`) that the trainer's warm-up trains on, or None
+    when the task has none (the warm-up then trains prompt + reference answer).
+    """
 
     dataset = None
     val: PromptSet | None = None
@@ -148,6 +154,10 @@ class TaskPrompts:
         self.task = make_task(cfg.data.task, **options)
         self.tokenizer = self.task.tokenizer
         self.reward = _config_reward(cfg, self.task.reward)
+        traces = getattr(self.task, "warmup_batch", None)
+        self.warmup_batch: Callable[[Sequence[Any]], dict[str, torch.Tensor]] | None = (
+            traces if callable(traces) else None
+        )
 
     def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
         return self.task.sample(n, generator)

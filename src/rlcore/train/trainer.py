@@ -78,7 +78,7 @@ from rlcore.models import (
 )
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool, reward_log_values
-from rlcore.train.agent_stages import multi_turn_graph, multi_turn_rollout_stage
+from rlcore.train.agent_stages import check_multi_turn, multi_turn_graph, multi_turn_rollout_stage
 from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rlcore.train.config import Config, check_launch
 from rlcore.train.context_parallel import (
@@ -404,7 +404,7 @@ def supervised_warmup(
     rank: int = 0,
     progress: bool = False,
     context_parallel: tuple[Any, str] | None = None,
-) -> None:
+) -> torch.Tensor:
     """Supervised warm-up on the task's reference answers (token-mean cross-entropy over the response).
 
     Args:
@@ -419,6 +419,9 @@ def supervised_warmup(
       progress: show a progress bar.
       context_parallel: ``(group, mode)``: split each sequence over that context-parallel
         group (every rank of it takes the same rows), or None.
+
+    Returns:
+      ``[warmup_steps]`` the detached loss of each step (this rank's value).
     """
     tr = cfg.trainer
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -432,6 +435,9 @@ def supervised_warmup(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=tr.warmup_steps, desc="warm-up", dynamic_ncols=True)
+    # The prompt source names the task's own traces (``warmup_batch``, None: prompt + answer).
+    traces = getattr(task, "warmup_batch", None)
+    losses = []
     policy.train()
     try:
         for step in range(tr.warmup_steps):
@@ -439,9 +445,10 @@ def supervised_warmup(
             samples = task.sample(size * ranks, make_generator(tr.seed, 0, step, WARMUP))[
                 rank * size : (rank + 1) * size
             ]
-            seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
-            if hasattr(task, "warmup_batch"):  # a task with its own traces (rlcore.agent.Multiplication: tool calls)
-                seq = {k: v.to(device) for k, v in task.warmup_batch(samples).items()}
+            if traces is not None:  # a task with its own traces (rlcore.agent.Multiplication: tool calls)
+                seq = {k: v.to(device) for k, v in traces(samples).items()}
+            else:
+                seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
             if context_parallel is None:
                 logp = token_logprobs(apply, named, seq)  # aligned with the token it scores, like seq["mask"]
                 mask = seq["mask"]
@@ -456,12 +463,14 @@ def supervised_warmup(
             loss.backward()
             _clip(params, cfg.rl.grad_clip or math.inf, sharded)
             opt.step()
+            losses.append(loss.detach())
             if bar is not None:
                 bar.set_postfix({"loss": f"{loss.item():.3g}"}, refresh=False)  # sync-ok: progress display
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+    return torch.stack(losses) if losses else torch.zeros(0)
 
 
 # --- the prompt loader and the DPO pairs ------------------------------------------------------
@@ -970,6 +979,8 @@ def train(
     try:
         prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
         task = make_prompt_source(cfg, task_options(cfg), world_size=world.dp_size)
+        if cfg.rl.multi_turn is not None:  # tools, environment and stop tokens: refused before the warm-up
+            check_multi_turn(cfg, task)
         if task.dataset is not None and world.rank == 0:
             print(task.summary(), flush=True)
         run = _train(
