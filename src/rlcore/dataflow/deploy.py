@@ -18,15 +18,10 @@ MindSpeed-RL (Feng et al., 2025, arXiv:2507.19017) runs the same stage graph eit
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import multiprocessing as std_mp
 import multiprocessing.connection
-import os
 import queue
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -35,6 +30,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from rlcore._lifetime import die_with_parent
 from rlcore.dataflow.scheduler import add_note
 from rlcore.dataflow.stages import Stage, stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
@@ -58,33 +54,6 @@ def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequenc
     return [s if s.resource in keep else dataclasses.replace(s, resource=resource) for s in stages]
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(deathsig: bool) -> None:
-    """Exit when the trainer that started this worker dies, even by ``kill -9`` (nothing else would end it).
-
-    The worker waits on its job queue, whose write end it holds itself, so it never sees the
-    trainer go. On Linux the kernel sends it ``SIGKILL`` when the starting thread exits
-    (``deathsig``: only when that thread was the main one, which lives as long as the
-    trainer); everywhere a thread watches the parent's sentinel, a pipe that reads EOF
-    when the parent is gone (also the race where it died before ``prctl``).
-    """
-    if deathsig and sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    parent = std_mp.parent_process()
-    if parent is None:
-        return
-    sentinel = parent.sentinel
-
-    def watch() -> None:
-        multiprocessing.connection.wait([sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="rlcore-rollout-parent-watch").start()
-
-
 def _worker_main(
     factory: Callable[..., Any],
     args: tuple,
@@ -95,7 +64,7 @@ def _worker_main(
     deathsig: bool = False,
 ) -> None:
     """The rollout process: build the generate function, then serve jobs with the requested weights version."""
-    _die_with_parent(deathsig)
+    die_with_parent("rlcore-rollout-parent-watch", deathsig=deathsig)
     torch.set_num_threads(threads)
     try:
         fn = factory(*args)

@@ -5,15 +5,12 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import ctypes
 import json
 import math
 import multiprocessing
 import multiprocessing.connection
-import os
 import pickle
 import signal
-import sys
 import threading
 import time
 import weakref
@@ -23,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rlcore._lifetime import die_with_parent
 from rlcore.rewards._answers import reference_answers
 from rlcore.rewards.compose import Weighted
 from rlcore.rewards.protocol import RewardError, evaluate, reward_name
@@ -30,30 +28,8 @@ from rlcore.rewards.registry import reward_metrics
 
 __all__ = ["RewardPool"]
 
-_PR_SET_PDEATHSIG = 1
 # Seconds a stopped worker gets to exit on SIGTERM before it is killed.
 _GRACE = 1.0
-
-
-def _die_with_parent() -> None:
-    """Exit when the process that started this worker dies, even by ``kill -9``, whatever the reward is doing."""
-    if sys.platform.startswith("linux"):
-        # The kernel kills this worker when the thread that started it exits (the pool's
-        # dispatcher thread, which lives as long as the pool), even while the reward holds
-        # the GIL in C code, where no Python thread could run.
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-    sentinel = parent.sentinel
-
-    def watch() -> None:
-        # Portable fallback (and the race where the parent died before prctl above).
-        multiprocessing.connection.wait([sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="rlcore-reward-parent-watch").start()
 
 
 def _sendable(err: BaseException, where: str) -> BaseException:
@@ -68,7 +44,8 @@ def _sendable(err: BaseException, where: str) -> BaseException:
 def _worker(conn: multiprocessing.connection.Connection, payload: bytes, name: str) -> None:
     # Ctrl-C reaches the whole process group; the pool stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    # The kernel signal is tied to the pool dispatcher thread that starts this worker, which lives as long as the pool.
+    die_with_parent("rlcore-reward-parent-watch")
     try:
         reward = pickle.loads(payload)
     except Exception as err:
@@ -188,7 +165,7 @@ class _Dispatcher:
     """Owns the worker processes: hands out jobs, enforces the timeout, replaces dead workers, stops them all on close.
 
     One thread runs the loop; it starts every worker, so on Linux the workers' death
-    signal is tied to it (see ``_die_with_parent``).
+    signal is tied to it (see ``rlcore._lifetime.die_with_parent``).
     """
 
     def __init__(self, payload: bytes, name: str, num_workers: int, timeout: float | None, counters: _Counters):
