@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlcore.train import CHECKPOINT_NAME, CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tiny_runs import SMALLEST_STEP, TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -436,15 +437,8 @@ def test_reprobe30_a_second_process_saving_into_the_same_folder_is_refused(tmp_p
 
 
 TINY = [
-    "model.model_name_or_path.hidden_size=32",
-    "model.model_name_or_path.intermediate_size=64",
-    "model.model_name_or_path.num_hidden_layers=1",
-    "rl.batch_size=2",
-    "rl.mini_batch_size=2",
-    "rl.num_rollouts=2",
-    "trainer.warmup_steps=1",
-    "trainer.warmup_batch_size=4",
-    "trainer.threads=1",
+    *TINY_MODEL,
+    *SMALLEST_STEP,
     "trainer.reward_workers=0",
     "trainer.progress=false",
     "trainer.plot=false",

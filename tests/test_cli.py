@@ -14,20 +14,14 @@ import torch
 import reward_helpers
 from rlcore.train import read_metrics, trainer
 from rlcore.train.cli import main
+from tiny_runs import SMALLEST_STEP, TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = str(Path(__file__).resolve().parent)
 CONFIG = str(ROOT / "configs" / "grpo_tiny.yaml")
 TINY = [
-    "model.model_name_or_path.hidden_size=32",
-    "model.model_name_or_path.intermediate_size=64",
-    "model.model_name_or_path.num_hidden_layers=1",
-    "rl.batch_size=2",
-    "rl.mini_batch_size=2",
-    "rl.num_rollouts=2",
-    "trainer.warmup_steps=1",
-    "trainer.warmup_batch_size=4",
-    "trainer.threads=1",
+    *TINY_MODEL,
+    *SMALLEST_STEP,
     "deploy.async_infer=false",
     "trainer.reward_workers=0",
 ]

@@ -12,6 +12,7 @@ from rlcore.dataflow import RolloutWorker, StageGraph, StageTimeout, colocate, r
 from rlcore.dataflow.layout import decoder_layout
 from rlcore.dataflow.reshard import plan_reshard
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
+from tiny_runs import SMALLEST_STEP, TINY_MODEL
 
 # --------------------------------------------------------------------------- co-located
 
@@ -323,14 +324,8 @@ def test_reprobe30_kill_9_of_a_disaggregated_trainer_leaves_no_process(tmp_path)
 
     out = tmp_path / "run"
     overrides = [
-        "model.model_name_or_path.hidden_size=32",
-        "model.model_name_or_path.num_hidden_layers=1",
-        "rl.batch_size=2",
-        "rl.mini_batch_size=2",
-        "rl.num_rollouts=2",
-        "trainer.warmup_steps=1",
-        "trainer.warmup_batch_size=4",
-        "trainer.threads=1",
+        *TINY_MODEL,
+        *SMALLEST_STEP,
         "trainer.progress=false",
         "trainer.plot=false",
         "trainer.steps=100000",

@@ -20,6 +20,15 @@ QUIET = [
     "deploy.async_infer=false",
 ]
 TINY = [*TINY_MODEL, *TINY_BATCH, *TINY_ROLLOUT, *QUIET]
+# The smallest step of the main job that still runs every stage: 2 prompts x 2 samples, one warm-up step, one thread.
+SMALLEST_STEP = [
+    "rl.batch_size=2",
+    "rl.mini_batch_size=2",
+    "rl.num_rollouts=2",
+    "trainer.warmup_steps=1",
+    "trainer.warmup_batch_size=4",
+    "trainer.threads=1",
+]
 
 
 def record_losses(records: list[dict]) -> torch.Tensor:
