@@ -539,3 +539,16 @@ def test_reprobe30_deeply_nested_tool_call_json_is_a_malformed_call():
     assert parsed.calls == [] and "is not valid JSON" in parsed.errors[0]
     args = json.dumps({"name": "f", "arguments": body})
     assert HermesParser()(f"<tool_call>{args}</tool_call>").errors[0].startswith("malformed tool call: arguments")
+
+
+def test_reprobe30_two_tools_of_one_name_are_refused_when_built():
+    """Before: accepted, then every trajectory's environment factory raised and the run went on at reward 0."""
+    cfg = parse_multi_turn({"tools": ["rlcore.agent.calc:calculator", "rlcore.agent.calc:calculator"]})
+    with pytest.raises(ValueError, match=r"rl\.multi_turn\.tools\[1\]: .*named 'calculator', as is .*tools\[0\]"):
+        build_env_factory(cfg)
+
+
+def test_reprobe30_a_tool_without_a_signature_is_named():
+    """Before: 'no signature found for builtin type', naming neither the key nor the reference."""
+    with pytest.raises(ValueError, match=r"rl\.multi_turn\.tools\[0\]: 'builtins:dict' cannot be made a tool"):
+        build_env_factory(parse_multi_turn({"tools": ["builtins:dict"]}))

@@ -287,3 +287,15 @@ def _bounded_train(cfg, seconds=120):
     assert not t.is_alive(), f"train still running after {seconds} s"
     if "err" in box:
         raise box["err"]
+
+
+def test_reprobe30_no_greedy_evaluation_draws_no_evaluation_prompts():
+    """Before: eval_size prompts were drawn even with eval_every 0; eval_size 1e8 stalled the setup for minutes."""
+    cfg = load_config(CONFIG, [*TINY, "rl.multi_turn.eval_every=0", "rl.multi_turn.eval_size=100000000"])
+    task = make_task("multiplication", digits=2)
+    drawn = []
+    task.sample = lambda n, generator=None: drawn.append(n) or []  # never draws 1e8 prompts, even before the fix
+    torch.manual_seed(0)
+    model = build_model(cfg, task.tokenizer.vocab_size).eval()
+    multi_turn_rollout_stage(cfg, model, task)
+    assert drawn == []

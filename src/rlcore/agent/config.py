@@ -127,16 +127,24 @@ def build_tools(cfg: MultiTurnConfig, *, base_dir: str | os.PathLike | None = No
     >>> [t.name for t in build_tools(MultiTurnConfig(tools=("rlcore.agent.calc:calculator",)))]
     ['calculator']
     """
-    tools = []
+    tools: list[Tool] = []
     for i, ref in enumerate(cfg.tools):
-        obj = load_reference(ref, what=f"rl.multi_turn.tools[{i}]", base_dir=base_dir)
+        where = f"rl.multi_turn.tools[{i}]"
+        obj = load_reference(ref, what=where, base_dir=base_dir)
         if isinstance(obj, Tool):
             tools.append(obj)
         elif callable(obj):
-            tools.append(tool(obj))
+            try:
+                tools.append(tool(obj))
+            except (TypeError, ValueError) as err:  # a builtin without a signature, or a name it cannot take
+                raise ValueError(f"{where}: {ref!r} cannot be made a tool ({type(err).__name__}: {err})") from None
         else:
+            raise ValueError(f"{where}: {ref!r} is a {type(obj).__name__}, expected a Tool or a function")
+        earlier = [t.name for t in tools[:-1]]
+        if tools[-1].name in earlier:
             raise ValueError(
-                f"rl.multi_turn.tools[{i}]: {ref!r} is a {type(obj).__name__}, expected a Tool or a function"
+                f"{where}: {ref!r} is a tool named {tools[-1].name!r}, as is rl.multi_turn.tools[{earlier.index(tools[-1].name)}]; "
+                "expected distinct tool names (the policy calls a tool by its name)"
             )
     return tools
 

@@ -112,7 +112,9 @@ def multi_turn_rollout_stage(
     make_env = build_env_factory(mt, reward=task.reward)
     lock = threading.Lock()
     pending: dict[int, dict[str, torch.Tensor]] = {}
-    eval_samples = task.sample(mt.eval_size, torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + _EVAL_SEED))
+    # The fixed greedy-evaluation prompts, drawn only when there is an evaluation (eval_size may be large).
+    eval_seed = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + _EVAL_SEED)
+    eval_samples = task.sample(mt.eval_size, eval_seed) if mt.eval_every else []
 
     def to_sample(b: Batch, row: int) -> dict[str, str]:
         prompt = b["prompts"][row][b["prompts_mask"][row] != 0]
