@@ -9,6 +9,7 @@ import time
 from concurrent.futures import CancelledError
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,6 +23,7 @@ from rlcore.rewards import (
     RewardError,
     RewardPool,
     Weighted,
+    build_reward,
     evaluate,
     extract_answer,
 )
@@ -492,3 +494,48 @@ def test_reprobe30_list_answers_are_refused_by_answer_match():
 def test_reprobe30_rule_reward_arguments_at_their_edges_are_refused_naming_them(build, key):
     with pytest.raises(ValueError, match=rf"^{key}: got "):
         build()
+
+
+def test_reprobe30_a_weight_beyond_float32_is_refused():
+    """Before: 1e39 is a finite float, but inf in the float32 scores: 0 scores became nan, named only at step 0."""
+    with pytest.raises(ValueError, match=r"rewards\[0\]: got weight 1e\+39, expected a finite number \(in float32"):
+        Weighted([(1e39, count_a)])
+    with pytest.raises(ValueError, match=r"rewards\[0\]\.weight: got 1e\+39, expected a finite number"):
+        build_reward([{"reward": "length", "weight": 1e39}])
+
+
+def test_reprobe30_a_weighted_sum_past_float32_is_a_named_reward_error():
+    """Each weight fits float32, their sum does not: before, the total was inf, silently."""
+    reward = Weighted([(3e38, count_a), (3e38, count_a)])
+    with pytest.raises(RewardError, match=r"reward 'weighted' on batch 7: the weighted sum .* is inf at index 0"):
+        reward(["q", "q"], ["a", "b"], batch=7)
+
+
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda: bytearray(b"\x01\x02"), r"got bytearray, expected a tensor \[2\]"),
+        (lambda: memoryview(b"\x01\x02"), r"got memoryview of shape \(2,\), expected a tensor \[2\]"),
+        (lambda: np.ma.masked_array([1.0, 2.0], [True, False]), r"got a masked array with masked scores"),
+    ],
+)
+def test_reprobe30_bytes_and_masked_scores_are_refused(make, pattern):
+    """Before: the bytes were read as scores 1 and 2, and a masked score as the data under its mask."""
+    with pytest.raises(RewardError, match=pattern):
+        evaluate(lambda prompts, responses, **_: make(), ["q", "q"], ["a", "b"])
+
+
+def test_reprobe30_sparse_and_unmasked_scores_are_read():
+    """Before: a sparse tensor of scores raised a raw NotImplementedError from the finiteness check."""
+    sparse = torch.tensor([0.0, 2.0]).to_sparse()
+    assert evaluate(lambda p, r, **_: sparse, ["q", "q"], ["a", "b"]).tolist() == [0.0, 2.0]
+    unmasked = np.ma.masked_array([1.0, 2.0], [False, False])
+    assert evaluate(lambda p, r, **_: unmasked, ["q", "q"], ["a", "b"]).tolist() == [1.0, 2.0]
+
+
+def test_reprobe30_a_reward_raising_generator_exit_is_a_named_reward_error():
+    def closes(prompts, responses, **_):
+        raise GeneratorExit("closed")
+
+    with pytest.raises(RewardError, match=r"reward 'closes' of 2 responses raised GeneratorExit: closed"):
+        evaluate(closes, ["q", "q"], ["a", "b"])

@@ -27,6 +27,7 @@ __all__ = [
     "check_shape",
     "check_tensor",
     "finite_number",
+    "finite_weight",
     "host_readable",
     "value_bounds",
 ]
@@ -104,6 +105,16 @@ def finite_number(value: float) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def finite_weight(value: Any) -> bool:
+    """``value`` is a real number (not a bool) finite in float32: a larger weight makes float32 scores inf (0 nan)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and finite_number(value)
+        and abs(value) <= torch.finfo(torch.float32).max
+    )
 
 
 def check_count(name: str, count: Any) -> None:

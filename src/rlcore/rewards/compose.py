@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from rlcore._checks import finite_number
-from rlcore.rewards.protocol import evaluate, reward_name
+from rlcore._checks import finite_weight
+from rlcore.rewards.protocol import RewardError, evaluate, reward_name
 
 __all__ = ["Weighted"]
 
@@ -40,8 +40,10 @@ class Weighted:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"rewards[{i}]: got {pair!r}, expected a (weight, reward) pair")
             weight = pair[0]
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not finite_number(weight):
-                raise ValueError(f"rewards[{i}]: got weight {weight!r}, expected a finite number")
+            if not finite_weight(weight):
+                raise ValueError(
+                    f"rewards[{i}]: got weight {weight!r}, expected a finite number (in float32, the scores' dtype)"
+                )
         self.rewards = list(rewards)
 
     def names(self) -> list[str]:
@@ -69,6 +71,12 @@ class Weighted:
         total = torch.zeros(len(responses), dtype=torch.float32)
         for (weight, _), scores in zip(self.rewards, parts.values()):
             total += weight * scores
+        if not torch.isfinite(total).all():
+            index = int(torch.nonzero(~torch.isfinite(total))[0])
+            raise RewardError(
+                f"reward {self.name!r} on batch {batch!r}: the weighted sum of {self.names()} is {total[index]} "
+                f"at index {index} (weights {[w for w, _ in self.rewards]}), expected a finite float32 score"
+            )
         return total, parts
 
     def __call__(

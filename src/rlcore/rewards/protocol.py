@@ -119,13 +119,25 @@ def _as_scores(out: Any, n: int, where: str) -> torch.Tensor:
     return scores
 
 
+def _any_masked(out: Any) -> bool:
+    """Whether a numpy masked array hides some of its values (its data there is no score)."""
+    mask = getattr(out, "mask", None)
+    return mask is not None and hasattr(mask, "any") and bool(mask.any())
+
+
 def _read_scores(out: Any, n: int, where: str) -> torch.Tensor:
     kind = _kind(out)
     if kind == "c":
         raise _complex(where, f"scores ({_type_name(out)})")
     if isinstance(out, torch.Tensor):
         scores = out.detach().to("cpu", torch.float32)
+        if scores.layout != torch.strided:  # a sparse tensor: its zeros are scores too
+            scores = scores.to_dense()
+    elif isinstance(out, (bytearray, memoryview)):  # bytes of any kind are not scores
+        raise RewardError(f"{where}: got {_type_name(out)}, expected a tensor [{n}] or a list of {n} numbers")
     elif kind is not None and hasattr(out, "astype"):  # a numpy array of numbers or booleans
+        if _any_masked(out):
+            raise RewardError(f"{where}: got a masked array with masked scores, expected a score for every response")
         scores = torch.as_tensor(out.astype("float64")).float()
     else:
         if hasattr(out, "tolist") and hasattr(out, "dtype"):  # a numpy array of objects
@@ -173,6 +185,6 @@ def evaluate(
     fn = reward.forward if callable(getattr(reward, "forward", None)) else reward
     try:
         out = fn(list(prompts), list(responses), **columns)
-    except (Exception, SystemExit) as err:  # a reward's exit() is its failure, not the run's exit status
+    except (Exception, SystemExit, GeneratorExit) as err:  # a reward's exit() is its failure, not the run's exit
         raise RewardError(f"{where} of {len(responses)} responses raised {type(err).__name__}: {err}") from err
     return _as_scores(out, len(responses), where)

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rlcore._checks import finite_number
+from rlcore._checks import finite_weight
 from rlcore.references import load_reference
 from rlcore.rewards.compose import Weighted
 from rlcore.rewards.protocol import RewardError
@@ -214,9 +214,9 @@ def _entries(spec: Any, what: str) -> list[dict[str, Any]]:
         if not isinstance(entry["reward"], str):
             raise ValueError(f"{where}.reward: got {entry['reward']!r}, expected a name or a reference string")
         weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not finite_number(weight):
+        if not finite_weight(weight):
             shown = repr(weight) if len(repr(weight)) <= 40 else f"{repr(weight)[:20]}... ({len(repr(weight))} digits)"
-            raise ValueError(f"{where}.weight: got {shown}, expected a finite number")
+            raise ValueError(f"{where}.weight: got {shown}, expected a finite number (at most 3.4e38, float32's range)")
         name = entry.get("name")
         if name is not None and (
             isinstance(name, bool) or not isinstance(name, (str, int)) or (isinstance(name, str) and not name.strip())
