@@ -2,6 +2,7 @@
 
 import time
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -664,3 +665,33 @@ def test_reprobe30_an_environment_factory_that_raises_ends_only_its_trajectory()
     with pytest.warns(RuntimeWarning, match="the environment factory raised RuntimeError: no sandbox left"):
         out = _bounded(60, lambda: s.fn({"prompts": ids, "prompts_mask": mask}))[0]
     assert out["num_env_errors"].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (Returns(StepResult([5], 0.5, "no", {})), r"Returns\.step: ValueError: done: got 'no', expected a bool"),
+        (Returns(StepResult([5], 0.5, None, {})), "done: got None, expected a bool"),
+        (
+            Returns(StepResult([5], 0.0, False, {"tool_calls": 10**30})),
+            r"info\['tool_calls'\]: got 10+, expected an int",
+        ),
+        (Returns(StepResult([5], 0.0, False, {"tool_calls": 1, "tool_errors": 5})), r"at most info\['tool_calls'\]"),
+        (Returns(StepResult([5], 1e300, True, {})), r"reward: got 1e\+300, expected a finite number \(in float32\)"),
+        (Returns(StepResult([5], 3e38, False, {}), reset=""), "past float32's range"),
+    ],
+)
+def test_reprobe30_more_lies_end_only_their_own_trajectory(model, bad, message):
+    """Before: a done of "no" ended the episode and None continued it; 1e30 tool calls crashed the whole batch with
+    'Overflow when unpacking long long'; more errors than calls gave error rates above 1; a reward of 1e300 (or
+    a sum of rewards) became an inf score in float32."""
+    with pytest.warns(RuntimeWarning, match=message):
+        out, _ = _bounded(60, lambda: _rollout(model, [bad, OneShot()]))
+    assert out["num_env_errors"].tolist() == [1, 0]
+    assert torch.isfinite(out["scores"]).all() and out["scores"][1] == 0.5
+
+
+@pytest.mark.parametrize("done", [True, 1, np.bool_(True), torch.tensor(True)])
+def test_reprobe30_a_done_of_any_bool_kind_ends_the_episode(model, done):
+    out, _ = _bounded(60, lambda: _rollout(model, [Returns(StepResult([5], 0.25, done, {}))]))
+    assert out["num_env_errors"].tolist() == [0] and out["num_turns"].tolist() == [1] and out["scores"][0] == 0.25

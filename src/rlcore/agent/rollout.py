@@ -79,6 +79,9 @@ def _is_int(x: Any) -> bool:
 
 
 _CHARS_PER_TOKEN = 32
+# The counts of a step's info are summed into int64 tensors; rewards into float32 ones.
+_MAX_COUNT = 2**40
+_MAX_REWARD = float(torch.finfo(torch.float32).max)
 
 
 def _observation_ids(
@@ -141,13 +144,26 @@ def _info_counts(info: Any) -> tuple[int, int, float]:
     counts = []
     for key in ("tool_calls", "tool_errors"):
         value = info.get(key, 0)
-        if not _is_int(value) or value < 0:
-            raise ValueError(f"info[{key!r}]: got {value!r}, expected an int >= 0")
+        if not _is_int(value) or not 0 <= value <= _MAX_COUNT:
+            raise ValueError(f"info[{key!r}]: got {value!r}, expected an int in [0, {_MAX_COUNT}]")
         counts.append(int(value))
+    if counts[1] > counts[0]:
+        raise ValueError(f"info['tool_errors']: got {counts[1]}, expected at most info['tool_calls'] ({counts[0]})")
     latency = info.get("tool_latency", 0.0)
     if not isinstance(latency, numbers.Real) or isinstance(latency, bool) or not 0 <= float(latency) < math.inf:
         raise ValueError(f"info['tool_latency']: got {latency!r}, expected a number of seconds >= 0")
     return counts[0], counts[1], float(latency)
+
+
+def _as_done(done: Any) -> bool:
+    """A step's ``done``: a bool (Python's, numpy's, a one-element bool tensor, or the int 0 / 1); ValueError else."""
+    if isinstance(done, torch.Tensor) and done.numel() == 1 and done.dtype == torch.bool:
+        return bool(done.item())
+    if getattr(getattr(done, "dtype", None), "kind", None) == "b" and getattr(done, "shape", None) == ():
+        return bool(done)  # numpy.bool_
+    if isinstance(done, bool) or (_is_int(done) and done in (0, 1)):
+        return bool(done)
+    raise ValueError(f"done: got {done!r}, expected a bool")
 
 
 def _model_limits(model: Any) -> tuple[int | None, int | None]:
@@ -348,9 +364,14 @@ def multi_turn_rollout(
                     if not isinstance(reward, numbers.Real):
                         raise ValueError(f"reward: got {reward!r}, expected a real number")
                     reward = float(reward)
-                    if not math.isfinite(reward):
-                        raise ValueError(f"reward: got {reward}, expected a finite number")
-                    done = bool(done)
+                    if not math.isfinite(reward) or abs(reward) > _MAX_REWARD:
+                        raise ValueError(f"reward: got {reward}, expected a finite number (in float32)")
+                    if abs(traj.score + reward) > _MAX_REWARD:
+                        raise ValueError(
+                            f"reward: got {reward}, which makes the trajectory's score {traj.score + reward}, "
+                            "past float32's range"
+                        )
+                    done = _as_done(done)
                     calls, errors, latency = _info_counts(info)
                     # An observation is appended only if a policy turn can follow it.
                     last = done or turn + 1 == max_turns
