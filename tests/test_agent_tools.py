@@ -552,3 +552,33 @@ def test_reprobe30_a_tool_without_a_signature_is_named():
     """Before: 'no signature found for builtin type', naming neither the key nor the reference."""
     with pytest.raises(ValueError, match=r"rl\.multi_turn\.tools\[0\]: 'builtins:dict' cannot be made a tool"):
         build_env_factory(parse_multi_turn({"tools": ["builtins:dict"]}))
+
+
+class _HostileText(str):
+    def __format__(self, spec):
+        raise RuntimeError("no formatting")
+
+
+def test_reprobe30_a_str_subclass_result_is_plain_text():
+    """Before: ToolEnv.step raised the subclass's __format__ error, though a ToolEnv documents that nothing raises."""
+    from rlcore.agent import call_tool
+
+    out = asyncio.run(call_tool(Tool("t", lambda: _HostileText("42")), {}))
+    assert type(out) is str and out == "42"
+    env = ToolEnv([Tool("t", lambda: _HostileText("42"))])
+    obs, _, done, info = asyncio.run(env.step('<tool_call>{"name": "t", "arguments": {}}</tool_call>'))
+    assert obs == "<tool_response>\n42\n</tool_response>" and not done and info["tool_errors"] == 0
+
+
+def test_reprobe30_a_generator_function_is_not_a_tool():
+    """Before: an async generator tool was accepted and its observation was '<async_generator object ...>'."""
+
+    async def numbers():
+        yield 1
+
+    def more():
+        yield 2
+
+    for fn in (numbers, more):
+        with pytest.raises(ValueError, match=r"fn: got the generator function '(numbers|more)'"):
+            Tool("t", fn)

@@ -51,6 +51,11 @@ class Tool:
             raise ValueError(f"name: got {self.name!r}, expected a non-empty str")
         if not callable(self.fn):
             raise ValueError(f"fn: got {type(self.fn).__name__}, expected a callable")
+        if inspect.isasyncgenfunction(self.fn) or inspect.isgeneratorfunction(self.fn):
+            raise ValueError(
+                f"fn: got the generator function {getattr(self.fn, '__name__', self.fn)!r} (its observation would be "
+                "the generator's repr), expected a function or a coroutine function returning the result"
+            )
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout: got {self.timeout!r}, expected a number > 0 or None")
 
@@ -148,6 +153,7 @@ async def call_tool(t: Tool, arguments: Mapping[str, Any], *, timeout: float | N
     if not ok:
         raise ToolError(f"tool {t.name!r} raised {type(result).__name__}: {result}") from result
     try:
-        return result if isinstance(result, str) else str(result)
+        # An exact str: a subclass's own __format__ would run, and could raise, in the environment's formatting.
+        return str.__str__(result) if isinstance(result, str) else str.__str__(str(result))
     except Exception as err:  # a result whose __str__ raises
         raise ToolError(f"tool {t.name!r} returned a {type(result).__name__} whose str() raised {err!r}") from err
