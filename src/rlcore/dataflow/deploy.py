@@ -69,9 +69,9 @@ def _worker_main(
     try:
         fn = factory(*args)
     except BaseException as err:  # reported to the trainer, which raises it
-        results.put(("error", _picklable(err)))
+        _send(results, "error", _picklable(err))
         return
-    results.put(("ready", None))
+    _send(results, "ready", None)
     version, params = -1, None
     while True:
         job = jobs.get()
@@ -82,9 +82,28 @@ def _worker_main(
             while version < want:  # weights of `want` were published before the scheduler could stamp it
                 packet = weights.get()
                 version, params = packet.version, unpack_weights(packet)
-            results.put(("ok", fn(batch, params)))
+            out = fn(batch, params)
         except BaseException as err:
-            results.put(("error", _picklable(err)))
+            _send(results, "error", _picklable(err))
+        else:
+            _send(results, "ok", out)
+
+
+def _send(results: Any, status: str, value: Any) -> None:
+    """Put ``(status, value)`` on ``results`` pickled here, so a value that cannot be pickled becomes an error.
+
+    A queue pickles in its feeder thread, which prints such an error and drops the item:
+    the trainer would wait for the result for ever.
+    """
+    try:
+        payload = std_mp.reduction.ForkingPickler.dumps((status, value))
+    except Exception as err:
+        problem = RuntimeError(
+            f"the rollout worker's {'result' if status == 'ok' else status} could not be sent to the trainer: "
+            f"{type(err).__name__}: {err} (expected picklable columns, e.g. tensors)"
+        )
+        payload = std_mp.reduction.ForkingPickler.dumps(("error", problem))
+    results.put(bytes(payload))
 
 
 def _picklable(err: BaseException) -> BaseException:
@@ -169,7 +188,8 @@ class RolloutWorker(ProxyRollout):
     an update without waiting for the worker (shared-memory copies through a queue).
 
     The worker is a daemon process: :meth:`close` (or leaving the ``with`` block) stops
-    it, terminating it if it does not exit within ``join_timeout``. It also exits by
+    it, terminating it if it does not exit within ``join_timeout`` (and killing it if it
+    still does not). It also exits by
     itself when the process that started it dies, even by ``kill -9`` (it watches its
     parent; on Linux the kernel also kills it, when it was started from the main thread).
 
@@ -241,7 +261,7 @@ class RolloutWorker(ProxyRollout):
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                status, value = self._results.get(timeout=0.1)
+                raw = self._results.get(timeout=0.1)
             except queue.Empty:
                 if not self.process.is_alive():
                     raise RuntimeError(
@@ -250,6 +270,7 @@ class RolloutWorker(ProxyRollout):
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
                 continue
+            status, value = std_mp.reduction.ForkingPickler.loads(raw)
             if status == "error":
                 raise add_note(value, f"raised in the rollout worker process of stage {name!r}")
             if status == "ready":
@@ -272,6 +293,9 @@ class RolloutWorker(ProxyRollout):
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(self.join_timeout)
+        if self.process.is_alive():  # it ignores SIGTERM (or is stuck in C code): no process is left behind
+            self.process.kill()
+            self.process.join()
         for q in (self._jobs, self._weights, self._results):
             q.cancel_join_thread()
             q.close()
