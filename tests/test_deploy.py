@@ -409,3 +409,34 @@ def test_reprobe30_an_unpicklable_rollout_result_raises_instead_of_hanging():
         assert not thread.is_alive(), "the call is still waiting for a result that was dropped"
         assert isinstance(done[0], RuntimeError)
         assert "could not be sent to the trainer" in str(done[0]) and "pickle" in str(done[0])
+
+
+def make_sys_exit():
+    raise SystemExit(4)
+
+
+def make_nothing():
+    return None
+
+
+def test_reprobe30_worker_exits_and_misuse_raise_named_errors():
+    # A factory's SystemExit came back to the caller as a bare SystemExit (ending a trainer silently), a
+    # factory returning no function failed later with "'NoneType' object is not callable", and a closed
+    # worker answered "Queue <object at 0x...> is closed".
+    with RolloutWorker(make_sys_exit, join_timeout=2.0) as worker, pytest.raises(RuntimeError, match="SystemExit: 4"):
+        worker.wait_ready(timeout=120)
+    with (
+        RolloutWorker(make_nothing, join_timeout=2.0) as worker,
+        pytest.raises(ValueError, match="factory: returned NoneType, expected a generate"),
+    ):
+        worker.wait_ready(timeout=120)
+    worker = RolloutWorker(make_generate, args=("ok",), join_timeout=2.0)
+    worker.close()
+    worker.close()  # twice: nothing
+    for call in (
+        lambda: worker.publish(0, {"w": torch.zeros(1)}),
+        lambda: worker._call("rollout", {"policy_version": torch.tensor([0])}),
+    ):
+        with pytest.raises(RuntimeError, match="rollout worker: already closed"):
+            call()
+    assert not worker.process.is_alive()

@@ -68,6 +68,8 @@ def _worker_main(
     torch.set_num_threads(threads)
     try:
         fn = factory(*args)
+        if not callable(fn):
+            raise ValueError(f"factory: returned {type(fn).__name__}, expected a generate(batch, params) function")
     except BaseException as err:  # reported to the trainer, which raises it
         _send(results, "error", _picklable(err))
         return
@@ -107,6 +109,13 @@ def _send(results: Any, status: str, value: Any) -> None:
 
 
 def _picklable(err: BaseException) -> BaseException:
+    """``err`` when it pickles and is an ``Exception``, else a ``RuntimeError`` naming it.
+
+    A worker's ``SystemExit`` or ``KeyboardInterrupt`` raised again in the trainer would
+    end it silently or read as the user's Ctrl-C.
+    """
+    if not isinstance(err, Exception):
+        return RuntimeError(f"{type(err).__name__}: {err} (raised in the rollout worker)")
     try:
         std_mp.reduction.ForkingPickler.dumps(err)
         return err
@@ -225,6 +234,7 @@ class RolloutWorker(ProxyRollout):
         self.process.start()
         self.published = -1
         self._ready = False
+        self._closed = False
 
     def publish(self, version: int, weights: WeightPacket | Mapping[str, torch.Tensor]) -> None:
         """Send weights ``version`` to the worker; returns at once.
@@ -236,6 +246,7 @@ class RolloutWorker(ProxyRollout):
         go 0, 1, 2, ... with none skipped, so the worker can stop at exactly the version a
         row is stamped with.
         """
+        self._check_open()
         if version != self.published + 1:
             raise ValueError(
                 f"version: got {version}, expected {self.published + 1} (the next version after {self.published})"
@@ -246,7 +257,12 @@ class RolloutWorker(ProxyRollout):
         self._weights.put(weights._replace(version=version, buffers=buffers))
         self.published = version
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("rollout worker: already closed, expected a running worker (make a new RolloutWorker)")
+
     def _call(self, name: str, batch: dict[str, torch.Tensor]) -> Mapping[str, Any]:
+        self._check_open()
         versions = batch["policy_version"]
         want = int(versions.max())
         if want > self.published:
@@ -283,10 +299,14 @@ class RolloutWorker(ProxyRollout):
     def wait_ready(self, timeout: float = 120.0, *, name: str = "rollout") -> None:
         """Block until the worker has built its generate function (to keep start-up out of a timing)."""
         if not self._ready:
+            self._check_open()
             self._receive(name, timeout)
 
     def close(self) -> None:
-        """Stop the worker process (terminate it if it does not exit in time)."""
+        """Stop the worker process (terminate it if it does not exit in time). Closing twice does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.process.is_alive():
             self._jobs.put(None)
             self.process.join(self.join_timeout)
