@@ -462,3 +462,56 @@ def test_reprobe30_plan_refuses_boundaries_that_are_not_ints(bad):
     # 4.5 was truncated to 4 silently.
     with pytest.raises(ValueError, match=r"cu_seqlens: got .* among the boundaries, expected ints"):
         plan_sequence_shards([0, 2, bad], world=2, rank=0)
+
+
+def _disagree_metrics(rank, tmp):  # type: ignore[no-untyped-def]
+    """Each case must raise a named ValueError on every rank, well within the short process-group timeout."""
+    from dist_helpers import leave
+    from rlcore.algos import reduce_metrics
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=15)
+    )
+    one = torch.tensor(1.0 + rank)
+    cases = {
+        "extra": ({"a": one, "b": one} if rank else {"a": one}, 1, None),
+        "empty": ({"a": one} if rank == 0 else {}, 1, None),
+        "renamed": ({"a" if rank == 0 else "b": one}, 1, None),
+        "reduction": ({"a": one}, 1, {"a": "max"} if rank else None),
+        "weight": ({"a": one}, 2 if rank == 0 else -1, None),
+        "shape": ({"a": one if rank == 0 else torch.ones(3)}, 1, None),
+    }
+    got = {}
+    for name, (metrics, weight, reductions) in cases.items():
+        t0 = datetime.datetime.now()
+        try:
+            got[name] = repr(reduce_metrics(metrics, weight, process_groups=[dist.group.WORLD], reductions=reductions))
+        except Exception as err:
+            got[name] = f"{type(err).__name__}: {err}"
+        got[name + "_s"] = (datetime.datetime.now() - t0).total_seconds()
+    # The group still works after every refusal, and agreeing ranks get the weighted mean.
+    got["after"] = float(reduce_metrics({"a": one}, 1 + rank, process_groups=[dist.group.WORLD])["a"])
+    with open(os.path.join(tmp, f"metrics_{rank}.json"), "w") as f:
+        json.dump(got, f)
+    leave()
+
+
+def test_reprobe30_reduce_metrics_ranks_with_other_names_or_bad_inputs_raise_on_every_rank(tmp_path):
+    # Different names aborted inside gloo on one rank and mixed unrelated metrics on the other; a rank
+    # without metrics, or whose own check failed, returned or raised alone and left its peer waiting.
+    from dist_helpers import spawn
+
+    spawn(_disagree_metrics, (str(tmp_path),), 2, timeout=120)
+    got = [json.loads((tmp_path / f"metrics_{r}.json").read_text()) for r in range(2)]
+    for rank, res in enumerate(got):
+        for case in ("extra", "empty", "renamed", "reduction"):
+            assert res[case].startswith("ValueError: metrics: got names and reductions"), (rank, case, res[case])
+            assert "another rank holds others" in res[case]
+        for case in ("extra", "empty", "renamed", "reduction", "weight", "shape"):
+            assert res[case + "_s"] < 10, (rank, case, res[case + "_s"])  # not the 15 s process-group timeout
+        assert res["after"] == pytest.approx((1 * 1 + 2 * 2) / 3)
+    assert got[1]["weight"].startswith("ValueError: weight: got -1"), got[1]["weight"]
+    assert got[0]["weight"].startswith("ValueError: metrics: another rank rejected its metrics or weight")
+    assert got[1]["shape"].startswith("ValueError: metrics['a']: got shape (3,)"), got[1]["shape"]
+    assert got[0]["shape"].startswith("ValueError: metrics: another rank rejected"), got[0]["shape"]

@@ -353,3 +353,90 @@ def test_reprobe30_kill_9_of_a_disaggregated_trainer_leaves_no_process(tmp_path)
         pids = _descendants(proc.pid)
         left = _kill_9_and_wait_for(proc, pids, 5.0)
     assert not left, f"alive 5 s after the trainer's kill -9: {left}"
+
+
+# --------------------------------------------------------------------------- re-probe: workers that ignore or lie
+
+
+def make_sigterm_deaf():
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def generate(batch, params):
+        time.sleep(600)
+
+    return generate
+
+
+def make_unpicklable():
+    def generate(batch, params):
+        return {"responses": lambda: None}
+
+    return generate
+
+
+def test_reprobe30_close_kills_a_worker_that_ignores_sigterm():
+    # close() terminated, waited, and returned with the worker still alive: a leaked process.
+    worker = RolloutWorker(make_sigterm_deaf, join_timeout=0.5)
+    try:
+        worker.wait_ready(timeout=120)
+        worker._jobs.put(({"prompts": torch.zeros(1)}, -1))
+        time.sleep(0.3)
+        worker.close()
+        assert not worker.process.is_alive()
+    finally:
+        if worker.process.is_alive():
+            worker.process.kill()
+
+
+def test_reprobe30_an_unpicklable_rollout_result_raises_instead_of_hanging():
+    # The queue's feeder thread printed the pickling error and dropped the result: the caller waited for ever.
+    with RolloutWorker(make_unpicklable, join_timeout=2.0) as worker:
+        worker.wait_ready(timeout=120)
+        worker.publish(0, {"w": torch.zeros(2)})
+        done: list = []
+
+        def call():
+            try:
+                worker._call("rollout", {"policy_version": torch.tensor([0])})
+            except Exception as err:
+                done.append(err)
+
+        thread = threading.Thread(target=call, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the call is still waiting for a result that was dropped"
+        assert isinstance(done[0], RuntimeError)
+        assert "could not be sent to the trainer" in str(done[0]) and "pickle" in str(done[0])
+
+
+def make_sys_exit():
+    raise SystemExit(4)
+
+
+def make_nothing():
+    return None
+
+
+def test_reprobe30_worker_exits_and_misuse_raise_named_errors():
+    # A factory's SystemExit came back to the caller as a bare SystemExit (ending a trainer silently), a
+    # factory returning no function failed later with "'NoneType' object is not callable", and a closed
+    # worker answered "Queue <object at 0x...> is closed".
+    with RolloutWorker(make_sys_exit, join_timeout=2.0) as worker, pytest.raises(RuntimeError, match="SystemExit: 4"):
+        worker.wait_ready(timeout=120)
+    with (
+        RolloutWorker(make_nothing, join_timeout=2.0) as worker,
+        pytest.raises(ValueError, match="factory: returned NoneType, expected a generate"),
+    ):
+        worker.wait_ready(timeout=120)
+    worker = RolloutWorker(make_generate, args=("ok",), join_timeout=2.0)
+    worker.close()
+    worker.close()  # twice: nothing
+    for call in (
+        lambda: worker.publish(0, {"w": torch.zeros(1)}),
+        lambda: worker._call("rollout", {"policy_version": torch.tensor([0])}),
+    ):
+        with pytest.raises(RuntimeError, match="rollout worker: already closed"):
+            call()
+    assert not worker.process.is_alive()

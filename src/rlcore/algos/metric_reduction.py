@@ -13,6 +13,7 @@ the whole batch computed in one process.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,6 +40,52 @@ RL_METRIC_REDUCTIONS: Mapping[str, str] = {
 """The non-mean metrics of :meth:`rlcore.algos.Algorithm.loss`: its aggregated terms and the ratio extremes."""
 
 
+def _check_weight(weight: Any) -> None:
+    if isinstance(weight, torch.Tensor):
+        check_count("weight", weight)
+    elif (
+        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight >= 0)
+    ):
+        raise ValueError(
+            f"weight: got {weight!r}, expected a finite number >= 0 (the tokens or pairs the means are over)"
+        )
+
+
+def _check_ranks_agree(groups: list[Any], kinds: Mapping[str, str], local: ValueError | None) -> None:
+    """Every rank of gloo ``groups`` raises the same ``ValueError`` when one rejected its input or the names differ.
+
+    The all-reduces of :func:`reduce_metrics` are sized by the metrics: ranks holding
+    other names or reductions would abort inside gloo or mix unrelated metrics, and a
+    rank raising alone would leave its peers waiting until the process-group timeout.
+    So first one ``MAX`` all-reduce per group of three int64 (a rejection flag and a
+    digest of the names and reductions, and its negation): a CPU tensor, read on the
+    host without stalling a device. Over other backends (NCCL: reading would stall the
+    device) nothing is exchanged and a local error is raised at once.
+    """
+    if not groups or not all("gloo" in str(dist.get_backend(g)) for g in groups):
+        if local is not None:
+            raise local
+        return
+    text = repr(sorted(kinds.items())).encode()
+    digest = int.from_bytes(hashlib.sha256(text).digest()[:7], "little")
+    header = torch.tensor([int(local is not None), digest, -digest], dtype=torch.int64)
+    for group in groups:
+        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
+    if local is not None:
+        raise local
+    bad, top, low = header.tolist()  # sync-ok: a CPU tensor, the result of a gloo collective
+    if bad:
+        raise ValueError(
+            "metrics: another rank rejected its metrics or weight (see its error), expected every rank to call "
+            "reduce_metrics with valid inputs; nothing was reduced"
+        )
+    if top != digest or -low != digest:
+        raise ValueError(
+            f"metrics: got names and reductions {sorted(kinds.items())} on this rank, but another rank holds others; "
+            "expected every rank to reduce the same metrics with the same reductions; nothing was reduced"
+        )
+
+
 def reduce_metrics(
     metrics: Mapping[str, torch.Tensor],
     weight: torch.Tensor | float,
@@ -54,7 +101,9 @@ def reduce_metrics(
     zero weight takes no part in a ``"max"`` / ``"min"`` either (its empty-mask 0 is no
     extreme); the extreme of a batch with no weight anywhere is 0. Over several groups
     (context parallel, then data parallel) the sums and extremes are taken over each in
-    turn, which is the reduction over their product. Two all-reduces per group.
+    turn, which is the reduction over their product. Two all-reduces per group (three
+    over gloo, where the ranks first check that they reduce the same names and that
+    none rejected its input: every rank then raises the same ``ValueError``).
 
     Args:
       metrics: name -> 0-d (or one-element) tensor, this rank's metric of its share.
@@ -70,32 +119,31 @@ def reduce_metrics(
     ...                process_groups=[None], reductions={"ratio_max": "max"})
     {'approx_kl': tensor(0.5000), 'ratio_max': tensor(1.2000)}
     """
-    if isinstance(weight, torch.Tensor):
-        check_count("weight", weight)
-    elif (
-        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight >= 0)
-    ):
-        raise ValueError(
-            f"weight: got {weight!r}, expected a finite number >= 0 (the tokens or pairs the means are over)"
-        )
-    reductions = dict(reductions or {})
-    for name, how in reductions.items():
-        check_choice(f"reductions[{name!r}]", how, METRIC_REDUCTIONS)
-    names = sorted(metrics)
-    values = {}
-    for name in names:
-        v = check_tensor(f"metrics[{name!r}]", metrics[name])
-        if v.numel() != 1:
-            raise ValueError(f"metrics[{name!r}]: got shape {tuple(v.shape)}, expected a scalar metric")
-        values[name] = v.detach().float().reshape(())
     groups = [resolve_process_group(g)[0] for g in process_groups]
     groups = [g for g in groups if g is not None]
+    values: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    local: ValueError | None = None
+    try:
+        _check_weight(weight)
+        reductions = dict(reductions or {})
+        for name, how in reductions.items():
+            check_choice(f"reductions[{name!r}]", how, METRIC_REDUCTIONS)
+        for name in sorted(metrics):
+            v = check_tensor(f"metrics[{name!r}]", metrics[name])
+            if v.numel() != 1:
+                raise ValueError(f"metrics[{name!r}]: got shape {tuple(v.shape)}, expected a scalar metric")
+            values[name] = v.detach().float().reshape(())
+            kinds[name] = reductions.get(name, "mean")
+    except ValueError as err:
+        local = err
+    _check_ranks_agree(groups, kinds, local)
+    names = sorted(values)
     if not names:
         return {}
     device = values[names[0]].device
     w = torch.as_tensor(weight, dtype=torch.float32, device=device).reshape(())
     held = w > 0
-    kinds = {name: reductions.get(name, "mean") for name in names}
     added = [n for n in names if kinds[n] in ("mean", "sum")]
     extreme = [n for n in names if kinds[n] in ("max", "min")]
     # Means travel as weighted sums (0 from a rank without weight, whatever its value), then the weight.

@@ -68,10 +68,12 @@ def _worker_main(
     torch.set_num_threads(threads)
     try:
         fn = factory(*args)
+        if not callable(fn):
+            raise ValueError(f"factory: returned {type(fn).__name__}, expected a generate(batch, params) function")
     except BaseException as err:  # reported to the trainer, which raises it
-        results.put(("error", _picklable(err)))
+        _send(results, "error", _picklable(err))
         return
-    results.put(("ready", None))
+    _send(results, "ready", None)
     version, params = -1, None
     while True:
         job = jobs.get()
@@ -82,12 +84,38 @@ def _worker_main(
             while version < want:  # weights of `want` were published before the scheduler could stamp it
                 packet = weights.get()
                 version, params = packet.version, unpack_weights(packet)
-            results.put(("ok", fn(batch, params)))
+            out = fn(batch, params)
         except BaseException as err:
-            results.put(("error", _picklable(err)))
+            _send(results, "error", _picklable(err))
+        else:
+            _send(results, "ok", out)
+
+
+def _send(results: Any, status: str, value: Any) -> None:
+    """Put ``(status, value)`` on ``results`` pickled here, so a value that cannot be pickled becomes an error.
+
+    A queue pickles in its feeder thread, which prints such an error and drops the item:
+    the trainer would wait for the result for ever.
+    """
+    try:
+        payload = std_mp.reduction.ForkingPickler.dumps((status, value))
+    except Exception as err:
+        problem = RuntimeError(
+            f"the rollout worker's {'result' if status == 'ok' else status} could not be sent to the trainer: "
+            f"{type(err).__name__}: {err} (expected picklable columns, e.g. tensors)"
+        )
+        payload = std_mp.reduction.ForkingPickler.dumps(("error", problem))
+    results.put(bytes(payload))
 
 
 def _picklable(err: BaseException) -> BaseException:
+    """``err`` when it pickles and is an ``Exception``, else a ``RuntimeError`` naming it.
+
+    A worker's ``SystemExit`` or ``KeyboardInterrupt`` raised again in the trainer would
+    end it silently or read as the user's Ctrl-C.
+    """
+    if not isinstance(err, Exception):
+        return RuntimeError(f"{type(err).__name__}: {err} (raised in the rollout worker)")
     try:
         std_mp.reduction.ForkingPickler.dumps(err)
         return err
@@ -169,7 +197,8 @@ class RolloutWorker(ProxyRollout):
     an update without waiting for the worker (shared-memory copies through a queue).
 
     The worker is a daemon process: :meth:`close` (or leaving the ``with`` block) stops
-    it, terminating it if it does not exit within ``join_timeout``. It also exits by
+    it, terminating it if it does not exit within ``join_timeout`` (and killing it if it
+    still does not). It also exits by
     itself when the process that started it dies, even by ``kill -9`` (it watches its
     parent; on Linux the kernel also kills it, when it was started from the main thread).
 
@@ -205,6 +234,7 @@ class RolloutWorker(ProxyRollout):
         self.process.start()
         self.published = -1
         self._ready = False
+        self._closed = False
 
     def publish(self, version: int, weights: WeightPacket | Mapping[str, torch.Tensor]) -> None:
         """Send weights ``version`` to the worker; returns at once.
@@ -216,6 +246,7 @@ class RolloutWorker(ProxyRollout):
         go 0, 1, 2, ... with none skipped, so the worker can stop at exactly the version a
         row is stamped with.
         """
+        self._check_open()
         if version != self.published + 1:
             raise ValueError(
                 f"version: got {version}, expected {self.published + 1} (the next version after {self.published})"
@@ -226,7 +257,12 @@ class RolloutWorker(ProxyRollout):
         self._weights.put(weights._replace(version=version, buffers=buffers))
         self.published = version
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("rollout worker: already closed, expected a running worker (make a new RolloutWorker)")
+
     def _call(self, name: str, batch: dict[str, torch.Tensor]) -> Mapping[str, Any]:
+        self._check_open()
         versions = batch["policy_version"]
         want = int(versions.max())
         if want > self.published:
@@ -241,7 +277,7 @@ class RolloutWorker(ProxyRollout):
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                status, value = self._results.get(timeout=0.1)
+                raw = self._results.get(timeout=0.1)
             except queue.Empty:
                 if not self.process.is_alive():
                     raise RuntimeError(
@@ -250,6 +286,7 @@ class RolloutWorker(ProxyRollout):
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
                 continue
+            status, value = std_mp.reduction.ForkingPickler.loads(raw)
             if status == "error":
                 raise add_note(value, f"raised in the rollout worker process of stage {name!r}")
             if status == "ready":
@@ -262,16 +299,23 @@ class RolloutWorker(ProxyRollout):
     def wait_ready(self, timeout: float = 120.0, *, name: str = "rollout") -> None:
         """Block until the worker has built its generate function (to keep start-up out of a timing)."""
         if not self._ready:
+            self._check_open()
             self._receive(name, timeout)
 
     def close(self) -> None:
-        """Stop the worker process (terminate it if it does not exit in time)."""
+        """Stop the worker process (terminate it if it does not exit in time). Closing twice does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.process.is_alive():
             self._jobs.put(None)
             self.process.join(self.join_timeout)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(self.join_timeout)
+        if self.process.is_alive():  # it ignores SIGTERM (or is stuck in C code): no process is left behind
+            self.process.kill()
+            self.process.join()
         for q in (self._jobs, self._weights, self._results):
             q.cancel_join_thread()
             q.close()
