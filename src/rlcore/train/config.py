@@ -553,7 +553,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
+        # A merge key (``<<: *base``) is no key of its own: the keys written beside it override the merged ones.
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
             if isinstance(key, Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -564,12 +567,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config file, apply ``key=value`` overrides and validate it."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             raw = yaml.load(f, Loader=_UniqueKeyLoader) or {}  # a SafeLoader subclass
     except OSError as err:
         raise ValueError(f"config: cannot read {str(path)!r}: {err.strerror}") from err
-    except yaml.YAMLError as err:
-        raise ValueError(f"config: {str(path)!r} is not valid YAML: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config: {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason})") from err
+    except yaml.YAMLError as err:  # its message spans lines (the problem, then where): one line
+        raise ValueError(f"config: {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from err
     if not isinstance(raw, Mapping):
         raise ValueError(
             f"config: {str(path)!r} holds a {type(raw).__name__} at the top level, expected a mapping of sections "
