@@ -436,3 +436,22 @@ def test_reprobe30_yaml_errors_are_one_line(tmp_path, text):
     with pytest.raises(ValueError, match=r"config: '.*c\.yaml' is not valid YAML: .*line \d") as info:
         load_config(_write(tmp_path, text))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, pattern",
+    [("rope_scaling", {"type": "nope"}, r"KeyError: 'nope'"), ("hidden_act", "nope", r"KeyError")],
+)
+def test_reprobe30_an_inline_model_that_transformers_cannot_build_names_the_key(tmp_path, key, value, pattern):
+    # Accepted by the config, then a raw KeyError traceback when the trainer built the model.
+    spec = {"model_type": "qwen2", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, key: value}
+    with pytest.raises(ValueError, match=rf"'model.model_name_or_path': the inline config builds no model \({pattern}"):
+        parse_config({"model": {"model_name_or_path": spec}, "trainer": {"output_dir": str(tmp_path)}})
+
+
+def test_reprobe30_an_impossible_thread_count_names_the_key(tmp_path):
+    # torch.set_num_threads(10**12) failed at the run's start with "Overflow when unpacking long", naming nothing.
+    raw = {"model": {"model_name_or_path": {"model_type": "qwen2"}}, "trainer": {"output_dir": str(tmp_path)}}
+    with pytest.raises(ValueError, match=r"config key 'trainer.threads': got 1000000000000, expected at most \d+"):
+        parse_config({**raw, "trainer": {**raw["trainer"], "threads": 10**12}})
+    assert parse_config({**raw, "trainer": {**raw["trainer"], "threads": 8}}).trainer.threads == 8
