@@ -268,3 +268,14 @@ def test_reprobe30_grpo_with_the_progress_bar_exits_0_with_its_reward_and_no_lib
     assert "reward=" in captured.err and "kl=" in captured.err and "margin=" not in captured.err
     assert (out / "hf" / "config.json").is_file()  # the export ran, at every save
     assert "Writing model shards" not in captured.err, captured.err[-600:]
+
+
+def test_reprobe30_export_prints_one_line_without_library_progress_bars(tmp_path, capfd):
+    out = tmp_path / "run"
+    flags = ["trainer.steps=1", "trainer.save_every=1", "trainer.progress=false", "trainer.plot=false"]
+    assert main(["train", "--config", CONFIG, *TINY, *flags, f"trainer.output_dir={out}"]) == 0
+    capfd.readouterr()
+    assert main(["export", str(out), str(tmp_path / "hf")]) == 0
+    printed = capfd.readouterr()
+    assert "Writing model shards" not in printed.err + printed.out, printed
+    assert printed.out == f"exported {out} to {tmp_path / 'hf'}\n"

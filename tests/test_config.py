@@ -406,3 +406,52 @@ def test_reprobe30_the_position_limit_is_checked_with_a_dataset(tiny_model_dir, 
         parse_config(raw)
     raw[section][name] = 34
     assert parse_config(raw).data.max_prompt_length == 30
+
+
+def test_reprobe30_yaml_merge_keys_load_and_the_keys_beside_them_override(tmp_path):
+    # The duplicate-key loader built the '<<' key as a value: "could not determine a constructor for the tag merge".
+    text = (
+        "model:\n  model_name_or_path: {model_type: qwen2}\n"
+        "rl:\n  <<: &base {lr: 0.001, epochs: 2}\n  lr: 0.002\n"
+        "trainer:\n  <<: {steps: 7, seed: 3}\n"
+    )
+    cfg = load_config(_write(tmp_path, text))
+    assert (cfg.rl.lr, cfg.rl.epochs, cfg.trainer.steps, cfg.trainer.seed) == (0.002, 2, 7, 3)
+    with pytest.raises(ValueError, match=r"duplicate key 'lr'"):
+        load_config(_write(tmp_path, text.replace("  lr: 0.002\n", "  lr: 0.002\n  lr: 0.003\n")))
+
+
+def test_reprobe30_a_config_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    # The bare UnicodeDecodeError reached the user without the file's name.
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"model:\n  model_name_or_path: {model_type: qwen2}\n# caf\xe9\n")
+    with pytest.raises(ValueError, match=r"config: '.*c\.yaml' is not UTF-8 text \(byte \d+: invalid continuation"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text", ["rl:\n  algo: [grpo\n", "rl: {}\n---\nrl: {}\n", "rl:\n  algo: !!python/name:os.system\n"]
+)
+def test_reprobe30_yaml_errors_are_one_line(tmp_path, text):
+    with pytest.raises(ValueError, match=r"config: '.*c\.yaml' is not valid YAML: .*line \d") as info:
+        load_config(_write(tmp_path, text))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, pattern",
+    [("rope_scaling", {"type": "nope"}, r"KeyError: 'nope'"), ("hidden_act", "nope", r"KeyError")],
+)
+def test_reprobe30_an_inline_model_that_transformers_cannot_build_names_the_key(tmp_path, key, value, pattern):
+    # Accepted by the config, then a raw KeyError traceback when the trainer built the model.
+    spec = {"model_type": "qwen2", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, key: value}
+    with pytest.raises(ValueError, match=rf"'model.model_name_or_path': the inline config builds no model \({pattern}"):
+        parse_config({"model": {"model_name_or_path": spec}, "trainer": {"output_dir": str(tmp_path)}})
+
+
+def test_reprobe30_an_impossible_thread_count_names_the_key(tmp_path):
+    # torch.set_num_threads(10**12) failed at the run's start with "Overflow when unpacking long", naming nothing.
+    raw = {"model": {"model_name_or_path": {"model_type": "qwen2"}}, "trainer": {"output_dir": str(tmp_path)}}
+    with pytest.raises(ValueError, match=r"config key 'trainer.threads': got 1000000000000, expected at most \d+"):
+        parse_config({**raw, "trainer": {**raw["trainer"], "threads": 10**12}})
+    assert parse_config({**raw, "trainer": {**raw["trainer"], "threads": 8}}).trainer.threads == 8

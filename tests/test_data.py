@@ -403,3 +403,64 @@ def test_reprobe30_the_same_column_chosen_and_rejected_is_refused(tmp_path, rows
     path = _write_jsonl(tmp_path / "pairs.jsonl", _pairs(rows))
     with pytest.raises(ValueError, match=r"rejected_key: got 'chosen', the same column as chosen_key"):
         load_preferences(path, tokenizer=tokenizer, rejected_key="chosen")
+
+
+def _deep_json(depth: int) -> str:
+    return json.dumps({"prompt": "1+1=", "answer": "2"})[:-1] + ', "x": ' + "[" * depth + "]" * depth + "}\n"
+
+
+@pytest.mark.parametrize("depth", [101, 1000])
+def test_reprobe30_deeply_nested_json_is_one_line_naming_the_line(tmp_path, rows, depth):
+    path = _write_jsonl(tmp_path / "p.jsonl", rows[:2])
+    path.write_text(path.read_text() + _deep_json(depth))
+    with pytest.raises(ValueError, match=r"'.*p\.jsonl' is not a readable json file: line 3 nests lists") as info:
+        load_prompts(path)
+    assert "\n" not in str(info.value)
+
+
+def test_reprobe30_deeply_nested_json_does_not_crash_the_process(tmp_path):
+    # pyarrow's JSON reader overflows its stack on it: a segmentation fault, no error to catch.
+    import subprocess
+    import sys
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(_deep_json(100_000))
+    code = (
+        "import sys; from rlcore.data import read_table\ntry: read_table(sys.argv[1])\nexcept ValueError as e: print(e)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "nests lists and objects more than 100 deep" in done.stdout, done
+
+
+def test_reprobe30_json_brackets_inside_strings_and_messages_are_no_nesting(tmp_path):
+    messages = [{"role": "user", "content": "[[[{{{" * 50}]
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": ']]]}}}\\"[[[' * 50, "answer": "2", "m": messages}])
+    assert load_prompts(path).reward_columns([0])["m"] == [messages]
+
+
+def test_reprobe30_csv_rows_longer_than_the_header_are_refused(tmp_path):
+    # pandas would make the extra fields the index, shifting the prompt column onto another field.
+    path = _text(tmp_path / "p.csv", "prompt,answer\n1+1=,2,extra,more\n")
+    with pytest.raises(ValueError, match=r"'.*p\.csv' is not a readable csv file: its rows hold more fields"):
+        load_prompts(path)
+
+
+def test_reprobe30_a_saved_dataset_whose_state_is_not_an_object_is_one_line(tmp_path, rows):
+    path = _saved(tmp_path / "saved", rows, "state")
+    (path / "state.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"reading the saved dataset '.*saved' failed with"):
+        load_prompts(path)
+
+
+def test_reprobe30_a_prompt_of_no_tokens_is_refused_naming_its_row(tmp_path, rows):
+    # Left-padded to padding alone, it failed the rollout at step 0 with a raw reshape error.
+    tok = tiny_tokenizer([r["prompt"] for r in rows], chat_template=None)
+    path = _write_jsonl(tmp_path / "p.jsonl", [rows[0], {"prompt": "", "answer": "2"}])
+    with pytest.raises(ValueError, match=r"prompt_key: row 1 of '.*p\.jsonl' holds '', which is no token"):
+        load_prompts(path, tokenizer=tok)
+    pairs = [
+        {"prompt": rows[0]["prompt"], "chosen": "1", "rejected": "2"},
+        {"prompt": "", "chosen": "1", "rejected": "2"},
+    ]
+    with pytest.raises(ValueError, match=r"prompt_key: row 1 of '.*pairs\.jsonl' holds '', which is no token"):
+        load_preferences(_write_jsonl(tmp_path / "pairs.jsonl", pairs), tokenizer=tok)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,13 @@ OVERLONG = ("drop", "truncate_left", "truncate_right", "error")
 RESERVED_COLUMNS = ("prompts", "responses", "batch", "reward", "self")
 _SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _CHUNK = 1 << 20
+# The deepest nesting of lists and objects a JSON dataset may hold: pyarrow's JSON reader recurses
+# per level and crashes the process (a segmentation fault) on tens of thousands, Python's json
+# module raises RecursionError at a thousand; datasets nest a few levels (messages: 3).
+_MAX_JSON_DEPTH = 100
+_JSON_STRING = re.compile(rb'"(?:[^"\\\n]|\\.)*"')
+_CSV_INDEX = re.compile(r"__index_level_\d+__")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}\n")
 
 
 def _one_line(err: BaseException) -> str:
@@ -82,6 +90,29 @@ def _check_utf8(path: str, what: str) -> None:
             line += chunk.count(b"\n")
 
 
+def _json_depth_problem(path: str) -> str | None:
+    """Where a JSON / JSON Lines file nests lists and objects deeper than :data:`_MAX_JSON_DEPTH`, else None.
+
+    Strings are left out (their brackets are text); each line of JSON Lines counts alone.
+    """
+    import numpy as np
+
+    with open(path, "rb") as f:
+        data = f.read()
+    brackets = np.frombuffer(b"\n" + _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKET), dtype=np.uint8)
+    step = np.zeros(len(brackets), dtype=np.int64)
+    step[(brackets == ord("[")) | (brackets == ord("{"))] = 1
+    step[(brackets == ord("]")) | (brackets == ord("}"))] = -1
+    depth = np.cumsum(step)
+    newline = brackets == ord("\n")
+    line_start = np.maximum.accumulate(np.where(newline, np.arange(len(brackets)), 0))
+    depth -= depth[line_start]
+    if not len(depth) or depth.max() <= _MAX_JSON_DEPTH:
+        return None
+    line = int(np.count_nonzero(newline[: int(np.argmax(depth > _MAX_JSON_DEPTH)) + 1]))
+    return f"line {line} nests lists and objects more than {_MAX_JSON_DEPTH} deep, expected a flatter record"
+
+
 def _json_problem(path: str) -> str | None:
     """Where a JSON / JSON Lines file is malformed, in words with its line; None when the json module reads it."""
     with open(path, encoding="utf-8") as f:
@@ -116,9 +147,11 @@ def _saved_without_rows(path: str, split: str) -> bool:
         state = os.path.join(path, "state.json")
     try:
         with open(state) as f:
-            return json.load(f).get("_data_files") == []
+            saved = json.load(f)
     except (OSError, ValueError):
         return False
+    # A state.json of another shape: load_from_disk names the problem.
+    return isinstance(saved, dict) and saved.get("_data_files") == []
 
 
 def read_table(path: str | os.PathLike, *, split: str = "train", what: str = "data.path") -> Any:
@@ -163,6 +196,8 @@ def read_table(path: str | os.PathLike, *, split: str = "train", what: str = "da
             raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
         if kind != "parquet":
             _check_utf8(path, what)
+        if kind == "json" and (problem := _json_depth_problem(path)) is not None:
+            raise ValueError(f"{what}: {path!r} is not a readable json file: {problem}")
         elif _parquet_rows(path) == 0:  # pyarrow's reader fails on it with "BatchSize must be greater than 0"
             raise ValueError(f"{what}: {path!r} holds no rows, expected at least one prompt")
         reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet}.get(
@@ -176,6 +211,13 @@ def read_table(path: str | os.PathLike, *, split: str = "train", what: str = "da
             if problem is None and "corresponds to no data" in str(err):  # a CSV of its header alone, say
                 problem = "it holds no rows, expected at least one prompt"
             raise ValueError(f"{what}: {path!r} is not a readable {kind} file: {problem or _one_line(err)}") from err
+        # pandas makes a row's fields beyond the header the index, shifting every column: refuse it.
+        if kind == "csv" and any(_CSV_INDEX.fullmatch(c) for c in table.column_names):
+            raise ValueError(
+                f"{what}: {path!r} is not a readable csv file: its rows hold more fields than its header "
+                f"names ({len([c for c in table.column_names if not _CSV_INDEX.fullmatch(c)])}), expected one "
+                "field per column (quote fields holding commas)"
+            )
     if len(table) == 0:
         raise ValueError(f"{what}: {path!r} is empty, expected at least one prompt")
     return table
@@ -351,6 +393,12 @@ def load_prompts(
     dropped = truncated = 0
     if tokenizer is not None:
         ids = [list(x) for x in tokenizer(texts, add_special_tokens=not template)["input_ids"]]
+        empty = next((i for i, x in enumerate(ids) if not x), None)
+        if empty is not None:  # the policy would generate from padding alone (the rollout fails on it)
+            raise ValueError(
+                f"prompt_key: row {empty} of {source!r} holds {prompts[empty]!r}, which is no token at all; "
+                "expected a prompt of at least one token"
+            )
         if max_prompt_length is not None:
             long = [i for i, x in enumerate(ids) if len(x) > max_prompt_length]
             if long and overlong == "error":

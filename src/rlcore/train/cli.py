@@ -119,7 +119,8 @@ def _export(checkpoint: str, out_dir: str) -> int:
     from rlcore.train.export_cli import export_checkpoint
 
     try:
-        out = export_checkpoint(checkpoint, out_dir)
+        with _library_bars_off():  # transformers' "Writing model shards" bar says nothing of a one-file export
+            out = export_checkpoint(checkpoint, out_dir)
     except (ValueError, OSError) as err:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2

@@ -300,6 +300,12 @@ def _validate(cfg: Config) -> None:
             _positive(f"data.{key}", getattr(cfg.data, key))
     if tr.reward_timeout is not None:
         _positive("trainer.reward_timeout", tr.reward_timeout)
+    most_threads = max(256, 4 * (os.cpu_count() or 1))  # torch takes a C int; OpenMP would start them all
+    if tr.threads > most_threads:
+        raise ValueError(
+            f"config key 'trainer.threads': got {tr.threads}, expected at most {most_threads} "
+            f"(this machine has {os.cpu_count()} CPUs; 0 leaves torch's default)"
+        )
     if not -(2**63) <= tr.seed < 2**64:
         raise ValueError(
             f"config key 'trainer.seed': got {tr.seed}, expected an int in [-2**63, 2**64) (torch's range)"
@@ -441,6 +447,8 @@ def _check_model(cfg: Config) -> None:
         kv = getattr(hf, "num_key_value_heads", None)
         if isinstance(kv, int) and (kv < 1 or heads % kv):
             raise ValueError(f"{key}: num_key_value_heads={kv} does not divide num_attention_heads={heads}")
+    if isinstance(cfg.model.model_name_or_path, dict) and hf is not None:
+        _check_inline_model_builds(hf)
     positions = getattr(hf, "max_position_embeddings", None)
     if isinstance(positions, int) and cfg.data.path is not None:
         _check_dataset_positions(cfg, positions)
@@ -461,6 +469,23 @@ def _check_model(cfg: Config) -> None:
                 f"(data.task={cfg.data.task!r}) then need {need} positions, more than the model's "
                 f"max_position_embeddings={positions}"
             )
+
+
+def _check_inline_model_builds(hf: Any) -> None:
+    """An inline config's model built on the meta device (no memory): a value transformers accepts in the
+    config but not in the model (an unknown ``rope_scaling`` type, ``hidden_act``) is named before the run."""
+    import torch
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(hf)
+    except Exception as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise ValueError(
+            "config key 'model.model_name_or_path': the inline config builds no model "
+            f"({type(err).__name__}: {lines[-1] if lines else ''})"
+        ) from err
 
 
 def _check_dataset_positions(cfg: Config, positions: int) -> None:
@@ -553,7 +578,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
+        # A merge key (``<<: *base``) is no key of its own: the keys written beside it override the merged ones.
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
             if isinstance(key, Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -564,12 +592,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config file, apply ``key=value`` overrides and validate it."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             raw = yaml.load(f, Loader=_UniqueKeyLoader) or {}  # a SafeLoader subclass
     except OSError as err:
         raise ValueError(f"config: cannot read {str(path)!r}: {err.strerror}") from err
-    except yaml.YAMLError as err:
-        raise ValueError(f"config: {str(path)!r} is not valid YAML: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config: {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason})") from err
+    except yaml.YAMLError as err:  # its message spans lines (the problem, then where): one line
+        raise ValueError(f"config: {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from err
     if not isinstance(raw, Mapping):
         raise ValueError(
             f"config: {str(path)!r} holds a {type(raw).__name__} at the top level, expected a mapping of sections "
