@@ -230,7 +230,7 @@ def _read_latest(root: Path) -> str:
     except (OSError, UnicodeDecodeError) as err:
         raise _fail(path, f"cannot be read ({_cause(err)})") from err
     if _version(name) is None:
-        raise _fail(path, f"names {name[:40]!r}, expected a version directory like 'v000001' (a damaged file?)")
+        raise _fail(path, f"names {name[:40]!r}, expected a version directory like 'step000001' (a damaged file?)")
     if not (root / name).is_dir():
         raise _fail(path, f"names {name!r}, which is not a directory beside it (the checkpoint was moved or pruned?)")
     return name
