@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -103,3 +104,15 @@ def process_report(pid: int) -> str:
     except OSError as err:
         lines.append(f"({err})")
     return "\n".join(lines)
+
+
+def math_verify_verdict(gold, response) -> bool:  # type: ignore[no-untyped-def]
+    """math-verify's own verdict on the same strings (the gold as rlcore hands it over: in math mode)."""
+    from math_verify import parse, verify
+
+    logging.disable(logging.WARNING)
+    try:
+        text = str(gold)
+        return bool(verify(parse(text if "$" in text else f"${text}$"), parse(response)))
+    finally:
+        logging.disable(logging.NOTSET)

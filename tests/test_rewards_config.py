@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import pickle
 import re
 import threading
@@ -13,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reward_helpers import math_verify_verdict
 from rlcore.rewards import (
     BaseReward,
     RewardModel,
@@ -112,22 +112,11 @@ def quick_math_reward():
     reward.close()
 
 
-def _math_verify_verdict(gold, response) -> bool:
-    from math_verify import parse, verify
-
-    logging.disable(logging.WARNING)
-    try:
-        text = str(gold)
-        return bool(verify(parse(text if "$" in text else f"${text}$"), parse(response)))
-    finally:
-        logging.disable(logging.NOTSET)
-
-
 def test_math_table_agrees_with_math_verify(math_reward):
     assert len(CASES) >= 40
     scores = math_reward(["q"] * len(CASES), [c[1] for c in CASES], answers=[c[0] for c in CASES])
     for (gold, response, expected), score in zip(CASES, scores.tolist()):
-        assert _math_verify_verdict(gold, response) == expected, (gold, response)  # the table is math-verify's
+        assert math_verify_verdict(gold, response) == expected, (gold, response)  # the table is math-verify's
         assert bool(score) == expected, (gold, response)
     metrics = math_reward.pop_metrics()
     assert metrics["checked"] == len(CASES) and metrics["timeouts"] == 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from fractions import Fraction
@@ -12,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reward_helpers import math_verify_verdict
 from rlcore.rewards import VerifiedMath, extract_final_answer
 
 # Realistic answers with no \boxed{} and no ####: math-verify's own extraction decides, so
@@ -38,18 +38,6 @@ UNMARKED = [
 ]
 
 
-def _verdict(gold, response) -> bool:
-    """math-verify's own verdict, on the same strings (the gold as rlcore hands it over: in math mode)."""
-    from math_verify import parse, verify
-
-    logging.disable(logging.WARNING)
-    try:
-        text = str(gold)
-        return bool(verify(parse(text if "$" in text else f"${text}$"), parse(response)))
-    finally:
-        logging.disable(logging.NOTSET)
-
-
 @pytest.fixture(scope="module")
 def math_reward():
     reward = VerifiedMath(timeout=60.0)
@@ -59,7 +47,7 @@ def math_reward():
 
 def test_reprobe30_latex_fraction_without_a_box_is_read_by_math_verify(math_reward):
     # The fallback took the last number (8) and scored 0.
-    assert _verdict("0.75", r"The answer is $\frac{6}{8}$") is True
+    assert math_verify_verdict("0.75", r"The answer is $\frac{6}{8}$") is True
     assert math_reward(["q"], [r"The answer is $\frac{6}{8}$"], answers=["0.75"]).tolist() == [1.0]
     assert math_reward(["q"], [r"The answer is $\frac{6}{8}$"], answers=[0.75]).tolist() == [1.0]
 
@@ -67,7 +55,7 @@ def test_reprobe30_latex_fraction_without_a_box_is_read_by_math_verify(math_rewa
 def test_reprobe30_unmarked_answers_agree_with_math_verify(math_reward):
     math_reward.pop_metrics()
     scores = math_reward(["q"] * len(UNMARKED), [r for _, r in UNMARKED], answers=[g for g, _ in UNMARKED])
-    verdicts = [_verdict(g, r) for g, r in UNMARKED]
+    verdicts = [math_verify_verdict(g, r) for g, r in UNMARKED]
     assert any(verdicts) and not all(verdicts)  # the list holds both kinds
     for (gold, response), verdict, score in zip(UNMARKED, verdicts, scores.tolist()):
         assert bool(score) == verdict, (gold, response)
@@ -115,7 +103,7 @@ def _pairs(draw):
 def test_reprobe30_numbers_and_fractions_agree_with_math_verify(math_reward, case):
     gold, response, equal = case
     score = math_reward(["q"], [response], answers=[gold]).item()
-    assert bool(score) == _verdict(gold, response), (gold, response)
+    assert bool(score) == math_verify_verdict(gold, response), (gold, response)
     assert bool(score) == equal, (gold, response)  # and both are right
 
 
