@@ -18,7 +18,7 @@ def _check_labels(desirable: torch.Tensor) -> None:
     odd = desirable[(desirable != 0) & (desirable != 1)]
     if odd.numel():
         raise ValueError(
-            f"desirable: got {odd[0].item()!r}, expected bool labels or 0/1 (True / 1 for a desirable response)"
+            f"desirable: got {odd[0].item()!r}, expected bool labels or 0/1 (True / 1 for a desirable response)"  # sync-ok: a CPU tensor in eager mode (host_readable), error path only
         )
 
 

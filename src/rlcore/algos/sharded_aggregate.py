@@ -76,7 +76,7 @@ def _check_seq_tokens(seq_tokens: torch.Tensor, mask: torch.Tensor) -> None:
     if bad.any():
         i = int(bad.to(torch.int8).argmax())
         raise ValueError(
-            f"seq_tokens: got {total[i].item()!r} for sequence {i}, which holds {local[i].item()!r} counted tokens "
+            f"seq_tokens: got {total[i].item()!r} for sequence {i}, which holds {local[i].item()!r} counted tokens "  # sync-ok: CPU tensors in eager mode (host_readable), error path only
             "on this rank alone, expected each sequence's counted tokens over the whole context-parallel group "
             "(rlcore.algos.sequence_sharded_counts)"
         )
