@@ -47,6 +47,7 @@ from rlcore.algos.preference_pairwise import DIVERGENCES, DPO_LOSS_TYPES, dpo_lo
 from rlcore.algos.preference_reffree import cpo_loss, orpo_loss, simpo_loss
 from rlcore.algos.recipes import (
     Algorithm,
+    ScoringNeeds,
     chain,
     dapo,
     dr_grpo,
@@ -61,6 +62,7 @@ from rlcore.algos.recipes import (
     ppo,
     reinforce_pp,
     rloo,
+    scoring_needs,
     token_advantages,
     token_rewards_shaping,
 )
@@ -89,6 +91,7 @@ __all__: list[str] = [
     "KLControllerState",
     "RewardNormalizer",
     "RunningMomentsState",
+    "ScoringNeeds",
     "adaptive_kl_controller",
     "aggregate",
     "batch_moments",
@@ -143,6 +146,7 @@ __all__: list[str] = [
     "running_reward_normalizer",
     "sapo_loss",
     "scores_to_token_rewards",
+    "scoring_needs",
     "sequence_logps",
     "sequence_sharded_aggregate",
     "sequence_sharded_counts",

@@ -49,6 +49,11 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.export                           every save also writes output_dir/hf (save_pretrained)
     trainer.log_samples                      every n steps, a few prompt / response / score rows to
                                              output_dir/samples.jsonl (0: none)
+    rl.old_logp                              auto: with one optimiser update per batch (mini_batch_size =
+                                             batch_size, epochs 1) the update's own log-probs, detached, are
+                                             the old policy's (no separate forward); forward: always a forward
+    trainer.log_ref_kl_every                 when nothing reads the reference (rl.beta 0), its forward runs only
+                                             every n steps to log the KL (0: never; the kl metric is then absent)
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class RLConfig:
     grad_clip: float = 1.0
     epochs: int = 1
     multi_turn: dict | None = None
+    old_logp: Literal["auto", "forward"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +170,7 @@ class TrainerConfig:
     eval_threshold: float = 0.5
     export: bool = True
     log_samples: int = 0
+    log_ref_kl_every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +297,7 @@ def _validate(cfg: Config) -> None:
         ("trainer.steps", tr.steps),
         ("trainer.eval_every", tr.eval_every),
         ("trainer.log_samples", tr.log_samples),
+        ("trainer.log_ref_kl_every", tr.log_ref_kl_every),
     ):
         _positive(key, value, strict=False)
     for key in ("warmup_lr", "warmup_batch_size"):

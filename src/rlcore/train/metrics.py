@@ -145,8 +145,11 @@ def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     if records and not any("reward" in r for r in records):
         return _plot_preference_curves(records, steps, Path(path), plt)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key in zip(axes, ("reward", "kl")):
-        ax.plot(steps, [r.get(key, float("nan")) for r in records], lw=1.5)
+    # The KL to the reference where it was logged (trainer.log_ref_kl_every with rl.beta 0), else the entropy.
+    second = "kl" if any("kl" in r for r in records) else "entropy"
+    for ax, key in zip(axes, ("reward", second)):
+        logged = [r for r in records if key in r]  # kl: only the steps the reference forward ran
+        ax.plot([r["step"] for r in logged], [r[key] for r in logged], lw=1.5)
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
@@ -164,7 +167,7 @@ def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
         axes[0].plot([r["step"] for r in evals], [r["greedy_reward"] for r in evals], "o-", ms=3, label="greedy reward")
         axes[0].lines[0].set_label("reward (T-sampled)")
         axes[0].legend(loc="lower right", fontsize=8)
-    axes[1].set_title("KL to the reference policy")
+    axes[1].set_title("KL to the reference policy" if second == "kl" else "policy entropy per token")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

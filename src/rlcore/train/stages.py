@@ -31,6 +31,7 @@ on ``loss_mask``; metrics of the rollout (KL, entropy, lengths) use ``mask``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "PAIR_COLUMNS",
     "advantages_stage",
     "eval_mode",
+    "every_n_steps",
     "logprob_stage",
     "preference_forward",
     "preference_logps_stage",
@@ -232,6 +234,23 @@ def logprob_stage(
     )
 
 
+def every_n_steps(s: Stage, n: int, fill: Callable[[Batch], dict[str, torch.Tensor]]) -> Stage:
+    """``s`` run only at steps ``0, n, 2n, ...`` (its ``iteration``); other steps write ``fill(batch)`` at no cost.
+
+    For a forward whose column only feeds a logged metric (the reference's log-probs
+    when nothing trains on them); whoever reads the column knows which steps are real.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n: got {n!r}, expected an int >= 1")
+    fn = s.fn
+
+    def run(b: Batch) -> dict[str, torch.Tensor]:
+        return fn(b) if int(b["iteration"][0]) % n == 0 else fill(b)
+
+    inputs = tuple(s.inputs) if "iteration" in s.inputs else (*s.inputs, "iteration")
+    return dataclasses.replace(s, fn=run, inputs=inputs)
+
+
 def values_stage(
     critic: torch.nn.Module, *, output: str = "old_values", micro_batch: int | None = None, resource: str = "device"
 ) -> Stage:
@@ -294,11 +313,24 @@ def advantages_stage(
 
 
 def rl_forward(
-    policy: torch.nn.Module, *, critic: torch.nn.Module | None = None, temperature: float = 1.0
+    policy: torch.nn.Module,
+    *,
+    critic: torch.nn.Module | None = None,
+    temperature: float = 1.0,
+    old_logp_from_update: bool = False,
 ) -> Callable[[Batch], Batch]:
     """The update's forward for policy-gradient recipes: dock rows -> the recipe's batch, with ``logp`` (and ``values``).
 
     The recipe's ``mask`` is the dock's ``loss_mask``; the other columns keep their names.
+
+    Args:
+      policy: the policy (a ``transformers`` causal LM).
+      critic: PPO's critic, whose ``values`` are added, or None.
+      temperature: the sampling temperature.
+      old_logp_from_update: the recipe's ``old_logp`` is this forward's ``logp``,
+        detached (no ``old_logp`` column is read). Exact only when the policy that
+        sampled is the one being updated: one optimiser update per batch, on-policy
+        (what the trainer's ``rl.old_logp: auto`` checks before it sets this).
     """
     lm = from_hf(policy)
     carried = ("old_logp", "ref_logp", "advantages", "returns", "old_values", "entropy")
@@ -307,6 +339,8 @@ def rl_forward(
         batch = {k: b[k] for k in carried if k in b}
         batch["mask"] = b["loss_mask"]
         batch["logp"], batch["entropy"] = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
+        if old_logp_from_update:
+            batch["old_logp"] = batch["logp"].detach()
         if critic is not None:
             batch["values"] = response_values(critic, b)
         return batch
@@ -326,11 +360,14 @@ def update_stage(
     on_iteration_end: Callable[[int], Any] | None = None,
     name: str = "update",
     resource: str = "device",
+    epochs: int = 1,
 ) -> Stage:
     """The one update shape for every recipe: forward -> ``loss, metrics = recipe.loss(batch, **counts)`` -> step.
 
     Each call is one optimiser update on ``micro_batch`` rows (PPO's mini-batch; with
-    ``micro_batch=None`` one update per iteration).
+    ``micro_batch=None`` one update per iteration). With ``epochs > 1`` each call takes
+    the whole iteration and makes ``epochs`` passes over it, one update per
+    ``micro_batch`` rows in row order (PPO's epochs; the loss column is the last pass's).
 
     Args:
       forward: dock rows -> the recipe's batch with the model outputs (gradient on).
@@ -344,26 +381,47 @@ def update_stage(
       on_metrics: ``on_metrics(rows, loss, metrics)`` after each update (logging).
       on_iteration_end: as in :func:`rlcore.dataflow.stage`.
       name, resource: as in :func:`rlcore.dataflow.stage`.
+      epochs: passes over each iteration's rows.
 
     Returns:
       An update-role stage writing the per-row ``loss`` (the update's scalar loss).
     """
 
-    def update(b: Batch) -> dict[str, torch.Tensor]:
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"epochs: got {epochs!r}, expected an int >= 1")
+    if epochs > 1 and (micro_batch is None or micro_batch < 1):
+        raise ValueError(
+            f"micro_batch: got {micro_batch!r} with epochs={epochs}, expected rows per update (an int >= 1)"
+        )
+
+    def one_update(b: Batch) -> torch.Tensor:
         batch = forward(b)
         loss, metrics = recipe.loss(batch, **recipe.global_counts(batch, process_group=process_group))
         step(loss, b)
         if on_metrics is not None:
-            on_metrics(b, loss.detach(), metrics)
+            # The forward's own outputs (e.g. the entropy, or old_logp taken from the update) beside the rows.
+            seen = {**{k: v.detach() for k, v in batch.items() if k not in b and isinstance(v, torch.Tensor)}, **b}
+            on_metrics(seen, loss.detach(), metrics)
+        return loss.detach().float()
+
+    def update(b: Batch) -> dict[str, torch.Tensor]:
         rows = next(iter(b.values())).shape[0]
-        return {"loss": loss.detach().float().expand(rows).clone()}
+        if epochs == 1:
+            return {"loss": one_update(b).expand(rows).clone()}
+        # PPO's epochs: every pass visits the iteration's mini-batches in row order.
+        out = torch.zeros(rows)
+        for _ in range(epochs):
+            for start in range(0, rows, micro_batch):
+                part = {k: v[start : start + micro_batch] for k, v in b.items()}
+                out[start : start + micro_batch] = one_update(part)
+        return {"loss": out}
 
     return stage(
         update,
         inputs=inputs,
         outputs=["loss"],
         name=name,
-        micro_batch=micro_batch,
+        micro_batch=micro_batch if epochs == 1 else None,
         resource=resource,
         role="update",
         on_iteration_end=on_iteration_end,

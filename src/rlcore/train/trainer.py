@@ -99,6 +99,7 @@ from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
+    every_n_steps,
     logprob_stage,
     preference_forward,
     preference_logps_stage,
@@ -109,7 +110,16 @@ from rlcore.train.stages import (
 )
 from rlcore.train.validation import Validator
 
-__all__ = ["Run", "build_algorithm", "build_model", "make_generator", "supervised_warmup", "train"]
+__all__ = [
+    "Run",
+    "ScoringPlan",
+    "build_algorithm",
+    "build_model",
+    "make_generator",
+    "scoring_plan",
+    "supervised_warmup",
+    "train",
+]
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -535,14 +545,55 @@ def _pairs_stage(task: Any, cfg: Config, rank: int) -> Stage:
     )
 
 
+# --- which scoring forwards a step runs ---------------------------------------------------------
+
+
+class ScoringPlan(NamedTuple):
+    """The scoring forwards of an RL step (:func:`scoring_plan`).
+
+    Fields:
+      old_logp: run the old-policy forward (``old_logp``, ``entropy``); else the
+        update's own log-probs, detached, are the old policy's.
+      ref_every: run the reference forward every this many steps (1: every step; 0: never).
+    """
+
+    old_logp: bool
+    ref_every: int
+
+
+def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> ScoringPlan:
+    """No forward the step does not need.
+
+    * The old-policy forward is skipped (``rl.old_logp: auto``) when the policy that
+      sampled is the one the single update trains: one optimiser update per batch
+      (``rl.mini_batch_size == rl.batch_size``, ``rl.epochs == 1``), and the recipe's
+      advantages do not read ``old_logp`` (:func:`rlcore.algos.scoring_needs`: KL in the
+      reward does). Then ``old_logp`` is the update's ``logp`` detached: equal to the
+      forward's value, and the ratio is 1 with the same gradient.
+    * The reference forward runs every step when the recipe reads ``ref_logp`` (a KL
+      term: ``rl.beta`` not 0); otherwise only every ``trainer.log_ref_kl_every`` steps,
+      for the logged ``kl`` (0: never).
+
+    DPO (its logged KL and entropy come from these forwards) and context parallelism
+    (each rank's update holds its share of the tokens) keep both forwards.
+    """
+    rl = cfg.rl
+    if isinstance(algo, algos.DPO) or context_parallel:
+        return ScoringPlan(True, 1)
+    needs = algos.scoring_needs(algo)
+    one_update = rl.mini_batch_size == rl.batch_size and rl.epochs == 1
+    skip_old = rl.old_logp == "auto" and one_update and not needs.old_logp
+    return ScoringPlan(not skip_old, 1 if needs.ref_logp else cfg.trainer.log_ref_kl_every)
+
+
 # --- per-step metrics and the timeline -------------------------------------------------------
 
 
 class _Steps:
     """Accumulates one step's metrics over its updates; at the step's end, the record (logged, checkpointed)."""
 
-    def __init__(self, updates: int, start: int):
-        self.updates, self.start = updates, start
+    def __init__(self, updates: int, start: int, ref_every: int = 1):
+        self.updates, self.start, self.ref_every = updates, start, ref_every
         self.lock = threading.Lock()
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.spans: list[tuple[str, str, float, float]] = []
@@ -559,10 +610,11 @@ class _Steps:
             stats["_response_length"] = ((b["chosen_mask"] != 0).sum() + (b["rejected_mask"] != 0).sum()).float() / 2
         else:
             mask = b["mask"]
+            if self.ref_every and step % self.ref_every == 0:  # the steps the reference forward ran
+                stats["_kl"] = masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask)
             stats.update(
                 {
                     "_reward": b["scores"].float().sum(),
-                    "_kl": masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask),
                     "_entropy": masked_sum(b["entropy"], mask),
                     "_tokens": mask.float().sum(),
                     "_response_length": (mask != 0).sum(-1).float().sum(),
@@ -616,12 +668,12 @@ class _Steps:
             tokens = acc.pop("_tokens")
             out.update(
                 reward=acc["_reward"] / rows,  # the task reward, before any shaping
-                # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot.
-                kl=acc["_kl"] / tokens,
                 entropy=acc["_entropy"] / tokens,
                 policy_lag=acc["_lag"] / rows,
                 policy_lag_max=acc["_lag_max"],
             )
+            if "_kl" in acc:  # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot
+                out["kl"] = acc["_kl"] / tokens
         timing: dict[str, float] = {"step_time_s": window}
         busy: dict[str, float] = {}
         for name, resource, a, b in spans:
@@ -878,13 +930,18 @@ def _graph(
     if world.cp is not None:  # sequences split over the cp ranks; rollout and reward once per cp group
         score = partial(cp_logprob_stage, group=world.cp[0], mode=world.cp[1])
         rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
-    stages = [
-        rollout,
-        reward,
-        score(models.policy, temperature=rl.temperature),
-        score(models.reference, outputs=("ref_logp",), temperature=rl.temperature),
-    ]
-    logged = ["scores", "mask", "old_logp", "ref_logp", "entropy", "prompt_mask", "iteration", "version"]
+    plan = scoring_plan(cfg, algo, context_parallel=world.cp is not None)
+    stages = [rollout, reward]
+    logged = ["scores", "mask", "prompt_mask", "iteration", "version"]
+    if plan.old_logp:
+        stages.append(score(models.policy, temperature=rl.temperature))
+        logged += ["old_logp", "entropy"]
+    if plan.ref_every:
+        ref = score(models.reference, outputs=("ref_logp",), temperature=rl.temperature)
+        if plan.ref_every > 1:  # logged only: zeros on the other steps (nothing trains on them)
+            ref = every_n_steps(ref, plan.ref_every, lambda b: {"ref_logp": torch.zeros(b["mask"].shape)})
+        stages.append(ref)
+        logged.append("ref_logp")
     if isinstance(algo, algos.DPO):
         recipe: Any = algo
         stages += [_pairs_stage(task, cfg, world.dp_rank), preference_logps_stage(models.reference)]
@@ -892,14 +949,23 @@ def _graph(
         inputs = [*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", *logged]
     else:
         recipe = algo
-        scored = ["scores", "mask", "group", "old_logp", "ref_logp"]
+        needs = algos.scoring_needs(algo)
+        scored = [
+            "scores",
+            "mask",
+            "group",
+            *(["old_logp"] if needs.old_logp else []),
+            *(["ref_logp"] if needs.ref_logp else []),
+        ]
         produced = ["advantages", "loss_mask"]
         if models.critic is not None:
             stages.append(values_stage(models.critic))
             scored.append("old_values")
             produced.append("returns")
         stages.append(advantages_stage(algo, inputs=scored, outputs=produced))
-        forward = rl_forward(models.policy, critic=models.critic, temperature=rl.temperature)
+        forward = rl_forward(
+            models.policy, critic=models.critic, temperature=rl.temperature, old_logp_from_update=not plan.old_logp
+        )
         if world.cp is not None:
             forward = cp_rl_forward(models.policy, group=world.cp[0], mode=world.cp[1], temperature=rl.temperature)
             recipe = ContextParallelRecipe(algo, world.cp[0], dp_group=world.group)
@@ -919,6 +985,7 @@ def _graph(
             process_group=world.group,
             on_metrics=steps.on_metrics,
             on_iteration_end=on_step_end,
+            epochs=rl.epochs,
         )
     )
     sources = (
@@ -1072,7 +1139,11 @@ def _train(
     start = _restore(out, models, opt, cfg) if resume else 0
     n = 1 if rl.algo == "dpo" else rl.n_samples
     recipe = algo or build_algorithm(cfg)
-    steps = _Steps(updates=rl.batch_size // rl.mini_batch_size, start=start)
+    steps = _Steps(
+        updates=rl.batch_size // rl.mini_batch_size * rl.epochs,
+        start=start,
+        ref_every=scoring_plan(cfg, recipe, context_parallel=world.cp is not None).ref_every,
+    )
     log = (
         MetricsLog(
             out / "metrics.jsonl",

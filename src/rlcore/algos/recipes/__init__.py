@@ -18,9 +18,11 @@ from rlcore.algos.recipes.adapters import (
 )
 from rlcore.algos.recipes.algorithm import Algorithm, chain
 from rlcore.algos.recipes.named import dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo
+from rlcore.algos.recipes.needs import ScoringNeeds, scoring_needs
 
 __all__ = [
     "Algorithm",
+    "ScoringNeeds",
     "chain",
     "dapo",
     "dr_grpo",
@@ -35,6 +37,7 @@ __all__ = [
     "ppo",
     "reinforce_pp",
     "rloo",
+    "scoring_needs",
     "token_advantages",
     "token_rewards_shaping",
 ]

@@ -89,7 +89,13 @@ def token_rewards_shaping(batch: Batch) -> Batch:
 
 
 def kl_reward_shaping(batch: Batch, *, kl_coef: float, estimator: str = "k1") -> Batch:
-    """Fold ``kl_coef * KL(old_logp || ref_logp)`` per token into ``rewards`` (RLHF's KL reward)."""
+    """Fold ``kl_coef * KL(old_logp || ref_logp)`` per token into ``rewards`` (RLHF's KL reward).
+
+    With ``kl_coef == 0`` the batch is returned as it is: nothing is read, so a recipe
+    without a KL penalty needs no reference forward.
+    """
+    if kl_coef == 0:
+        return batch
     rewards, _ = kl_in_reward(
         batch_entry(batch, "rewards", "token rewards [B, T]"),
         batch_entry(batch, "old_logp", "rollout-policy log-probs"),
@@ -102,7 +108,12 @@ def kl_reward_shaping(batch: Batch, *, kl_coef: float, estimator: str = "k1") ->
 
 
 def kl_score_shaping(batch: Batch, *, kl_coef: float, estimator: str = "k1") -> Batch:
-    """Subtract ``kl_coef`` times the sequence KL (sum over tokens) from ``scores``: RLOO's KL reward."""
+    """Subtract ``kl_coef`` times the sequence KL (sum over tokens) from ``scores``: RLOO's KL reward.
+
+    With ``kl_coef == 0`` the batch is returned as it is (nothing is read).
+    """
+    if kl_coef == 0:
+        return batch
     mask = batch_entry(batch, "mask", "the token mask")
     on = mask != 0
     old_logp = torch.where(on, batch_entry(batch, "old_logp", "rollout-policy log-probs"), 0.0)

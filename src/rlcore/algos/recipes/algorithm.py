@@ -44,6 +44,7 @@ def chain(*steps: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
             batch = step(batch)
         return batch
 
+    chained.steps = steps  # type: ignore[attr-defined]  # read by rlcore.algos.scoring_needs
     return chained
 
 

@@ -1,0 +1,85 @@
+"""Which scoring forwards a recipe needs before its update: the rollout policy's and the reference's log-probs.
+
+A step can skip a forward pass only when nothing reads its column. An
+:class:`~rlcore.algos.Algorithm` reads
+
+* ``ref_logp`` in its loss when the KL term is on (``kl_coef`` not 0, or a KL
+  controller), and in its shaping when it folds the KL into the reward
+  (:func:`~rlcore.algos.kl_reward_shaping`, :func:`~rlcore.algos.kl_score_shaping`
+  with ``kl_coef`` not 0);
+* ``old_logp`` before the update only in such KL shaping. Its loss always reads
+  ``old_logp``; with one optimiser update per batch the update's own log-probs,
+  detached, are exactly those (TRL's ``GRPOTrainer`` and verl skip the forward then).
+
+A shaping step this module does not know (a user's function) counts as reading both.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from rlcore.algos.kl import KLController
+from rlcore.algos.recipes.adapters import (
+    dynamic_sampling_filter,
+    kl_reward_shaping,
+    kl_score_shaping,
+    overlong_shaping,
+    token_rewards_shaping,
+)
+from rlcore.algos.recipes.algorithm import Algorithm
+
+__all__ = ["ScoringNeeds", "scoring_needs"]
+
+_KL_SHAPING = (kl_reward_shaping, kl_score_shaping)
+_READS_NO_LOGPS = (token_rewards_shaping, dynamic_sampling_filter, overlong_shaping)
+
+
+class ScoringNeeds(NamedTuple):
+    """What :func:`scoring_needs` found.
+
+    Fields:
+      old_logp: the recipe's advantages (its shaping) read the rollout policy's
+        log-probs, so they must come from a forward before the update.
+      ref_logp: the recipe reads the reference's log-probs (loss or shaping).
+    """
+
+    old_logp: bool
+    ref_logp: bool
+
+
+def _steps(shaping: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    inner = getattr(shaping, "steps", None)  # rlcore.algos.chain
+    if inner is None:
+        yield shaping
+        return
+    for step in inner:
+        yield from _steps(step)
+
+
+def scoring_needs(algo: Any) -> ScoringNeeds:
+    """Which of ``old_logp`` (before the update) and ``ref_logp`` ``algo`` reads.
+
+    Args:
+      algo: an :class:`~rlcore.algos.Algorithm`; anything else counts as reading both.
+
+    >>> from rlcore import algos
+    >>> scoring_needs(algos.grpo(kl_coef=0.0)), scoring_needs(algos.grpo())
+    (ScoringNeeds(old_logp=False, ref_logp=False), ScoringNeeds(old_logp=False, ref_logp=True))
+    >>> scoring_needs(algos.ppo())
+    ScoringNeeds(old_logp=True, ref_logp=True)
+    """
+    if not isinstance(algo, Algorithm):
+        return ScoringNeeds(True, True)
+    coef = algo.kl_coef
+    ref = isinstance(coef, KLController) or coef != 0
+    old = False
+    for step in _steps(algo.shaping) if algo.shaping is not None else ():
+        fn = step.func if isinstance(step, functools.partial) else step
+        if fn in _KL_SHAPING:
+            reads = step.keywords.get("kl_coef", 1) != 0 if isinstance(step, functools.partial) else True
+            old, ref = old or reads, ref or reads
+        elif fn not in _READS_NO_LOGPS:
+            return ScoringNeeds(True, True)
+    return ScoringNeeds(old, ref)

@@ -1,0 +1,194 @@
+"""No forward the step does not need: the old-policy and reference forwards the trainer skips, and PPO's epochs."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from tests.tiny_runs import TINY
+
+from rlcore import algos
+from rlcore.dataflow import stage
+from rlcore.train import load_config, train
+from rlcore.train.stages import every_n_steps, update_stage
+from rlcore.train.trainer import ScoringPlan, scoring_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN = ROOT / "configs" / "grpo_tiny.yaml"
+ONE_UPDATE = ["rl.mini_batch_size=4"]  # TINY's batch_size is 4 prompts
+
+
+def _cfg(*overrides: str, config: Path = MAIN):
+    return load_config(config, [*TINY, "trainer.log_ref_kl_every=0", *overrides])
+
+
+# --- which recipe reads what ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("algo", "old", "ref"),
+    [
+        (algos.grpo(kl_coef=0.0), False, False),
+        (algos.grpo(), False, True),
+        (algos.dapo(), False, False),
+        (algos.dr_grpo(), False, False),
+        (algos.gspo(), False, False),
+        (algos.ppo(), True, True),
+        (algos.ppo(kl_coef=0.0), False, False),
+        (algos.rloo(), True, True),
+        (algos.rloo(kl_coef=0.0), False, False),
+        (algos.reinforce_pp(), True, True),
+        (algos.reinforce_pp(kl_coef=0.0), False, False),
+        (algos.grpo(kl_coef=0.0)._replace(kl_coef=algos.adaptive_kl_controller(init_kl_coef=0.1)), False, True),
+    ],
+)
+def test_scoring_needs_of_the_named_recipes(algo, old, ref):
+    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old, ref)
+
+
+def test_a_shaping_step_it_does_not_know_counts_as_reading_both():
+    custom = algos.grpo(kl_coef=0.0)._replace(shaping=lambda b: {**b, "scores": b["scores"] * 2})
+    assert algos.scoring_needs(custom) == algos.ScoringNeeds(True, True)
+    nested = algos.ppo(kl_coef=0.0)._replace(shaping=algos.chain(algos.token_rewards_shaping, lambda b: b))
+    assert algos.scoring_needs(nested) == algos.ScoringNeeds(True, True)
+    assert algos.scoring_needs(object()) == algos.ScoringNeeds(True, True)
+
+
+@pytest.mark.parametrize("shaping", [algos.kl_reward_shaping, algos.kl_score_shaping])
+def test_kl_shaping_at_coefficient_zero_reads_no_log_probs(shaping):
+    batch = {"scores": torch.tensor([1.0, 0.0]), "mask": torch.ones(2, 3), "rewards": torch.zeros(2, 3)}
+    assert shaping(batch, kl_coef=0.0) is batch  # no old_logp / ref_logp in the batch, and nothing raised
+    with pytest.raises(ValueError, match="old_logp"):
+        shaping(batch, kl_coef=0.1)
+
+
+# --- the trainer's plan ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "plan"),
+    [
+        ([*ONE_UPDATE], ScoringPlan(False, 0)),  # the main job's shape: beta 0, one update per batch
+        ([*ONE_UPDATE, "trainer.log_ref_kl_every=5"], ScoringPlan(False, 5)),
+        ([*ONE_UPDATE, "rl.old_logp=forward"], ScoringPlan(True, 0)),
+        ([], ScoringPlan(True, 0)),  # two mini-batches: the second update's policy is not the sampler
+        ([*ONE_UPDATE, "rl.epochs=2"], ScoringPlan(True, 0)),
+        ([*ONE_UPDATE, "rl.beta=0.1"], ScoringPlan(False, 1)),  # the KL term reads the reference every step
+        ([*ONE_UPDATE, "rl.algo=ppo"], ScoringPlan(False, 0)),
+        ([*ONE_UPDATE, "rl.algo=ppo", "rl.beta=0.1"], ScoringPlan(True, 1)),  # KL in the reward: before the update
+        ([*ONE_UPDATE, "rl.algo=dapo", "rl.beta=null"], ScoringPlan(False, 0)),
+    ],
+)
+def test_scoring_plan(overrides, plan):
+    from rlcore.train.trainer import build_algorithm
+
+    cfg = _cfg("rl.beta=0.0", *overrides)
+    assert scoring_plan(cfg, build_algorithm(cfg)) == plan
+
+
+def test_dpo_and_context_parallel_keep_both_forwards():
+    from rlcore.train.trainer import build_algorithm
+
+    cfg = _cfg(*ONE_UPDATE, "rl.beta=0.0")
+    assert scoring_plan(cfg, build_algorithm(cfg), context_parallel=True) == ScoringPlan(True, 1)
+    dpo = load_config(ROOT / "configs" / "dpo_tiny.yaml", [*TINY, "rl.num_rollouts=1", "rl.mini_batch_size=4"])
+    assert scoring_plan(dpo, build_algorithm(dpo)) == ScoringPlan(True, 1)
+
+
+@pytest.mark.parametrize("key", ["rl.old_logp=sometimes", "trainer.log_ref_kl_every=-1"])
+def test_bad_plan_keys_are_refused_by_name(key):
+    with pytest.raises(ValueError, match=key.split("=")[0].replace(".", r"\.")):
+        _cfg(key)
+
+
+# --- the skipped forwards change nothing ----------------------------------------------------------------
+
+
+def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    cfg = _cfg(*ONE_UPDATE, "rl.beta=0.0", "trainer.steps=4", f"trainer.output_dir={tmp_path / name}", *overrides)
+    return train(cfg).records
+
+
+def test_skipped_forwards_give_the_full_steps_losses_and_metrics(tmp_path):
+    """beta 0, one update per batch: without the old-policy and reference forwards every logged value agrees to 1e-6."""
+    lean = _run(tmp_path, "lean", "trainer.log_ref_kl_every=2")
+    full = _run(tmp_path, "full", "rl.old_logp=forward", "trainer.log_ref_kl_every=1")
+    assert "busy_s/old_logp" not in lean[0] and "busy_s/old_logp" in full[0]
+    assert [("kl" in r) for r in lean] == [True, False, True, False]  # the reference ran at steps 0 and 2
+    for a, b in zip(lean, full):
+        shared = [
+            k for k in a if k in b and not k.startswith(("busy_s", "bubble", "step_time", "tokens_per_s", "sync"))
+        ]
+        assert {"loss", "reward", "entropy", "pg_loss", "ratio_max"} <= set(shared)
+        for k in shared:
+            assert a[k] == pytest.approx(b[k], abs=1e-6), (a["step"], k)
+
+
+def test_the_skipped_reference_forward_leaves_no_kl_and_plots_the_entropy(tmp_path):
+    records = _run(tmp_path, "never", "trainer.plot=true")
+    assert all("kl" not in r for r in records) and all(r["entropy"] > 0 for r in records)
+    assert (tmp_path / "never" / "curves.png").stat().st_size > 1000
+
+
+def test_every_n_steps_runs_the_stage_on_its_steps_only():
+    calls = []
+
+    def score(b):
+        calls.append(int(b["iteration"][0]))
+        return {"ref_logp": torch.ones(b["mask"].shape)}
+
+    s = every_n_steps(
+        stage(score, inputs=["mask"], outputs=["ref_logp"], name="ref_logp"),
+        3,
+        lambda b: {"ref_logp": torch.zeros(b["mask"].shape)},
+    )
+    assert "iteration" in s.inputs
+    outs = [s.fn({"mask": torch.ones(2, 3), "iteration": torch.full((2,), i)})["ref_logp"].sum() for i in range(7)]
+    assert calls == [0, 3, 6] and [float(o) for o in outs] == [6, 0, 0, 6, 0, 0, 6]
+    with pytest.raises(ValueError, match="n: got 0"):
+        every_n_steps(s, 0, lambda b: {})
+
+
+# --- PPO's epochs ------------------------------------------------------------------------------------
+
+
+def test_update_stage_epochs_pass_over_the_mini_batches_in_order():
+    seen = []
+
+    def forward(b):
+        return {"x": b["x"].float()}
+
+    class Recipe:
+        def global_counts(self, batch, *, process_group=None):
+            return {}
+
+        def loss(self, batch):
+            seen.append(batch["x"].tolist())
+            return batch["x"].float().sum(), {}
+
+    s = update_stage(forward, Recipe(), lambda loss, rows: None, inputs=["x"], micro_batch=2, epochs=3)
+    assert s.micro_batch is None  # the whole iteration per call
+    out = s.fn({"x": torch.arange(4)})
+    assert seen == [[0, 1], [2, 3]] * 3 and out["loss"].tolist() == [1.0, 1.0, 5.0, 5.0]
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="epochs"):
+            update_stage(forward, Recipe(), lambda loss, rows: None, inputs=["x"], micro_batch=2, epochs=bad)
+
+
+def test_config_epochs_make_that_many_passes(tmp_path, monkeypatch):
+    from rlcore.train import trainer as trainer_module
+
+    updates = []
+    real = trainer_module._Optimiser.__call__
+
+    @functools.wraps(real)
+    def counted(self, loss, rows):
+        updates.append(int(rows["iteration"][0]))
+        return real(self, loss, rows)
+
+    monkeypatch.setattr(trainer_module._Optimiser, "__call__", counted)
+    records = train(_cfg("rl.epochs=2", "trainer.steps=2", f"trainer.output_dir={tmp_path}")).records
+    # TINY: 4 prompts, mini-batches of 2: two updates per pass, two passes per step.
+    assert updates == [0, 0, 0, 0, 1, 1, 1, 1] and len(records) == 2
