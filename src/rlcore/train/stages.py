@@ -244,7 +244,7 @@ def every_n_steps(s: Stage, n: int, fill: Callable[[Batch], dict[str, torch.Tens
         raise ValueError(f"n: got {n!r}, expected an int >= 1")
     fn = s.fn
 
-    def run(b: Batch) -> dict[str, torch.Tensor]:
+    def run(b: Batch) -> Any:
         return fn(b) if int(b["iteration"][0]) % n == 0 else fill(b)
 
     inputs = tuple(s.inputs) if "iteration" in s.inputs else (*s.inputs, "iteration")
@@ -409,11 +409,12 @@ def update_stage(
         if epochs == 1:
             return {"loss": one_update(b).expand(rows).clone()}
         # PPO's epochs: every pass visits the iteration's mini-batches in row order.
+        size = micro_batch or rows
         out = torch.zeros(rows)
         for _ in range(epochs):
-            for start in range(0, rows, micro_batch):
-                part = {k: v[start : start + micro_batch] for k, v in b.items()}
-                out[start : start + micro_batch] = one_update(part)
+            for start in range(0, rows, size):
+                part = {k: v[start : start + size] for k, v in b.items()}
+                out[start : start + size] = one_update(part)
         return {"loss": out}
 
     return stage(
