@@ -42,11 +42,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = 3  # first steps left out of the median (start-up, first calls)
-THREADS = 2
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 
 _MAIN_MODEL = {
     "model_type": "qwen2",

@@ -38,8 +38,10 @@ def test_blocking_pipeline_reproduces_the_hand_written_loop(name, tmp_path):
         assert record["loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-6)
         assert record["policy_lag_max"] == 0
     assert any(abs(r["loss"]) > 1e-4 for r in run.records)  # the comparison is not between zeros
+    # The trainer's forwards run each group's prompt once (rlcore.models.shared_prefix); the loop packs
+    # every row whole: the same maths in another summation order, 2e-6 apart after 5 AdamW steps.
     for (k, a), b in zip(loop.policy.state_dict().items(), run.policy.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=k)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=k)
     if loop.critic is not None:
         for (k, a), b in zip(loop.critic.state_dict().items(), run.critic.state_dict().values()):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=k)

@@ -108,6 +108,16 @@ def _row_spec(column: str, rows: list[torch.Tensor]) -> tuple[torch.dtype, int, 
     return spec
 
 
+def _tensor_spec(value: torch.Tensor) -> tuple[torch.dtype, int, tuple[int, ...]]:
+    """:func:`_row_spec` of the rows of one tensor (each row is ``value[i]``)."""
+    return value.dtype, value.dim() - 1, tuple(value.shape[2:])
+
+
+def _tensor_lengths(value: torch.Tensor) -> torch.Tensor:
+    """:func:`_row_lengths` of the rows of one tensor: all ``value.shape[1]`` (0 for per-row scalars)."""
+    return torch.full((value.shape[0],), value.shape[1] if value.dim() > 1 else 0, dtype=torch.int64)
+
+
 def _row_lengths(rows: list[torch.Tensor]) -> torch.Tensor:
     """Tokens per row: the first dimension of each row, 0 for 0-d (per-sample scalar) rows."""
     return torch.tensor([row.shape[0] if row.dim() else 0 for row in rows], dtype=torch.int64)
@@ -800,8 +810,13 @@ def _collate(
             all_lengths[positions] = torch.tensor(part[column][1], dtype=torch.int64)
         width = int(all_lengths.max())
         mask = torch.arange(width) < all_lengths[:, None]
+        in_order = len(pieces) == 1 and pieces[0][0] == list(range(size))
+        if in_order and first.shape[0] == size * width:  # every row full width: a view, no scatter
+            batch[column] = first.view(size, width, *first.shape[1:])
+            batch[mask_key] = mask
+            continue
         out = first.new_full((size, width, *first.shape[1:]), pad_value)
-        if len(pieces) == 1 and pieces[0][0] == list(range(size)):
+        if in_order:
             out[mask] = first
         else:
             for positions, part in pieces:
@@ -890,6 +905,8 @@ class TransferDock:
 
     def _by_warehouse(self, rows: torch.Tensor) -> list[tuple[int, list[int]]]:
         """``(warehouse, positions in rows)`` for every warehouse holding some of ``rows``."""
+        if len(self.warehouses) == 1:
+            return [(0, list(range(rows.numel())))]
         where = torch.bucketize(rows, self._bounds[1:], right=True)
         order = torch.argsort(where, stable=True)
         counts = torch.bincount(where, minlength=len(self.warehouses)).tolist()
@@ -925,18 +942,24 @@ class TransferDock:
                 raise ValueError(f"columns[{column!r}]: got {len(values)} rows, expected {idx.numel()} (one per index)")
         if idx.numel() == 0:
             return
-        self._wait_call(self.controller, "try_begin_put", None, {c: _row_spec(c, v) for c, v in rows.items()}, idx)
+        # A column given as one tensor has one spec and one length for all its rows: no per-row pass.
+        dense = {c: v for c, v in columns.items() if isinstance(v, torch.Tensor)}
+        specs = {c: _tensor_spec(dense[c]) if c in dense else _row_spec(c, v) for c, v in rows.items()}
+        self._wait_call(self.controller, "try_begin_put", None, specs, idx)
         try:
-            self._call_all(
-                [
-                    self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel])
-                    for w, sel in self._by_warehouse(idx)
+            routes = self._by_warehouse(idx)
+            if len(routes) == 1:  # one warehouse holds every row: the rows go in the caller's order
+                calls = [self._put_call(routes[0][0], rows, idx)]
+            else:
+                calls = [
+                    self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel]) for w, sel in routes
                 ]
-            )
+            self._call_all(calls)
         except BaseException:
             self._call(self.controller, "abort_put", list(rows), idx)
             raise
-        self._call(self.controller, "commit_put", {c: _row_lengths(v) for c, v in rows.items()}, idx)
+        lengths = {c: _tensor_lengths(dense[c]) if c in dense else _row_lengths(v) for c, v in rows.items()}
+        self._call(self.controller, "commit_put", lengths, idx)
 
     def get(
         self,

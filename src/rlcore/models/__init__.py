@@ -38,6 +38,7 @@ from rlcore.models.preference import PREFERENCE_SIDES, preference_logps
 from rlcore.models.ring_attention import ring_attention
 from rlcore.models.sampling import filter_logits, left_pad
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
+from rlcore.models.shared_prefix import SharedPrefix, shared_prefix_logprobs, shares_prompts
 from rlcore.models.token_logprobs import token_logprobs
 from rlcore.models.ulysses import ulysses_attention
 
@@ -51,6 +52,7 @@ __all__ = [
     "MergedWeights",
     "SequenceShards",
     "ShardedLogprobs",
+    "SharedPrefix",
     "TokenIds",
     "adapter_state_dict",
     "adapters_disabled",
@@ -76,6 +78,8 @@ __all__ = [
     "ring_attention",
     "shard_packed",
     "sharded_token_logprobs",
+    "shared_prefix_logprobs",
+    "shares_prompts",
     "token_ids",
     "token_logprobs",
     "ulysses_attention",

@@ -35,6 +35,7 @@ from rlcore._checks import check_integer, check_ndim, check_same_shape
 from rlcore.models.attention import attend_packed, check_cu_seqlens
 from rlcore.models.context_parallel import ContextParallelShard
 from rlcore.models.lora import AdaptersOff, MergedWeights, adapters_disabled, base_view, is_lora
+from rlcore.models.shared_prefix import SharedPrefix
 
 __all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf", "load_causal_lm"]
 
@@ -62,7 +63,7 @@ def _hf_attention(
     if dropout:
         raise ValueError(f"dropout: got {dropout}, expected 0.0 (packed attention applies no attention dropout)")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if isinstance(packing, ContextParallelShard):
+    if isinstance(packing, (ContextParallelShard, SharedPrefix)):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         return packing.attend(q, k, v, scale=scale).unsqueeze(0), None
     cu_seqlens, max_seqlen, bounds = packing
@@ -128,9 +129,10 @@ class HFCausalLM:
         input_ids: torch.Tensor,
         *,
         position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         context_parallel: ContextParallelShard | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> torch.Tensor:
         """Last hidden states ``[N, H]`` of the packed row ``input_ids`` ``[N]``.
 
@@ -144,11 +146,19 @@ class HFCausalLM:
             group (:func:`rlcore.models.shard_packed`); then ``input_ids`` and
             ``position_ids`` are the shard's ``[2L]`` tokens, ``cu_seqlens`` its padded
             row's, and the result is the shard's ``[2L, H]`` (a collective over the group).
+          shared_prefix: a shared-prompt layout (:mod:`rlcore.models.shared_prefix`)
+            instead of ``cu_seqlens``: who attends to whom within each prompt's group.
         """
         check_ndim("input_ids", input_ids, 1)
         check_integer("input_ids", input_ids)
         check_same_shape("position_ids", position_ids, "input_ids", input_ids)
         check_integer("position_ids", position_ids)
+        if shared_prefix is not None:
+            if self.sharded is not None:
+                return self._sharded_call(params, input_ids, position_ids, shared_prefix)
+            return self._forward(params, input_ids, position_ids, shared_prefix)
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens: got None, expected [B + 1] sequence boundaries (or a shared_prefix layout)")
         if context_parallel is not None:
             n = context_parallel.shards.local_len
             if input_ids.shape[0] != n:

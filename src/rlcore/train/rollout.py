@@ -113,7 +113,7 @@ def generate(
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     # transformers 5 renamed ``past_key_values`` to ``cache`` (argument and output field).
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    out = _prefill(model, ids, attention, positions, cache)
     next_position = positions[:, -1:] + 1
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens, logps, masks = [], [], []
@@ -146,6 +146,39 @@ def generate(
     return Rollout(
         ids, prompt_mask.repeat_interleave(n, 0), torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1)
     )
+
+
+def _prefill(model: Any, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: str) -> Any:
+    """The prompt forward with a KV cache; rows with the same prompt (a GRPO group) share one.
+
+    Each distinct left-padded prompt runs once and its cache entries and last logits are
+    then given to every row that has it (``Cache.reorder_cache``, beam search's
+    row gather), as vLLM's prefix cache does: the decode steps see exactly what a forward
+    over all rows would give them.
+    """
+    rows = ids.shape[0]
+    keyed = torch.where(attention != 0, ids, -1)
+    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+    distinct = int(inverse.max()) + 1 if rows else 0  # sync-ok: the trainer's decode loop sizes the prefill
+    if distinct == rows:
+        return model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    first = torch.full((distinct,), rows, dtype=torch.long, device=ids.device)
+    first.scatter_reduce_(0, inverse, torch.arange(rows, device=ids.device), reduce="amin")
+    out = model(input_ids=ids[first], attention_mask=attention[first], position_ids=positions[first], use_cache=True)
+    kv = getattr(out, cache, None)
+    if hasattr(kv, "reorder_cache"):
+        kv.reorder_cache(inverse)
+    elif isinstance(kv, (tuple, list)):  # a legacy per-layer (key, value) tuple
+        kv = tuple(tuple(t.index_select(0, inverse) for t in layer) for layer in kv)
+    return _Prefilled(out.logits[:, -1:].index_select(0, inverse), kv, cache)
+
+
+class _Prefilled:
+    """The prefill's result for every row: the last logits and the cache under the model output's field name."""
+
+    def __init__(self, logits: torch.Tensor, kv: Any, field: str):
+        self.logits = logits
+        setattr(self, field, kv)
 
 
 def _vocab_size(model: Any) -> int | None:

@@ -39,7 +39,7 @@ import torch
 
 from rlcore import algos
 from rlcore.dataflow import Stage, stage
-from rlcore.models import from_hf, preference_logps, token_logprobs
+from rlcore.models import from_hf, preference_logps, shared_prefix_logprobs, shares_prompts, token_logprobs
 
 __all__ = [
     "PAIR_COLUMNS",
@@ -81,9 +81,18 @@ def eval_mode(*models: torch.nn.Module | None) -> Iterator[None]:
 
 
 def response_logprobs(
-    model: Any, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0, with_entropy: bool = False
+    model: Any,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> Any:
     """Log-probs (and entropies) ``[N, R]`` of the response tokens: one padding-free packed forward.
+
+    Rows with the same prompt (a GRPO group) share one copy of it
+    (:func:`rlcore.models.shared_prefix_logprobs`: the same values up to rounding, for
+    fewer tokens); otherwise each sequence is packed whole.
 
     Args:
       model: ``(apply, params)`` from :func:`rlcore.models.from_hf`.
@@ -91,11 +100,18 @@ def response_logprobs(
         ``mask`` ``[N, R]``.
       temperature: the sampling temperature.
       with_entropy: also return the per-token entropy.
+      share_prompts: run each distinct prompt once (False: every row packed whole).
 
     Returns:
       ``logp [N, R]`` float32 (``(logp, entropy)`` with ``with_entropy``); 0 on padding.
     """
     apply, params = model
+    if share_prompts:
+        group = shares_prompts(batch["prompts"], batch["prompt_mask"])
+        if group is not None:  # a GRPO group's prompt runs once (rlcore.models.shared_prefix)
+            return shared_prefix_logprobs(
+                apply, params, batch, group=group, temperature=temperature, with_entropy=with_entropy
+            )
     width = batch["prompts"].shape[1]
     seq = {
         "input_ids": torch.cat([batch["prompts"], batch["responses"]], 1),
@@ -155,7 +171,8 @@ def rollout_stage(
 
 
 def _rows(x: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
-    return [row[k].tolist() for row, k in zip(x, keep != 0)]
+    """The kept ids of each row, as host lists: two reads of the whole tensors, not two per row."""
+    return [[v for v, k in zip(values, kept) if k] for values, kept in zip(x.tolist(), (keep != 0).tolist())]
 
 
 def reward_stage(

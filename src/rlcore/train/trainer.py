@@ -723,6 +723,19 @@ def _engine(cfg: Config, model: torch.nn.Module, tok: Any) -> TorchEngine:
     )
 
 
+def in_place_rollout(cfg: Config, device: torch.device) -> bool:
+    """Whether a one-process co-located run samples from the training weights in place, without the swap.
+
+    The AllGather-Swap frees device memory for the rollout by offloading the training
+    state to the host and building the engine's weights in buckets. When the device *is*
+    the host (the CPU), offloading moves bytes from RAM to RAM and frees nothing: the
+    engine then reads the policy's own parameters (shared storage), which is exact in
+    the blocking pipeline, where a rollout never overlaps an update. With
+    ``deploy.async_infer`` the swap's snapshot keeps each rollout on one weights version.
+    """
+    return device.type == "cpu" and not cfg.deploy.async_infer
+
+
 class _Deployment:
     """Where the rollout runs and how weights reach it: the pipeline's rollout stage, switch hook and sync.
 
@@ -803,6 +816,18 @@ class _Deployment:
             self.publish = sync_to(load_into(replica))
             self.publish(0)
             self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
+        elif in_place_rollout(
+            cfg, self.device
+        ):  # the device is the host: no swap, the engine reads the policy's weights
+            named = dict(policy.named_parameters())
+            for name, p in replica.named_parameters():
+                p.data = named[name].data  # shared storage: each optimiser step is seen by the next rollout
+            self.switch = None
+            self.publish = lambda version: None
+            self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
+            if cfg.rl.multi_turn is not None:
+                agent = multi_turn_rollout_stage(cfg, replica, task, rank=world.rank, timeout=timeout)
+                self.rollout, self.rollout_metrics = agent.stage, agent.pop_metrics
         else:  # co-located: the engine's weights are built by the AllGather-Swap at each switch to rollout
             infer = replica
             engine_params = dict(infer.named_parameters())
