@@ -165,7 +165,7 @@ def _prefill(model: Any, ids: torch.Tensor, attention: torch.Tensor, positions: 
     first = torch.full((distinct,), rows, dtype=torch.long, device=ids.device)
     first.scatter_reduce_(0, inverse, torch.arange(rows, device=ids.device), reduce="amin")
     out = model(input_ids=ids[first], attention_mask=attention[first], position_ids=positions[first], use_cache=True)
-    kv = getattr(out, cache, None)
+    kv: Any = getattr(out, cache, None)
     if hasattr(kv, "reorder_cache"):
         kv.reorder_cache(inverse)
     elif isinstance(kv, (tuple, list)):  # a legacy per-layer (key, value) tuple
