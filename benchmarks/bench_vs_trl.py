@@ -6,7 +6,7 @@ Run: pip install -e ".[bench]"    (TRL, for this benchmark only)
 Both sides train a randomly initialised Qwen2-architecture model from the same inline
 config on the reversal task (``"abcd>" -> "dcba"``, the main job's task), exact-match
 reward, GRPO with groups of ``num_rollouts`` samples, one optimiser update per batch,
-``beta = 0``, AdamW, 2 torch threads, no warm-up, on the CPU:
+``beta = 0``, AdamW, no warm-up, on the CPU, at 1 and 2 torch threads (``--threads``):
 
 * rlcore: :func:`rlcore.train.train` on ``configs/grpo_tiny.yaml`` with the size's model,
   batch and ``max_new_tokens`` -- the main job's deployment, co-located, the blocking
@@ -15,10 +15,11 @@ reward, GRPO with groups of ``num_rollouts`` samples, one optimiser update per b
   num_rollouts, num_generations = num_rollouts, max_completion_length, temperature,
   beta=0, use_cpu=True)``), the same character tokenizer as a ``transformers`` one.
 
-Each (side, size, repeat) runs in a fresh process of this script, one after the other,
-alternating which side goes first. A side's seconds per step is the median over its
-steps after the first three (start-up and first-call costs excluded). The script prints
-both, the speed-up (TRL's seconds per step over rlcore's), each side's mean response
+Each (side, size, threads, repeat) runs in a fresh process of this script, one after the
+other, alternating which side goes first. A side's seconds per step is the median over
+its steps after the first three (start-up and first-call costs excluded), then over the
+repeats; each side is judged at its own fastest thread count. The script prints every
+figure, the speed-up (TRL's seconds per step over rlcore's), each side's mean response
 length (the work sampled), and a per-stage breakdown: rlcore's busy seconds per stage
 from its step records, TRL's from timers around its generation, reward, log-prob
 forward, backward and optimiser step.
@@ -44,7 +45,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = 3  # first steps left out of the median (start-up, first calls)
-THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 
 _MAIN_MODEL = {
     "model_type": "qwen2",
@@ -92,7 +92,7 @@ TEMPERATURE, LR = 2.5, 5e-4
 # --- rlcore ------------------------------------------------------------------------------------
 
 
-def run_rlcore(size: dict[str, Any], steps: int) -> dict[str, Any]:
+def run_rlcore(size: dict[str, Any], steps: int, threads: int) -> dict[str, Any]:
     import yaml
 
     from rlcore.train import load_config, train
@@ -110,7 +110,7 @@ def run_rlcore(size: dict[str, Any], steps: int) -> dict[str, Any]:
             beta=0.0,
         )
         raw["trainer"].update(
-            steps=steps, warmup_steps=0, save_every=0, progress=False, plot=False, threads=THREADS, output_dir=out
+            steps=steps, warmup_steps=0, save_every=0, progress=False, plot=False, threads=threads, output_dir=out
         )
         path = Path(out) / "config.yaml"
         path.write_text(yaml.safe_dump(raw))
@@ -127,7 +127,7 @@ def run_rlcore(size: dict[str, Any], steps: int) -> dict[str, Any]:
 # --- TRL ---------------------------------------------------------------------------------------
 
 
-def run_trl(size: dict[str, Any], steps: int) -> dict[str, Any]:
+def run_trl(size: dict[str, Any], steps: int, threads: int) -> dict[str, Any]:
     import torch
     import transformers
     from datasets import Dataset
@@ -136,7 +136,7 @@ def run_trl(size: dict[str, Any], steps: int) -> dict[str, Any]:
     from rlcore.models.export import _char_tokenizer_as_hf
     from rlcore.train.tasks import Reversal
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     task = Reversal(length=4, min_length=2, letters="abcdef")  # configs/grpo_tiny.yaml's data section
     tok = _char_tokenizer_as_hf(task.tokenizer)
@@ -229,10 +229,10 @@ def run_trl(size: dict[str, Any], steps: int) -> dict[str, Any]:
 # --- the driver ----------------------------------------------------------------------------------
 
 
-def _side(side: str, size: str, steps: int) -> dict[str, Any]:
+def _side(side: str, size: str, steps: int, threads: int) -> dict[str, Any]:
     """Run one side in a fresh process of this script; its result dict."""
     proc = subprocess.run(
-        [sys.executable, __file__, "--worker", side, "--sizes", size, "--steps", str(steps)],
+        [sys.executable, __file__, "--worker", side, "--sizes", size, "--steps", str(steps), "--threads", str(threads)],
         capture_output=True,
         text=True,
         check=False,
@@ -252,43 +252,49 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sizes", default="small,main,large")
+    parser.add_argument("--threads", default="1,2", help="torch threads to try per side; each side's fastest counts")
     parser.add_argument("--worker", choices=["rlcore", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = args.sizes.split(",")
     bad = [s for s in sizes if s not in SIZES]
     if bad:
         parser.error(f"--sizes: got {bad}, expected some of {list(SIZES)}")
+    counts = [int(t) for t in args.threads.split(",")]
     if args.worker:
         fn = run_rlcore if args.worker == "rlcore" else run_trl
-        print("RESULT " + json.dumps(fn(SIZES[sizes[0]], args.steps)), flush=True)
+        print("RESULT " + json.dumps(fn(SIZES[sizes[0]], args.steps, counts[0])), flush=True)
         return
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {THREADS} torch threads per side")
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; torch threads tried per side: {counts}")
     ratios = {}
     for size in sizes:
         spec = SIZES[size]
-        steps = max(SKIP + 3, args.steps if size != "large" else max(SKIP + 3, args.steps // 4))
-        runs: dict[str, list[dict[str, Any]]] = {"rlcore": [], "trl": []}
+        steps = args.steps if size != "large" else max(SKIP + 3, args.steps // 4)
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {(s, t): [] for s in ("rlcore", "trl") for t in counts}
         for r in range(args.repeats):
-            for side in ("rlcore", "trl") if r % 2 == 0 else ("trl", "rlcore"):
-                runs[side].append(_side(side, size, steps))
-        ours = statistics.median(x["step_s"] for x in runs["rlcore"])
-        theirs = statistics.median(x["step_s"] for x in runs["trl"])
+            for threads in counts:
+                for side in ("rlcore", "trl") if r % 2 == 0 else ("trl", "rlcore"):
+                    runs[side, threads].append(_side(side, size, steps, threads))
+        medians = {key: statistics.median(x["step_s"] for x in found) for key, found in runs.items()}
+        best = {side: min(counts, key=lambda t: medians[side, t]) for side in ("rlcore", "trl")}
+        ours, theirs = medians["rlcore", best["rlcore"]], medians["trl", best["trl"]]
         ratios[size] = theirs / ours
         m = spec["model"]
         print(
             f"\n[{size}] hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {spec['prompts']} prompts x "
             f"{spec['samples']}, {spec['new_tokens']} new tokens, {steps} steps x {args.repeats} repeats"
         )
-        for side, median in (("rlcore", ours), ("TRL", theirs)):
-            last = runs[side.lower()][-1]
-            print(
-                f"  {side:<6} {median * 1e3:9.1f} ms/step   mean response length {last['response_length']:.2f}   "
-                f"stages (ms, last run): {_stages(last)}"
-            )
-        bubble = statistics.median(x["bubble_device"] for x in runs["rlcore"])
-        print(f"  rlcore device idle {bubble:.1%} of the step (bubble/device)")
+        for side, label in (("rlcore", "rlcore"), ("trl", "TRL")):
+            for threads in counts:
+                last = runs[side, threads][-1]
+                mark = "*" if threads == best[side] else " "
+                print(
+                    f"  {label:<6} {threads} thr{mark} {medians[side, threads] * 1e3:8.1f} ms/step   "
+                    f"response length {last['response_length']:.2f}   stages (ms, last run): {_stages(last)}"
+                )
+        bubble = statistics.median(x["bubble_device"] for x in runs["rlcore", best["rlcore"]])
+        print(f"  rlcore device idle {bubble:.1%} of the step (bubble/device, {best['rlcore']} threads)")
         goal = f"  (target >= 2x: {'met' if ratios[size] >= 2 else 'NOT met'})" if size == "main" else ""
-        print(f"  speed-up rlcore vs TRL: {ratios[size]:.2f}x{goal}", flush=True)
+        print(f"  speed-up rlcore vs TRL, each at its fastest thread count (*): {ratios[size]:.2f}x{goal}", flush=True)
     order = [s for s in ("small", "main", "large") if s in ratios]
     print("\nspeed-up by size: " + ", ".join(f"{s} {ratios[s]:.2f}x" for s in order))
     below = [s for s in order if ratios[s] < 1]

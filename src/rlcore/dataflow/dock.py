@@ -782,9 +782,14 @@ def _collate(
     concatenated ``[N, ...]`` plus ``<column>_cu_seqlens`` int32 ``[B + 1]``.
     """
     batch: dict[str, Any] = {}
+    # One piece holding the rows in batch order (one warehouse): its tensors are the batch's, fresh copies.
+    in_order = len(pieces) == 1 and pieces[0][0] == list(range(size))
     for column in columns:
         first, lengths = pieces[0][1][column]
         if lengths is None:
+            if in_order:
+                batch[column] = first
+                continue
             out = first.new_empty((size, *first.shape[1:]))
             for positions, part in pieces:
                 out[positions] = part[column][0]
@@ -805,12 +810,14 @@ def _collate(
             continue
         mask_key = f"{column}_mask"
         _check_free(columns, column, mask_key)
-        all_lengths = torch.zeros(size, dtype=torch.int64)
-        for positions, part in pieces:
-            all_lengths[positions] = torch.tensor(part[column][1], dtype=torch.int64)
-        width = int(all_lengths.max())
+        if in_order:
+            all_lengths = torch.tensor(lengths, dtype=torch.int64)
+        else:
+            all_lengths = torch.zeros(size, dtype=torch.int64)
+            for positions, part in pieces:
+                all_lengths[positions] = torch.tensor(part[column][1], dtype=torch.int64)
+        width = int(all_lengths.max()) if size else 0
         mask = torch.arange(width) < all_lengths[:, None]
-        in_order = len(pieces) == 1 and pieces[0][0] == list(range(size))
         if in_order and first.shape[0] == size * width:  # every row full width: a view, no scatter
             batch[column] = first.view(size, width, *first.shape[1:])
             batch[mask_key] = mask

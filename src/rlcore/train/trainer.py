@@ -318,18 +318,28 @@ class _Models(NamedTuple):
     critic: torch.nn.Module | None
 
 
+def adamw(params: list[torch.Tensor], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """``torch.optim.AdamW``, its fused kernel where it runs (one call for all tensors, not ~10 per tensor).
+
+    Fused AdamW takes plain CPU or CUDA tensors; sharded (DTensor) parameters and other
+    devices keep the default implementation.
+    """
+    fused = bool(params) and all(
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params
+    )
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
 class _Optimiser:
     """Backward (FSDP2 sums the gradients over ``dp``), clipping and the optimiser steps: the update stage's ``step``."""
 
     def __init__(self, models: _Models, cfg: Config, world: _World):
         rl = cfg.rl
         self.params = [p for p in models.policy.parameters() if p.requires_grad]  # LoRA: the adapters
-        self.opts = [torch.optim.AdamW(self.params, lr=rl.lr, weight_decay=rl.weight_decay)]
+        self.opts = [adamw(self.params, lr=rl.lr, weight_decay=rl.weight_decay)]
         if models.critic is not None:
             self.params += list(models.critic.parameters())
-            self.opts.append(
-                torch.optim.AdamW(models.critic.parameters(), lr=rl.critic_lr, weight_decay=rl.weight_decay)
-            )
+            self.opts.append(adamw(list(models.critic.parameters()), lr=rl.critic_lr, weight_decay=rl.weight_decay))
         self.world, self.grad_clip = world, rl.grad_clip
 
     def __call__(self, loss: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
@@ -437,7 +447,7 @@ def supervised_warmup(
     params = [p for p in policy.parameters() if p.requires_grad]
     sharded = any(isinstance(p, DTensor) for p in params)
     apply, named = from_hf(policy)
-    opt = torch.optim.AdamW(params, lr=tr.warmup_lr, weight_decay=cfg.rl.weight_decay)
+    opt = adamw(params, lr=tr.warmup_lr, weight_decay=cfg.rl.weight_decay)
     device = params[0].to_local().device if isinstance(params[0], DTensor) else params[0].device
     ranks = dist.get_world_size(process_group) if process_group is not None else 1
     bar = None
@@ -504,7 +514,7 @@ def _loader(task: Any, cfg: Config, rank: int, start: int, n: int, ranks: int = 
         return {
             "prompts": prompts.repeat_interleave(n, 0),
             "prompt_mask": pmask.repeat_interleave(n, 0),
-            "answers": [torch.tensor(tok.encode(s["answer"])) for s in samples for _ in range(n)],
+            "answers": [a for a in (torch.tensor(tok.encode(s["answer"])) for s in samples) for _ in range(n)],
             "group": torch.arange(len(samples)).repeat_interleave(n),
             "iteration": torch.full((rows,), step, dtype=torch.int64),
         }
