@@ -318,7 +318,7 @@ class _Models(NamedTuple):
     critic: torch.nn.Module | None
 
 
-def adamw(params: list[torch.Tensor], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def adamw(params: Sequence[Any], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """``torch.optim.AdamW``, its fused kernel where it runs (one call for all tensors, not ~10 per tensor).
 
     Fused AdamW takes plain CPU or CUDA tensors; sharded (DTensor) parameters and other
