@@ -124,7 +124,8 @@ def test_reprobe30_extraction_runs_inside_the_per_item_timeout():
         reward.pop_metrics()
         hostile = ["\\boxed{" * 6000, "$" + "(" * 20000 + "$", "1+" * 200000 + "1"]
         start = time.monotonic()
-        scores = reward(["q"] * len(hostile), hostile, answers=["1"] * len(hostile))
+        # Wrong whether math-verify finishes in time or not (the sum is 200001, its last number 1): 0 either way.
+        scores = reward(["q"] * len(hostile), hostile, answers=["1", "1", "2"])
         elapsed = time.monotonic() - start
         assert scores.tolist() == [0.0] * len(hostile)
         assert elapsed < len(hostile) * (reward.timeout + 1.0), elapsed

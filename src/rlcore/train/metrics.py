@@ -110,6 +110,7 @@ class MetricsLog:
         with open(self.path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         self._bar = None
+        self._shown: dict[str, str] = {}
         if progress:
             from tqdm.auto import tqdm
 
@@ -119,9 +120,9 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._bar is not None:
-            self._bar.set_postfix(
-                {short: f"{record[k]:.3g}" for k, short in _bar_keys(record).items() if k in record}, refresh=False
-            )
+            # A metric logged on some steps only (kl, with trainer.log_ref_kl_every) keeps its last value.
+            self._shown.update({short: f"{record[k]:.3g}" for k, short in _bar_keys(record).items() if k in record})
+            self._bar.set_postfix(self._shown, refresh=False)
             self._bar.update(1)
 
     def close(self) -> None:
