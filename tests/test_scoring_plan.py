@@ -75,6 +75,7 @@ def test_kl_shaping_at_coefficient_zero_reads_no_log_probs(shaping):
         ([*ONE_UPDATE, "rl.old_logp=forward"], ScoringPlan(True, 0)),
         ([], ScoringPlan(True, 0)),  # two mini-batches: the second update's policy is not the sampler
         ([*ONE_UPDATE, "rl.epochs=2"], ScoringPlan(True, 0)),
+        ([*ONE_UPDATE, "deploy.async_infer=true"], ScoringPlan(True, 0)),  # rows may come from an older policy
         ([*ONE_UPDATE, "rl.beta=0.1"], ScoringPlan(False, 1)),  # the KL term reads the reference every step
         ([*ONE_UPDATE, "rl.algo=ppo"], ScoringPlan(False, 0)),
         ([*ONE_UPDATE, "rl.algo=ppo", "rl.beta=0.1"], ScoringPlan(True, 1)),  # KL in the reward: before the update

@@ -49,9 +49,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.export                           every save also writes output_dir/hf (save_pretrained)
     trainer.log_samples                      every n steps, a few prompt / response / score rows to
                                              output_dir/samples.jsonl (0: none)
-    rl.old_logp                              auto: with one optimiser update per batch (mini_batch_size =
-                                             batch_size, epochs 1) the update's own log-probs, detached, are
-                                             the old policy's (no separate forward); forward: always a forward
+    rl.old_logp                              auto: in the blocking pipeline with one optimiser update per batch
+                                             (mini_batch_size = batch_size, epochs 1) the update's own log-probs,
+                                             detached, are the old policy's (no separate forward); forward: always
     trainer.log_ref_kl_every                 when nothing reads the reference (rl.beta 0), its forward runs only
                                              every n steps to log the KL (0: never; the kl metric is then absent)
 """

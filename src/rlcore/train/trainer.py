@@ -575,8 +575,9 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
     """No forward the step does not need.
 
     * The old-policy forward is skipped (``rl.old_logp: auto``) when the policy that
-      sampled is the one the single update trains: one optimiser update per batch
-      (``rl.mini_batch_size == rl.batch_size``, ``rl.epochs == 1``), and the recipe's
+      sampled is the one the single update trains: the blocking pipeline (no
+      ``deploy.async_infer``, whose rows may come from an older policy), one optimiser
+      update per batch (``rl.mini_batch_size == rl.batch_size``, ``rl.epochs == 1``), and the recipe's
       advantages do not read ``old_logp`` (:func:`rlcore.algos.scoring_needs`: KL in the
       reward does). Then ``old_logp`` is the update's ``logp`` detached: equal to the
       forward's value, and the ratio is 1 with the same gradient.
@@ -591,8 +592,9 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
     if isinstance(algo, algos.DPO) or context_parallel:
         return ScoringPlan(True, 1)
     needs = algos.scoring_needs(algo)
-    one_update = rl.mini_batch_size == rl.batch_size and rl.epochs == 1
-    skip_old = rl.old_logp == "auto" and one_update and not needs.old_logp
+    # On-policy: the blocking pipeline samples with the weights the single update then trains.
+    on_policy = not cfg.deploy.async_infer and rl.mini_batch_size == rl.batch_size and rl.epochs == 1
+    skip_old = rl.old_logp == "auto" and on_policy and not needs.old_logp
     return ScoringPlan(not skip_old, 1 if needs.ref_logp else cfg.trainer.log_ref_kl_every)
 
 
