@@ -13,6 +13,7 @@ from rlcore.algos import DPO, DPO_LOSS_TYPES, dpo, dpo_loss
 from rlcore.models import from_hf, load_causal_lm, preference_logps
 from rlcore.testing import assert_close, assert_no_host_sync
 from rlcore.testing.reference import dpo_step_ref, pair_logps_ref
+from tiny_runs import tiny_qwen2
 
 VOCAB = 40
 SIDES = ("chosen", "rejected")
@@ -319,16 +320,7 @@ def test_bad_input():
             step(dpo(), policy, batch, policy, num_pairs=bad)
 
 
-TINY_QWEN2 = {
-    "model_type": "qwen2",
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+TINY_QWEN2 = tiny_qwen2(VOCAB)
 
 
 def _qwen2(seed, dtype=torch.float32):

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.tiny_runs import TINY
 
 from rlcore import algos
 from rlcore.dataflow import stage
 from rlcore.train import load_config, train
 from rlcore.train.stages import every_n_steps, update_stage
 from rlcore.train.trainer import ScoringPlan, scoring_plan
+from tiny_runs import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "configs" / "grpo_tiny.yaml"

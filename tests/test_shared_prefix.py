@@ -12,21 +12,13 @@ from rlcore.testing.reference import response_logprobs_ref
 from rlcore.train import rollout as rollout_module
 from rlcore.train.rollout import generate
 from rlcore.train.stages import response_logprobs
+from tiny_runs import tiny_qwen2
 
 VOCAB = 29
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 
 
 def _model(dtype=torch.float32):
-    return load_causal_lm({"model_type": "qwen2", **TINY}, dtype=dtype, seed=0).eval()
+    return load_causal_lm(tiny_qwen2(VOCAB), dtype=dtype, seed=0).eval()
 
 
 @pytest.fixture(scope="module")

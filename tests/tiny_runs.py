@@ -34,3 +34,17 @@ SMALLEST_STEP = [
 def record_losses(records: list[dict]) -> torch.Tensor:
     """The ``loss`` of each step record, as float64."""
     return torch.tensor([r["loss"] for r in records], dtype=torch.float64)
+
+
+def tiny_qwen2(vocab_size: int) -> dict:
+    """An inline config of a 2-layer, hidden-32 Qwen2 (GQA: 4 query heads, 2 key-value heads) for model-level tests."""
+    return {
+        "model_type": "qwen2",
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
