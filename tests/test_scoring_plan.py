@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from rlcore import algos
-from rlcore.dataflow import stage
 from rlcore.train import load_config, train
-from rlcore.train.stages import every_n_steps, update_stage
+from rlcore.train.stages import update_stage, with_logged_reference
 from rlcore.train.trainer import ScoringPlan, scoring_plan
-from tiny_runs import TINY
+from tiny_runs import TINY, tiny_qwen2
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "configs" / "grpo_tiny.yaml"
@@ -70,16 +69,19 @@ def test_kl_shaping_at_coefficient_zero_reads_no_log_probs(shaping):
 @pytest.mark.parametrize(
     ("overrides", "plan"),
     [
-        ([*ONE_UPDATE], ScoringPlan(False, 0)),  # the main job's shape: beta 0, one update per batch
-        ([*ONE_UPDATE, "trainer.log_ref_kl_every=5"], ScoringPlan(False, 5)),
-        ([*ONE_UPDATE, "rl.old_logp=forward"], ScoringPlan(True, 0)),
-        ([], ScoringPlan(True, 0)),  # two mini-batches: the second update's policy is not the sampler
-        ([*ONE_UPDATE, "rl.epochs=2"], ScoringPlan(True, 0)),
-        ([*ONE_UPDATE, "deploy.async_infer=true"], ScoringPlan(True, 0)),  # rows may come from an older policy
+        ([*ONE_UPDATE], ScoringPlan(False, 0, ref_stage=False)),  # the main job's shape: beta 0, one update per batch
+        ([*ONE_UPDATE, "trainer.log_ref_kl_every=5"], ScoringPlan(False, 5, ref_stage=False)),
+        ([*ONE_UPDATE, "rl.old_logp=forward"], ScoringPlan(True, 0, ref_stage=False)),
+        ([], ScoringPlan(True, 0, ref_stage=False)),  # two mini-batches: the second update's policy is not the sampler
+        ([*ONE_UPDATE, "rl.epochs=2"], ScoringPlan(True, 0, ref_stage=False)),
+        (
+            [*ONE_UPDATE, "deploy.async_infer=true"],
+            ScoringPlan(True, 0, ref_stage=False),
+        ),  # rows may come from an older policy
         ([*ONE_UPDATE, "rl.beta=0.1"], ScoringPlan(False, 1)),  # the KL term reads the reference every step
-        ([*ONE_UPDATE, "rl.algo=ppo"], ScoringPlan(False, 0)),
+        ([*ONE_UPDATE, "rl.algo=ppo"], ScoringPlan(False, 0, ref_stage=False)),
         ([*ONE_UPDATE, "rl.algo=ppo", "rl.beta=0.1"], ScoringPlan(True, 1)),  # KL in the reward: before the update
-        ([*ONE_UPDATE, "rl.algo=dapo", "rl.beta=null"], ScoringPlan(False, 0)),
+        ([*ONE_UPDATE, "rl.algo=dapo", "rl.beta=null"], ScoringPlan(False, 0, ref_stage=False)),
     ],
 )
 def test_scoring_plan(overrides, plan):
@@ -133,23 +135,24 @@ def test_the_skipped_reference_forward_leaves_no_kl_and_plots_the_entropy(tmp_pa
     assert (tmp_path / "never" / "curves.png").stat().st_size > 1000
 
 
-def test_every_n_steps_runs_the_stage_on_its_steps_only():
-    calls = []
+def test_with_logged_reference_scores_only_on_its_steps():
+    from rlcore.models import load_causal_lm
 
-    def score(b):
-        calls.append(int(b["iteration"][0]))
-        return {"ref_logp": torch.ones(b["mask"].shape)}
-
-    s = every_n_steps(
-        stage(score, inputs=["mask"], outputs=["ref_logp"], name="ref_logp"),
-        3,
-        lambda b: {"ref_logp": torch.zeros(b["mask"].shape)},
-    )
-    assert "iteration" in s.inputs
-    outs = [s.fn({"mask": torch.ones(2, 3), "iteration": torch.full((2,), i)})["ref_logp"].sum() for i in range(7)]
-    assert calls == [0, 3, 6] and [float(o) for o in outs] == [6, 0, 0, 6, 0, 0, 6]
-    with pytest.raises(ValueError, match="n: got 0"):
-        every_n_steps(s, 0, lambda b: {})
+    reference = load_causal_lm(tiny_qwen2(11), seed=1)
+    seen = []
+    forward = with_logged_reference(lambda b: seen.append("ref_logp" in b) or b, reference, every=3)
+    rows = {
+        "prompts": torch.tensor([[3, 4], [3, 4]]),
+        "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+        "responses": torch.tensor([[5, 1], [6, 0]]),
+        "mask": torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+    }
+    outs = [forward({**rows, "iteration": torch.full((2,), i)}) for i in range(7)]
+    assert seen == [True, False, False, True, False, False, True]
+    assert outs[0]["ref_logp"].shape == (2, 2) and float(outs[0]["ref_logp"][1, 1]) == 0.0
+    assert outs[0]["ref_logp"][0].lt(0).all() and reference.training  # its mode is restored
+    with pytest.raises(ValueError, match="every: got 0"):
+        with_logged_reference(lambda b: b, reference, every=0)
 
 
 # --- PPO's epochs ------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ on ``loss_mask``; metrics of the rollout (KL, entropy, lengths) use ``mask``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -45,7 +44,6 @@ __all__ = [
     "PAIR_COLUMNS",
     "advantages_stage",
     "eval_mode",
-    "every_n_steps",
     "logprob_stage",
     "preference_forward",
     "preference_logps_stage",
@@ -56,6 +54,7 @@ __all__ = [
     "rollout_stage",
     "update_stage",
     "values_stage",
+    "with_logged_reference",
 ]
 
 Batch = dict[str, torch.Tensor]
@@ -251,23 +250,6 @@ def logprob_stage(
     )
 
 
-def every_n_steps(s: Stage, n: int, fill: Callable[[Batch], dict[str, torch.Tensor]]) -> Stage:
-    """``s`` run only at steps ``0, n, 2n, ...`` (its ``iteration``); other steps write ``fill(batch)`` at no cost.
-
-    For a forward whose column only feeds a logged metric (the reference's log-probs
-    when nothing trains on them); whoever reads the column knows which steps are real.
-    """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n: got {n!r}, expected an int >= 1")
-    fn = s.fn
-
-    def run(b: Batch) -> Any:
-        return fn(b) if int(b["iteration"][0]) % n == 0 else fill(b)
-
-    inputs = tuple(s.inputs) if "iteration" in s.inputs else (*s.inputs, "iteration")
-    return dataclasses.replace(s, fn=run, inputs=inputs)
-
-
 def values_stage(
     critic: torch.nn.Module, *, output: str = "old_values", micro_batch: int | None = None, resource: str = "device"
 ) -> Stage:
@@ -363,6 +345,28 @@ def rl_forward(
         return batch
 
     return forward
+
+
+def with_logged_reference(
+    forward: Callable[[Batch], Batch], reference: torch.nn.Module, *, every: int, temperature: float = 1.0
+) -> Callable[[Batch], Batch]:
+    """``forward`` that also scores the rows under ``reference`` (eval mode, no grad) at steps ``0, every, 2 * every, ...``.
+
+    For a reference whose log-probs only feed the logged KL (no KL term, ``rl.beta`` 0):
+    on its steps the rows get ``ref_logp`` before ``forward`` sees them, and the other
+    steps pay nothing (no stage, no dock columns). The rows must carry ``iteration``.
+    """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"every: got {every!r}, expected an int >= 1")
+    lm = from_hf(reference)
+
+    def run(b: Batch) -> Batch:
+        if int(b["iteration"][0]) % every == 0:
+            with eval_mode(reference):
+                b = {**b, "ref_logp": response_logprobs(lm, b, temperature=temperature)}
+        return forward(b)
+
+    return run
 
 
 def update_stage(

@@ -99,7 +99,6 @@ from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
-    every_n_steps,
     logprob_stage,
     preference_forward,
     preference_logps_stage,
@@ -107,6 +106,7 @@ from rlcore.train.stages import (
     rollout_stage,
     update_stage,
     values_stage,
+    with_logged_reference,
 )
 from rlcore.train.validation import Validator
 
@@ -564,11 +564,14 @@ class ScoringPlan(NamedTuple):
     Fields:
       old_logp: run the old-policy forward (``old_logp``, ``entropy``); else the
         update's own log-probs, detached, are the old policy's.
-      ref_every: run the reference forward every this many steps (1: every step; 0: never).
+      ref_every: the reference forward runs every this many steps (1: every step; 0: never).
+      ref_stage: it is a stage before the advantages (the recipe reads ``ref_logp``);
+        else, logged only, it runs inside the update's forward on its steps.
     """
 
     old_logp: bool
     ref_every: int
+    ref_stage: bool = True
 
 
 def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> ScoringPlan:
@@ -595,7 +598,9 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
     # On-policy: the blocking pipeline samples with the weights the single update then trains.
     on_policy = not cfg.deploy.async_infer and rl.mini_batch_size == rl.batch_size and rl.epochs == 1
     skip_old = rl.old_logp == "auto" and on_policy and not needs.old_logp
-    return ScoringPlan(not skip_old, 1 if needs.ref_logp else cfg.trainer.log_ref_kl_every)
+    if needs.ref_logp:
+        return ScoringPlan(not skip_old, 1)
+    return ScoringPlan(not skip_old, cfg.trainer.log_ref_kl_every, ref_stage=False)
 
 
 # --- per-step metrics and the timeline -------------------------------------------------------
@@ -973,11 +978,8 @@ def _graph(
     if plan.old_logp:
         stages.append(score(models.policy, temperature=rl.temperature))
         logged += ["old_logp", "entropy"]
-    if plan.ref_every:
-        ref = score(models.reference, outputs=("ref_logp",), temperature=rl.temperature)
-        if plan.ref_every > 1:  # logged only: zeros on the other steps (nothing trains on them)
-            ref = every_n_steps(ref, plan.ref_every, lambda b: {"ref_logp": torch.zeros(b["mask"].shape)})
-        stages.append(ref)
+    if plan.ref_every and plan.ref_stage:
+        stages.append(score(models.reference, outputs=("ref_logp",), temperature=rl.temperature))
         logged.append("ref_logp")
     if isinstance(algo, algos.DPO):
         recipe: Any = algo
@@ -1003,6 +1005,8 @@ def _graph(
         forward = rl_forward(
             models.policy, critic=models.critic, temperature=rl.temperature, old_logp_from_update=not plan.old_logp
         )
+        if plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update runs it on its steps
+            forward = with_logged_reference(forward, models.reference, every=plan.ref_every, temperature=rl.temperature)
         if world.cp is not None:
             forward = cp_rl_forward(models.policy, group=world.cp[0], mode=world.cp[1], temperature=rl.temperature)
             recipe = ContextParallelRecipe(algo, world.cp[0], dp_group=world.group)
