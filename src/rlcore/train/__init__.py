@@ -75,9 +75,19 @@ from rlcore.train.stages import (
     rollout_stage,
     update_stage,
     values_stage,
+    with_logged_reference,
 )
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
-from rlcore.train.trainer import Run, build_algorithm, build_model, make_generator, supervised_warmup, train
+from rlcore.train.trainer import (
+    Run,
+    ScoringPlan,
+    build_algorithm,
+    build_model,
+    make_generator,
+    scoring_plan,
+    supervised_warmup,
+    train,
+)
 from rlcore.train.validation import Validator, validation_keys
 
 __all__ = [
@@ -97,6 +107,7 @@ __all__ = [
     "Reversal",
     "Rollout",
     "Run",
+    "ScoringPlan",
     "TorchEngine",
     "advantages_stage",
     "apply_overrides",
@@ -135,11 +146,13 @@ __all__ = [
     "rng_state",
     "rollout_stage",
     "save_checkpoint",
+    "scoring_plan",
     "set_rng_state",
     "supervised_warmup",
     "train",
     "update_stage",
     "values_stage",
+    "with_logged_reference",
 ]
 # Your own model and data: prompt sources, validation, run directories, export.
 __all__ += [
