@@ -369,6 +369,32 @@ def test_on_four_gloo_ranks(group_results, check):
 # ---------------------------------------------------------------- ranks that disagree fail fast
 
 
+def _outcomes(cases, call):
+    """Each case's outcome on this rank (``call(case)``, or the error's one line) and its seconds (``<name>_s``)."""
+    got = {}
+    for name, case in cases.items():
+        t0 = datetime.datetime.now()
+        try:
+            got[name] = call(case)
+        except Exception as err:
+            got[name] = f"{type(err).__name__}: {err}"
+        got[name + "_s"] = (datetime.datetime.now() - t0).total_seconds()
+    return got
+
+
+def _write_outcomes(tmp, name, rank, got):
+    with open(os.path.join(tmp, f"{name}_{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def _outcomes_of_two_ranks(worker, tmp_path, name, *, timeout):
+    """Run ``worker`` on 2 gloo ranks; each rank's outcomes as it wrote them (:func:`_write_outcomes`)."""
+    from dist_helpers import spawn
+
+    spawn(worker, (str(tmp_path),), 2, timeout=timeout)
+    return [json.loads((tmp_path / f"{name}_{r}.json").read_text()) for r in range(2)]
+
+
 def _disagree_ranks(rank, tmp):  # type: ignore[no-untyped-def]
     """Each case must raise the same named error on every rank within the short process-group timeout."""
     from dist_helpers import leave
@@ -391,28 +417,21 @@ def _disagree_ranks(rank, tmp):  # type: ignore[no-untyped-def]
         "ids": seqs if rank == 0 else other,  # same layout, different tokens
         "rejected": seqs if rank == 0 else [s.float() for s in seqs],  # one rank's own check fails
     }
-    got = {}
-    for name, batch in cases.items():
-        t0 = datetime.datetime.now()
-        try:
-            sharded_token_logprobs(apply, params, batch, group=dist.group.WORLD, mode="ring")
-            got[name] = "no error"
-        except Exception as err:
-            got[name] = f"{type(err).__name__}: {err}"
-        got[name + "_s"] = (datetime.datetime.now() - t0).total_seconds()
+
+    def score(batch):
+        sharded_token_logprobs(apply, params, batch, group=dist.group.WORLD, mode="ring")
+        return "no error"
+
+    got = _outcomes(cases, score)
     # The group still works after every refusal: the ranks left no collective half-done.
     out = sharded_token_logprobs(apply, params, seqs, group=dist.group.WORLD, mode="ring")
     got["after"] = bool(torch.isfinite(out.logp).all())
-    with open(os.path.join(tmp, f"disagree_{rank}.json"), "w") as f:
-        json.dump(got, f)
+    _write_outcomes(tmp, "disagree", rank, got)
     leave()
 
 
 def test_reprobe30_cp_ranks_refuse_bad_or_different_batches_before_the_ring(tmp_path):
-    from dist_helpers import spawn
-
-    spawn(_disagree_ranks, (str(tmp_path),), 2, timeout=150)
-    got = [json.loads((tmp_path / f"disagree_{r}.json").read_text()) for r in range(2)]
+    got = _outcomes_of_two_ranks(_disagree_ranks, tmp_path, "disagree", timeout=150)
     for rank, res in enumerate(got):
         assert res["oov"].startswith("ValueError: input_ids: got token ids in [")
         assert f"expected ids in [0, {VOCAB})" in res["oov"], res["oov"]
@@ -482,28 +501,20 @@ def _disagree_metrics(rank, tmp):  # type: ignore[no-untyped-def]
         "weight": ({"a": one}, 2 if rank == 0 else -1, None),
         "shape": ({"a": one if rank == 0 else torch.ones(3)}, 1, None),
     }
-    got = {}
-    for name, (metrics, weight, reductions) in cases.items():
-        t0 = datetime.datetime.now()
-        try:
-            got[name] = repr(reduce_metrics(metrics, weight, process_groups=[dist.group.WORLD], reductions=reductions))
-        except Exception as err:
-            got[name] = f"{type(err).__name__}: {err}"
-        got[name + "_s"] = (datetime.datetime.now() - t0).total_seconds()
+    got = _outcomes(
+        cases,
+        lambda case: repr(reduce_metrics(case[0], case[1], process_groups=[dist.group.WORLD], reductions=case[2])),
+    )
     # The group still works after every refusal, and agreeing ranks get the weighted mean.
     got["after"] = float(reduce_metrics({"a": one}, 1 + rank, process_groups=[dist.group.WORLD])["a"])
-    with open(os.path.join(tmp, f"metrics_{rank}.json"), "w") as f:
-        json.dump(got, f)
+    _write_outcomes(tmp, "metrics", rank, got)
     leave()
 
 
 def test_reprobe30_reduce_metrics_ranks_with_other_names_or_bad_inputs_raise_on_every_rank(tmp_path):
     # Different names aborted inside gloo on one rank and mixed unrelated metrics on the other; a rank
     # without metrics, or whose own check failed, returned or raised alone and left its peer waiting.
-    from dist_helpers import spawn
-
-    spawn(_disagree_metrics, (str(tmp_path),), 2, timeout=120)
-    got = [json.loads((tmp_path / f"metrics_{r}.json").read_text()) for r in range(2)]
+    got = _outcomes_of_two_ranks(_disagree_metrics, tmp_path, "metrics", timeout=120)
     for rank, res in enumerate(got):
         for case in ("extra", "empty", "renamed", "reduction"):
             assert res[case].startswith("ValueError: metrics: got names and reductions"), (rank, case, res[case])

@@ -23,6 +23,7 @@ from rlcore.models import (
     merged_state_dict,
 )
 from rlcore.testing.hf_fixtures import build_tiny_qwen2
+from tiny_runs import TINY_MODEL
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -245,9 +246,7 @@ def test_reprobe30_a_built_in_task_run_writes_a_loadable_tokenizer_and_special_i
 
     root = Path(__file__).resolve().parents[1]
     overrides = [
-        "model.model_name_or_path.hidden_size=32",
-        "model.model_name_or_path.intermediate_size=64",
-        "model.model_name_or_path.num_hidden_layers=1",
+        *TINY_MODEL,
         "rl.batch_size=2",
         "rl.mini_batch_size=2",
         "rl.num_rollouts=2",

@@ -21,12 +21,11 @@ from rlcore.train import (
     train,
 )
 from rlcore.train.checkpoint import CHECKPOINT_NAME
+from tiny_runs import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.model_name_or_path.hidden_size=32",
-    "model.model_name_or_path.intermediate_size=64",
-    "model.model_name_or_path.num_hidden_layers=1",
+    *TINY_MODEL,
     "rl.batch_size=4",
     "rl.mini_batch_size=2",
     "rl.num_rollouts=4",

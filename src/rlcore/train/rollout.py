@@ -17,6 +17,7 @@ import torch
 
 from rlcore._checks import check_integer, check_ndim, check_same_shape
 from rlcore.models.sampling import filter_logits, left_pad
+from rlcore.models.shared_prefix import shares_prompts
 
 __all__ = ["InferenceEngine", "Rollout", "TorchEngine", "filter_logits", "generate", "left_pad"]
 
@@ -156,12 +157,11 @@ def _prefill(model: Any, ids: torch.Tensor, attention: torch.Tensor, positions: 
     row gather), as vLLM's prefix cache does: the decode steps see exactly what a forward
     over all rows would give them.
     """
-    rows = ids.shape[0]
-    keyed = torch.where(attention != 0, ids, -1)
-    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    distinct = int(inverse.max()) + 1 if rows else 0  # sync-ok: the trainer's decode loop sizes the prefill
-    if distinct == rows:
+    inverse = shares_prompts(ids, attention)
+    if inverse is None:
         return model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    rows = ids.shape[0]
+    distinct = int(inverse.max()) + 1  # sync-ok: the trainer's decode loop sizes the prefill
     first = torch.full((distinct,), rows, dtype=torch.long, device=ids.device)
     first.scatter_reduce_(0, inverse, torch.arange(rows, device=ids.device), reduce="amin")
     out = model(input_ids=ids[first], attention_mask=attention[first], position_ids=positions[first], use_cache=True)

@@ -427,10 +427,8 @@ def update_stage(
 
     def update(b: Batch) -> dict[str, torch.Tensor]:
         rows = next(iter(b.values())).shape[0]
-        if epochs == 1:
-            return {"loss": one_update(b).expand(rows).clone()}
-        # PPO's epochs: every pass visits the iteration's mini-batches in row order.
-        size = micro_batch or rows
+        # One update on the rows the scheduler gave; PPO's epochs: each pass visits the mini-batches in row order.
+        size = rows if epochs == 1 or micro_batch is None else micro_batch
         out = torch.zeros(rows)
         for _ in range(epochs):
             for start in range(0, rows, size):

@@ -833,61 +833,59 @@ class _Deployment:
             self.publish = sync_to(load_into(replica))
             self.publish(0)
             self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
-        elif in_place_rollout(
-            cfg, self.device
-        ):  # the device is the host: no swap, the engine reads the policy's weights
-            named = dict(policy.named_parameters())
-            for name, p in replica.named_parameters():
-                p.data = named[name].data  # shared storage: each optimiser step is seen by the next rollout
-            self.switch = None
+        else:  # co-located in one process: the engine samples the policy's current weights
+            if in_place_rollout(cfg, self.device):  # the device is the host: no swap
+                named = dict(policy.named_parameters())
+                for name, p in replica.named_parameters():
+                    p.data = named[name].data  # shared storage: each optimiser step is seen by the next rollout
+            else:  # the engine's weights are built by the AllGather-Swap at each switch to rollout
+                self.switch = self._swap(policy, replica, opt)
             self.publish = lambda version: None
             self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
-            if cfg.rl.multi_turn is not None:
+            if cfg.rl.multi_turn is not None:  # rlcore.agent's multi-turn rollout, on the same weights
                 agent = multi_turn_rollout_stage(cfg, replica, task, rank=world.rank, timeout=timeout)
                 self.rollout, self.rollout_metrics = agent.stage, agent.pop_metrics
-        else:  # co-located: the engine's weights are built by the AllGather-Swap at each switch to rollout
-            infer = replica
-            engine_params = dict(infer.named_parameters())
-            for p in engine_params.values():
-                p.data = p.data.new_empty(0)  # bound to the inference buckets at each switch
-            named = dict(policy.named_parameters())
-            layout = decoder_layout(param_meta(named), dp=dist.get_world_size())
-            plan = allgather_swap_plan(
-                plan_reshard(param_meta(named), layout, layout),
-                mesh=None,
-                device=next(policy.parameters()).device,
-                rank=dist.get_rank(),
-            )
-            state = TrainState(named)
 
-            def bind(weights: dict[str, torch.Tensor]) -> None:
-                for name, p in engine_params.items():
-                    p.data = weights[name]
+    def _swap(
+        self, policy: torch.nn.Module, infer: torch.nn.Module, opt: _Optimiser
+    ) -> Callable[[str, str | None, str], None]:
+        """The co-located phase switch: the memory plan's AllGather-Swap builds ``infer``'s weights for each rollout."""
+        engine_params = dict(infer.named_parameters())
+        for p in engine_params.values():
+            p.data = p.data.new_empty(0)  # bound to the inference buckets at each switch
+        named = dict(policy.named_parameters())
+        layout = decoder_layout(param_meta(named), dp=dist.get_world_size())
+        plan = allgather_swap_plan(
+            plan_reshard(param_meta(named), layout, layout),
+            mesh=None,
+            device=next(policy.parameters()).device,
+            rank=dist.get_rank(),
+        )
+        state = TrainState(named)
 
-            swap = ColocatedSwitch(state, plan, on_rollout=bind)
-            peak = {
-                "rollout": plan.memory.transition("train", "rollout").peak_bytes,
-                "train": plan.memory.transition("rollout", "train").peak_bytes,
-            }
-            self.memory = {f"memory/predicted_peak_{k}_bytes": float(v) for k, v in peak.items()}
+        def bind(weights: dict[str, torch.Tensor]) -> None:
+            for name, p in engine_params.items():
+                p.data = weights[name]
 
-            def switch(resource: str, src: str | None, dst: str) -> None:
-                if dst == "rollout":
-                    # The optimiser creates grads and its state lazily: the swap takes the current tensors.
-                    state.grads = [p.grad for p in policy.parameters()]
-                    state.optimizer = list(opt.opts[0].state.values())
-                    t0 = time.perf_counter()
-                    swap(resource, src, dst)
-                    self._record_sync(time.perf_counter() - t0, sum(b.nbytes for b in plan.reshard.buckets))
-                else:
-                    swap(resource, src, dst)
+        swap = ColocatedSwitch(state, plan, on_rollout=bind)
+        peak = {
+            "rollout": plan.memory.transition("train", "rollout").peak_bytes,
+            "train": plan.memory.transition("rollout", "train").peak_bytes,
+        }
+        self.memory = {f"memory/predicted_peak_{k}_bytes": float(v) for k, v in peak.items()}
 
-            self.switch = switch
-            self.publish = lambda version: None
-            self.rollout = rollout_stage(_engine(cfg, infer, task.tokenizer), generator=sampling, timeout=timeout)
-            if cfg.rl.multi_turn is not None:  # rlcore.agent's multi-turn rollout, on the same swapped-in weights
-                agent = multi_turn_rollout_stage(cfg, infer, task, rank=world.rank, timeout=timeout)
-                self.rollout, self.rollout_metrics = agent.stage, agent.pop_metrics
+        def switch(resource: str, src: str | None, dst: str) -> None:
+            if dst == "rollout":
+                # The optimiser creates grads and its state lazily: the swap takes the current tensors.
+                state.grads = [p.grad for p in policy.parameters()]
+                state.optimizer = list(opt.opts[0].state.values())
+                t0 = time.perf_counter()
+                swap(resource, src, dst)
+                self._record_sync(time.perf_counter() - t0, sum(b.nbytes for b in plan.reshard.buckets))
+            else:
+                swap(resource, src, dst)
+
+        return switch
 
     @staticmethod
     def _generator(seed: int, rank: int, b: dict[str, torch.Tensor]) -> torch.Generator:
@@ -947,6 +945,7 @@ def _graph(
     task: Any,
     world: _World,
     on_step_end: Callable[[int], Any],
+    plan: ScoringPlan,
 ) -> StageGraph:
     """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update; offline DPO: the pairs' update."""
     rl = cfg.rl
@@ -972,7 +971,6 @@ def _graph(
     if world.cp is not None:  # sequences split over the cp ranks; rollout and reward once per cp group
         score = partial(cp_logprob_stage, group=world.cp[0], mode=world.cp[1])
         rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
-    plan = scoring_plan(cfg, algo, context_parallel=world.cp is not None)
     stages = [rollout, reward]
     logged = ["scores", "mask", "prompt_mask", "iteration", "version"]
     if plan.old_logp:
@@ -1180,11 +1178,8 @@ def _train(
     start = _restore(out, models, opt, cfg) if resume else 0
     n = 1 if rl.algo == "dpo" else rl.n_samples
     recipe = algo or build_algorithm(cfg)
-    steps = _Steps(
-        updates=rl.batch_size // rl.mini_batch_size * rl.epochs,
-        start=start,
-        ref_every=scoring_plan(cfg, recipe, context_parallel=world.cp is not None).ref_every,
-    )
+    plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
+    steps = _Steps(updates=rl.batch_size // rl.mini_batch_size * rl.epochs, start=start, ref_every=plan.ref_every)
     log = (
         MetricsLog(
             out / "metrics.jsonl",
@@ -1279,7 +1274,7 @@ def _train(
                         if leader:
                             export_hf(replica, out / "hf", tokenizer=hf_tok, params=weights)
 
-        graph = _graph(cfg, models, recipe, opt, steps, dep.rollout, rewards, task, world, on_step_end)
+        graph = _graph(cfg, models, recipe, opt, steps, dep.rollout, rewards, task, world, on_step_end, plan)
         policy.train()
         if critic is not None:
             critic.train()
