@@ -327,3 +327,43 @@ def test_a_stall_is_an_error_not_a_hang(monkeypatch):
     ):
         run_pipeline(_two_stage(0.0, 0.0), lambda j: {"prompts": torch.arange(4)}, num_prompts=4)
     assert _no_worker_threads()
+
+
+def test_the_next_iterations_prompts_are_loaded_while_the_current_one_runs():
+    """Prefetch: loader(j + 1) runs during iteration j, once per iteration, in order; its error surfaces at j + 1."""
+    calls, seen_at_update = [], []
+
+    def loader(j):
+        calls.append(j)
+        return {"prompts": torch.arange(4) + j}
+
+    def update(b):
+        time.sleep(0.05)  # the prefetch thread has long finished by the end of this call
+        seen_at_update.append(list(calls))
+        return {"loss": b["responses"]}
+
+    graph = StageGraph(
+        [
+            stage(
+                lambda b: {"responses": b["prompts"] * 1.0},
+                inputs=["prompts"],
+                outputs=["responses"],
+                name="rollout",
+                role="rollout",
+            ),
+            stage(update, inputs=["responses"], outputs=["loss"], name="update", role="update"),
+        ]
+    )
+    res = run_pipeline(graph, loader, num_prompts=4, num_iterations=3, blocking=True, collect=["loss"])
+    assert calls == [0, 1, 2] and seen_at_update == [[0, 1], [0, 1, 2], [0, 1, 2]]
+    assert [b["loss"].tolist() for b in res.batches] == [[float(i + j) for i in range(4)] for j in range(3)]
+    assert _no_worker_threads()
+
+    def failing(j):
+        if j == 1:
+            raise KeyError("no prompts for iteration 1")
+        return {"prompts": torch.arange(4)}
+
+    with pytest.raises(KeyError, match="no prompts for iteration 1"):
+        run_pipeline(graph, failing, num_prompts=4, num_iterations=3, blocking=True)
+    assert _no_worker_threads()

@@ -10,7 +10,7 @@ import torch
 
 from rlcore import algos
 from rlcore.train import load_config, train
-from rlcore.train.stages import update_stage, with_logged_reference
+from rlcore.train.stages import forward_ahead, rl_forward, rl_outputs, update_stage, with_logged_reference
 from rlcore.train.trainer import ScoringPlan, scoring_plan
 from tiny_runs import TINY, tiny_qwen2
 
@@ -119,6 +119,7 @@ def test_skipped_forwards_give_the_full_steps_losses_and_metrics(tmp_path):
     lean = _run(tmp_path, "lean", "trainer.log_ref_kl_every=2")
     full = _run(tmp_path, "full", "rl.old_logp=forward", "trainer.log_ref_kl_every=1")
     assert "busy_s/old_logp" not in lean[0] and "busy_s/old_logp" in full[0]
+    assert "busy_s/policy_forward" in lean[0] and "busy_s/policy_forward" not in full[0]  # the update's, run ahead
     assert [("kl" in r) for r in lean] == [True, False, True, False]  # the reference ran at steps 0 and 2
     for a, b in zip(lean, full):
         shared = [
@@ -153,6 +154,58 @@ def test_with_logged_reference_scores_only_on_its_steps():
     assert outs[0]["ref_logp"][0].lt(0).all() and reference.training  # its mode is restored
     with pytest.raises(ValueError, match="every: got 0"):
         with_logged_reference(lambda b: b, reference, every=0)
+
+
+def _scored_rows(iteration: int = 0) -> dict[str, torch.Tensor]:
+    return {
+        "prompts": torch.tensor([[3, 4], [3, 4], [0, 7]]),
+        "prompt_mask": torch.tensor([[1, 1], [1, 1], [0, 1]]),
+        "responses": torch.tensor([[5, 1], [6, 0], [2, 2]]),
+        "mask": torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]),
+        "iteration": torch.full((3,), iteration),
+        "advantages": torch.tensor([[0.5, 0.5], [-1.0, 0.0], [2.0, 2.0]]),
+        "loss_mask": torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_ahead_gives_the_update_the_same_batch_and_gradient(dtype):
+    """The update's forward run as a stage before the scores: the recipe sees the same values and gradients."""
+    from rlcore.models import load_causal_lm
+
+    policy = load_causal_lm(tiny_qwen2(11), seed=2).to(dtype)
+    rows = _scored_rows()
+    algo = algos.grpo(kl_coef=0.0)
+    grads = []
+    for ahead in (False, True):
+        policy.zero_grad()
+        if ahead:
+            s, forward = forward_ahead(rl_outputs(policy))
+            written = s.fn({k: rows[k] for k in s.inputs})
+            batch = forward({**rows, **written})
+        else:
+            batch = rl_forward(policy)(rows)
+            batch["old_logp"] = batch["logp"].detach()
+            written = {"old_logp": batch["old_logp"], "entropy": batch["entropy"].detach()}
+        loss, _ = algo.loss(batch, **algo.global_counts(batch))
+        loss.backward()
+        grads.append([p.grad.clone() for p in policy.parameters()])
+        assert not written["old_logp"].requires_grad and torch.equal(written["old_logp"], batch["logp"].detach())
+        assert torch.equal(batch["mask"], rows["loss_mask"]) and torch.equal(batch["advantages"], rows["advantages"])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_forward_ahead_refuses_an_update_of_other_rows():
+    from rlcore.models import load_causal_lm
+
+    s, forward = forward_ahead(rl_outputs(load_causal_lm(tiny_qwen2(11), seed=2)))
+    rows = _scored_rows(iteration=4)
+    with pytest.raises(RuntimeError, match="iteration 4 takes 3 rows, but the forward kept nothing"):
+        forward(rows)
+    s.fn({k: rows[k] for k in s.inputs})
+    with pytest.raises(RuntimeError, match="iteration 4 takes 2 rows, but the forward kept 3 rows"):
+        forward({k: v[:2] for k, v in rows.items()})
 
 
 # --- PPO's epochs ------------------------------------------------------------------------------------

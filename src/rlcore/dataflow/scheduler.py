@@ -111,10 +111,37 @@ def add_note(err: BaseException, where: str) -> BaseException:
     return err
 
 
+class _Ahead:
+    """``open(iteration)`` computed on a daemon thread; :meth:`result` joins it and returns or re-raises."""
+
+    def __init__(self, open: Callable[[int], TransferDock], iteration: int) -> None:
+        self.iteration = iteration
+        self._out: TransferDock | None = None
+        self._err: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(open,), name="rlcore-pipeline-loader", daemon=True)
+        self.thread.start()
+
+    def _run(self, open: Callable[[int], TransferDock]) -> None:
+        try:
+            self._out = open(self.iteration)
+        except BaseException as err:  # re-raised where the iteration is admitted
+            self._err = err
+
+    def result(self) -> TransferDock:
+        self.thread.join()
+        if self._err is not None:
+            raise self._err
+        assert self._out is not None
+        return self._out
+
+
 class SchedulerCore:
     """The scheduling state and rules, independent of how calls are executed or timed.
 
     Shared by :func:`run_pipeline` (threads) and :func:`rlcore.dataflow.simulate` (a virtual clock).
+    With ``prefetch``, the next iteration's loader call and dock are made on a thread
+    while the current ones run, so admitting it costs the pipeline nothing; the loader
+    is still called once per iteration, in order, one call at a time.
     """
 
     def __init__(
@@ -129,6 +156,7 @@ class SchedulerCore:
         blocking: bool,
         slots: Mapping[str, int] | None,
         collect: Sequence[str],
+        prefetch: bool = False,
     ) -> None:
         if not isinstance(graph, StageGraph):
             raise ValueError(f"graph: got {type(graph).__name__}, expected a StageGraph")
@@ -185,6 +213,8 @@ class SchedulerCore:
         self.batches: list[dict[str, torch.Tensor]] = [{} for _ in range(num_iterations)]
         self.switches: list[tuple[str, str, str]] = []
         self.retired = 0
+        self.prefetch = prefetch
+        self._ahead: _Ahead | None = None
         self.admit()
 
     @property
@@ -198,25 +228,38 @@ class SchedulerCore:
         """Open every iteration the staleness bound allows and put its prompts."""
         while self.admitted < self.num_iterations and self.admitted - self.version <= self.staleness:
             j = self.admitted
-            columns = self.loader(j)
-            if not isinstance(columns, Mapping) or set(columns) != set(self.graph.sources):
-                got = sorted(columns) if isinstance(columns, Mapping) else type(columns).__name__
-                raise ValueError(
-                    f"loader({j}): got {got}, expected a dict with the source columns {list(self.graph.sources)}"
-                )
-            dock = TransferDock(
-                self.num_prompts, self.n_samples, columns=self.columns, consumers=[*self.graph.names, _COLLECT]
-            )
-            try:
-                dock.put(dict(columns), range(self.capacity))
-            except ValueError as err:
-                raise add_note(err, f"in the rows the prompt loader gave for iteration {j}") from None
-            self.docks[j] = dock
+            ahead, self._ahead = self._ahead, None
+            self.docks[j] = ahead.result() if ahead is not None and ahead.iteration == j else self._open(j)
             self.finished[j] = set()
             for name in self.graph.names:
                 self.taken[name, j] = 0
                 self.left[name, j] = self.capacity
             self.admitted += 1
+        if self.prefetch and self._ahead is None and self.admitted < self.num_iterations:
+            self._ahead = _Ahead(self._open, self.admitted)
+
+    def _open(self, j: int) -> TransferDock:
+        """Iteration ``j``'s dock holding the loader's source columns."""
+        columns = self.loader(j)
+        if not isinstance(columns, Mapping) or set(columns) != set(self.graph.sources):
+            got = sorted(columns) if isinstance(columns, Mapping) else type(columns).__name__
+            raise ValueError(
+                f"loader({j}): got {got}, expected a dict with the source columns {list(self.graph.sources)}"
+            )
+        dock = TransferDock(
+            self.num_prompts, self.n_samples, columns=self.columns, consumers=[*self.graph.names, _COLLECT]
+        )
+        try:
+            dock.put(dict(columns), range(self.capacity))
+        except ValueError as err:
+            raise add_note(err, f"in the rows the prompt loader gave for iteration {j}") from None
+        return dock
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds for a prefetch in flight (its result is dropped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.thread.join(timeout)
 
     def pick(self, resource: str) -> ScheduledCall | None:
         """The next call for a free slot of ``resource``, its rows already taken from the dock; None if none."""
@@ -384,6 +427,7 @@ def run_pipeline(
         blocking=blocking,
         slots=slots,
         collect=collect,
+        prefetch=True,
     )
     cond = threading.Condition()
     state: dict[str, Any] = {"error": None, "stop": False, "idle": 0, "epoch": 0}
@@ -469,6 +513,7 @@ def run_pipeline(
         makespan = time.perf_counter() - t0
         for t in threads:
             t.join(join_timeout)
+        core.close(join_timeout)
     if state["error"] is not None:
         raise state["error"]
     return core.result(makespan)

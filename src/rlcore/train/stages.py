@@ -31,6 +31,7 @@ on ``loss_mask``; metrics of the rollout (KL, entropy, lengths) use ``mask``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,13 +45,16 @@ __all__ = [
     "PAIR_COLUMNS",
     "advantages_stage",
     "eval_mode",
+    "forward_ahead",
     "logprob_stage",
     "preference_forward",
     "preference_logps_stage",
     "response_logprobs",
     "response_values",
     "reward_stage",
+    "rl_batch",
     "rl_forward",
+    "rl_outputs",
     "rollout_stage",
     "update_stage",
     "values_stage",
@@ -311,40 +315,111 @@ def advantages_stage(
     return stage(advantages, inputs=inputs, outputs=outputs, by_group=True, resource=resource)
 
 
+def rl_outputs(
+    policy: torch.nn.Module, *, critic: torch.nn.Module | None = None, temperature: float = 1.0
+) -> Callable[[Batch], Batch]:
+    """The model half of the update's forward: rows -> ``logp`` and ``entropy`` (and PPO's ``values``), gradient on.
+
+    It reads the prompts and responses only (not the rewards), so it can run before the
+    rows are scored (:func:`forward_ahead`).
+    """
+    lm = from_hf(policy)
+
+    def outputs(b: Batch) -> Batch:
+        out: Batch = {}
+        out["logp"], out["entropy"] = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
+        if critic is not None:
+            out["values"] = response_values(critic, b)
+        return out
+
+    return outputs
+
+
+_CARRIED = ("old_logp", "ref_logp", "advantages", "returns", "old_values", "entropy")
+
+
+def rl_batch(b: Batch, outputs: Batch) -> Batch:
+    """The recipe's batch: the rows' scored columns, ``mask`` = the dock's ``loss_mask``, and the model ``outputs``."""
+    batch = {k: b[k] for k in _CARRIED if k in b}
+    batch["mask"] = b["loss_mask"]
+    batch.update(outputs)
+    return batch
+
+
 def rl_forward(
-    policy: torch.nn.Module,
-    *,
-    critic: torch.nn.Module | None = None,
-    temperature: float = 1.0,
-    old_logp_from_update: bool = False,
+    policy: torch.nn.Module, *, critic: torch.nn.Module | None = None, temperature: float = 1.0
 ) -> Callable[[Batch], Batch]:
     """The update's forward for policy-gradient recipes: dock rows -> the recipe's batch, with ``logp`` (and ``values``).
 
-    The recipe's ``mask`` is the dock's ``loss_mask``; the other columns keep their names.
+    The recipe's ``mask`` is the dock's ``loss_mask``; the other columns keep their names
+    (:func:`rl_batch` of :func:`rl_outputs`).
 
     Args:
       policy: the policy (a ``transformers`` causal LM).
       critic: PPO's critic, whose ``values`` are added, or None.
       temperature: the sampling temperature.
-      old_logp_from_update: the recipe's ``old_logp`` is this forward's ``logp``,
-        detached (no ``old_logp`` column is read). Exact only when the policy that
-        sampled is the one being updated: one optimiser update per batch, on-policy
-        (what the trainer's ``rl.old_logp: auto`` checks before it sets this).
     """
-    lm = from_hf(policy)
-    carried = ("old_logp", "ref_logp", "advantages", "returns", "old_values", "entropy")
+    outputs = rl_outputs(policy, critic=critic, temperature=temperature)
+    return lambda b: rl_batch(b, outputs(b))
+
+
+def forward_ahead(
+    outputs: Callable[[Batch], Batch], *, name: str = "policy_forward", resource: str = "device"
+) -> tuple[Stage, Callable[[Batch], Batch]]:
+    """The update's model forward as a stage of its own, run while the host scores the rows.
+
+    In the blocking pipeline the device would otherwise wait for the reward: the policy's
+    forward over an iteration's responses does not read the scores, so this stage runs
+    it as soon as the rollout is done, keeps its outputs (with their autograd graph) for
+    the update, and writes ``old_logp`` (its ``logp``, detached) and ``entropy`` to the
+    dock. It is what the old-policy forward becomes when the update's own log-probs are
+    the old policy's (one optimiser update per batch, on-policy: :func:`rlcore.train.scoring_plan`).
+
+    Args:
+      outputs: rows -> the model outputs with ``logp`` and ``entropy`` (:func:`rl_outputs`,
+        possibly wrapped by :func:`with_logged_reference`).
+      name, resource: as in :func:`rlcore.dataflow.stage`.
+
+    Returns:
+      ``(stage, forward)``: the stage (reads ``prompts``, ``prompt_mask``, ``responses``,
+      ``mask``, ``iteration``), and the update's forward, which takes the kept outputs of
+      its rows' iteration (:func:`rl_batch`). The update must take each iteration's rows
+      in one call, in the order this stage took them (the blocking pipeline's update with
+      one optimiser step per batch does).
+    """
+    kept: dict[int, Batch] = {}
+    lock = threading.Lock()
+
+    def run(b: Batch) -> dict[str, torch.Tensor]:
+        out = outputs(b)
+        with lock:
+            kept[int(b["iteration"][0])] = out
+        return {"old_logp": out["logp"].detach(), "entropy": out["entropy"].detach()}
 
     def forward(b: Batch) -> Batch:
-        batch = {k: b[k] for k in carried if k in b}
-        batch["mask"] = b["loss_mask"]
-        batch["logp"], batch["entropy"] = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
-        if old_logp_from_update:
-            batch["old_logp"] = batch["logp"].detach()
-        if critic is not None:
-            batch["values"] = response_values(critic, b)
-        return batch
+        iteration = int(b["iteration"][0])
+        with lock:
+            out = kept.pop(iteration, None)
+        rows = b["loss_mask"].shape[0]
+        if out is None or out["logp"].shape[0] != rows:
+            got = "nothing" if out is None else f"{out['logp'].shape[0]} rows"
+            raise RuntimeError(
+                f"stage {name!r}: the update of iteration {iteration} takes {rows} rows, but the forward kept "
+                f"{got}: the update must take each iteration's rows in one call"
+            )
+        return rl_batch(b, out)
 
-    return forward
+    return (
+        stage(
+            run,
+            inputs=["prompts", "prompt_mask", "responses", "mask", "iteration"],
+            outputs=["old_logp", "entropy"],
+            name=name,
+            resource=resource,
+            phase="train",
+        ),
+        forward,
+    )
 
 
 def with_logged_reference(
@@ -353,7 +428,8 @@ def with_logged_reference(
     """``forward`` that also scores the rows under ``reference`` (eval mode, no grad) at steps ``0, every, 2 * every, ...``.
 
     For a reference whose log-probs only feed the logged KL (no KL term, ``rl.beta`` 0):
-    on its steps the rows get ``ref_logp`` before ``forward`` sees them, and the other
+    on its steps the rows get ``ref_logp`` before ``forward`` sees them (and its output
+    carries it, also when ``forward`` is the model half, :func:`rl_outputs`), and the other
     steps pay nothing (no stage, no dock columns). The rows must carry ``iteration``.
     """
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -361,10 +437,11 @@ def with_logged_reference(
     lm = from_hf(reference)
 
     def run(b: Batch) -> Batch:
-        if int(b["iteration"][0]) % every == 0:
-            with eval_mode(reference):
-                b = {**b, "ref_logp": response_logprobs(lm, b, temperature=temperature)}
-        return forward(b)
+        if int(b["iteration"][0]) % every != 0:
+            return forward(b)
+        with eval_mode(reference):
+            ref = response_logprobs(lm, b, temperature=temperature)
+        return {**forward({**b, "ref_logp": ref}), "ref_logp": ref}
 
     return run
 

@@ -99,10 +99,12 @@ from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
+    forward_ahead,
     logprob_stage,
     preference_forward,
     preference_logps_stage,
-    rl_forward,
+    rl_batch,
+    rl_outputs,
     rollout_stage,
     update_stage,
     values_stage,
@@ -999,12 +1001,16 @@ def _graph(
             stages.append(values_stage(models.critic))
             scored.append("old_values")
             produced.append("returns")
+        outputs = rl_outputs(models.policy, critic=models.critic, temperature=rl.temperature)
+        if plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update's forward runs it on its steps
+            outputs = with_logged_reference(outputs, models.reference, every=plan.ref_every, temperature=rl.temperature)
+        if plan.old_logp:
+            forward = lambda b: rl_batch(b, outputs(b))  # noqa: E731
+        else:  # the update's forward runs while the rows are scored; its logp, detached, is old_logp
+            ahead, forward = forward_ahead(outputs)
+            stages.insert(2, ahead)
+            logged += ["old_logp", "entropy"]
         stages.append(advantages_stage(algo, inputs=scored, outputs=produced))
-        forward = rl_forward(
-            models.policy, critic=models.critic, temperature=rl.temperature, old_logp_from_update=not plan.old_logp
-        )
-        if plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update runs it on its steps
-            forward = with_logged_reference(forward, models.reference, every=plan.ref_every, temperature=rl.temperature)
         if world.cp is not None:
             forward = cp_rl_forward(models.policy, group=world.cp[0], mode=world.cp[1], temperature=rl.temperature)
             recipe = ContextParallelRecipe(algo, world.cp[0], dp_group=world.group)
