@@ -334,10 +334,12 @@ def test_constructor_rejects_bad_sizes():
 def test_warehouses_hold_disjoint_ranges():
     dock = TransferDock(5, 2, consumers=["c"], num_warehouses=3)
     assert [(h.start, h.stop) for h in dock.warehouses] == [(0, 3), (3, 7), (7, 10)]
-    dock.put({"x": torch.arange(10.0)}, torch.randperm(10))
+    perm = torch.randperm(10)
+    dock.put({"x": torch.arange(10.0)}, perm)
+    value_at = torch.empty(10).index_copy_(0, perm, torch.arange(10.0))  # row perm[i] holds i
     for house in dock.warehouses:
-        stored = house._data["x"]
-        assert len(stored) == house.stop - house.start and all(v is not None for v in stored)
+        stored, lengths = house.get(["x"], torch.arange(house.start, house.stop))["x"]
+        assert lengths is None and torch.equal(stored, value_at[house.start : house.stop])
     batch, _idx = dock.get("c", ["x"], 10)
     assert sorted(batch["x"].tolist()) == [float(i) for i in range(10)]
 

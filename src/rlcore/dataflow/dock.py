@@ -58,6 +58,12 @@ def _as_indexes(name: str, indexes: Any) -> torch.Tensor:
             raise ValueError(f"{name}: got dtype {indexes.dtype}, expected an integer dtype")
         check_ndim(name, indexes, 1)
         return indexes.to(device="cpu", dtype=torch.int64)
+    if (
+        isinstance(indexes, range)
+        and min(indexes.start, indexes.stop) >= -(2**63)
+        and max(indexes.start, indexes.stop) < 2**63
+    ):
+        return torch.arange(indexes.start, indexes.stop, indexes.step, dtype=torch.int64)
     if isinstance(indexes, (range, Sequence)) and all(isinstance(i, int) and not isinstance(i, bool) for i in indexes):
         if any(not -(2**63) <= i < 2**63 for i in indexes):
             raise ValueError(
@@ -79,12 +85,12 @@ def _check_timeout(name: str, timeout: Any) -> None:
 _MAX_SLEEP = 3600.0
 
 
-def _split_rows(column: str, value: Any) -> list[torch.Tensor]:
-    """One tensor per row: a tensor is split along dim 0, a list is taken as the rows."""
+def _rows(column: str, value: Any) -> torch.Tensor | list[torch.Tensor]:
+    """A column's rows: a tensor stays whole (its rows along dim 0), a list is taken as the rows."""
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             raise ValueError(f"columns[{column!r}]: got a 0-d tensor, expected one row per index along dim 0")
-        return list(value.detach().unbind(0))
+        return value.detach()
     if isinstance(value, (list, tuple)):
         rows = list(value)
         for i, row in enumerate(rows):
@@ -243,10 +249,14 @@ class DockController:
     # ------------------------------------------------------------------ checks
 
     def _check_in_range(self, name: str, indexes: torch.Tensor) -> None:
-        if indexes.numel() and bool(((indexes < 0) | (indexes >= self.capacity)).any()):
+        if not indexes.numel():
+            return
+        low, high = indexes.aminmax()
+        if int(low) < 0 or int(high) >= self.capacity:
             bad = indexes[(indexes < 0) | (indexes >= self.capacity)][:5].tolist()
             raise ValueError(f"{name}: got row(s) {bad}, expected indexes in [0, {self.capacity})")
-        if indexes.unique().numel() != indexes.numel():
+        increasing = indexes.numel() == 1 or bool((indexes[1:] > indexes[:-1]).all())
+        if not increasing and indexes.unique().numel() != indexes.numel():
             raise ValueError(f"{name}: got repeated rows, expected each row at most once")
 
     def _check_consumer(self, consumer: str) -> threading.Condition:
@@ -693,55 +703,105 @@ class DockController:
 
 
 class Warehouse:
-    """Payload store for rows ``[start, stop)``: one list of per-row (unpadded) tensors per column.
+    """Payload store for rows ``[start, stop)``: per column, per-row (unpadded) tensors and dense blocks.
+
+    A column put as one tensor is kept whole (a block) and its rows refer to it: a get
+    of those rows in the block's order is one copy of a slice, not a split and a
+    concatenation of its rows.
 
     >>> house = Warehouse(4, 8)
     >>> house.put({"responses": [torch.tensor([1, 2]), torch.tensor([3])]}, torch.tensor([5, 4]))
     >>> house.get(["responses"], torch.tensor([4, 5]))
     {'responses': (tensor([3, 1, 2]), [1, 2])}
+    >>> house.put({"scores": torch.tensor([0.5, 1.0])}, torch.tensor([4, 5]))
+    >>> house.get(["scores"], torch.tensor([4, 5]))
+    {'scores': (tensor([0.5000, 1.0000]), None)}
     """
 
     def __init__(self, start: int, stop: int) -> None:
         self.start = start
         self.stop = stop
-        self._data: dict[str, list[torch.Tensor | None]] = {}
+        self._data: dict[str, list[torch.Tensor | None]] = {}  # per-row tensors (rows not in a block)
+        self._block: dict[str, torch.Tensor] = {}  # per row: its block, or -1
+        self._row: dict[str, torch.Tensor] = {}  # per row: its row in the block
+        self._blocks: dict[str, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def put(self, columns: Mapping[str, list[torch.Tensor]], indexes: torch.Tensor) -> None:
-        """Store the rows of each column at ``indexes`` (global row numbers inside this range)."""
-        local = (indexes - self.start).tolist()
+    def _column(self, column: str) -> list[torch.Tensor | None]:
+        if column not in self._data:
+            size = self.stop - self.start
+            self._data[column], self._blocks[column] = [None] * size, []
+            self._block[column] = torch.full((size,), -1, dtype=torch.int64)
+            self._row[column] = torch.zeros(size, dtype=torch.int64)
+        return self._data[column]
+
+    def put(self, columns: Mapping[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor) -> None:
+        """Store the rows of each column (a tensor, rows along dim 0, or a list of rows) at ``indexes`` (global rows)."""
+        local = indexes - self.start
         with self._lock:
             for column, rows in columns.items():
-                store = self._data.setdefault(column, [None] * (self.stop - self.start))
-                for i, row in zip(local, rows):
-                    store[i] = row
+                data = self._column(column)
+                if isinstance(rows, torch.Tensor):
+                    blocks = self._blocks[column]
+                    self._block[column][local] = len(blocks)
+                    self._row[column][local] = torch.arange(local.numel())
+                    blocks.append(rows)
+                else:
+                    self._block[column][local] = -1
+                    for i, row in zip(local.tolist(), rows):
+                        data[i] = row
 
     def put_flat(self, columns: Mapping[str, tuple[torch.Tensor, list[int] | None]], indexes: torch.Tensor) -> None:
         """:meth:`put` for rows sent as one ``(flat, lengths)`` pair per column (see :func:`flatten_rows`)."""
         self.put({c: unflatten_rows(flat, lengths) for c, (flat, lengths) in columns.items()}, indexes)
 
     def get(self, columns: Sequence[str], indexes: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int] | None]]:
-        """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`flatten_rows`."""
-        local = (indexes - self.start).tolist()
+        """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`flatten_rows` (fresh tensors)."""
+        local = indexes - self.start
+        m = local.numel()
+        out: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
         with self._lock:
-            rows = {c: [self._data[c][i] for i in local] for c in columns}
-        return {c: flatten_rows(values) for c, values in rows.items()}
+            for c in columns:
+                block, row, blocks = self._block[c][local], self._row[c][local], self._blocks[c]
+                if m:
+                    b, k = int(block[0]), int(row[0])
+                    if b >= 0 and bool((block == b).all()) and bool((row == torch.arange(k, k + m)).all()):
+                        # A run of consecutive rows of one block: one copy of its slice.
+                        out[c] = flatten_rows(blocks[b][k : k + m].clone())
+                        continue
+                data = self._data[c]
+                rows = [
+                    data[i] if b < 0 else blocks[b][k] for i, b, k in zip(local.tolist(), block.tolist(), row.tolist())
+                ]
+                out[c] = flatten_rows(rows)  # type: ignore[arg-type]
+        return out
 
     def clear(self, cleared: torch.Tensor, kept: torch.Tensor, keep: Sequence[str]) -> None:
         """Drop every column of ``cleared`` rows and all but ``keep`` of ``kept`` rows."""
         inside = lambda rows: (rows[(rows >= self.start) & (rows < self.stop)] - self.start).tolist()  # noqa: E731
         gone, partial = inside(cleared), inside(kept)
         with self._lock:
-            for column, store in self._data.items():
+            for column, data in self._data.items():
+                block, row, blocks = self._block[column], self._row[column], self._blocks[column]
+                for i in partial if column in keep else ():  # kept rows stand alone: the blocks go
+                    if int(block[i]) >= 0:
+                        data[i] = blocks[int(block[i])][int(row[i])]
                 for i in gone if column in keep else gone + partial:
-                    store[i] = None
+                    data[i] = None
+                block.fill_(-1)
+                blocks.clear()
 
 
-def flatten_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
+def flatten_rows(rows: list[torch.Tensor] | torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
     """Rows as one tensor: 0-d rows stacked (lengths None), others concatenated along dim 0 with their lengths.
 
-    One tensor per column crosses a process boundary far faster than one per row.
+    A tensor is taken as its rows along dim 0 (a view where it can be). One tensor per
+    column crosses a process boundary far faster than one per row.
     """
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() == 1:
+            return rows, None
+        return rows.reshape(-1, *rows.shape[2:]), [rows.shape[1]] * rows.shape[0]
     if rows[0].dim() == 0:
         return torch.stack(rows), None
     return torch.cat(rows), [row.shape[0] for row in rows]
@@ -898,7 +958,7 @@ class TransferDock:
         self._call(self.controller, "release")
 
     def _put_call(
-        self, w: int, rows: dict[str, list[torch.Tensor]], indexes: torch.Tensor
+        self, w: int, rows: dict[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor
     ) -> tuple[Any, str, tuple[Any, ...]]:
         # In process, the warehouse keeps the caller's row tensors as they are.
         return self.warehouses[w], "put", (rows, indexes)
@@ -943,7 +1003,7 @@ class TransferDock:
         idx = _as_indexes("indexes", indexes)
         if not isinstance(columns, Mapping) or not columns:
             raise ValueError(f"columns: got {type(columns).__name__}, expected a non-empty dict of column -> rows")
-        rows = {c: _split_rows(c, v) for c, v in columns.items()}
+        rows = {c: _rows(c, v) for c, v in columns.items()}
         for column, values in rows.items():
             if len(values) != idx.numel():
                 raise ValueError(f"columns[{column!r}]: got {len(values)} rows, expected {idx.numel()} (one per index)")
@@ -959,7 +1019,12 @@ class TransferDock:
                 calls = [self._put_call(routes[0][0], rows, idx)]
             else:
                 calls = [
-                    self._put_call(w, {c: [v[i] for i in sel] for c, v in rows.items()}, idx[sel]) for w, sel in routes
+                    self._put_call(
+                        w,
+                        {c: v[sel] if isinstance(v, torch.Tensor) else [v[i] for i in sel] for c, v in rows.items()},
+                        idx[sel],
+                    )
+                    for w, sel in routes
                 ]
             self._call_all(calls)
         except BaseException:
