@@ -201,10 +201,16 @@ def ppo_clip_loss(
         loss = w * max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
         if dual_clip is c and A < 0:  loss = w * min(loss, -A * c)
 
+    that is ``-A`` times the ratio clipped on one side, as the paper's figure 1 draws it,
+    which is the form computed (fewer passes than ``max`` and ``min`` under autograd)::
+
+        loss = w * -A * clip(r, 0, 1 + clip_high)          if A > 0
+        loss = w * -A * clip(r, 1 - clip_low, c)           if A < 0   (c = inf without dual_clip)
+
     ``w`` is ``is_weights`` (detached; 1 when ``None``). A token whose ratio is clipped
     (``A > 0, r > 1 + clip_high``; ``A < 0, r < 1 - clip_low``; or dual-clipped) has zero
-    gradient. When ``logp == old_logp`` the loss is ``-A`` and its gradient ``-A * d logp``,
-    the policy gradient.
+    gradient; one exactly on a bound keeps it. When ``logp == old_logp`` the loss is ``-A``
+    and its gradient ``-A * d logp``, the policy gradient.
 
     Args:
       logp: ``[B, T]`` log-probabilities of the sampled tokens under the current policy.
@@ -245,9 +251,7 @@ def ppo_clip_loss(
     up = math.inf if dual_clip is None else dual_clip
     adv_pos, adv_neg = nadv < 0, nadv > 0  # A > 0, A < 0; both False at mask-0 positions
     ratio = tok.log_ratio.exp()
-    # max(-A r, -A clip(r, lo, hi)) is -A times r clipped on one side (figure 1 of the paper):
-    # from above at hi where A > 0, from below at lo where A < 0; the dual clip min(., -A c)
-    # adds the upper bound c where A < 0. Bounds in the ratio's dtype keep them exact.
+    # The one-sided clip of the docstring; bounds in the ratio's dtype keep them exact in float64.
     lower = torch.where(adv_neg, ratio.new_full((), lo), 0.0)
     upper = torch.where(adv_pos, ratio.new_full((), hi), up)
     loss = nadv * ratio.clamp(lower, upper)
