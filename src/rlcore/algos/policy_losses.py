@@ -18,9 +18,9 @@ Metrics (all masked means over the counted tokens unless named otherwise):
 lower variance than the ``-log r`` that verl reports), ``ratio_mean``, ``ratio_min``,
 ``ratio_max`` (0 for an empty mask), and the clip fractions of each loss.
 
-Gradients: the token-local losses (PPO, GSPO-token, CISPO, SAPO, REINFORCE) compute
-their value without autograd and attach the closed-form derivative with respect to
-``logp`` (one saved tensor, a one-multiply backward); only ``logp`` is differentiated.
+Gradients: each loss is its formula under autograd. Only ``logp`` is differentiated: old
+log-probs, advantages and importance weights are data. A stop-gradient of the paper
+(``sg``) is a ``detach``.
 """
 
 from __future__ import annotations
@@ -56,46 +56,49 @@ def _check_clip(name: str, value: float) -> None:
     check_positive(name, value, strict=False)
 
 
-class _LocalGrad(torch.autograd.Function):
-    """A per-token loss computed without autograd, with its derivative ``d loss_t / d logp_t`` given.
+class _SaturatingCast(torch.autograd.Function):
+    """:func:`saturating_cast` with a gradient cast back the same way: a straight-through cast.
 
-    The token-local losses know their gradient in closed form (``-A r`` where the
-    unclipped branch is active, else 0), so the forward keeps one tensor for the
-    backward, which is a single multiply, instead of an autograd graph of every clamp,
-    maximum and where. Only ``logp`` receives a gradient; old log-probs, advantages
-    and importance weights are data.
+    A plain float32 -> float16 cast rounds a value or a gradient beyond 65504 to ``inf``,
+    and the clamp inside :func:`saturating_cast` would give a saturated loss a zero
+    gradient; here both directions saturate and the gradient passes through unchanged.
     """
 
     @staticmethod
-    def forward(logp: torch.Tensor, loss: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return saturating_cast(loss, logp.dtype)
+    def forward(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        return saturating_cast(x, dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
-        logp, _, dloss = inputs
-        ctx.save_for_backward(dloss)
-        ctx.dtype = logp.dtype
+        ctx.dtype = inputs[0].dtype
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[no-untyped-def,override]
-        (dloss,) = ctx.saved_tensors
-        return saturating_cast(g.to(dloss.dtype) * dloss, ctx.dtype), None, None
+        return saturating_cast(g, ctx.dtype), None
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` whose value and gradient saturate where either dtype is float16 (see above)."""
+    if x.dtype == dtype:
+        return x
+    if min(torch.finfo(x.dtype).max, torch.finfo(dtype).max) > 1e30:
+        return x.to(dtype)  # bfloat16, float32, float64: one exponent range, a plain cast
+    return _SaturatingCast.apply(x, dtype)
 
 
 class _Tokens(NamedTuple):
-    """Detached per-token inputs in the accumulation dtype, 0 where the mask is 0."""
+    """Per-token inputs in the accumulation dtype, 0 where the mask is 0."""
 
     keep: torch.Tensor  # bool: the token counts
     weights: torch.Tensor  # the mask as weights (bool or float), for the metrics' sums
     total: torch.Tensor  # total weight, replaced by 1 when 0 (empty masks give 0 metrics)
-    log_ratio: torch.Tensor  # logp - old_logp, clamped to +-20
-    in_range: torch.Tensor  # bool: the clamp let the gradient through
-    neg_adv: torch.Tensor  # -advantages: every loss is linear in it, and +0 at mask 0 stays +0
+    log_ratio: torch.Tensor  # logp - old_logp clamped to +-20 (beyond it the gradient is 0), differentiable
+    neg_adv: torch.Tensor  # -advantages, detached: every loss is linear in it, and +0 at mask 0 stays +0
     counted: torch.Tensor  # total weight as it is (0 for an empty mask)
 
 
 def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> _Tokens:
-    # torch.where (not a multiply) keeps nan padding out of every value.
+    # torch.where (not a multiply) keeps nan padding out of every value and every gradient.
     acc = acc_dtype(logp.dtype)
     keep = mask if mask.dtype == torch.bool else mask != 0
     with torch.no_grad():
@@ -103,10 +106,15 @@ def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
         weights = mask if mask.dtype == torch.bool else mask.to(acc)
         # A count, not a sum with a dtype (which first copies the whole mask to that dtype).
         total = torch.count_nonzero(mask).to(acc) if mask.dtype == torch.bool else mask.sum(dtype=acc)
-        raw = torch.where(keep, logp.detach().to(acc) - old_logp.to(acc), 0.0)
-        log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         neg_adv = torch.where(keep, -advantages.detach().to(acc), 0.0)
-    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, log_ratio == raw, neg_adv, total)
+    raw = torch.where(keep, _cast(logp, acc) - old_logp.detach().to(acc), 0.0)
+    log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, neg_adv, total)
+
+
+def _logp(logp: torch.Tensor, tok: _Tokens) -> torch.Tensor:
+    """``logp`` in the accumulation dtype, differentiable, 0 where the mask is 0."""
+    return torch.where(tok.keep, _cast(logp, tok.neg_adv.dtype), 0.0)
 
 
 def _mean(x: torch.Tensor, tok: _Tokens) -> torch.Tensor:
@@ -193,10 +201,16 @@ def ppo_clip_loss(
         loss = w * max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
         if dual_clip is c and A < 0:  loss = w * min(loss, -A * c)
 
+    that is ``-A`` times the ratio clipped on one side, as the paper's figure 1 draws it,
+    which is the form computed (fewer passes than ``max`` and ``min`` under autograd)::
+
+        loss = w * -A * clip(r, 0, 1 + clip_high)          if A > 0
+        loss = w * -A * clip(r, 1 - clip_low, c)           if A < 0   (c = inf without dual_clip)
+
     ``w`` is ``is_weights`` (detached; 1 when ``None``). A token whose ratio is clipped
     (``A > 0, r > 1 + clip_high``; ``A < 0, r < 1 - clip_low``; or dual-clipped) has zero
-    gradient. When ``logp == old_logp`` the loss is ``-A`` and its gradient ``-A * d logp``,
-    the policy gradient.
+    gradient; one exactly on a bound keeps it. When ``logp == old_logp`` the loss is ``-A``
+    and its gradient ``-A * d logp``, the policy gradient.
 
     Args:
       logp: ``[B, T]`` log-probabilities of the sampled tokens under the current policy.
@@ -232,28 +246,25 @@ def ppo_clip_loss(
     if is_weights is not None:
         check_same_shape("is_weights", is_weights, "logp", logp)
     tok = _prepare(logp, old_logp, advantages, mask)
-    nadv = tok.neg_adv
+    nadv = tok.neg_adv  # -A
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    up = math.inf if dual_clip is None else dual_clip
+    adv_pos, adv_neg = nadv < 0, nadv > 0  # A > 0, A < 0; both False at mask-0 positions
+    ratio = tok.log_ratio.exp()
+    # The one-sided clip of the docstring; bounds in the ratio's dtype keep them exact in float64.
+    lower = torch.where(adv_neg, ratio.new_full((), lo), 0.0)
+    upper = torch.where(adv_pos, ratio.new_full((), hi), up)
+    loss = nadv * ratio.clamp(lower, upper)
+    if is_weights is not None:
+        loss = loss * torch.where(tok.keep, is_weights.detach().to(loss.dtype), 0.0)
     with torch.no_grad():
-        ratio = tok.log_ratio.exp()
+        ratio = ratio.detach()
         metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok)
-        unclipped = nadv * ratio
-        loss = torch.maximum(unclipped, ratio.clamp(lo, hi).mul_(nadv))
+        metrics["clip_frac_low"] = _frac(adv_neg.logical_and(ratio < lo), tok)
+        metrics["clip_frac_high"] = _frac(adv_pos.logical_and_(ratio > hi), tok)
         if dual_clip is not None:
-            # min(loss, -A c) where A < 0; elsewhere the cap is 0 >= loss (loss <= 0 when A >= 0).
-            torch.minimum(loss, nadv.clamp(min=0.0).mul_(dual_clip), out=loss)
-        # The unclipped branch is active where the loss is its value (ties inside the clip
-        # band carry its gradient; a capped token never equals it), and the clamp let it through.
-        dloss = torch.where((loss == unclipped).logical_and_(tok.in_range), unclipped, 0.0)
-        positive = nadv > 0  # A < 0; 0 at mask-0 positions, so every flag below is 0 there
-        metrics["clip_frac_low"] = _frac(positive.logical_and(ratio < lo), tok)
-        metrics["clip_frac_high"] = _frac((nadv < 0).logical_and_(ratio > hi), tok)
-        if dual_clip is not None:
-            metrics["clip_frac_dual"] = _frac(positive.logical_and_(ratio > dual_clip), tok)
-        if is_weights is not None:
-            w = torch.where(tok.keep, is_weights.detach().to(loss.dtype), 0.0)
-            loss, dloss = loss * w, dloss * w
-    return _LocalGrad.apply(logp, loss, dloss), metrics
+            metrics["clip_frac_dual"] = _frac(adv_neg.logical_and_(ratio > dual_clip), tok)
+    return _cast(loss, logp.dtype), metrics
 
 
 def gspo_loss(
@@ -297,25 +308,22 @@ def gspo_loss(
     _check_clip("clip_low", clip_low)
     _check_clip("clip_high", clip_high)
     tok = _prepare(logp, old_logp, advantages, mask)
-    nadv = tok.neg_adv
+    nadv = tok.neg_adv  # -A
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
     with torch.no_grad():
-        n = tok.weights.sum(-1, keepdim=True, dtype=tok.log_ratio.dtype)
-        raw = (tok.log_ratio * tok.weights).sum(-1, keepdim=True) / torch.where(n > 0, n, 1.0)
-        log_s = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        # s_{i,t} = sg(s_i) * exp(logp_t - sg(logp_t)): value s_i, derivative s_i.
-        log_st = torch.where(tok.keep, log_s, 0.0)
-        ratio = log_st.exp()
-        bounded = ratio.clamp(lo, hi)
-        unclipped = nadv * ratio
-        clipped = nadv * bounded
-        loss = torch.maximum(unclipped, clipped)
-        live = ((unclipped > clipped) | (bounded == ratio)) & (log_s == raw)
-        dloss = torch.where(live, unclipped, 0.0)
+        n = tok.weights.sum(-1, keepdim=True, dtype=nadv.dtype)
+        log_s = (tok.log_ratio * tok.weights).sum(-1, keepdim=True) / torch.where(n > 0, n, 1.0)  # log s_i
+    lp = _logp(logp, tok)
+    # log s_{i,t} = sg(log s_i) + logp_t - sg(logp_t), clamped to +-20 (no gradient beyond).
+    log_st = torch.where(tok.keep, log_s + (lp - lp.detach()), 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_st.exp()
+    loss = torch.maximum(nadv * ratio, nadv * ratio.clamp(lo, hi))
+    with torch.no_grad():
+        ratio, log_st = ratio.detach(), log_st.detach()
         metrics = _ratio_metrics(ratio, log_st, tok)
         metrics["clip_frac_low"] = _mean((nadv > 0) & (ratio < lo), tok)
         metrics["clip_frac_high"] = _mean((nadv < 0) & (ratio > hi), tok)
-    return _LocalGrad.apply(logp, loss, dloss), metrics
+    return _cast(loss, logp.dtype), metrics
 
 
 def cispo_loss(
@@ -363,15 +371,14 @@ def cispo_loss(
     tok = _prepare(logp, old_logp, advantages, mask)
     lo = None if clip_low is None else 1.0 - clip_low
     hi = 1.0 + clip_high
+    ratio = tok.log_ratio.detach().exp()
+    loss = ratio.clamp(lo, hi) * tok.neg_adv * _logp(logp, tok)  # the ratio is detached: sg(clip(r))
     with torch.no_grad():
-        ratio = tok.log_ratio.exp()
         metrics = _ratio_metrics(ratio, tok.log_ratio, tok)
-        dloss = ratio.clamp(lo, hi) * tok.neg_adv
-        loss = dloss * torch.where(tok.keep, logp.detach().to(dloss.dtype), 0.0)
         low = ratio < lo if lo is not None else torch.zeros_like(tok.keep)
         metrics["clip_frac_low"] = _mean(low, tok)
         metrics["clip_frac_high"] = _mean(ratio > hi, tok)
-    return _LocalGrad.apply(logp, loss, dloss), metrics
+    return _cast(loss, logp.dtype), metrics
 
 
 def reinforce_loss(
@@ -402,9 +409,10 @@ def reinforce_loss(
     """
     _check(logp, old_logp, advantages, mask)
     tok = _prepare(logp, old_logp, advantages, mask)
+    loss = tok.neg_adv * _logp(logp, tok)
     with torch.no_grad():
-        loss = tok.neg_adv * torch.where(tok.keep, logp.detach().to(tok.neg_adv.dtype), 0.0)
-    return _LocalGrad.apply(logp, loss, tok.neg_adv), _ratio_metrics(tok.log_ratio.exp(), tok.log_ratio, tok)
+        metrics = _ratio_metrics(tok.log_ratio.exp(), tok.log_ratio, tok)
+    return _cast(loss, logp.dtype), metrics
 
 
 def gpg_loss(
@@ -476,17 +484,16 @@ def sapo_loss(
     check_positive("tau_pos", tau_pos, finite=True)
     check_positive("tau_neg", tau_neg, finite=True)
     tok = _prepare(logp, old_logp, advantages, mask)
-    nadv = tok.neg_adv
+    nadv = tok.neg_adv  # -A
+    ratio = tok.log_ratio.exp()
+    tau = torch.where(nadv < 0, tau_pos, tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = gate * (4.0 / tau) * nadv  # -f(r) A
     with torch.no_grad():
-        ratio = tok.log_ratio.exp()
+        ratio, gate = ratio.detach(), gate.detach()
         metrics = _ratio_metrics(ratio, tok.log_ratio, tok)
-        tau = torch.where(nadv < 0, tau_pos, tau_neg).to(ratio.dtype)
-        gate = torch.sigmoid(tau * (ratio - 1.0))
-        loss = gate * (4.0 / tau) * nadv
-        weight = 4.0 * gate * (1.0 - gate)
-        dloss = torch.where(tok.in_range, weight * ratio * nadv, 0.0)
-        metrics["gate_mean"] = _mean(weight, tok)
-    return _LocalGrad.apply(logp, loss, dloss), metrics
+        metrics["gate_mean"] = _mean(4.0 * gate * (1.0 - gate), tok)
+    return _cast(loss, logp.dtype), metrics
 
 
 def gmpo_loss(
@@ -531,20 +538,17 @@ def gmpo_loss(
     _check_clip("clip_low", clip_low)
     _check_clip("clip_high", clip_high)
     tok = _prepare(logp, old_logp, advantages, mask)
-    nadv, acc = tok.neg_adv, tok.neg_adv.dtype
-    metrics = _ratio_metrics(tok.log_ratio.exp(), tok.log_ratio, tok)
-    # The sequence ratio couples the tokens of a sequence: this one runs on autograd.
-    log_ratio = torch.where(tok.keep, logp.to(acc) - old_logp.to(acc), 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    sign = -torch.sign(nadv)
-    clipped = log_ratio.clamp(-clip_low, clip_high)
-    chosen = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    nadv, log_ratio = tok.neg_adv, tok.log_ratio  # -A, l
+    sign = -torch.sign(nadv)  # sg = sign(A)
+    chosen = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-clip_low, clip_high))  # c_t
     # Both are 0 at mask-0 positions, so weighted sums are masked sums.
-    n = tok.weights.sum(-1, keepdim=True, dtype=acc)
+    n = tok.weights.sum(-1, keepdim=True, dtype=nadv.dtype)
     n = torch.where(n > 0, n, 1.0)
     rho = ((chosen * tok.weights).sum(-1, keepdim=True) / n).exp()
-    seq_nadv = (nadv * tok.weights).sum(-1, keepdim=True) / n
+    seq_nadv = (nadv * tok.weights).sum(-1, keepdim=True) / n  # -mean_i(A)
     loss = torch.where(tok.keep, seq_nadv * rho, 0.0)
     with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio.exp(), log_ratio, tok)
         metrics["clip_frac_low"] = _mean((nadv > 0) & (log_ratio < -clip_low), tok)
         metrics["clip_frac_high"] = _mean((nadv < 0) & (log_ratio > clip_high), tok)
-    return saturating_cast(loss, logp.dtype), metrics
+    return _cast(loss, logp.dtype), metrics
