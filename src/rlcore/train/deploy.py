@@ -66,7 +66,7 @@ __all__ = [
 
 Batch = dict[str, torch.Tensor]
 # The scheduler's phase-switch hook: (resource, phase left or None, phase entered).
-Switch = Callable[[str, "str | None", str], None]
+Switch = Callable[[str, str | None, str], None]
 # A rollout micro-batch -> the random stream its sampling draws from.
 Sampling = Callable[[Batch], torch.Generator]
 # (config, vocabulary size) -> a model of the config: the worker builds its own copy of the policy.
@@ -144,6 +144,15 @@ def _torch_engine(cfg: Config, model: torch.nn.Module, tok: Any) -> TorchEngine:
         top_p=rl.top_p,
         top_k=rl.top_k,
     )
+
+
+def _loader(engine: InferenceEngine) -> Callable[[WeightPacket], None]:
+    """The sync's receiver for a user's engine: each packet's weights, by name, into ``load_weights``."""
+
+    def receive(packet: WeightPacket) -> None:
+        engine.load_weights(unpack_weights(packet))
+
+    return receive
 
 
 def _serve_rollout(
@@ -434,10 +443,7 @@ def make_deployment(
     policy = models.policy
     timeout = cfg.deploy.rollout_timeout or None
     if engine is not None:
-        user = engine
-        return ReplicaDeployment(
-            policy, replica, user, lambda p: user.load_weights(unpack_weights(p)), sampling=sampling, timeout=timeout
-        )
+        return ReplicaDeployment(policy, replica, engine, _loader(engine), sampling=sampling, timeout=timeout)
     if cfg.deploy.mode == "disaggregated":
         kind = RayDeployment if cfg.deploy.backend == "ray" else WorkerDeployment
         return kind(
