@@ -9,7 +9,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
-import rlcore.train.trainer
+import rlcore.train.deploy
 from rlcore.dataflow import RayRolloutWorker, StageGraph, WeightSync, run_pipeline, stage
 from rlcore.train import build_model, load_checkpoint, load_config, make_task, train
 from tiny_runs import TINY
@@ -169,7 +169,7 @@ def test_killed_rollout_actor_stops_the_run_naming_the_stage(ray_session, tmp_pa
             super().__init__(*args, **kwargs)
             workers.append(self)
 
-    monkeypatch.setattr(rlcore.train.trainer, "RayRolloutWorker", Recorded)
+    monkeypatch.setattr(rlcore.train.deploy, "RayRolloutWorker", Recorded)
     cfg = tiny(
         tmp_path,
         "trainer.steps=6",

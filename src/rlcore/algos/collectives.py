@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.device_mesh import DeviceMesh
+
+from rlcore._process_group import as_process_group
 
 __all__ = ["group_sum", "resolve_process_group"]
 
@@ -33,20 +34,10 @@ def resolve_process_group(process_group: Any) -> tuple[Any, int, int]:
     >>> resolve_process_group(None)
     (None, 1, 0)
     """
-    if process_group is None:
+    pg = as_process_group("process_group", process_group, optional=True)
+    if pg is None:
         return None, 1, 0
-    if isinstance(process_group, DeviceMesh):
-        if process_group.ndim != 1:
-            raise ValueError(
-                f"process_group: got a {process_group.ndim}-D DeviceMesh, expected a 1-D one (the data-parallel dim)"
-            )
-        process_group = process_group.get_group()
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise ValueError(
-            f"process_group: got {type(process_group).__name__}, expected a torch.distributed ProcessGroup, "
-            "a 1-D DeviceMesh or None"
-        )
-    return process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
+    return pg, dist.get_world_size(pg), dist.get_rank(pg)
 
 
 def group_sum(x: torch.Tensor, *, process_group: Any = None) -> torch.Tensor:

@@ -18,17 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from rlcore._checks import check_choice, check_ndim, check_shape, check_tensor, host_readable
+from rlcore._process_group import as_process_group
 from rlcore.algos.aggregate import AGGREGATION_MODES, Count, aggregate
 from rlcore.ops import acc_dtype
 
 __all__ = ["sequence_sharded_aggregate", "sequence_sharded_counts"]
-
-
-def _group(group: Any) -> Any:
-    return group.get_group() if isinstance(group, DeviceMesh) else group
 
 
 def sequence_sharded_counts(mask: torch.Tensor, *, cp_group: Any, dp_group: Any = None) -> dict[str, torch.Tensor]:
@@ -56,10 +52,10 @@ def sequence_sharded_counts(mask: torch.Tensor, *, cp_group: Any, dp_group: Any 
     check_ndim("mask", mask, 2)
     weights = mask.to(acc_dtype(mask.dtype)) if mask.dtype.is_floating_point else (mask != 0).long()
     seq_tokens = weights.sum(-1)
-    dist.all_reduce(seq_tokens, op=dist.ReduceOp.SUM, group=_group(cp_group))
+    dist.all_reduce(seq_tokens, op=dist.ReduceOp.SUM, group=as_process_group("cp_group", cp_group, optional=True))
     totals = torch.stack([seq_tokens.sum(), (seq_tokens != 0).sum().to(seq_tokens.dtype)])
     if dp_group is not None:
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=_group(dp_group))
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=as_process_group("dp_group", dp_group))
     return {"num_tokens": totals[0], "num_seqs": totals[1], "seq_tokens": seq_tokens}
 
 

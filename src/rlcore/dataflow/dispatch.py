@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from rlcore._checks import check_choice, check_integer, check_ndim, check_same_shape
+from rlcore._process_group import as_process_group
 from rlcore.pytree import NAMESPACE, batch_size, tree_cat, tree_index
 
 __all__ = ["PARTITION_METHODS", "balanced_partition", "shard_samples"]
@@ -192,10 +192,7 @@ def shard_samples(
     check_choice("balance", balance, ("tokens", "contiguous"))
     check_choice("method", method, PARTITION_METHODS)
     measure = lengths or _mask_lengths
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"group: got a {group.ndim}-D DeviceMesh, expected a 1-D mesh (e.g. mesh['dp'])")
-        group = group.get_group()
+    group = as_process_group("group", group, optional=True)
 
     def sharded(batch: Any, *args: Any, **kwargs: Any) -> Any:
         world = dist.get_world_size(group)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore._checks import check_choice
-from rlcore.models._group import as_process_group
+from rlcore._process_group import as_process_group
 from rlcore.models.ring_attention import ring_attention
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
 from rlcore.models.ulysses import ulysses_attention

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore._checks import check_positive
-from rlcore.models._group import as_process_group
+from rlcore._process_group import as_process_group
 from rlcore.models.sequence_shards import SequenceShards
 
 __all__ = ["ring_attention"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore._checks import check_positive
-from rlcore.models._group import as_process_group
+from rlcore._process_group import as_process_group
 from rlcore.models.attention import packed_causal_attention
 from rlcore.models.sequence_shards import SequenceShards
 

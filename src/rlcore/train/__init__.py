@@ -30,6 +30,16 @@ from rlcore.train.context_parallel import (
     replica_groups,
     replicate_stage,
 )
+from rlcore.train.deploy import (
+    ColocatedDeployment,
+    Deployment,
+    NoRollout,
+    RayDeployment,
+    ReplicaDeployment,
+    WorkerDeployment,
+    in_place_rollout,
+    make_deployment,
+)
 from rlcore.train.export_cli import export_checkpoint
 from rlcore.train.lora import LORA_KEYS, adapter_modules, attach_lora, check_lora_launch, lora_options
 from rlcore.train.metrics import MetricsLog, headline, plot_curves, plot_timeline, read_metrics
@@ -185,6 +195,17 @@ __all__ += [
     "replica_groups",
     "replicate_stage",
     "shard_mesh",
+]
+# Where the rollout runs and how weights reach it: one class per deployment mode.
+__all__ += [
+    "ColocatedDeployment",
+    "Deployment",
+    "NoRollout",
+    "RayDeployment",
+    "ReplicaDeployment",
+    "WorkerDeployment",
+    "in_place_rollout",
+    "make_deployment",
 ]
 # LoRA in the trainer.
 __all__ += ["LORA_KEYS", "adapter_modules", "attach_lora", "check_lora_launch", "lora_options"]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlcore import algos
+from rlcore._process_group import as_process_group
 from rlcore.dataflow import Stage, stage
 from rlcore.models import ShardedLogprobs, from_hf, sharded_token_logprobs
 from rlcore.train.stages import eval_mode
@@ -194,10 +195,6 @@ def cp_response_logprobs(
     return ShardedLogprobs(out.logp[:, width:].float(), entropy, out.mask[:, width:])
 
 
-def _process_group(group: Any) -> Any:
-    return group.get_group() if isinstance(group, DeviceMesh) else group
-
-
 def cp_logprob_stage(
     model: torch.nn.Module,
     *,
@@ -221,7 +218,7 @@ def cp_logprob_stage(
     lm = from_hf(model)
     if len(outputs) not in (1, 2):
         raise ValueError(f"outputs: got {outputs!r}, expected (logp,) or (logp, entropy) column names")
-    pg = _process_group(group)
+    pg = as_process_group("group", group, optional=True)
 
     def logprobs(b: Batch) -> dict[str, torch.Tensor]:
         with eval_mode(model):
@@ -335,7 +332,7 @@ class ContextParallelRecipe:
                 "which context parallelism splits over the ranks"
             )
         self.recipe, self.group, self.dp_group = recipe, group, dp_group
-        self.pg = _process_group(group)
+        self.pg = as_process_group("group", group, optional=True)
         self.size = dist.get_world_size(self.pg)
 
     def global_counts(self, batch: Batch, *, process_group: Any = None) -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ One RL step is a :class:`rlcore.dataflow.StageGraph` of the stages in
 
 DPO replaces the scoring stages after the reward by ``pairs`` (chosen / rejected
 sequences) and ``ref_pair_logps``, and runs the same update stage with the preference
-recipe. The deployment (``deploy.*``) decides only how the pieces are placed:
+recipe. The deployment (``deploy.*``; :func:`rlcore.train.deploy.make_deployment`, one
+class per mode) decides only how the pieces are placed:
 
 * ``co-located``: one device resource; every switch to the rollout phase runs the
   memory plan's AllGather-Swap (:class:`rlcore.memory.ColocatedSwitch`): optimiser
@@ -52,22 +53,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlcore import algos
-from rlcore.dataflow import (
-    RayRolloutWorker,
-    RolloutWorker,
-    Stage,
-    StageGraph,
-    WeightSync,
-    decoder_layout,
-    load_into,
-    param_meta,
-    plan_reshard,
-    run_pipeline,
-    stage,
-    unpack_weights,
-)
-from rlcore.device import get_device, memory_stats
-from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
+from rlcore.dataflow import Stage, StageGraph, run_pipeline, stage
+from rlcore.device import get_device
 from rlcore.models import (
     AdaptersOff,
     export_hf,
@@ -78,7 +65,7 @@ from rlcore.models import (
 )
 from rlcore.ops import masked_sum
 from rlcore.rewards import RewardPool, reward_log_values
-from rlcore.train.agent_stages import check_multi_turn, multi_turn_graph, multi_turn_rollout_stage
+from rlcore.train.agent_stages import check_multi_turn, multi_turn_graph
 from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rlcore.train.config import Config, check_launch
 from rlcore.train.context_parallel import (
@@ -90,11 +77,12 @@ from rlcore.train.context_parallel import (
     replica_groups,
     replicate_stage,
 )
+from rlcore.train.deploy import Deployment, make_deployment
 from rlcore.train.lora import adapter_modules, attach_lora, check_lora_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
-from rlcore.train.prompts import PreferencePrompts, make_prompt_source, source_tokenizer, task_options
-from rlcore.train.rollout import InferenceEngine, TorchEngine, left_pad
+from rlcore.train.prompts import PreferencePrompts, make_prompt_source, task_options
+from rlcore.train.rollout import InferenceEngine, left_pad
 from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps, prepare_run_dir
 from rlcore.train.stages import (
     PAIR_COLUMNS,
@@ -105,7 +93,6 @@ from rlcore.train.stages import (
     preference_logps_stage,
     rl_batch,
     rl_outputs,
-    rollout_stage,
     update_stage,
     values_stage,
     with_logged_reference,
@@ -703,234 +690,12 @@ class _Steps:
         return out, timing
 
 
-# --- deployment -------------------------------------------------------------------------------
+# --- deployment: rlcore.train.deploy places the rollout; the trainer gives it the rollout's random stream -----
 
 
-def _serve_rollout(cfg_dict: dict[str, Any], vocab_size: int, rank: int) -> Callable[..., dict[str, torch.Tensor]]:
-    """Runs in the rollout worker process: an engine on a model of the config, loaded with each weights version."""
-    from rlcore.train.config import parse_config
-
-    cfg = parse_config(cfg_dict)
-    model = build_model(cfg, vocab_size).eval()
-    engine = _engine(cfg, model, source_tokenizer(cfg, task_options(cfg)))
-    params = dict(model.named_parameters())
-    loaded: list[Any] = [None]
-
-    def generate(batch: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if loaded[0] is not weights:
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(weights[name])
-            loaded[0] = weights
-        g = make_generator(cfg.trainer.seed, rank, int(batch["iteration"][0]), SAMPLING)
-        r = engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=g)
-        return {"responses": r.responses, "mask": r.mask.float(), "version": batch["policy_version"].clone()}
-
-    return generate
-
-
-def _engine(cfg: Config, model: torch.nn.Module, tok: Any) -> TorchEngine:
-    rl = cfg.rl
-    return TorchEngine(
-        model,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        max_new_tokens=rl.max_new_tokens,
-        temperature=rl.temperature,
-        top_p=rl.top_p,
-        top_k=rl.top_k,
-    )
-
-
-def in_place_rollout(cfg: Config, device: torch.device) -> bool:
-    """Whether a one-process co-located run samples from the training weights in place, without the swap.
-
-    The AllGather-Swap frees device memory for the rollout by offloading the training
-    state to the host and building the engine's weights in buckets. When the device *is*
-    the host (the CPU), offloading moves bytes from RAM to RAM and frees nothing: the
-    engine then reads the policy's own parameters (shared storage), which is exact in
-    the blocking pipeline, where a rollout never overlaps an update. With
-    ``deploy.async_infer`` the swap's snapshot keeps each rollout on one weights version.
-    """
-    return device.type == "cpu" and not cfg.deploy.async_infer
-
-
-class _Deployment:
-    """Where the rollout runs and how weights reach it: the pipeline's rollout stage, switch hook and sync.
-
-    The rollout never runs on the sharded training module (ranks would run different
-    numbers of forwards in its collectives): it runs on an unsharded replica, a user's
-    engine or a worker process, fed through one :class:`rlcore.dataflow.WeightSync` from
-    :func:`rlcore.train.parallel.full_state_dict` of the policy (collective: every rank
-    publishes). A one-process co-located run instead swaps in place with the memory
-    plan's AllGather-Swap.
-    """
-
-    def __init__(
-        self,
-        cfg: Config,
-        models: _Models,
-        opt: _Optimiser,
-        world: _World,
-        task: Any,
-        engine: InferenceEngine | None,
-        replica: torch.nn.Module,
-    ):
-        self.cfg, self.world = cfg, world
-        self.worker: RolloutWorker | RayRolloutWorker | None = None
-        self.switch: Callable[[str, str | None, str], None] | None = None
-        self.syncs: list[tuple[float, int]] = []
-        self.memory: dict[str, float] = {}
-        self.rollout_metrics: Callable[[int], dict[str, torch.Tensor]] = lambda step: {}
-        policy = models.policy
-        self.device = next(replica.parameters()).device
-        sampling = partial(self._generator, cfg.trainer.seed, world.dp_rank)
-        timeout = cfg.deploy.rollout_timeout or None
-        names = [name for name, _ in replica.named_parameters()]
-        lora = is_lora(policy)
-
-        def full_weights() -> dict[str, torch.Tensor]:
-            weights = full_state_dict(policy)  # LoRA: the merged weights, under the base names
-            return {name: weights[name] for name in names}
-
-        def sync_to(receiver: Callable[[Any], Any]) -> Callable[[int], None]:
-            sync = WeightSync(full_weights())
-
-            def publish(version: int) -> None:
-                sync.params = full_weights()  # gathered anew after each update (collective when sharded)
-                self._record(sync.sync(version, receiver))
-
-            return publish
-
-        if engine is not None:  # a user's engine: weights after every update, through the sync path
-            self.publish = sync_to(lambda p: engine.load_weights(unpack_weights(p)))
-            self.publish(0)
-            self.rollout = rollout_stage(engine, generator=sampling, timeout=timeout)
-        elif cfg.deploy.mode == "disaggregated":
-            serve_args = (cfg.to_dict(), task.tokenizer.vocab_size, world.dp_rank)
-            if cfg.deploy.backend == "ray":  # a Ray actor; the weight packets travel through Ray's object store
-                self.worker = RayRolloutWorker(_serve_rollout, args=serve_args, threads=max(1, cfg.trainer.threads))
-            else:
-                self.worker = RolloutWorker(
-                    _serve_rollout, args=serve_args, threads=max(1, cfg.trainer.threads), join_timeout=5.0
-                )
-            # Start-up (spawn, imports, model build) happens before the first step, not inside it.
-            self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
-            worker = self.worker
-            sync = WeightSync(full_weights())
-
-            def publish(version: int) -> None:
-                sync.params = full_weights()
-                self._record(sync.sync(version, partial(worker.publish, version)))
-
-            self.publish = publish
-            self.publish(0)
-            self.rollout = worker.stage(
-                inputs=["prompts", "prompt_mask", "iteration"],
-                outputs=["responses", "mask", "version"],
-                resource="rollout",
-                timeout=timeout,
-            )
-        elif world.sharded or lora:  # an unsharded replica fed by the weight sync (LoRA: merged weights)
-            self.publish = sync_to(load_into(replica))
-            self.publish(0)
-            self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
-        else:  # co-located in one process: the engine samples the policy's current weights
-            if in_place_rollout(cfg, self.device):  # the device is the host: no swap
-                named = dict(policy.named_parameters())
-                for name, p in replica.named_parameters():
-                    p.data = named[name].data  # shared storage: each optimiser step is seen by the next rollout
-            else:  # the engine's weights are built by the AllGather-Swap at each switch to rollout
-                self.switch = self._swap(policy, replica, opt)
-            self.publish = lambda version: None
-            self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
-            if cfg.rl.multi_turn is not None:  # rlcore.agent's multi-turn rollout, on the same weights
-                agent = multi_turn_rollout_stage(cfg, replica, task, rank=world.rank, timeout=timeout)
-                self.rollout, self.rollout_metrics = agent.stage, agent.pop_metrics
-
-    def _swap(
-        self, policy: torch.nn.Module, infer: torch.nn.Module, opt: _Optimiser
-    ) -> Callable[[str, str | None, str], None]:
-        """The co-located phase switch: the memory plan's AllGather-Swap builds ``infer``'s weights for each rollout."""
-        engine_params = dict(infer.named_parameters())
-        for p in engine_params.values():
-            p.data = p.data.new_empty(0)  # bound to the inference buckets at each switch
-        named = dict(policy.named_parameters())
-        layout = decoder_layout(param_meta(named), dp=dist.get_world_size())
-        plan = allgather_swap_plan(
-            plan_reshard(param_meta(named), layout, layout),
-            mesh=None,
-            device=next(policy.parameters()).device,
-            rank=dist.get_rank(),
-        )
-        state = TrainState(named)
-
-        def bind(weights: dict[str, torch.Tensor]) -> None:
-            for name, p in engine_params.items():
-                p.data = weights[name]
-
-        swap = ColocatedSwitch(state, plan, on_rollout=bind)
-        peak = {
-            "rollout": plan.memory.transition("train", "rollout").peak_bytes,
-            "train": plan.memory.transition("rollout", "train").peak_bytes,
-        }
-        self.memory = {f"memory/predicted_peak_{k}_bytes": float(v) for k, v in peak.items()}
-
-        def switch(resource: str, src: str | None, dst: str) -> None:
-            if dst == "rollout":
-                # The optimiser creates grads and its state lazily: the swap takes the current tensors.
-                state.grads = [p.grad for p in policy.parameters()]
-                state.optimizer = list(opt.opts[0].state.values())
-                t0 = time.perf_counter()
-                swap(resource, src, dst)
-                self._record_sync(time.perf_counter() - t0, sum(b.nbytes for b in plan.reshard.buckets))
-            else:
-                swap(resource, src, dst)
-
-        return switch
-
-    @staticmethod
-    def _generator(seed: int, rank: int, b: dict[str, torch.Tensor]) -> torch.Generator:
-        return make_generator(seed, rank, int(b["iteration"][0]), SAMPLING)
-
-    def _record(self, record: Any) -> None:
-        self._record_sync(record.seconds, record.nbytes)
-
-    def _record_sync(self, seconds: float, nbytes: int) -> None:
-        self.syncs.append((seconds, nbytes))
-
-    def step_metrics(self) -> dict[str, float]:
-        out = dict(self.memory)
-        if self.syncs:
-            seconds, nbytes = self.syncs[-1]
-            out.update({"sync_s": seconds, "sync_bytes": float(nbytes)})
-        stats = memory_stats(self.device)
-        if stats.tracked and stats.peak_allocated is not None:
-            out["memory/measured_peak_bytes"] = float(stats.peak_allocated)
-        return out
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-
-
-class _NoRollout:
-    """The deployment of a run without rollouts (offline DPO on a preference dataset): nothing to place or sync."""
-
-    switch = None
-    rollout = None
-
-    def publish(self, version: int) -> None:
-        pass
-
-    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
-        return {}
-
-    def step_metrics(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        pass
+def _sampling_stream(seed: int, rank: int, batch: dict[str, torch.Tensor]) -> torch.Generator:
+    """The random stream a rollout micro-batch samples with: its step's, on this data-parallel rank."""
+    return make_generator(seed, rank, int(batch["iteration"][0]), SAMPLING)
 
 
 # --- the assembly -----------------------------------------------------------------------------
@@ -1216,7 +981,7 @@ def _train(
         if leader and tr.log_samples
         else None
     )
-    deployment: _Deployment | _NoRollout | None = None
+    deployment: Deployment | None = None
     validator = None
     if tr.eval_every and task.val is not None:
         validator = Validator(
@@ -1231,10 +996,16 @@ def _train(
     # KeyboardInterrupt (Ctrl-C, and SIGTERM through the CLI) is not caught: it unwinds through
     # the finally below, which stops the reward workers and the rollout worker.
     try:
-        deployment = (
-            _NoRollout()
-            if isinstance(task, PreferencePrompts)
-            else _Deployment(cfg, models, opt, world, task, engine, replica)
+        deployment = make_deployment(
+            cfg,
+            models,
+            opt,
+            world,
+            task,
+            engine,
+            replica,
+            sampling=partial(_sampling_stream, tr.seed, world.dp_rank),
+            build_model=build_model,
         )
         dep = deployment
 

@@ -1,0 +1,458 @@
+"""Where the rollout runs and how weights reach it: the trainer's ``Deployment`` seam, one class per mode.
+
+A deployment gives the pipeline its rollout stage, the phase-switch hook and the weight
+sync after each update, and logs what the sync cost (``sync_s``, ``sync_bytes``; the
+co-located swap's predicted peaks, the measured peak). :func:`make_deployment` picks
+the class from the config, in this order:
+
+* :class:`NoRollout`: offline DPO on a preference dataset; nothing to place or sync.
+* :class:`ReplicaDeployment` with a user's :class:`~rlcore.train.InferenceEngine`.
+* :class:`WorkerDeployment` (``deploy.mode: disaggregated``): the rollout in a
+  :class:`rlcore.dataflow.RolloutWorker` process; :class:`RayDeployment` with
+  ``deploy.backend: ray``: in a :class:`rlcore.dataflow.RayRolloutWorker` actor.
+* :class:`ReplicaDeployment` of the trainer's unsharded replica, when the policy is
+  sharded or LoRA (the replica takes the merged weights).
+* :class:`ColocatedDeployment`: one process, one device, the memory plan's
+  AllGather-Swap at every switch to the rollout phase.
+
+The rollout never runs on the sharded training module (ranks would run different
+numbers of forwards in its collectives): every sync sends
+:func:`rlcore.train.parallel.full_state_dict` of the policy through one
+:class:`rlcore.dataflow.WeightSync` (collective: every rank publishes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from rlcore.dataflow import (
+    RayRolloutWorker,
+    RolloutWorker,
+    Stage,
+    WeightPacket,
+    WeightSync,
+    decoder_layout,
+    load_into,
+    param_meta,
+    plan_reshard,
+    unpack_weights,
+)
+from rlcore.device import memory_stats
+from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
+from rlcore.models import is_lora
+from rlcore.train.agent_stages import MultiTurnRollout, multi_turn_rollout_stage
+from rlcore.train.config import Config, parse_config
+from rlcore.train.parallel import full_state_dict
+from rlcore.train.prompts import PreferencePrompts, source_tokenizer, task_options
+from rlcore.train.rollout import InferenceEngine, TorchEngine
+from rlcore.train.stages import rollout_stage
+
+__all__ = [
+    "ColocatedDeployment",
+    "Deployment",
+    "NoRollout",
+    "RayDeployment",
+    "ReplicaDeployment",
+    "WorkerDeployment",
+    "in_place_rollout",
+    "make_deployment",
+]
+
+Batch = dict[str, torch.Tensor]
+# The scheduler's phase-switch hook: (resource, phase left or None, phase entered).
+Switch = Callable[[str, str | None, str], None]
+# A rollout micro-batch -> the random stream its sampling draws from.
+Sampling = Callable[[Batch], torch.Generator]
+# (config, vocabulary size) -> a model of the config: the worker builds its own copy of the policy.
+ModelBuilder = Callable[[Config, int], torch.nn.Module]
+
+
+@runtime_checkable
+class Deployment(Protocol):
+    """Where the rollout runs and how the weights reach it, as the trainer's pipeline uses it.
+
+    Attributes:
+      rollout: the pipeline's rollout stage (``prompts, prompt_mask, iteration ->
+        responses, mask, version``), or None without rollouts.
+      switch: the scheduler's phase-switch hook, or None when no phase switch moves memory.
+    """
+
+    @property
+    def rollout(self) -> Stage | None: ...
+
+    @property
+    def switch(self) -> Switch | None: ...
+
+    def publish(self, version: int) -> None:
+        """Send the policy's weights as ``version`` (after each update: collective when sharded)."""
+
+    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
+        """The rollout's own sums of ``step`` (multi-turn: tool calls, turns), to be reduced over ranks."""
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last sync's seconds and bytes and the memory figures, for the step's record."""
+
+    def close(self) -> None:
+        """Stop what the deployment started (a worker process or actor)."""
+
+
+class _Models(Protocol):
+    @property
+    def policy(self) -> torch.nn.Module: ...
+
+
+class _Optimisers(Protocol):
+    @property
+    def opts(self) -> Sequence[torch.optim.Optimizer]: ...
+
+
+class _World(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def sharded(self) -> bool: ...
+
+
+def in_place_rollout(cfg: Config, device: torch.device) -> bool:
+    """Whether a one-process co-located run samples from the training weights in place, without the swap.
+
+    The AllGather-Swap frees device memory for the rollout by offloading the training
+    state to the host and building the engine's weights in buckets. When the device *is*
+    the host (the CPU), offloading moves bytes from RAM to RAM and frees nothing: the
+    engine then reads the policy's own parameters (shared storage), which is exact in
+    the blocking pipeline, where a rollout never overlaps an update. With
+    ``deploy.async_infer`` the swap's snapshot keeps each rollout on one weights version.
+    """
+    return device.type == "cpu" and not cfg.deploy.async_infer
+
+
+def _torch_engine(cfg: Config, model: torch.nn.Module, tok: Any) -> TorchEngine:
+    rl = cfg.rl
+    return TorchEngine(
+        model,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=rl.top_k,
+    )
+
+
+def _loader(engine: InferenceEngine) -> Callable[[WeightPacket], None]:
+    """The sync's receiver for a user's engine: each packet's weights, by name, into ``load_weights``."""
+
+    def receive(packet: WeightPacket) -> None:
+        engine.load_weights(unpack_weights(packet))
+
+    return receive
+
+
+def _serve_rollout(
+    cfg_dict: dict[str, Any], vocab_size: int, sampling: Sampling, build_model: ModelBuilder
+) -> Callable[[Batch, dict[str, torch.Tensor]], Batch]:
+    """Runs in the rollout worker process: an engine on a model of the config, loaded with each weights version."""
+    cfg = parse_config(cfg_dict)
+    model = build_model(cfg, vocab_size).eval()
+    engine = _torch_engine(cfg, model, source_tokenizer(cfg, task_options(cfg)))
+    params = dict(model.named_parameters())
+    loaded: list[Any] = [None]
+
+    def generate(batch: Batch, weights: dict[str, torch.Tensor]) -> Batch:
+        if loaded[0] is not weights:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(weights[name])
+            loaded[0] = weights
+        r = engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=sampling(batch))
+        return {"responses": r.responses, "mask": r.mask.float(), "version": batch["policy_version"].clone()}
+
+    return generate
+
+
+class NoRollout:
+    """The deployment of a run without rollouts (offline DPO on a preference dataset): nothing to place or sync."""
+
+    switch = None
+    rollout = None
+
+    def publish(self, version: int) -> None:
+        pass
+
+    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class _Placed:
+    """What every deployment with a rollout shares: the log of weight syncs and the step's memory figures."""
+
+    switch: Switch | None = None
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.syncs: list[tuple[float, int]] = []
+        self.memory: dict[str, float] = {}
+
+    def _record_sync(self, seconds: float, nbytes: int) -> None:
+        self.syncs.append((seconds, nbytes))
+
+    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    def step_metrics(self) -> dict[str, float]:
+        out = dict(self.memory)
+        if self.syncs:
+            seconds, nbytes = self.syncs[-1]
+            out.update({"sync_s": seconds, "sync_bytes": float(nbytes)})
+        stats = memory_stats(self.device)
+        if stats.tracked and stats.peak_allocated is not None:
+            out["memory/measured_peak_bytes"] = float(stats.peak_allocated)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class _Synced(_Placed):
+    """A rollout fed through one :class:`rlcore.dataflow.WeightSync` of the policy's full weights."""
+
+    sync: WeightSync
+
+    def __init__(self, policy: torch.nn.Module, replica: torch.nn.Module):
+        super().__init__(next(replica.parameters()).device)
+        self.policy = policy
+        self.names = [name for name, _ in replica.named_parameters()]
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        weights = full_state_dict(self.policy)  # LoRA: the merged weights, under the base names
+        return {name: weights[name] for name in self.names}
+
+    def _send(self, version: int, receiver: Callable[[WeightPacket], Any]) -> None:
+        self.sync.params = self._full_weights()  # gathered anew after each update (collective when sharded)
+        record = self.sync.sync(version, receiver)
+        self._record_sync(record.seconds, record.nbytes)
+
+
+class ReplicaDeployment(_Synced):
+    """An engine in this process that receives the weights after every update through the sync path.
+
+    Either a user's engine (``receiver`` calls its ``load_weights``) or a
+    :class:`~rlcore.train.TorchEngine` on the trainer's unsharded replica of a sharded or
+    LoRA policy (``receiver`` is :func:`rlcore.dataflow.load_into` of the replica).
+    Version 0 is published at construction.
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        replica: torch.nn.Module,
+        engine: InferenceEngine,
+        receiver: Callable[[WeightPacket], Any],
+        *,
+        sampling: Sampling,
+        timeout: float | None,
+    ):
+        super().__init__(policy, replica)
+        self.receiver = receiver
+        self.sync = WeightSync(self._full_weights())
+        self.publish(0)
+        self.rollout: Stage = rollout_stage(engine, generator=sampling, timeout=timeout)
+
+    def publish(self, version: int) -> None:
+        self._send(version, self.receiver)
+
+
+class WorkerDeployment(_Synced):
+    """``deploy.mode: disaggregated``: the rollout in a :class:`rlcore.dataflow.RolloutWorker` process.
+
+    The worker builds its own model of the config (``build_model``) and samples with
+    ``sampling`` (so both must pickle: module-level functions, or partials of them);
+    each version's weight packet reaches it as shared-memory buckets. Start-up (spawn,
+    imports, model build) happens here, before the first step, not inside it.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        policy: torch.nn.Module,
+        replica: torch.nn.Module,
+        *,
+        vocab_size: int,
+        sampling: Sampling,
+        build_model: ModelBuilder,
+    ):
+        super().__init__(policy, replica)
+        self.worker = self._start((cfg.to_dict(), vocab_size, sampling, build_model), max(1, cfg.trainer.threads))
+        self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
+        self.sync = WeightSync(self._full_weights())
+        self.publish(0)
+        self.rollout: Stage = self.worker.stage(
+            inputs=["prompts", "prompt_mask", "iteration"],
+            outputs=["responses", "mask", "version"],
+            resource="rollout",
+            timeout=cfg.deploy.rollout_timeout or None,
+        )
+
+    def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
+        return RolloutWorker(_serve_rollout, args=args, threads=threads, join_timeout=5.0)
+
+    def publish(self, version: int) -> None:
+        self._send(version, partial(self.worker.publish, version))
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class RayDeployment(WorkerDeployment):
+    """``deploy.backend: ray``: the worker is a Ray actor; the weight packets travel through Ray's object store."""
+
+    def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
+        return RayRolloutWorker(_serve_rollout, args=args, threads=threads)
+
+
+class ColocatedDeployment(_Placed):
+    """One process, one device: the engine samples the policy's current weights on the trainer's replica.
+
+    At every switch to the rollout phase the memory plan's AllGather-Swap
+    (:class:`rlcore.memory.ColocatedSwitch`) offloads the optimiser state, gradients and
+    training weights and builds the replica's weights bucket by bucket; its seconds and
+    bytes are the step's sync, and the predicted peak of each phase is logged. With
+    ``in_place`` (:func:`in_place_rollout`) the replica's parameters share the policy's
+    storage instead: each optimiser step is seen by the next rollout, nothing is swapped.
+    ``rl.multi_turn`` samples with :mod:`rlcore.agent`'s rollout on the same weights.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        policy: torch.nn.Module,
+        replica: torch.nn.Module,
+        optimiser: torch.optim.Optimizer,
+        task: Any,
+        *,
+        rank: int,
+        sampling: Sampling,
+        in_place: bool,
+    ):
+        super().__init__(next(replica.parameters()).device)
+        if in_place:
+            named = dict(policy.named_parameters())
+            for name, p in replica.named_parameters():
+                p.data = named[name].data
+        else:
+            self.switch = self._swap(policy, replica, optimiser)
+        timeout = cfg.deploy.rollout_timeout or None
+        self.rollout: Stage = rollout_stage(
+            _torch_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout
+        )
+        self.agent: MultiTurnRollout | None = None
+        if cfg.rl.multi_turn is not None:
+            self.agent = multi_turn_rollout_stage(cfg, replica, task, rank=rank, timeout=timeout)
+            self.rollout = self.agent.stage
+
+    def publish(self, version: int) -> None:
+        pass  # the engine reads the policy's weights (swapped in, or shared): nothing to send
+
+    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
+        return {} if self.agent is None else self.agent.pop_metrics(step)
+
+    def _swap(self, policy: torch.nn.Module, infer: torch.nn.Module, optimiser: torch.optim.Optimizer) -> Switch:
+        """The co-located phase switch: the memory plan's AllGather-Swap builds ``infer``'s weights for each rollout."""
+        engine_params = dict(infer.named_parameters())
+        for p in engine_params.values():
+            p.data = p.data.new_empty(0)  # bound to the inference buckets at each switch
+        named = dict(policy.named_parameters())
+        layout = decoder_layout(param_meta(named), dp=dist.get_world_size())
+        plan = allgather_swap_plan(
+            plan_reshard(param_meta(named), layout, layout),
+            mesh=None,
+            device=next(policy.parameters()).device,
+            rank=dist.get_rank(),
+        )
+        state = TrainState(named)
+
+        def bind(weights: dict[str, torch.Tensor]) -> None:
+            for name, p in engine_params.items():
+                p.data = weights[name]
+
+        swap = ColocatedSwitch(state, plan, on_rollout=bind)
+        peak = {
+            "rollout": plan.memory.transition("train", "rollout").peak_bytes,
+            "train": plan.memory.transition("rollout", "train").peak_bytes,
+        }
+        self.memory = {f"memory/predicted_peak_{k}_bytes": float(v) for k, v in peak.items()}
+
+        def switch(resource: str, src: str | None, dst: str) -> None:
+            if dst == "rollout":
+                # The optimiser creates grads and its state lazily: the swap takes the current tensors.
+                state.grads = [p.grad for p in policy.parameters()]
+                state.optimizer = list(optimiser.state.values())
+                t0 = time.perf_counter()
+                swap(resource, src, dst)
+                self._record_sync(time.perf_counter() - t0, sum(b.nbytes for b in plan.reshard.buckets))
+            else:
+                swap(resource, src, dst)
+
+        return switch
+
+
+def make_deployment(
+    cfg: Config,
+    models: _Models,
+    opt: _Optimisers,
+    world: _World,
+    task: Any,
+    engine: InferenceEngine | None,
+    replica: torch.nn.Module,
+    *,
+    sampling: Sampling,
+    build_model: ModelBuilder,
+) -> Deployment:
+    """The deployment the run needs: the one place the deployment mode is chosen.
+
+    Args:
+      cfg: the run's config (``deploy.*``, ``rl.multi_turn``, the engine's sampling options).
+      models: the trainer's models (the ``policy`` is the one whose weights are published).
+      opt: the trainer's optimisers (``opts[0]``, the policy's, is swapped out co-located).
+      world: this process's place (``rank``; ``sharded``: the policy is split over ranks).
+      task: the prompt source (its tokenizer; a preference dataset has no rollout).
+      engine: a user's engine to sample with, or None.
+      replica: an unsharded copy of the policy's architecture (eval mode, no grads) the
+        in-process engines sample on.
+      sampling: a rollout batch -> its random stream (picklable for a worker).
+      build_model: ``(cfg, vocab_size) -> model``: a worker's own copy of the policy (picklable).
+
+    Returns:
+      A :class:`Deployment`; version 0 of the weights is already published.
+    """
+    if isinstance(task, PreferencePrompts):
+        return NoRollout()
+    policy = models.policy
+    timeout = cfg.deploy.rollout_timeout or None
+    if engine is not None:
+        return ReplicaDeployment(policy, replica, engine, _loader(engine), sampling=sampling, timeout=timeout)
+    if cfg.deploy.mode == "disaggregated":
+        kind = RayDeployment if cfg.deploy.backend == "ray" else WorkerDeployment
+        return kind(
+            cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, sampling=sampling, build_model=build_model
+        )
+    if world.sharded or is_lora(policy):
+        own = _torch_engine(cfg, replica, task.tokenizer)
+        return ReplicaDeployment(policy, replica, own, load_into(replica), sampling=sampling, timeout=timeout)
+    in_place = in_place_rollout(cfg, next(replica.parameters()).device)
+    return ColocatedDeployment(
+        cfg, policy, replica, opt.opts[0], task, rank=world.rank, sampling=sampling, in_place=in_place
+    )
