@@ -39,7 +39,6 @@ import math
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -73,6 +72,7 @@ from rlcore.models import (
     export_hf,
     from_hf,
     is_lora,
+    load_causal_lm,
     sharded_token_logprobs,
     token_logprobs,
 )
@@ -121,14 +121,6 @@ __all__ = [
     "train",
 ]
 
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
 # Random streams, one per (phase, step, rank): the task's prompts, the warm-up's, the
 # rollout's sampling, DPO's perturbed answers.
 DATA, WARMUP, SAMPLING, PERTURB = 0, 1, 2, 3
@@ -145,46 +137,22 @@ class Run(NamedTuple):
 
 
 def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.nn.Module:
-    """A ``transformers`` causal LM (or, with ``critic=True``, a one-output token-classification head) from the config.
+    """The config's model through :func:`rlcore.models.load_causal_lm`: a causal LM, or with ``critic=True`` a value head.
 
     ``model.model_name_or_path`` is a local directory or an inline HF config (random
-    initialisation; ``vocab_size`` defaults to the task tokenizer's).
+    initialisation from the global stream, which the trainer seeds; ``vocab_size``
+    defaults to the task tokenizer's).
     """
-    import transformers
-
-    spec = cfg.model.model_name_or_path
-    dtype = _DTYPES[cfg.model.torch_dtype]
-    attn = "sdpa"
-    if cfg.model.use_flash_attention:
-        try:
-            import flash_attn  # noqa: F401
-
-            attn = "flash_attention_2" if torch.cuda.is_available() else "sdpa"
-        except ImportError:
-            warnings.warn(
-                "model.use_flash_attention: flash-attn is not installed; using PyTorch SDPA attention", stacklevel=2
-            )
-    # transformers 4.56 renamed ``torch_dtype`` to ``dtype``.
-    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-    extra: dict[str, Any] = {"dtype" if version >= (4, 56) else "torch_dtype": dtype, "attn_implementation": attn}
-    auto = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
-    head = {"num_labels": 1} if critic else {}
-    if isinstance(spec, dict):
-        options = {"vocab_size": vocab_size, **spec}
-        hf_config = transformers.AutoConfig.for_model(options.pop("model_type"), **options, **head)
-        model = auto.from_config(hf_config, **extra)
-    else:
-        model = auto.from_pretrained(spec, **extra, **head)
-        # Weights loaded from safetensors may live in the file's memory map, whose storage cannot
-        # be resized: the co-located swap offloads by resizing storages to 0.
-        for p in model.parameters():
-            p.data = p.data.clone()
-    if model.config.vocab_size < vocab_size:
-        raise ValueError(
-            f"config key 'model.model_name_or_path': the model's vocab_size {model.config.vocab_size} is smaller "
-            f"than the task tokenizer's {vocab_size}"
-        )
-    return model
+    m = cfg.model
+    return load_causal_lm(
+        m.model_name_or_path,
+        dtype=m.torch_dtype,
+        seed=None,
+        vocab_size=vocab_size,
+        value_head=critic,
+        use_flash_attention=m.use_flash_attention,
+        what="config key 'model.model_name_or_path'",
+    )
 
 
 def build_algorithm(cfg: Config) -> algos.Algorithm | algos.DPO:
