@@ -99,6 +99,7 @@ from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
+    balanced_rows,
     logprob_stage,
     preference_forward,
     preference_logps_stage,
@@ -976,6 +977,8 @@ def _graph(
             on_metrics=steps.on_metrics,
             on_iteration_end=on_step_end,
             epochs=rl.epochs,
+            # Data parallel: each update's rows dealt to the ranks by their tokens (context parallel keeps its split).
+            dispatch=balanced_rows(world.group) if world.group is not None and world.cp is None else None,
         )
     )
     sources = (
