@@ -85,14 +85,14 @@ def test_merge_is_associative_and_commutative(kind, xs):
     left, right = merge(merge(a, b), c), merge(a, merge(b, c))
     assert float(left.value) == pytest.approx(float(right.value), rel=1e-5, abs=1e-4)
     assert float(merge(a, b).value) == pytest.approx(float(merge(b, a).value), rel=1e-6, abs=1e-6)
-    assert left.count == right.count == (3.0 if kind == "mean" else 1.0)
+    assert left.num_values == right.num_values == (3.0 if kind == "mean" else 1.0)
 
 
 def test_each_reduction_by_hand():
     assert float(merge(total(2.0), total(3.0)).value) == 5.0
     assert float(merge(maximum(2.0), maximum(-3.0)).value) == 2.0
     three = merge(merge(mean(1.0), mean(2.0)), mean(6.0))
-    assert (float(three.value), three.count) == (3.0, 3.0)
+    assert (float(three.value), three.num_values) == (3.0, 3.0)
 
 
 def test_bad_input_names_the_argument():
@@ -121,7 +121,7 @@ def _ranks(rank: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     local = _fold([_STREAMS[rank]])
     reduced = all_reduce_metrics(local, dist.group.WORLD)
-    torch.save({n: (float(m.value), m.reduce, m.count) for n, m in reduced.items()}, f"{out}/rank{rank}.pt")
+    torch.save({n: (float(m.value), m.reduce, m.num_values) for n, m in reduced.items()}, f"{out}/rank{rank}.pt")
     leave()
 
 
@@ -134,5 +134,5 @@ def test_all_reduce_over_two_gloo_ranks_equals_the_fold(tmp_path):
         assert got.keys() == want.keys()
         for name, m in want.items():
             value, kind, count = got[name]
-            assert kind == m.reduce and count == m.count and math.isclose(value, float(m.value), rel_tol=1e-6)
+            assert kind == m.reduce and count == m.num_values and math.isclose(value, float(m.value), rel_tol=1e-6)
             assert math.isclose(value, ref[name], rel_tol=1e-6)

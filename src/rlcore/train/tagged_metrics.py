@@ -38,12 +38,12 @@ REDUCTIONS = ("mean", "sum", "max")
 class Metric(NamedTuple):
     """A 0-d float32 metric and its reduction: one of :data:`REDUCTIONS`.
 
-    ``count`` is the number of values a ``"mean"`` is the mean of (1 for a fresh one).
+    ``num_values`` is the number of values a ``"mean"`` is the mean of (1 for a fresh one).
     """
 
     value: torch.Tensor
     reduce: str
-    count: float = 1.0
+    num_values: float = 1.0
 
 
 def _make(value: Any, reduce: str) -> Metric:
@@ -82,8 +82,8 @@ def merge(a: Metric, b: Metric, *, name: str = "metric") -> Metric:
         return Metric(a.value + b.value, "sum")
     if a.reduce == "max":
         return Metric(torch.maximum(a.value, b.value), "max")
-    count = a.count + b.count
-    return Metric((a.value * a.count + b.value * b.count) / count, "mean", count)
+    num = a.num_values + b.num_values
+    return Metric((a.value * a.num_values + b.value * b.num_values) / num, "mean", num)
 
 
 def merge_into(acc: dict[str, Metric], new: Mapping[str, Metric]) -> None:
@@ -112,7 +112,7 @@ def all_reduce_metrics(metrics: Mapping[str, Metric], group: Any) -> dict[str, M
     if added:
         # A mean travels as its weighted sum and its count; a sum as itself.
         rows = [
-            torch.stack([metrics[n].value * metrics[n].count, metrics[n].value.new_tensor(metrics[n].count)])
+            torch.stack([metrics[n].value * metrics[n].num_values, metrics[n].value.new_tensor(metrics[n].num_values)])
             if metrics[n].reduce == "mean"
             else torch.stack([metrics[n].value, metrics[n].value.new_tensor(0.0)])
             for n in added
