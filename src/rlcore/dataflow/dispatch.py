@@ -157,39 +157,38 @@ def shard_samples(
 ) -> Callable[..., Any]:
     """Wrap ``fn`` to run data-parallel: scatter the batch by token load, gather results in order.
 
-        The sample flow of MindSpeed-RL (arXiv:2507.19017) without a central trainer's
-        gather-scatter of whole batches: the source rank partitions the batch with
-        :func:`balanced_partition` (``balance="tokens"``) or into contiguous, equal-count
-        pieces (``"contiguous"``), sends each rank its shard, every rank runs
-        ``fn(shard, *args, **kwargs)``, and the source gathers the results and puts their
-        rows back in the original sample order.
+    The sample flow of MindSpeed-RL (arXiv:2507.19017) without a central trainer's
+    gather-scatter of whole batches: the source rank partitions the batch with
+    :func:`balanced_partition` (``balance="tokens"``) or into contiguous, equal-count
+    pieces (``"contiguous"``), sends each rank its shard, every rank runs
+    ``fn(shard, *args, **kwargs)``, and the source gathers the results and puts their
+    rows back in the original sample order.
 
-        Args:
-          fn: ``fn(batch, *args, **kwargs) -> pytree`` whose every leaf has the shard's rows
-            along dim 0 (per-sample outputs).
-          group: the data-parallel process group, or a 1-D ``DeviceMesh`` such as
-            ``mesh["dp"]`` (default: the world).
-          src: group rank holding the batch and receiving the results.
-          balance: ``"tokens"`` or ``"contiguous"``.
-          lengths: ``lengths(batch) -> [B]`` tokens per sample; default, the sum of every
-            leaf whose key ends in ``mask``.
-          group_key: key of a ``[B]`` group-id leaf whose groups must stay on one rank.
-          method: partition method, ``"kk"`` or ``"lpt"``.
-          equal_size: every rank gets the same number of samples (groups with ``group_key``).
+    Args:
+      fn: ``fn(batch, *args, **kwargs) -> pytree`` whose every leaf has the shard's rows
+        along dim 0 (per-sample outputs).
+      group: the data-parallel process group, or a 1-D ``DeviceMesh`` such as
+        ``mesh["dp"]`` (default: the world).
+      src: group rank holding the batch and receiving the results.
+      balance: ``"tokens"`` or ``"contiguous"``.
+      lengths: ``lengths(batch) -> [B]`` tokens per sample; default, the sum of every
+        leaf whose key ends in ``mask``.
+      group_key: key of a ``[B]`` group-id leaf whose groups must stay on one rank.
+      method: partition method, ``"kk"`` or ``"lpt"``.
+      equal_size: every rank gets the same number of samples (groups with ``group_key``).
 
-        Returns:
-          ``sharded(batch, *args, **kwargs)``: on ``src``, ``fn``'s result for the whole
-          batch in the original row order; ``None`` on the other ranks (which pass any
-          ``batch``, e.g. ``None``). Shards and results travel as pickled objects
-          (``scatter_object_list`` / ``gather_object``), so ragged pytrees work.
+    Returns:
+      ``sharded(batch, *args, **kwargs)``: on ``src``, ``fn``'s result for the whole
+      batch in the original row order; ``None`` on the other ranks (which pass any
+      ``batch``, e.g. ``None``). Shards and results travel as pickled objects
+      (``scatter_object_list`` / ``gather_object``), so ragged pytrees work.
 
-        >>> import torch.distributed as dist
-    import torch.nn.functional as F
-        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> double = shard_samples(lambda b: {"y": b["x"] * 2})
-        >>> double({"x": torch.tensor([1, 2]), "mask": torch.ones(2, 3)})["y"].tolist()
-        [2, 4]
-        >>> dist.destroy_process_group()
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> double = shard_samples(lambda b: {"y": b["x"] * 2})
+    >>> double({"x": torch.tensor([1, 2]), "mask": torch.ones(2, 3)})["y"].tolist()
+    [2, 4]
+    >>> dist.destroy_process_group()
     """
     check_choice("balance", balance, ("tokens", "contiguous"))
     check_choice("method", method, PARTITION_METHODS)
