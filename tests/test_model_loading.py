@@ -91,3 +91,103 @@ def test_errors_name_the_setting_and_the_directory(tmp_path, model_dir):
         with pytest.raises(ValueError, match=pattern) as info:
             call()
         assert "\n" not in str(info.value)
+
+
+# --- the one builder ------------------------------------------------------------------------------
+
+TINY = {
+    "model_type": "qwen2",
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
+def _direct(fields, *, vocab_size, dtype, value_head=False):
+    """The model transformers builds from the same config and the current global stream: the oracle."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    options = {"vocab_size": vocab_size, **fields}
+    head = {"num_labels": 1} if value_head else {}
+    config = AutoConfig.for_model(options.pop("model_type"), **options, **head)
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    return auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def _same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_trainer_models_are_the_one_builders_with_the_global_stream(name):
+    """rlcore.train.build_model (policy, then critic) draws from the seeded global stream exactly as transformers does."""
+    from rlcore.train import build_model, parse_config
+
+    cfg = parse_config({"model": {"model_name_or_path": TINY, "torch_dtype": name}, "rl": {"algo": "ppo"}})
+    torch.manual_seed(5)
+    policy, critic = build_model(cfg, 30), build_model(cfg, 30, critic=True)
+    torch.manual_seed(5)
+    want_policy = _direct(TINY, vocab_size=30, dtype=resolve_dtype(name))
+    want_critic = _direct(TINY, vocab_size=30, dtype=resolve_dtype(name), value_head=True)
+    _same_weights(policy, want_policy)
+    _same_weights(critic, want_critic)
+    assert critic.config.num_labels == 1 and type(critic).__name__.endswith("ForTokenClassification")
+
+
+def test_a_seeded_build_leaves_the_global_stream_and_repeats():
+    from rlcore.models import load_causal_lm
+
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    a = load_causal_lm(TINY, seed=3, vocab_size=30)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    _same_weights(a, load_causal_lm(TINY, seed=3, vocab_size=30))
+    b = load_causal_lm(TINY, seed=None, vocab_size=30)  # the global stream: it advances
+    assert not torch.equal(torch.random.get_rng_state(), before)
+    assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
+
+
+def test_a_directory_loads_out_of_its_memory_map_with_the_value_head(model_dir):
+    from safetensors.torch import load_file
+
+    from rlcore.models import load_causal_lm
+
+    saved = load_file(str(model_dir / "model.safetensors"))
+    model = load_causal_lm(model_dir, dtype="auto")
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[name]), name
+        p.data.untyped_storage().resize_(0)  # what the co-located swap does: a memory-mapped storage refuses
+    critic = load_causal_lm(model_dir, value_head=True)
+    assert critic.config.num_labels == 1 and critic.score.weight.shape[0] == 1
+
+
+def test_one_dtype_table_covers_every_config_name():
+    import typing
+
+    from rlcore.models import DTYPES
+    from rlcore.train.config import ModelConfig
+
+    names = typing.get_args(typing.get_type_hints(ModelConfig)["torch_dtype"])
+    assert names and set(names) <= set(DTYPES)
+    for name in names:
+        assert resolve_dtype(name) is DTYPES[name] and DTYPES[name].is_floating_point
+
+
+def test_builder_errors_name_the_setting():
+    from rlcore.models import load_causal_lm
+
+    what = "config key 'model.model_name_or_path'"
+    cases = [
+        (lambda: load_causal_lm({**TINY, "vocab_size": 8}, vocab_size=30, what=what), r"vocab_size 8 is smaller"),
+        (lambda: load_causal_lm({"hidden_size": 8}, what=what), r"expected a 'model_type' among them"),
+        (lambda: load_causal_lm("no/such/dir", what=what), r"got 'no/such/dir', expected a local model directory"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern) as info:
+            call()
+        assert str(info.value).startswith(what)

@@ -10,17 +10,18 @@ Karmarkar-Karp over sequence lengths.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from rlcore._checks import check_choice, check_integer, check_ndim, check_same_shape
 from rlcore._process_group import as_process_group
 from rlcore.pytree import NAMESPACE, batch_size, tree_cat, tree_index
 
-__all__ = ["PARTITION_METHODS", "balanced_partition", "shard_samples"]
+__all__ = ["PARTITION_METHODS", "balanced_partition", "deal_rows", "shard_samples"]
 
 PARTITION_METHODS = ("kk", "lpt")
 
@@ -224,3 +225,87 @@ def shard_samples(
         return tree_index(tree_cat(results), inverse)
 
     return sharded
+
+
+def _gather(t: torch.Tensor, group: Any, world: int) -> list[torch.Tensor]:
+    """``all_gather`` of equally shaped tensors; bool travels as uint8 (not every backend sends bool)."""
+    send = t.to(torch.uint8) if t.dtype == torch.bool else t.contiguous()
+    out = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(out, send, group=group)
+    return [o.to(torch.bool) for o in out] if t.dtype == torch.bool else out
+
+
+def deal_rows(
+    rows: Mapping[str, torch.Tensor],
+    group: Any,
+    *,
+    lengths: torch.Tensor,
+    left_padded: Sequence[str] = (),
+    method: str = "kk",
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Deal the rows every rank holds over ``group`` by :func:`balanced_partition` of their tokens.
+
+    Where :func:`shard_samples` scatters one rank's batch, here each data-parallel rank
+    holds its own rows (its prompts' samples) and every rank leaves with a share of the
+    union whose token load is as even as the partition makes it. The token counts are
+    all-gathered, every rank computes the same partition, and the rows travel as one
+    all-gather per column: every rank receives every row and keeps its share, an
+    exchange that runs alike over gloo, nccl and hccl. Rows keep their global order
+    (rank, then row). Columns whose trailing sizes differ between ranks are padded with
+    zeros to the largest: on the right, or on the left of dim 1 for the names in
+    ``left_padded`` (left-padded prompts stay left-padded). Host-side: the sizes and
+    token counts are read to the CPU.
+
+    Args:
+      rows: column -> ``[R, ...]`` tensor, the same names and dtypes on every rank; ``R``
+        may differ between ranks.
+      group: the data-parallel process group (``None``: one rank, nothing moves).
+      lengths: ``[R]`` integer tokens of each row (prompt + response).
+      left_padded: the columns padded on the left of their dim 1.
+      method: the partition method, ``"kk"`` or ``"lpt"``.
+
+    Returns:
+      ``(dealt, loads)``: this rank's rows, and ``[world]`` int64 the tokens each rank holds after the deal.
+    """
+    check_ndim("lengths", lengths, 1)
+    check_integer("lengths", lengths)
+    check_choice("method", method, PARTITION_METHODS)
+    group = as_process_group("group", group, optional=True)
+    names = sorted(rows)
+    for name in names:
+        t = rows[name]
+        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != lengths.shape[0]:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"rows[{name!r}]: got {got}, expected a tensor of {lengths.shape[0]} rows (lengths')")
+    if group is None or dist.get_world_size(group) == 1:
+        return dict(rows), lengths.sum(dtype=torch.int64).reshape(1).cpu()  # sync-ok: host-side dispatch
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = lengths.device
+    meta = torch.tensor(
+        [lengths.shape[0], *(d for name in names for d in rows[name].shape[1:])], dtype=torch.int64, device=device
+    )
+    metas = torch.stack(_gather(meta, group, world)).cpu()  # sync-ok: host-side dispatch
+    counts = metas[:, 0].tolist()
+    top = metas.max(0).values.tolist()
+    most = top[0]
+    padded = F.pad(lengths.to(torch.int64), (0, most - lengths.shape[0]))
+    everyone = torch.cat([g[:c] for g, c in zip(_gather(padded, group, world), counts)]).cpu()  # sync-ok
+    parts = balanced_partition(everyone, world, method=method)
+    mine = parts[rank].to(device)
+    dealt: dict[str, torch.Tensor] = {}
+    at = 1
+    for name in names:
+        t = rows[name]
+        widths = top[at : at + t.dim() - 1]
+        at += t.dim() - 1
+        pad: list[int] = []
+        for d in range(t.dim() - 1, 0, -1):  # F.pad lists the last dim first
+            extra = widths[d - 1] - t.shape[d]
+            pad += [extra, 0] if d == 1 and name in left_padded else [0, extra]
+        full = t.to(torch.uint8) if t.dtype == torch.bool else t
+        full = F.pad(full, pad) if any(pad) else full
+        full = torch.cat([full, full.new_zeros((most - t.shape[0], *full.shape[1:]))]).to(t.dtype)
+        every = torch.cat([g[:c] for g, c in zip(_gather(full, group, world), counts)])
+        dealt[name] = every[mine]
+    loads = torch.stack([everyone[p].sum() for p in parts])
+    return dealt, loads

@@ -6,6 +6,7 @@ imported on first use.
 """
 
 from rlcore.models.attention import attend_packed, check_cu_seqlens, packed_causal_attention
+from rlcore.models.build import DTYPES, attention_implementation, load_causal_lm, resolve_dtype
 from rlcore.models.context_parallel import (
     CP_MODES,
     ContextParallelShard,
@@ -14,15 +15,8 @@ from rlcore.models.context_parallel import (
     sharded_token_logprobs,
 )
 from rlcore.models.export import export_hf
-from rlcore.models.hf import ATTENTION_NAME, HFCausalLM, from_hf, load_causal_lm
-from rlcore.models.loading import (
-    TokenIds,
-    attention_implementation,
-    load_policy,
-    load_tokenizer,
-    resolve_dtype,
-    token_ids,
-)
+from rlcore.models.hf import ATTENTION_NAME, HFCausalLM, from_hf
+from rlcore.models.loading import TokenIds, load_policy, load_tokenizer, token_ids
 from rlcore.models.lora import (
     AdaptersOff,
     MergedWeights,
@@ -45,6 +39,7 @@ from rlcore.models.ulysses import ulysses_attention
 __all__ = [
     "ATTENTION_NAME",
     "CP_MODES",
+    "DTYPES",
     "PREFERENCE_SIDES",
     "AdaptersOff",
     "ContextParallelShard",

@@ -24,7 +24,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -37,7 +36,7 @@ from rlcore.models.context_parallel import ContextParallelShard
 from rlcore.models.lora import AdaptersOff, MergedWeights, adapters_disabled, base_view, is_lora
 from rlcore.models.shared_prefix import SharedPrefix
 
-__all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf", "load_causal_lm"]
+__all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf"]
 
 ATTENTION_NAME = "rlcore_packed"
 _PACKING_KWARG = "rlcore_packing"
@@ -322,40 +321,3 @@ def from_hf(model: nn.Module) -> tuple[HFCausalLM, Mapping[str, torch.Tensor]]:
     twin.eval()
     apply = HFCausalLM(model=model, prefix=prefix, output_weight_name=names[id(head.weight)], twin=twin)
     return apply, params
-
-
-def load_causal_lm(source: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    """Build an HF causal LM from a config (random weights) or load it from a local directory.
-
-    Never downloads: a string that is not an existing directory is refused, where
-    transformers would treat it as a hub name.
-
-    Args:
-      source: a transformers ``PretrainedConfig``, a dict of config fields with a
-        ``"model_type"`` (e.g. ``{"model_type": "qwen2", "hidden_size": 64, ...}``), or
-        a local directory written by ``save_pretrained``.
-      dtype: parameter dtype.
-      seed: seed of the random initialisation (the global RNG is left untouched).
-
-    Returns:
-      The ``*ForCausalLM`` module.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-
-    if isinstance(source, (str, os.PathLike)):
-        if not os.path.isdir(source):
-            raise ValueError(
-                f"source: got {os.fspath(source)!r}, expected a local model directory or a config "
-                "(rlcore never downloads from the hub)"
-            )
-        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
-    if isinstance(source, Mapping):
-        fields = dict(source)
-        if "model_type" not in fields:
-            raise ValueError(f"source: got config keys {sorted(fields)}, expected a 'model_type' among them")
-        source = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    if not isinstance(source, PretrainedConfig):
-        raise ValueError(f"source: got {type(source).__name__}, expected a PretrainedConfig, a dict or a local path")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(source, dtype=dtype)

@@ -1,75 +1,29 @@
-"""A policy and its tokenizer from one local Hugging Face directory: dtype, attention kernel, EOS and padding ids.
+"""A policy and its tokenizer from one local Hugging Face directory, and the EOS and padding ids.
 
-Builds on :func:`rlcore.models.load_causal_lm` (which refuses anything but a local
-directory); this module adds the tokenizer from the same directory, the config's
-``torch_dtype`` names (``bf16``, ``float16``, ``auto`` ...) and the attention kernel
-choice with its fallback. transformers is imported on first use.
+The model comes from :func:`rlcore.models.load_causal_lm` (the one builder: dtype
+names, attention kernel, no downloads); this module adds the tokenizer from the same
+directory. transformers is imported on first use.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from rlcore.models.hf import load_causal_lm
+from rlcore.models.build import load_causal_lm
 
-__all__ = ["TokenIds", "attention_implementation", "load_policy", "load_tokenizer", "resolve_dtype", "token_ids"]
+__all__ = ["TokenIds", "load_policy", "load_tokenizer", "token_ids"]
 
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
-
-
-def resolve_dtype(value: str | torch.dtype | None, *, path: str | os.PathLike | None = None) -> torch.dtype:
-    """The ``torch.dtype`` a config names: ``bf16`` / ``bfloat16``, ``fp16`` / ``float16``, ``fp32`` / ``float32``, or ``auto``.
-
-    ``auto`` (and ``None``) takes the dtype recorded in ``path``'s ``config.json``
-    (``torch_dtype`` or ``dtype``), float32 when it records none.
-
-    Args:
-      value: the name, a ``torch.dtype``, ``"auto"`` or ``None``.
-      path: the model directory read for ``auto``.
-
-    Returns:
-      A floating ``torch.dtype``.
-
-    >>> resolve_dtype("bf16")
-    torch.bfloat16
-    """
-    if isinstance(value, torch.dtype):
-        if not value.is_floating_point:
-            raise ValueError(f"torch_dtype: got {value}, expected a floating dtype")
-        return value
-    if value is None or value == "auto":
-        recorded = None
-        config = os.path.join(os.fspath(path), "config.json") if path is not None else None
-        if config is not None and os.path.isfile(config):
-            with open(config) as f:
-                fields = json.load(f)
-            recorded = fields.get("torch_dtype") or fields.get("dtype")
-        return _DTYPES.get(str(recorded), torch.float32)
-    if isinstance(value, str) and value.lower() in _DTYPES:
-        return _DTYPES[value.lower()]
-    raise ValueError(f"torch_dtype: got {value!r}, expected one of {sorted(_DTYPES)} or 'auto'")
 
 
 def load_tokenizer(path: str | os.PathLike, *, what: str = "model.model_name_or_path") -> Any:
@@ -138,26 +92,6 @@ def token_ids(tokenizer: Any, *, generation_config: Any = None) -> TokenIds:
     return TokenIds(eos=int(eos), pad=int(eos if pad is None else pad), stop=tuple(int(i) for i in stop))
 
 
-def attention_implementation(use_flash_attention: bool, *, device: torch.device | str | None = None) -> str:
-    """``"flash_attention_2"`` when asked for and usable (flash-attn installed, a CUDA device), else ``"sdpa"``.
-
-    Asking for flash attention where it is not usable warns and falls back to SDPA.
-
-    >>> attention_implementation(False)
-    'sdpa'
-    """
-    if not use_flash_attention:
-        return "sdpa"
-    from transformers.utils import is_flash_attn_2_available
-
-    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind == "cuda" and is_flash_attn_2_available():
-        return "flash_attention_2"
-    reason = "the flash-attn package is not installed" if kind == "cuda" else f"the device is {kind!r}, not CUDA"
-    warnings.warn(f"use_flash_attention: {reason}; using SDPA attention instead", stacklevel=2)
-    return "sdpa"
-
-
 def load_policy(
     path: str | os.PathLike,
     *,
@@ -170,7 +104,7 @@ def load_policy(
 
     Args:
       path: the directory (``config.json``, safetensors weights, tokenizer files).
-      torch_dtype: parameter dtype (see :func:`resolve_dtype`).
+      torch_dtype: parameter dtype (see :func:`rlcore.models.resolve_dtype`).
       use_flash_attention: use FlashAttention-2 where usable, else SDPA with a warning.
       device: where the model is put; ``None`` leaves it on the CPU.
       what: the setting that gave ``path``, named in errors.
@@ -183,20 +117,13 @@ def load_policy(
         tokenizer, or a tokenizer larger than the model's vocabulary.
     """
     tokenizer = load_tokenizer(path, what=what)
-    dtype = resolve_dtype(torch_dtype, path=path)
-    try:
-        model: Any = load_causal_lm(path, dtype=dtype)
-    except ValueError:
-        raise
-    except Exception as err:
-        raise ValueError(f"{what}: the model in {os.fspath(path)!r} does not load: {_one_line(err)}") from err
-    model.set_attn_implementation(attention_implementation(use_flash_attention, device=device))
+    model: Any = load_causal_lm(
+        path, dtype=torch_dtype, use_flash_attention=use_flash_attention, device=device, what=what
+    )
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise ValueError(
             f"{what}: the tokenizer in {os.fspath(path)!r} has {len(tokenizer)} tokens, "
             f"more than the model's {vocab} embeddings"
         )
-    if device is not None:
-        model.to(device)
     return model, tokenizer

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from rlcore.models.loading import load_tokenizer, resolve_dtype
+from rlcore.models.build import resolve_dtype
+from rlcore.models.loading import load_tokenizer
 
 __all__ = ["RewardModel"]
 

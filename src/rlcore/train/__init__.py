@@ -74,6 +74,7 @@ from rlcore.train.rundir import (
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
+    balanced_rows,
     eval_mode,
     logprob_stage,
     preference_forward,
@@ -121,6 +122,7 @@ __all__ = [
     "TorchEngine",
     "advantages_stage",
     "apply_overrides",
+    "balanced_rows",
     "build_algorithm",
     "build_model",
     "check_launch",

@@ -38,15 +38,18 @@ from typing import Any
 import torch
 
 from rlcore import algos
-from rlcore.dataflow import Stage, stage
+from rlcore.dataflow import Stage, deal_rows, stage
 from rlcore.models import from_hf, preference_logps, shared_prefix_logprobs, shares_prompts, token_logprobs
+from rlcore.train.tagged_metrics import maximum
 
 __all__ = [
     "PAIR_COLUMNS",
     "advantages_stage",
+    "balanced_rows",
     "eval_mode",
     "forward_ahead",
     "logprob_stage",
+    "old_policy_is_updated",
     "preference_forward",
     "preference_logps_stage",
     "response_logprobs",
@@ -363,6 +366,16 @@ def rl_forward(
     return lambda b: rl_batch(b, outputs(b))
 
 
+def old_policy_is_updated(outputs: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
+    """``outputs`` with ``old_logp``: its own ``logp``, detached (one optimiser update per batch, on-policy)."""
+
+    def run(b: Batch) -> Batch:
+        out = outputs(b)
+        return {**out, "old_logp": out["logp"].detach()}
+
+    return run
+
+
 def forward_ahead(
     outputs: Callable[[Batch], Batch], *, name: str = "policy_forward", resource: str = "device"
 ) -> tuple[Stage, Callable[[Batch], Batch]]:
@@ -385,7 +398,8 @@ def forward_ahead(
       ``mask``, ``iteration``), and the update's forward, which takes the kept outputs of
       its rows' iteration (:func:`rl_batch`). The update must take each iteration's rows
       in one call, in the order this stage took them (the blocking pipeline's update with
-      one optimiser step per batch does).
+      one optimiser step per batch does; not one whose rows are dealt over the ranks
+      first, :func:`balanced_rows`), or it raises.
     """
     kept: dict[int, Batch] = {}
     lock = threading.Lock()
@@ -393,19 +407,23 @@ def forward_ahead(
     def run(b: Batch) -> dict[str, torch.Tensor]:
         out = outputs(b)
         with lock:
-            kept[int(b["iteration"][0])] = out
+            kept[int(b["iteration"][0])] = (out, b["responses"])
         return {"old_logp": out["logp"].detach(), "entropy": out["entropy"].detach()}
 
     def forward(b: Batch) -> Batch:
         iteration = int(b["iteration"][0])
         with lock:
-            out = kept.pop(iteration, None)
+            out, responses = kept.pop(iteration, (None, None))
         rows = b["loss_mask"].shape[0]
-        if out is None or out["logp"].shape[0] != rows:
-            got = "nothing" if out is None else f"{out['logp'].shape[0]} rows"
+        if (
+            out is None
+            or out["logp"].shape[0] != rows
+            or ("responses" in b and not torch.equal(b["responses"], responses))
+        ):
+            got = "nothing" if out is None else f"{out['logp'].shape[0]} other rows"
             raise RuntimeError(
                 f"stage {name!r}: the update of iteration {iteration} takes {rows} rows, but the forward kept "
-                f"{got}: the update must take each iteration's rows in one call"
+                f"{got}: the update must take each iteration's rows in one call, as the forward took them"
             )
         return rl_batch(b, out)
 
@@ -459,6 +477,7 @@ def update_stage(
     name: str = "update",
     resource: str = "device",
     epochs: int = 1,
+    dispatch: Callable[[Batch], tuple[Batch, dict[str, Any]]] | None = None,
 ) -> Stage:
     """The one update shape for every recipe: forward -> ``loss, metrics = recipe.loss(batch, **counts)`` -> step.
 
@@ -480,6 +499,9 @@ def update_stage(
       on_iteration_end: as in :func:`rlcore.dataflow.stage`.
       name, resource: as in :func:`rlcore.dataflow.stage`.
       epochs: passes over each iteration's rows.
+      dispatch: ``dispatch(rows) -> (rows, metrics)`` before each update's forward: the
+        rows this rank trains on (:func:`balanced_rows`: a token-balanced deal over the
+        data-parallel ranks) and metrics of the deal, passed to ``on_metrics``.
 
     Returns:
       An update-role stage writing the per-row ``loss`` (the update's scalar loss).
@@ -493,13 +515,16 @@ def update_stage(
         )
 
     def one_update(b: Batch) -> torch.Tensor:
+        dealt: dict[str, Any] = {}
+        if dispatch is not None:
+            b, dealt = dispatch(b)
         batch = forward(b)
         loss, metrics = recipe.loss(batch, **recipe.global_counts(batch, process_group=process_group))
         step(loss, b)
         if on_metrics is not None:
             # The forward's own outputs (e.g. the entropy, or old_logp taken from the update) beside the rows.
             seen = {**{k: v.detach() for k, v in batch.items() if k not in b and isinstance(v, torch.Tensor)}, **b}
-            on_metrics(seen, loss.detach(), metrics)
+            on_metrics(seen, loss.detach(), {**metrics, **dealt})
         return loss.detach().float()
 
     def update(b: Batch) -> dict[str, torch.Tensor]:
@@ -523,6 +548,27 @@ def update_stage(
         role="update",
         on_iteration_end=on_iteration_end,
     )
+
+
+def balanced_rows(group: Any, *, method: str = "kk") -> Callable[[Batch], tuple[Batch, dict[str, Any]]]:
+    """An RL update's rows dealt over the data-parallel ``group`` by their tokens (prompt + response).
+
+    The sample-flow dispatch of MindSpeed-RL (arXiv:2507.19017) at the update:
+    :func:`rlcore.dataflow.deal_rows` with :func:`rlcore.dataflow.balanced_partition`.
+    The advantages are computed before the update, so rows move freely (a GRPO group
+    may split); the losses are normalised by global counts, so the update equals the
+    contiguous split's up to rounding. The metric ``dispatch/tokens_max_over_mean`` is
+    the heaviest rank's tokens over the mean (1 is perfect balance; the step logs its
+    largest over the updates). For :func:`update_stage`'s ``dispatch``.
+    """
+
+    def deal(b: Batch) -> tuple[Batch, dict[str, Any]]:
+        lengths = (b["prompt_mask"] != 0).sum(-1) + (b["mask"] != 0).sum(-1)
+        rows, loads = deal_rows(b, group, lengths=lengths, left_padded=("prompts", "prompt_mask"), method=method)
+        loads = loads.float()
+        return rows, {"dispatch/tokens_max_over_mean": maximum(loads.max() / loads.mean())}
+
+    return deal
 
 
 # --- preference (DPO) ---------------------------------------------------------------------------

@@ -40,7 +40,6 @@ import math
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -60,6 +59,7 @@ from rlcore.models import (
     export_hf,
     from_hf,
     is_lora,
+    load_causal_lm,
     sharded_token_logprobs,
     token_logprobs,
 )
@@ -87,8 +87,10 @@ from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_
 from rlcore.train.stages import (
     PAIR_COLUMNS,
     advantages_stage,
+    balanced_rows,
     forward_ahead,
     logprob_stage,
+    old_policy_is_updated,
     preference_forward,
     preference_logps_stage,
     rl_batch,
@@ -97,6 +99,7 @@ from rlcore.train.stages import (
     values_stage,
     with_logged_reference,
 )
+from rlcore.train.tagged_metrics import Metric, all_reduce_metrics, as_tensors, maximum, mean, merge_into, total
 from rlcore.train.validation import Validator
 
 __all__ = [
@@ -110,14 +113,6 @@ __all__ = [
     "train",
 ]
 
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
 # Random streams, one per (phase, step, rank): the task's prompts, the warm-up's, the
 # rollout's sampling, DPO's perturbed answers.
 DATA, WARMUP, SAMPLING, PERTURB = 0, 1, 2, 3
@@ -134,46 +129,22 @@ class Run(NamedTuple):
 
 
 def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.nn.Module:
-    """A ``transformers`` causal LM (or, with ``critic=True``, a one-output token-classification head) from the config.
+    """The config's model through :func:`rlcore.models.load_causal_lm`: a causal LM, or with ``critic=True`` a value head.
 
     ``model.model_name_or_path`` is a local directory or an inline HF config (random
-    initialisation; ``vocab_size`` defaults to the task tokenizer's).
+    initialisation from the global stream, which the trainer seeds; ``vocab_size``
+    defaults to the task tokenizer's).
     """
-    import transformers
-
-    spec = cfg.model.model_name_or_path
-    dtype = _DTYPES[cfg.model.torch_dtype]
-    attn = "sdpa"
-    if cfg.model.use_flash_attention:
-        try:
-            import flash_attn  # noqa: F401
-
-            attn = "flash_attention_2" if torch.cuda.is_available() else "sdpa"
-        except ImportError:
-            warnings.warn(
-                "model.use_flash_attention: flash-attn is not installed; using PyTorch SDPA attention", stacklevel=2
-            )
-    # transformers 4.56 renamed ``torch_dtype`` to ``dtype``.
-    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-    extra: dict[str, Any] = {"dtype" if version >= (4, 56) else "torch_dtype": dtype, "attn_implementation": attn}
-    auto = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
-    head = {"num_labels": 1} if critic else {}
-    if isinstance(spec, dict):
-        options = {"vocab_size": vocab_size, **spec}
-        hf_config = transformers.AutoConfig.for_model(options.pop("model_type"), **options, **head)
-        model = auto.from_config(hf_config, **extra)
-    else:
-        model = auto.from_pretrained(spec, **extra, **head)
-        # Weights loaded from safetensors may live in the file's memory map, whose storage cannot
-        # be resized: the co-located swap offloads by resizing storages to 0.
-        for p in model.parameters():
-            p.data = p.data.clone()
-    if model.config.vocab_size < vocab_size:
-        raise ValueError(
-            f"config key 'model.model_name_or_path': the model's vocab_size {model.config.vocab_size} is smaller "
-            f"than the task tokenizer's {vocab_size}"
-        )
-    return model
+    m = cfg.model
+    return load_causal_lm(
+        m.model_name_or_path,
+        dtype=m.torch_dtype,
+        seed=None,
+        vocab_size=vocab_size,
+        value_head=critic,
+        use_flash_attention=m.use_flash_attention,
+        what="config key 'model.model_name_or_path'",
+    )
 
 
 def build_algorithm(cfg: Config) -> algos.Algorithm | algos.DPO:
@@ -198,11 +169,6 @@ def make_generator(seed: int, rank: int, step: int, phase: int) -> torch.Generat
     value = ((seed * 1_000_003 + phase) * 1_000_003 + step) * 1_009 + rank
     # torch takes seeds in [-2**63, 2**64): a trainer.seed of 1e5 already goes past that.
     return torch.Generator().manual_seed(value if -(2**63) <= value < 2**64 else value % 2**64)
-
-
-# The loss is each rank's share of a loss normalised by global counts: summed over data-parallel ranks.
-# The recipe's own metrics are already those of the whole batch (DataParallelRecipe, ContextParallelRecipe).
-_SUMMED = frozenset({"loss"})
 
 
 class _World:
@@ -254,24 +220,9 @@ class _World:
             dist.all_reduce(flag)
         return bool(flag.item() > 0)  # sync-ok: the trainer's stop decision
 
-    def reduce(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One step's metric sums combined over the data-parallel ranks (a sum and a max all-reduce).
-
-        Sums (``_``-prefixed) and the loss (each rank holds its share of a loss normalised
-        by global counts) are added; ``_lag_max`` is the maximum; the other metrics (the
-        recipe's, already the whole batch's and equal on every rank) are averaged.
-        """
-        if self.group is None:
-            return values
-        names = [k for k in values if k != "_lag_max"]
-        stacked = torch.stack([torch.as_tensor(values[k]).detach().float() for k in names])
-        dist.all_reduce(stacked, group=self.group)
-        out = {k: v if k.startswith("_") or k in _SUMMED else v / self.dp_size for k, v in zip(names, stacked)}
-        if "_lag_max" in values:
-            top = torch.as_tensor(values["_lag_max"]).detach().float().clone()
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
-            out["_lag_max"] = top
-        return out
+    def reduce(self, metrics: dict[str, Metric]) -> dict[str, Metric]:
+        """One step's metrics merged over the data-parallel ranks, each as it declares (:mod:`rlcore.train.tagged_metrics`)."""
+        return all_reduce_metrics(metrics, self.group)
 
 
 def _clip(params: Sequence[torch.Tensor], max_norm: float, sharded: bool) -> None:
@@ -601,41 +552,43 @@ class _Steps:
     def __init__(self, updates: int, start: int, ref_every: int = 1):
         self.updates, self.start, self.ref_every = updates, start, ref_every
         self.lock = threading.Lock()
-        self.sums: dict[int, dict[str, torch.Tensor]] = {}
+        # Per step: the logged metrics, and the counts the logged ratios are made of.
+        self.sums: dict[int, tuple[dict[str, Metric], dict[str, Metric]]] = {}
         self.spans: list[tuple[str, str, float, float]] = []
         self.last_end = time.perf_counter()
 
-    def on_metrics(self, b: dict[str, torch.Tensor], loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+    def on_metrics(self, b: dict[str, torch.Tensor], loss: torch.Tensor, metrics: dict[str, Any]) -> None:
         step = int(b["iteration"][0])
+        # The recipe's metrics are the whole batch's on every rank (DataParallelRecipe): averaged;
+        # the update's own (e.g. the dispatch's balance) come tagged. The loss is this rank's share
+        # of a loss normalised by global counts: the step's loss adds the shares' means over updates.
         stats = {
-            **{k: v.detach().float() / self.updates for k, v in {"loss": loss, **metrics}.items()},
-            "_rows": torch.tensor(float(b["iteration"].shape[0])),
-            "_prompt_length": (b["prompt_mask"] != 0).sum().float(),
+            "loss": total(loss.detach().float() / self.updates),
+            **{k: v if isinstance(v, Metric) else mean(v) for k, v in metrics.items()},
+        }
+        counts = {
+            "rows": total(float(b["iteration"].shape[0])),
+            "prompt_tokens": total((b["prompt_mask"] != 0).sum()),
         }
         if "scores" not in b:  # offline DPO: the dataset's pairs, no rollout (mean of both responses' lengths)
-            stats["_response_length"] = ((b["chosen_mask"] != 0).sum() + (b["rejected_mask"] != 0).sum()).float() / 2
+            counts["response_tokens"] = total(((b["chosen_mask"] != 0).sum() + (b["rejected_mask"] != 0).sum()) / 2)
         else:
             mask = b["mask"]
+            lag = (b["iteration"] - self.start - b["version"]).float()  # versions counted from this run's first step
             if self.ref_every and step % self.ref_every == 0:  # the steps the reference forward ran
-                stats["_kl"] = masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask)
-            stats.update(
-                {
-                    "_reward": b["scores"].float().sum(),
-                    "_entropy": masked_sum(b["entropy"], mask),
-                    "_tokens": mask.float().sum(),
-                    "_response_length": (mask != 0).sum(-1).float().sum(),
-                    # The scheduler counts versions from this run's first step.
-                    "_lag": (b["iteration"] - self.start - b["version"]).float().sum(),
-                    "_lag_max": (b["iteration"] - self.start - b["version"]).float().max(),
-                }
+                counts["kl"] = total(masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask))
+            counts.update(
+                reward=total(b["scores"].float().sum()),
+                entropy=total(masked_sum(b["entropy"], mask)),
+                tokens=total(mask.float().sum()),
+                response_tokens=total((mask != 0).sum(-1).float().sum()),
+                lag=total(lag.sum()),
+                lag_max=maximum(lag.max()),
             )
         with self.lock:
-            acc = self.sums.setdefault(step, {})
-            for k, v in stats.items():
-                if k == "_lag_max":
-                    acc[k] = torch.maximum(acc[k], v) if k in acc else v
-                else:
-                    acc[k] = acc[k] + v if k in acc else v
+            acc = self.sums.setdefault(step, ({}, {}))
+            merge_into(acc[0], stats)
+            merge_into(acc[1], counts)
 
     def timed(self, s: Stage) -> Stage:
         fn = s.fn
@@ -651,11 +604,11 @@ class _Steps:
         return dataclasses.replace(s, fn=run)
 
     def local(
-        self, step: int, reduce: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+        self, step: int, reduce: Callable[[dict[str, Metric]], dict[str, Metric]] | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The step's metrics and its timing (busy seconds per stage, idle fraction per resource).
 
-        ``reduce`` combines this rank's sums with the other data-parallel ranks' before
+        ``reduce`` merges this rank's metrics with the other data-parallel ranks' before
         the ratios are taken (:meth:`_World.reduce`).
         """
         with self.lock:
@@ -665,21 +618,21 @@ class _Steps:
             spans = [(n, r, max(a, self.last_end), min(b, now)) for n, r, a, b in self.spans if b > self.last_end]
             self.spans = [sp for sp in self.spans if sp[3] > now]
             self.last_end = now
+        stats, counts = acc
         if reduce is not None:
-            acc = reduce(acc)
-        rows = acc.pop("_rows")
-        out = {k: v for k, v in acc.items() if not k.startswith("_")}
-        out.update(response_length=acc["_response_length"] / rows, prompt_length=acc["_prompt_length"] / rows)
-        if "_reward" in acc:  # rollouts (not offline DPO)
-            tokens = acc.pop("_tokens")
+            stats, counts = reduce(stats), reduce(counts)
+        out, c = as_tensors(stats), as_tensors(counts)
+        rows = c["rows"]
+        out.update(response_length=c["response_tokens"] / rows, prompt_length=c["prompt_tokens"] / rows)
+        if "reward" in c:  # rollouts (not offline DPO)
             out.update(
-                reward=acc["_reward"] / rows,  # the task reward, before any shaping
-                entropy=acc["_entropy"] / tokens,
-                policy_lag=acc["_lag"] / rows,
-                policy_lag_max=acc["_lag_max"],
+                reward=c["reward"] / rows,  # the task reward, before any shaping
+                entropy=c["entropy"] / c["tokens"],
+                policy_lag=c["lag"] / rows,
+                policy_lag_max=c["lag_max"],
             )
-            if "_kl" in acc:  # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot
-                out["kl"] = acc["_kl"] / tokens
+            if "kl" in c:  # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot
+                out["kl"] = c["kl"] / c["tokens"]
         timing: dict[str, float] = {"step_time_s": window}
         busy: dict[str, float] = {}
         for name, resource, a, b in spans:
@@ -746,6 +699,7 @@ def _graph(
     if plan.ref_every and plan.ref_stage:
         stages.append(score(models.reference, outputs=("ref_logp",), temperature=rl.temperature))
         logged.append("ref_logp")
+    dispatch = None  # DPO's pairs stay on their ranks
     if isinstance(algo, algos.DPO):
         recipe: Any = algo
         stages += [_pairs_stage(task, cfg, world.dp_rank), preference_logps_stage(models.reference)]
@@ -769,8 +723,13 @@ def _graph(
         outputs = rl_outputs(models.policy, critic=models.critic, temperature=rl.temperature)
         if plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update's forward runs it on its steps
             outputs = with_logged_reference(outputs, models.reference, every=plan.ref_every, temperature=rl.temperature)
+        # Data parallel: each update's rows dealt to the ranks by their tokens (context parallel keeps its split).
+        dispatch = balanced_rows(world.group) if world.group is not None and world.cp is None else None
         if plan.old_logp:
             forward = lambda b: rl_batch(b, outputs(b))  # noqa: E731
+        elif dispatch is not None:  # rows change ranks before the update: it runs its forward on the dealt rows
+            own = old_policy_is_updated(outputs)
+            forward = lambda b: rl_batch(b, own(b))  # noqa: E731
         else:  # the update's forward runs while the rows are scored; its logp, detached, is old_logp
             ahead, forward = forward_ahead(outputs)
             stages.insert(2, ahead)
@@ -796,6 +755,7 @@ def _graph(
             on_metrics=steps.on_metrics,
             on_iteration_end=on_step_end,
             epochs=rl.epochs,
+            dispatch=dispatch,
         )
     )
     sources = (
@@ -1014,15 +974,15 @@ def _train(
             dep.publish(i + 1)  # weights version i + 1 for the rows the scheduler stamps next
             local, timing = steps.local(step, world.reduce)
             extra = dep.rollout_metrics(step)
-            if extra:
-                local.update(world.reduce(extra))
+            if extra:  # the rollout's per-trajectory means, averaged over the ranks
+                local.update(as_tensors(world.reduce({k: mean(v) for k, v in extra.items()})))
             metrics = {k: float(v) for k, v in local.items()}
             # The reward's counters (verified-maths timeouts, ...), summed over the data-parallel ranks.
             # Each weighted reward's mean raw score (reward/<name>) from the summed counters.
             counts = rewards.pop_metrics(step)
             if counts:
-                summed = world.reduce({f"_{k}": torch.tensor(v) for k, v in sorted(counts.items())})
-                logged = reward_log_values({k[1:]: float(v) for k, v in summed.items()})
+                summed = as_tensors(world.reduce({k: total(v) for k, v in counts.items()}))
+                logged = reward_log_values({k: float(v) for k, v in summed.items()})
                 metrics.update({f"reward/{k}": v for k, v in logged.items()})
             rows = rewards.pop_samples(step)
             if sample_log is not None and step % tr.log_samples == 0:

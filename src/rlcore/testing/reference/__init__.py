@@ -32,7 +32,7 @@ from rlcore.testing.reference.losses import (
     sapo_loss_ref,
     value_loss_ref,
 )
-from rlcore.testing.reference.metrics import pass_at_k_ref
+from rlcore.testing.reference.metrics import merge_metrics_ref, pass_at_k_ref
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -114,6 +114,7 @@ __all__ = [
     "masked_sum_ref",
     "masked_var_ref",
     "masked_whiten_ref",
+    "merge_metrics_ref",
     "min_bins_ref",
     "opo_advantages_ref",
     "orpo_loss_ref",

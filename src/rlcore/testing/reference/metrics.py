@@ -1,4 +1,4 @@
-"""Loop references for evaluation metrics."""
+"""Loop references for evaluation metrics and for combining a step's tagged metrics."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["pass_at_k_ref"]
+__all__ = ["merge_metrics_ref", "pass_at_k_ref"]
 
 
 def pass_at_k_ref(
@@ -24,3 +24,27 @@ def pass_at_k_ref(
         kk = min(k, n)
         out.append(1.0 - math.comb(n - c, kk) / math.comb(n, kk))
     return torch.tensor(out, dtype=torch.float32)
+
+
+def merge_metrics_ref(produced: list[list[dict[str, tuple[float, str]]]]) -> dict[str, float]:
+    """A step's metrics from every rank's updates, each value ``(value, reduction)``: float64 loops over all of them.
+
+    ``"sum"`` adds every value, ``"max"`` takes the largest, ``"mean"`` averages every value
+    produced (each update on each rank counts once).
+    """
+    seen: dict[str, list[float]] = {}
+    kinds: dict[str, str] = {}
+    for rank in produced:
+        for update in rank:
+            for name, (value, kind) in update.items():
+                seen.setdefault(name, []).append(float(value))
+                kinds[name] = kind
+    out = {}
+    for name, vals in seen.items():
+        if kinds[name] == "sum":
+            out[name] = math.fsum(vals)
+        elif kinds[name] == "max":
+            out[name] = max(vals)
+        else:
+            out[name] = math.fsum(vals) / len(vals)
+    return out
