@@ -20,6 +20,7 @@ checks the FlexAttention document mask with a CPU forward.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -115,9 +116,18 @@ def _compiled_flex_attention() -> Any:
 
 
 def _flex_document(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    flex: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """FlexAttention with a causal document mask: block-sparse, never a dense ``[N, N]``."""
+    """FlexAttention with a causal document mask: block-sparse, never a dense ``[N, N]``.
+
+    ``flex`` is the attention call (default: the compiled ``flex_attention``).
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     n = q.shape[0]
@@ -127,7 +137,7 @@ def _flex_document(
         return (doc[qi] == doc[ki]) & (qi >= ki)
 
     block = create_block_mask(mask_mod, None, None, n, n, device=q.device)
-    out = _compiled_flex_attention()(
+    out = (flex or _compiled_flex_attention())(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
