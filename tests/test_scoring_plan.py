@@ -204,8 +204,11 @@ def test_forward_ahead_refuses_an_update_of_other_rows():
     with pytest.raises(RuntimeError, match="iteration 4 takes 3 rows, but the forward kept nothing"):
         forward(rows)
     s.fn({k: rows[k] for k in s.inputs})
-    with pytest.raises(RuntimeError, match="iteration 4 takes 2 rows, but the forward kept 3 rows"):
+    with pytest.raises(RuntimeError, match="iteration 4 takes 2 rows, but the forward kept 3 other rows"):
         forward({k: v[:2] for k, v in rows.items()})
+    s.fn({k: rows[k] for k in s.inputs})
+    with pytest.raises(RuntimeError, match="iteration 4 takes 3 rows, but the forward kept 3 other rows"):
+        forward({k: v.flip(0) for k, v in rows.items()})  # the same number of rows, dealt differently
 
 
 # --- PPO's epochs ------------------------------------------------------------------------------------
