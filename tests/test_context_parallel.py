@@ -287,7 +287,7 @@ def check_metrics_over_cp_and_dp(rank, examples):  # type: ignore[no-untyped-def
         torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7)
     # DPO at dp = 2: means over each rank's pairs become means over all pairs.
     g = torch.Generator().manual_seed(7)
-    pairs = {k: -torch.rand(5, generator=g) * 4 for k in algos.PAIR_COLUMNS}
+    pairs = {k: -torch.rand(5, generator=g) * 4 for k in algos.PAIR_LOGP_COLUMNS}
     recipe = algos.dpo(beta=0.5)
     _, want = recipe.loss(pairs, **recipe.global_counts(pairs))
     part = {k: v[:3] if dp == 0 else v[3:] for k, v in pairs.items()}

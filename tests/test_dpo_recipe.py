@@ -293,7 +293,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="ref_rejected_logps: got shape \\(2\\), expected \\(3\\)"):
         step(dpo(), policy, dict(batch, ref_chosen_logps=torch.zeros(3), ref_rejected_logps=torch.zeros(2)))
     with pytest.raises(ValueError, match="expected 'chosen_lengths', 'rejected_lengths'"):
-        columns = {k: torch.zeros(3) for k in algos.PAIR_COLUMNS}
+        columns = {k: torch.zeros(3) for k in algos.PAIR_LOGP_COLUMNS}
         dpo(reduce="mean").loss(columns)
     with pytest.raises(ValueError, match="to count the pairs"):
         dpo().global_counts({"mask": torch.ones(2, 2)})
@@ -424,7 +424,7 @@ def test_packed_bad_input(qwen2_pair):
 
 def test_reprobe_negative_pair_lengths_are_refused_naming_the_column():
     # reduce="mean" clamped a negative count to 1 and scored the pair as if it were one token long.
-    columns = {k: torch.zeros(2) for k in algos.PAIR_COLUMNS}
+    columns = {k: torch.zeros(2) for k in algos.PAIR_LOGP_COLUMNS}
     columns |= {"chosen_lengths": torch.tensor([3, 4]), "rejected_lengths": torch.tensor([2, -1])}
     with pytest.raises(ValueError, match=r"rejected_lengths: got values in \[-1, 2\], expected counts >= 0"):
         dpo(reduce="mean").loss(columns)

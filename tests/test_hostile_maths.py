@@ -91,7 +91,7 @@ def test_defect_05_recipe_loss_on_the_empty_batch_dynamic_sampling_leaves(recipe
 
 def test_defect_05_dpo_recipe_on_zero_pairs_is_zero():
     recipe = algos.dpo()
-    batch = {k: torch.zeros(0) for k in algos.PAIR_COLUMNS}
+    batch = {k: torch.zeros(0) for k in algos.PAIR_LOGP_COLUMNS}
     loss, metrics = recipe.loss(batch, **recipe.global_counts(batch))
     assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
 
@@ -209,7 +209,7 @@ def test_defect_13_nan_and_negative_hyperparameters_are_rejected(bad):
         "num_seqs": lambda: algos.aggregate(x, m, num_seqs=torch.tensor(bad)),
         "horizon": lambda: algos.aggregate(x, m, mode="seq-mean-token-sum-norm", horizon=bad),
         "kl_coef": lambda: algos.fixed_kl_controller(kl_coef=bad),
-        "num_pairs": lambda: algos.dpo().loss(dict.fromkeys(algos.PAIR_COLUMNS, s), num_pairs=bad),
+        "num_pairs": lambda: algos.dpo().loss(dict.fromkeys(algos.PAIR_LOGP_COLUMNS, s), num_pairs=bad),
     }
     for name, call in cases.items():
         with pytest.raises(ValueError, match=name):

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from rlcore import algos
-from rlcore.train import load_config, train
+from rlcore.train import ScoringPlan, load_config, scoring_plan, train
 from rlcore.train.stages import forward_ahead, rl_forward, rl_outputs, update_stage, with_logged_reference
-from rlcore.train.trainer import ScoringPlan, scoring_plan
 from tiny_runs import TINY, tiny_qwen2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,6 @@ from rlcore.algos.advantages import (
 )
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
 from rlcore.algos.collectives import group_sum, resolve_process_group
-from rlcore.algos.dpo_recipe import DPO, PAIR_COLUMNS, dpo
 from rlcore.algos.evaluation import pass_at_k
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
@@ -46,10 +45,14 @@ from rlcore.algos.preference import sequence_logps
 from rlcore.algos.preference_pairwise import DIVERGENCES, DPO_LOSS_TYPES, dpo_loss
 from rlcore.algos.preference_reffree import cpo_loss, orpo_loss, simpo_loss
 from rlcore.algos.recipes import (
+    DPO,
+    PAIR_LOGP_COLUMNS,
     Algorithm,
+    Recipe,
     ScoringNeeds,
     chain,
     dapo,
+    dpo,
     dr_grpo,
     dynamic_sampling_filter,
     gae_advantages,
@@ -84,11 +87,12 @@ __all__: list[str] = [
     "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "METRIC_REDUCTIONS",
-    "PAIR_COLUMNS",
+    "PAIR_LOGP_COLUMNS",
     "RL_METRIC_REDUCTIONS",
     "Algorithm",
     "KLController",
     "KLControllerState",
+    "Recipe",
     "RewardNormalizer",
     "RunningMomentsState",
     "ScoringNeeds",

@@ -53,6 +53,7 @@ from rlcore.train.parallel import (
     shard_mesh,
 )
 from rlcore.train.prompts import (
+    PROMPT_COLUMNS,
     DatasetPrompts,
     HFTokenizer,
     PreferencePrompts,
@@ -60,6 +61,14 @@ from rlcore.train.prompts import (
     make_prompt_source,
     source_tokenizer,
     task_options,
+)
+from rlcore.train.recipe_stages import (
+    PolicyGradientStages,
+    PreferenceStages,
+    RecipeGraph,
+    RecipeStages,
+    StepParts,
+    stages_for,
 )
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
 from rlcore.train.rundir import (
@@ -71,15 +80,18 @@ from rlcore.train.rundir import (
     config_changes,
     prepare_run_dir,
 )
+from rlcore.train.scoring import ScoringPlan, scoring_plan
 from rlcore.train.stages import (
-    PAIR_COLUMNS,
+    PAIR_TOKEN_COLUMNS,
     advantages_stage,
     balanced_rows,
     eval_mode,
     logprob_stage,
+    pairs_stage,
     preference_forward,
     preference_logps_stage,
     response_logprobs,
+    response_sequences,
     response_values,
     reward_stage,
     rl_forward,
@@ -91,11 +103,9 @@ from rlcore.train.stages import (
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import (
     Run,
-    ScoringPlan,
     build_algorithm,
     build_model,
     make_generator,
-    scoring_plan,
     supervised_warmup,
     train,
 )
@@ -105,7 +115,7 @@ __all__ = [
     "ALGOS",
     "CHECKPOINT_NAME",
     "MESH_DIMS",
-    "PAIR_COLUMNS",
+    "PAIR_TOKEN_COLUMNS",
     "ROLLOUT_COLUMNS",
     "TASKS",
     "Addition",
@@ -144,6 +154,7 @@ __all__ = [
     "max_positions",
     "multi_turn_graph",
     "multi_turn_rollout_stage",
+    "pairs_stage",
     "parallelize",
     "parse_config",
     "plot_curves",
@@ -152,6 +163,7 @@ __all__ = [
     "preference_logps_stage",
     "read_metrics",
     "response_logprobs",
+    "response_sequences",
     "response_values",
     "reward_stage",
     "rl_forward",
@@ -169,6 +181,7 @@ __all__ = [
 # Your own model and data: prompt sources, validation, run directories, export.
 __all__ += [
     "FREE_KEYS",
+    "PROMPT_COLUMNS",
     "RUN_FILES",
     "DatasetPrompts",
     "HFTokenizer",
@@ -186,6 +199,8 @@ __all__ += [
     "task_options",
     "validation_keys",
 ]
+# The stages each kind of recipe adds to the step, found by the recipe's type.
+__all__ += ["PolicyGradientStages", "PreferenceStages", "RecipeGraph", "RecipeStages", "StepParts", "stages_for"]
 # Context parallelism: sequences split over the "cp" ranks of the mesh.
 __all__ += [
     "ContextParallelRecipe",

@@ -15,6 +15,8 @@ prompt text and reference answer), the pipeline's loader and its reward stage:
   dpo``) as ready DPO pairs through :func:`rlcore.data.load_preferences`: offline DPO,
   no rollout.
 
+Each source's ``columns`` names what its loader gives a row (the pipeline's sources).
+
 The rewards come from the config's ``rewards`` list (:func:`rlcore.rewards.build_reward`)
 when it has one.
 """
@@ -33,10 +35,11 @@ from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
 from rlcore.train.config import Config, max_positions
 from rlcore.train.rollout import left_pad
-from rlcore.train.stages import reward_stage
+from rlcore.train.stages import PAIR_TOKEN_COLUMNS, reward_stage
 from rlcore.train.tasks import make_task
 
 __all__ = [
+    "PROMPT_COLUMNS",
     "DatasetPrompts",
     "HFTokenizer",
     "PreferencePrompts",
@@ -137,6 +140,10 @@ def _config_reward(cfg: Config, default: Any) -> Any:
     return default if cfg.rewards is None else build_reward(cfg.rewards, what="rewards")
 
 
+# What a prompt loader gives each row: the left-padded prompt, its reference answer, its group and step.
+PROMPT_COLUMNS = ("prompts", "prompt_mask", "answers", "group", "iteration")
+
+
 class TaskPrompts:
     """A built-in generated task (``data.task``) as a prompt source; its rule reward unless ``rewards`` is set.
 
@@ -149,6 +156,8 @@ class TaskPrompts:
     dataset = None
     val: PromptSet | None = None
     hf_tokenizer: Any = None
+    # The loader's columns (the trainer's prompt loader serves a built-in task).
+    columns = PROMPT_COLUMNS
 
     def __init__(self, cfg: Config, options: dict[str, Any]):
         self.task = make_task(cfg.data.task, **options)
@@ -212,6 +221,8 @@ class DatasetPrompts(_SeededDataset):
       world_size: data-parallel ranks; rank ``r`` of step ``s`` draws the prompts at
         positions ``(s * world_size + r) * batch_size ...`` of the seeded order.
     """
+
+    columns = (*PROMPT_COLUMNS, "index")
 
     def __init__(self, cfg: Config, world_size: int = 1):
         super().__init__(cfg, world_size)
@@ -308,6 +319,8 @@ class PreferencePrompts(_SeededDataset):
         positions ``(s * world_size + r) * batch_size ...`` of the seeded order.
     """
 
+    columns = (*PAIR_TOKEN_COLUMNS, "prompt_mask", "iteration", "index")
+
     def __init__(self, cfg: Config, world_size: int = 1):
         super().__init__(cfg, world_size)
         d = cfg.data
@@ -355,7 +368,7 @@ class PreferencePrompts(_SeededDataset):
         return [{"prompt": self.dataset.texts[i], "answer": self.pairs.chosen[i]} for i in rows]
 
     def loader(self, rank: int, start: int, n: int = 1) -> Callable[[int], dict[str, Any]]:
-        """Pipeline iteration ``i`` -> the pair columns of step ``start + i`` (``PAIR_COLUMNS``, ``prompt_mask``, ``index``)."""
+        """Pipeline iteration ``i`` -> the pair columns of step ``start + i`` (``PAIR_TOKEN_COLUMNS``, ``prompt_mask``, ``index``)."""
         if n != 1:
             raise ValueError(f"n: got {n}, expected 1 (one pair per prompt)")
         ids = self.dataset.prompt_ids

@@ -12,6 +12,8 @@ that assembly::
     logprob_stage(reference, outputs=("ref_logp",))
     values_stage(critic)                 -> old_values
     advantages_stage(algo)               -> advantages, loss_mask (+ returns)
+    pairs_stage(tok, noise)              -> chosen_* / rejected_* token rows   (online DPO)
+    preference_logps_stage(reference)    -> ref_chosen_logps, ref_rejected_logps
     update_stage(forward, algo, step)    -> loss
 
 **The mask convention at the dock / recipe seam.** The prompt loader puts
@@ -43,16 +45,18 @@ from rlcore.models import from_hf, preference_logps, shared_prefix_logprobs, sha
 from rlcore.train.tagged_metrics import maximum
 
 __all__ = [
-    "PAIR_COLUMNS",
+    "PAIR_TOKEN_COLUMNS",
     "advantages_stage",
     "balanced_rows",
     "eval_mode",
     "forward_ahead",
     "logprob_stage",
     "old_policy_is_updated",
+    "pairs_stage",
     "preference_forward",
     "preference_logps_stage",
     "response_logprobs",
+    "response_sequences",
     "response_values",
     "reward_stage",
     "rl_batch",
@@ -582,6 +586,74 @@ def _pair_columns() -> list[str]:
     return [f"{side}_{k}" for side in _PREF_SIDES for k in ("input_ids", "attention_mask", "mask")]
 
 
+def response_sequences(
+    tok: Any, prompts: Sequence[str], responses: Sequence[str], device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Right-padded ``prompt + response + <eos>`` ids with the response tokens marked, for SFT and DPO.
+
+    Args:
+      tok: a tokenizer with ``encode``, ``eos_token_id`` and ``pad_token_id``.
+      prompts, responses: texts, one response per prompt.
+      device: where the tensors go.
+
+    Returns:
+      ``{"input_ids", "attention_mask", "mask"}``, each ``[N, W]`` int64; ``mask`` is 1 on
+      the response and its ``<eos>``.
+    """
+    rows = [(tok.encode(p), tok.encode(r) + [tok.eos_token_id]) for p, r in zip(prompts, responses)]
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    attention, scored = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attention[i, : len(p) + len(r)] = 1
+        scored[i, len(p) : len(p) + len(r)] = 1
+    return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "mask": scored.to(device)}
+
+
+def pairs_stage(tok: Any, noise: Callable[[int], torch.Generator], *, resource: str = "cpu") -> Stage:
+    """Online DPO pairs of the sampled rows: the reference answer is chosen, the sampled answer rejected.
+
+    A correct sample (score >= 1) would make a pair of two right answers, so its
+    rejected side is the reference answer plus a random letter of ``tok.alphabet``.
+
+    Args:
+      tok: the task's tokenizer (``encode``, ``decode``, ``alphabet``, EOS and padding ids).
+      noise: ``step -> torch.Generator``, the random stream of the perturbed answers of
+        a step (the rows carry ``iteration``), so a resumed run draws the same letters.
+      resource: as in :func:`rlcore.dataflow.stage`.
+
+    Returns:
+      A stage writing :data:`PAIR_TOKEN_COLUMNS` (one unpadded row per pair).
+    """
+
+    def pairs(b: Batch) -> dict[str, Any]:
+        step = int(b["iteration"][0])
+        keep = [(row, m != 0) for row, m in zip(b["prompts"], b["prompt_mask"])]
+        prompts = [tok.decode(row[k].tolist()) for row, k in keep]
+        answers = [tok.decode(row[k].tolist()) for row, k in zip(b["answers"], b["answers_mask"])]
+        texts = [tok.decode(row[m != 0].tolist()) for row, m in zip(b["responses"], b["mask"])]
+        letters = torch.randint(0, len(tok.alphabet), (len(prompts),), generator=noise(step)).tolist()
+        rejected = [
+            t if s < 1 else a + tok.alphabet[k] for t, s, a, k in zip(texts, b["scores"].tolist(), answers, letters)
+        ]
+        out: dict[str, Any] = {}
+        for side, responses in zip(_PREF_SIDES, (answers, rejected)):
+            seq = response_sequences(tok, prompts, responses)
+            lengths = seq["attention_mask"].sum(-1).tolist()
+            for k, v in seq.items():
+                out[f"{side}_{k}"] = [row[:n] for row, n in zip(v, lengths)]
+        return out
+
+    return stage(
+        pairs,
+        inputs=["prompts", "prompt_mask", "answers", "responses", "mask", "scores", "iteration"],
+        outputs=list(PAIR_TOKEN_COLUMNS),
+        name="pairs",
+        resource=resource,
+    )
+
+
 def preference_logps_stage(reference: torch.nn.Module, *, temperature: float = 1.0, resource: str = "device") -> Stage:
     """Reference log-probs of the chosen / rejected pairs (eval mode): ``ref_chosen_logps``, ``ref_rejected_logps``.
 
@@ -617,4 +689,6 @@ def preference_forward(policy: torch.nn.Module, *, temperature: float = 1.0) -> 
     return forward
 
 
-PAIR_COLUMNS = tuple(_pair_columns())
+# The token rows of each pair's chosen and rejected sequences (ids, attention mask, response mask); the summed
+# log-probs the DPO loss reads are rlcore.algos.PAIR_LOGP_COLUMNS.
+PAIR_TOKEN_COLUMNS = tuple(_pair_columns())

@@ -12,10 +12,12 @@ One RL step is a :class:`rlcore.dataflow.StageGraph` of the stages in
     advantages        -> advantages, loss_mask (+ returns)   (the recipe, whole groups)
     update            -> loss    forward -> algo.loss(batch, **counts) -> backward -> optimiser step
 
-DPO replaces the scoring stages after the reward by ``pairs`` (chosen / rejected
-sequences) and ``ref_pair_logps``, and runs the same update stage with the preference
-recipe. The deployment (``deploy.*``; :func:`rlcore.train.deploy.make_deployment`, one
-class per mode) decides only how the pieces are placed:
+The stages between the scoring and the update are the recipe's, found by its type
+(:func:`rlcore.train.stages_for`): the advantages (PPO: after the critic's values); for
+DPO, ``pairs`` (chosen / rejected sequences) and ``ref_pair_logps`` (offline DPO: the
+dataset's pairs, no rollout). Every recipe runs the same update stage. The deployment
+(``deploy.*``; :func:`rlcore.train.deploy.make_deployment`, one class per mode) decides
+only how the pieces are placed:
 
 * ``co-located``: one device resource; every switch to the rollout phase runs the
   memory plan's AllGather-Swap (:class:`rlcore.memory.ColocatedSwitch`): optimiser
@@ -44,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +54,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlcore import algos
-from rlcore.dataflow import Stage, StageGraph, run_pipeline, stage
+from rlcore.dataflow import Stage, StageGraph, run_pipeline
 from rlcore.device import get_device
 from rlcore.models import (
     AdaptersOff,
@@ -69,11 +71,9 @@ from rlcore.train.agent_stages import check_multi_turn, multi_turn_graph
 from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rlcore.train.config import Config, check_launch
 from rlcore.train.context_parallel import (
-    ContextParallelRecipe,
     DataParallelRecipe,
     check_context_parallel_model,
     cp_logprob_stage,
-    cp_rl_forward,
     replica_groups,
     replicate_stage,
 )
@@ -82,33 +82,24 @@ from rlcore.train.lora import adapter_modules, attach_lora, check_lora_launch
 from rlcore.train.metrics import MetricsLog, plot_curves, plot_timeline, read_metrics
 from rlcore.train.parallel import clip_grad_norm, device_mesh, full_state_dict, parallelize
 from rlcore.train.prompts import PreferencePrompts, make_prompt_source, task_options
+from rlcore.train.recipe_stages import StepParts, stages_for
 from rlcore.train.rollout import InferenceEngine, left_pad
 from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps, prepare_run_dir
+from rlcore.train.scoring import ScoringPlan, scoring_plan
 from rlcore.train.stages import (
-    PAIR_COLUMNS,
-    advantages_stage,
     balanced_rows,
-    forward_ahead,
     logprob_stage,
-    old_policy_is_updated,
-    preference_forward,
-    preference_logps_stage,
-    rl_batch,
-    rl_outputs,
+    response_sequences,
     update_stage,
-    values_stage,
-    with_logged_reference,
 )
 from rlcore.train.tagged_metrics import Metric, all_reduce_metrics, as_tensors, maximum, mean, merge_into, total
 from rlcore.train.validation import Validator
 
 __all__ = [
     "Run",
-    "ScoringPlan",
     "build_algorithm",
     "build_model",
     "make_generator",
-    "scoring_plan",
     "supervised_warmup",
     "train",
 ]
@@ -147,7 +138,7 @@ def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.
     )
 
 
-def build_algorithm(cfg: Config) -> algos.Algorithm | algos.DPO:
+def build_algorithm(cfg: Config) -> algos.Recipe:
     """The rlcore recipe named by ``rl.algo``, with ``rl.beta`` as its KL coefficient when set."""
     rl, beta = cfg.rl, cfg.rl.beta
     if rl.algo == "dpo":
@@ -342,19 +333,6 @@ def _restore(out: Path, models: _Models, opt: _Optimiser, cfg: Config) -> int:
 # --- the supervised warm-up ------------------------------------------------------------------
 
 
-def _sequences(tok: Any, prompts: list[str], responses: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded ``prompt + response + <eos>`` ids with the response tokens marked, for SFT and DPO."""
-    rows = [(tok.encode(p), tok.encode(r) + [tok.eos_token_id]) for p, r in zip(prompts, responses)]
-    width = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    attention, scored = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, r) in enumerate(rows):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attention[i, : len(p) + len(r)] = 1
-        scored[i, len(p) : len(p) + len(r)] = 1
-    return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "mask": scored.to(device)}
-
-
 def supervised_warmup(
     policy: torch.nn.Module,
     task: Any,
@@ -408,7 +386,9 @@ def supervised_warmup(
             if traces is not None:  # a task with its own traces (rlcore.agent.Multiplication: tool calls)
                 seq = {k: v.to(device) for k, v in traces(samples).items()}
             else:
-                seq = _sequences(task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device)
+                seq = response_sequences(
+                    task.tokenizer, [s["prompt"] for s in samples], [s["answer"] for s in samples], device
+                )
             if context_parallel is None:
                 logp = token_logprobs(apply, named, seq)  # aligned with the token it scores, like seq["mask"]
                 mask = seq["mask"]
@@ -433,7 +413,7 @@ def supervised_warmup(
     return torch.stack(losses) if losses else torch.zeros(0)
 
 
-# --- the prompt loader and the DPO pairs ------------------------------------------------------
+# --- the prompt loader ------------------------------------------------------------------------
 
 
 def _loader(task: Any, cfg: Config, rank: int, start: int, n: int, ranks: int = 1) -> Callable[[int], dict[str, Any]]:
@@ -460,87 +440,6 @@ def _loader(task: Any, cfg: Config, rank: int, start: int, n: int, ranks: int = 
         }
 
     return load
-
-
-def _pairs_stage(task: Any, cfg: Config, rank: int) -> Stage:
-    """(reference answer, sampled answer) pairs; a correct sample is replaced by the answer plus a random letter."""
-    tok = task.tokenizer
-
-    def pairs(b: dict[str, torch.Tensor]) -> dict[str, Any]:
-        step = int(b["iteration"][0])
-        keep = [(row, m != 0) for row, m in zip(b["prompts"], b["prompt_mask"])]
-        prompts = [tok.decode(row[k].tolist()) for row, k in keep]
-        answers = [tok.decode(row[k].tolist()) for row, k in zip(b["answers"], b["answers_mask"])]
-        texts = [tok.decode(row[m != 0].tolist()) for row, m in zip(b["responses"], b["mask"])]
-        noise = torch.randint(
-            0, len(tok.alphabet), (len(prompts),), generator=make_generator(cfg.trainer.seed, rank, step, PERTURB)
-        ).tolist()
-        rejected = [
-            t if s < 1 else a + tok.alphabet[k] for t, s, a, k in zip(texts, b["scores"].tolist(), answers, noise)
-        ]
-        out: dict[str, Any] = {}
-        for side, responses in (("chosen", answers), ("rejected", rejected)):
-            seq = _sequences(tok, prompts, responses, torch.device("cpu"))
-            lengths = seq["attention_mask"].sum(-1).tolist()
-            for k, v in seq.items():
-                out[f"{side}_{k}"] = [row[:n] for row, n in zip(v, lengths)]
-        return out
-
-    return stage(
-        pairs,
-        inputs=["prompts", "prompt_mask", "answers", "responses", "mask", "scores", "iteration"],
-        outputs=list(PAIR_COLUMNS),
-        name="pairs",
-        resource="cpu",
-    )
-
-
-# --- which scoring forwards a step runs ---------------------------------------------------------
-
-
-class ScoringPlan(NamedTuple):
-    """The scoring forwards of an RL step (:func:`scoring_plan`).
-
-    Fields:
-      old_logp: run the old-policy forward (``old_logp``, ``entropy``); else the
-        update's own log-probs, detached, are the old policy's.
-      ref_every: the reference forward runs every this many steps (1: every step; 0: never).
-      ref_stage: it is a stage before the advantages (the recipe reads ``ref_logp``);
-        else, logged only, it runs inside the update's forward on its steps.
-    """
-
-    old_logp: bool
-    ref_every: int
-    ref_stage: bool = True
-
-
-def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> ScoringPlan:
-    """No forward the step does not need.
-
-    * The old-policy forward is skipped (``rl.old_logp: auto``) when the policy that
-      sampled is the one the single update trains: the blocking pipeline (no
-      ``deploy.async_infer``, whose rows may come from an older policy), one optimiser
-      update per batch (``rl.mini_batch_size == rl.batch_size``, ``rl.epochs == 1``), and the recipe's
-      advantages do not read ``old_logp`` (:func:`rlcore.algos.scoring_needs`: KL in the
-      reward does). Then ``old_logp`` is the update's ``logp`` detached: equal to the
-      forward's value, and the ratio is 1 with the same gradient.
-    * The reference forward runs every step when the recipe reads ``ref_logp`` (a KL
-      term: ``rl.beta`` not 0); otherwise only every ``trainer.log_ref_kl_every`` steps,
-      for the logged ``kl`` (0: never).
-
-    DPO (its logged KL and entropy come from these forwards) and context parallelism
-    (each rank's update holds its share of the tokens) keep both forwards.
-    """
-    rl = cfg.rl
-    if isinstance(algo, algos.DPO) or context_parallel:
-        return ScoringPlan(True, 1)
-    needs = algos.scoring_needs(algo)
-    # On-policy: the blocking pipeline samples with the weights the single update then trains.
-    on_policy = not cfg.deploy.async_infer and rl.mini_batch_size == rl.batch_size and rl.epochs == 1
-    skip_old = rl.old_logp == "auto" and on_policy and not needs.old_logp
-    if needs.ref_logp:
-        return ScoringPlan(not skip_old, 1)
-    return ScoringPlan(not skip_old, cfg.trainer.log_ref_kl_every, ref_stage=False)
 
 
 # --- per-step metrics and the timeline -------------------------------------------------------
@@ -654,10 +553,42 @@ def _sampling_stream(seed: int, rank: int, batch: dict[str, torch.Tensor]) -> to
 # --- the assembly -----------------------------------------------------------------------------
 
 
+def _sampling_stages(
+    cfg: Config,
+    models: _Models,
+    rollout: Stage | None,
+    rewards: RewardPool,
+    task: Any,
+    world: _World,
+    plan: ScoringPlan,
+) -> tuple[list[Stage], list[Stage], list[str]]:
+    """Rollout and reward, the plan's scoring forwards, and the columns the update reads to log them.
+
+    Without a rollout a dataset gives the rows whole (offline preference pairs): no stage.
+    """
+    if rollout is None:
+        return [], [], ["prompt_mask", "iteration"]
+    rl = cfg.rl
+    score: Any = logprob_stage
+    reward = task.reward_stage(rewards)
+    if world.cp is not None:  # sequences split over the cp ranks; rollout and reward once per cp group
+        score = partial(cp_logprob_stage, group=world.cp[0], mode=world.cp[1])
+        rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
+    scoring: list[Stage] = []
+    logged = ["scores", "mask", "prompt_mask", "iteration", "version"]
+    if plan.old_logp:
+        scoring.append(score(models.policy, temperature=rl.temperature))
+        logged += ["old_logp", "entropy"]
+    if plan.ref_every and plan.ref_stage:
+        scoring.append(score(models.reference, outputs=("ref_logp",), temperature=rl.temperature))
+        logged.append("ref_logp")
+    return [rollout, reward], scoring, logged
+
+
 def _graph(
     cfg: Config,
     models: _Models,
-    algo: Any,
+    algo: algos.Recipe,
     opt: _Optimiser,
     steps: _Steps,
     rollout: Stage | None,
@@ -667,81 +598,33 @@ def _graph(
     on_step_end: Callable[[int], Any],
     plan: ScoringPlan,
 ) -> StageGraph:
-    """The step's stages: rollout, reward, scoring, advantages (or DPO pairs), update; offline DPO: the pairs' update."""
+    """The step's stages: rollout, reward and scoring forwards (when rows are sampled), the recipe's, the update."""
     rl = cfg.rl
-    if isinstance(task, PreferencePrompts):  # the dataset's pairs: reference log-probs, then the update
-        update = update_stage(
-            preference_forward(models.policy),
-            algo if world.group is None else DataParallelRecipe(algo, world.group),
-            opt,
-            inputs=[*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", "prompt_mask", "iteration"],
-            micro_batch=rl.mini_batch_size,
-            process_group=world.group,
-            on_metrics=steps.on_metrics,
-            on_iteration_end=on_step_end,
+    sampling, scoring, logged = _sampling_stages(cfg, models, rollout, rewards, task, world, plan)
+    seed, rank = cfg.trainer.seed, world.dp_rank
+    part = stages_for(algo).graph(
+        StepParts(
+            models.policy,
+            models.reference,
+            models.critic,
+            plan,
+            temperature=rl.temperature,
+            sampled=rollout is not None,
+            logged=logged,
+            epochs=rl.epochs,
+            tokenizer=task.tokenizer,
+            noise=lambda step: make_generator(seed, rank, step, PERTURB),
+            context_parallel=world.cp,
+            dp_group=world.group,
+            # Data parallel: each update's rows dealt to the ranks by their tokens.
+            dispatch=balanced_rows(world.group) if world.group is not None else None,
         )
-        stages = [preference_logps_stage(models.reference), update]
-        return StageGraph(
-            [steps.timed(s) for s in stages], sources=(*PAIR_COLUMNS, "prompt_mask", "iteration", "index")
-        )
-    assert rollout is not None
-    n = 1 if rl.algo == "dpo" else rl.n_samples
-    score: Any = logprob_stage
-    reward = task.reward_stage(rewards)
-    if world.cp is not None:  # sequences split over the cp ranks; rollout and reward once per cp group
-        score = partial(cp_logprob_stage, group=world.cp[0], mode=world.cp[1])
-        rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
-    stages = [rollout, reward]
-    logged = ["scores", "mask", "prompt_mask", "iteration", "version"]
-    if plan.old_logp:
-        stages.append(score(models.policy, temperature=rl.temperature))
-        logged += ["old_logp", "entropy"]
-    if plan.ref_every and plan.ref_stage:
-        stages.append(score(models.reference, outputs=("ref_logp",), temperature=rl.temperature))
-        logged.append("ref_logp")
-    dispatch = None  # DPO's pairs stay on their ranks
-    if isinstance(algo, algos.DPO):
-        recipe: Any = algo
-        stages += [_pairs_stage(task, cfg, world.dp_rank), preference_logps_stage(models.reference)]
-        forward = preference_forward(models.policy)
-        inputs = [*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", *logged]
-    else:
-        recipe = algo
-        needs = algos.scoring_needs(algo)
-        scored = [
-            "scores",
-            "mask",
-            "group",
-            *(["old_logp"] if needs.old_logp else []),
-            *(["ref_logp"] if needs.ref_logp else []),
-        ]
-        produced = ["advantages", "loss_mask"]
-        if models.critic is not None:
-            stages.append(values_stage(models.critic))
-            scored.append("old_values")
-            produced.append("returns")
-        outputs = rl_outputs(models.policy, critic=models.critic, temperature=rl.temperature)
-        if plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update's forward runs it on its steps
-            outputs = with_logged_reference(outputs, models.reference, every=plan.ref_every, temperature=rl.temperature)
-        # Data parallel: each update's rows dealt to the ranks by their tokens (context parallel keeps its split).
-        dispatch = balanced_rows(world.group) if world.group is not None and world.cp is None else None
-        if plan.old_logp:
-            forward = lambda b: rl_batch(b, outputs(b))  # noqa: E731
-        elif dispatch is not None:  # rows change ranks before the update: it runs its forward on the dealt rows
-            own = old_policy_is_updated(outputs)
-            forward = lambda b: rl_batch(b, own(b))  # noqa: E731
-        else:  # the update's forward runs while the rows are scored; its logp, detached, is old_logp
-            ahead, forward = forward_ahead(outputs)
-            stages.insert(2, ahead)
-            logged += ["old_logp", "entropy"]
-        stages.append(advantages_stage(algo, inputs=scored, outputs=produced))
-        if world.cp is not None:
-            forward = cp_rl_forward(models.policy, group=world.cp[0], mode=world.cp[1], temperature=rl.temperature)
-            recipe = ContextParallelRecipe(algo, world.cp[0], dp_group=world.group)
-        extra = ["old_values", "returns"] if models.critic is not None else []
-        inputs = ["prompts", "responses", *produced[:2], *extra, *logged]
+    )
+    stages = [*sampling, *part.ahead, *scoring, *part.stages]
+    forward, inputs, recipe = part.forward, part.inputs, part.recipe
     if rl.multi_turn is not None:  # the environments score; the forwards attend the observation tokens
-        stages, forward, inputs = multi_turn_graph(stages, forward, inputs, algo)
+        # The config takes multi-turn rollouts with the policy-gradient recipes only.
+        stages, forward, inputs = multi_turn_graph(stages, forward, inputs, cast(algos.Algorithm, algo))
     if world.cp is None and world.group is not None:  # the metrics of the whole batch on every rank
         recipe = DataParallelRecipe(recipe, world.group)
     stages.append(
@@ -750,23 +633,15 @@ def _graph(
             recipe,
             opt,
             inputs=list(dict.fromkeys(inputs)),
-            micro_batch=rl.mini_batch_size * n,
+            micro_batch=rl.mini_batch_size * rl.n_samples,
             process_group=world.group,
             on_metrics=steps.on_metrics,
             on_iteration_end=on_step_end,
-            epochs=rl.epochs,
-            dispatch=dispatch,
+            epochs=part.epochs,
+            dispatch=part.dispatch,
         )
     )
-    sources = (
-        "prompts",
-        "prompt_mask",
-        "answers",
-        "group",
-        "iteration",
-        *(("index",) if task.dataset is not None else ()),
-    )
-    return StageGraph([steps.timed(s) for s in stages], sources=sources)
+    return StageGraph([steps.timed(s) for s in stages], sources=task.columns)
 
 
 def train(
@@ -774,7 +649,7 @@ def train(
     *,
     resume: bool = False,
     engine: InferenceEngine | None = None,
-    algo: algos.Algorithm | None = None,
+    algo: algos.Recipe | None = None,
     reward: Any = None,
     overwrite: bool = False,
     allow_config_change: bool = False,
@@ -786,7 +661,8 @@ def train(
       resume: continue from the DCP checkpoint in ``trainer.output_dir/checkpoint/`` (saved at any world size; same seed, same data order).
       engine: an :class:`InferenceEngine` to sample with instead of the in-process one
         (it receives the weights after every update through the weight-sync path).
-      algo: an :class:`rlcore.algos.Algorithm` replacing the recipe named by ``rl.algo``.
+      algo: a recipe (an :class:`rlcore.algos.Algorithm` or :class:`rlcore.algos.DPO`) replacing the one
+        named by ``rl.algo``.
       reward: a reward replacing the task's rule reward (a ``(prompts, responses, **columns)``
         callable or a ``BaseReward``-style object; it receives ``answers``).
       overwrite: replace a run already in ``trainer.output_dir`` (else a new run there is refused).
@@ -858,16 +734,17 @@ def _train(
     *,
     resume: bool,
     engine: InferenceEngine | None,
-    algo: algos.Algorithm | None,
+    algo: algos.Recipe | None,
     reward: Any,
     allow_config_change: bool,
 ) -> _Trained:
     tr, rl = cfg.trainer, cfg.rl
+    recipe = algo or build_algorithm(cfg)
     # Every rank builds the same initial weights from the seed; the models are then sharded
     # (FSDP2 over "dp", tensor parallel over "tp"): the one place parallelism enters.
     torch.manual_seed(tr.seed)
     policy = build_model(cfg, task.tokenizer.vocab_size).to(device)
-    critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if rl.algo == "ppo" else None
+    critic = build_model(cfg, task.tokenizer.vocab_size, critic=True).to(device) if stages_for(recipe).critic else None
     replica = copy.deepcopy(policy).eval().requires_grad_(False)  # rollout / reference template, unsharded
     shapes = {name: list(t.shape) for name, t in replica.state_dict().items()}  # recorded by every checkpoint
     if world.cp is not None:
@@ -907,8 +784,7 @@ def _train(
     models = _Models(policy, reference, critic)
     opt = _Optimiser(models, cfg, world)
     start = _restore(out, models, opt, cfg) if resume else 0
-    n = 1 if rl.algo == "dpo" else rl.n_samples
-    recipe = algo or build_algorithm(cfg)
+    n = rl.n_samples
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
     steps = _Steps(updates=rl.batch_size // rl.mini_batch_size * rl.epochs, start=start, ref_every=plan.ref_every)
     log = (

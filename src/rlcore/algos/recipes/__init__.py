@@ -1,9 +1,10 @@
-"""Named RL algorithms as compositions of rlcore's pure functions.
+"""Recipes: named RL algorithms and preference recipes as compositions of rlcore's pure functions.
 
 An :class:`Algorithm` is a NamedTuple of the functions it is made of; the recipes
 (:func:`ppo`, :func:`grpo`, :func:`dr_grpo`, :func:`dapo`, :func:`gspo`,
 :func:`reinforce_pp`, :func:`rloo`) fill it with the published defaults, and
-``algo._replace(policy_loss=...)`` makes a new algorithm from an old one.
+``algo._replace(policy_loss=...)`` makes a new algorithm from an old one. :class:`DPO`
+(:func:`dpo`) is the preference recipe of the same shape; both are a :class:`Recipe`.
 """
 
 from rlcore.algos.recipes.adapters import (
@@ -19,12 +20,18 @@ from rlcore.algos.recipes.adapters import (
 from rlcore.algos.recipes.algorithm import Algorithm, chain
 from rlcore.algos.recipes.named import dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo
 from rlcore.algos.recipes.needs import ScoringNeeds, scoring_needs
+from rlcore.algos.recipes.preference import DPO, PAIR_LOGP_COLUMNS, dpo
+from rlcore.algos.recipes.protocol import Recipe
 
 __all__ = [
+    "DPO",
+    "PAIR_LOGP_COLUMNS",
     "Algorithm",
+    "Recipe",
     "ScoringNeeds",
     "chain",
     "dapo",
+    "dpo",
     "dr_grpo",
     "dynamic_sampling_filter",
     "gae_advantages",

@@ -27,9 +27,10 @@ from rlcore.algos.collectives import group_sum
 from rlcore.algos.preference_pairwise import dpo_loss
 from rlcore.ops import SEQUENCE_REDUCTIONS
 
-__all__ = ["DPO", "PAIR_COLUMNS", "dpo"]
+__all__ = ["DPO", "PAIR_LOGP_COLUMNS", "dpo"]
 
-PAIR_COLUMNS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
+# The summed response log-probs the loss reads (the token columns of the pairs are the trainer's).
+PAIR_LOGP_COLUMNS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 LENGTH_COLUMNS = ("chosen_lengths", "rejected_lengths")
 # Columns whose leading dimension is the pair count, before or after the forward pass.
 _COUNT_SOURCES = ("chosen_logps", "ref_chosen_logps", "chosen_input_ids", "chosen_mask")
@@ -122,12 +123,12 @@ class DPO(NamedTuple):
         """
         check_count("num_pairs", num_pairs)
         pi_chosen, pi_rejected, ref_chosen, ref_rejected = _columns(
-            batch, PAIR_COLUMNS, "summed response log-probs: rlcore.models.preference_logps gives the policy's"
+            batch, PAIR_LOGP_COLUMNS, "summed response log-probs: rlcore.models.preference_logps gives the policy's"
         )
         dtype = torch.promote_types(pi_chosen.dtype, torch.float32)
         if self.reduce == "mean":
             lengths = _columns(batch, LENGTH_COLUMNS, "scored-token counts for reduce='mean'")
-            check_same_shape(LENGTH_COLUMNS[0], lengths[0], PAIR_COLUMNS[0], pi_chosen)
+            check_same_shape(LENGTH_COLUMNS[0], lengths[0], PAIR_LOGP_COLUMNS[0], pi_chosen)
             for name, n in zip(LENGTH_COLUMNS, lengths):
                 check_counts(name, n)
             # An empty response scores 0, as sequence_logps(reduce="mean") does.

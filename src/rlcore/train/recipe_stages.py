@@ -1,0 +1,280 @@
+"""The stages each kind of recipe adds to an RL step, found by the recipe's type.
+
+A recipe (:class:`rlcore.algos.Recipe`) is maths only; the stages that produce the
+columns its batch reads hold models, so they are assembled here, one class per kind:
+
+* :class:`PolicyGradientStages` (:class:`rlcore.algos.Algorithm`: GRPO, DAPO, RLOO,
+  REINFORCE++, PPO, ...): the critic's ``old_values`` when the recipe has a value loss
+  (PPO's GAE reads them), then the advantages stage; the update's forward gives the
+  policy's log-probs (and the critic's values).
+* :class:`PreferenceStages` (:class:`rlcore.algos.DPO`): the pairs (online: each
+  sampled answer against the reference answer; offline: a preference dataset's rows)
+  and the reference's log-probs of both sides; the update scores both sides in one forward.
+
+The trainer runs the rollout, the reward and the scoring forwards, then whatever
+``stages_for(recipe).graph(parts)`` gives, then the one update stage: a new kind of
+recipe is a new class registered with ``stages_for.register(RecipeType, Class)``, never
+a new branch in the trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from rlcore import algos
+from rlcore.dataflow import Stage
+from rlcore.train.context_parallel import ContextParallelRecipe, cp_rl_forward
+from rlcore.train.scoring import ScoringPlan
+from rlcore.train.stages import (
+    PAIR_TOKEN_COLUMNS,
+    advantages_stage,
+    forward_ahead,
+    old_policy_is_updated,
+    pairs_stage,
+    preference_forward,
+    preference_logps_stage,
+    rl_batch,
+    rl_outputs,
+    values_stage,
+    with_logged_reference,
+)
+
+__all__ = [
+    "PolicyGradientStages",
+    "PreferenceStages",
+    "RecipeGraph",
+    "RecipeStages",
+    "StepParts",
+    "stages_for",
+]
+
+Batch = dict[str, torch.Tensor]
+# What the reference's forward over the pairs writes (preference_logps_stage).
+REF_PAIR_LOGPS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+class StepParts(NamedTuple):
+    """What the trainer hands a recipe's stages: the models, the scoring plan and the step's options.
+
+    Fields:
+      policy: the policy being trained.
+      reference: the reference policy (scored in eval mode, no gradient).
+      critic: the value model, built when the recipe's stages ask for one
+        (``RecipeStages.critic``), else None.
+      plan: the step's scoring forwards (:func:`rlcore.train.scoring_plan`).
+      temperature: the sampling temperature (``rl.temperature``).
+      sampled: a rollout samples the rows; False when a dataset gives them whole
+        (offline DPO on a preference dataset: no rollout, reward or scoring forward).
+      logged: dock columns the update reads only for the step's metrics (what the
+        rollout, the reward and the scoring forwards wrote, or the loader's
+        ``prompt_mask`` and ``iteration``).
+      epochs: passes of the update over each step's rows (``rl.epochs``).
+      tokenizer: the task's tokenizer (online DPO decodes the answers and the samples).
+      noise: ``step -> torch.Generator``, the random stream of a step's perturbed
+        answers (online DPO).
+      context_parallel: ``(group, mode)`` when each sequence is split over the
+        context-parallel ranks, else None.
+      dp_group: the data-parallel group, or None.
+      dispatch: deals each update's rows over the data-parallel ranks by their tokens
+        (:func:`rlcore.train.stages.balanced_rows`), or None; a recipe whose rows may move
+        passes it on in its :class:`RecipeGraph`.
+    """
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module
+    critic: torch.nn.Module | None
+    plan: ScoringPlan
+    temperature: float = 1.0
+    sampled: bool = True
+    logged: Sequence[str] = ()
+    epochs: int = 1
+    tokenizer: Any = None
+    noise: Callable[[int], torch.Generator] | None = None
+    context_parallel: tuple[Any, str] | None = None
+    dp_group: Any = None
+    dispatch: Callable[[Batch], tuple[Batch, dict[str, Any]]] | None = None
+
+
+class RecipeGraph(NamedTuple):
+    """A recipe's part of the step: its stages, and what the update runs.
+
+    Fields:
+      stages: run after the rollout, reward and scoring stages, before the update.
+      forward: the update's forward: dock rows -> the recipe's batch, with gradient.
+      inputs: dock columns the update reads.
+      recipe: what the update calls ``global_counts`` and ``loss`` on (the recipe, or
+        a wrapper of it such as :class:`rlcore.train.ContextParallelRecipe`).
+      epochs: passes of the update over each step's rows.
+      ahead: stages run right after the rollout and the reward, before the scoring
+        forwards (the update's own forward run ahead while the host scores the rows,
+        :func:`rlcore.train.stages.forward_ahead`).
+      dispatch: the update's ``dispatch`` (``StepParts.dispatch`` when the rows may
+        change ranks), or None.
+    """
+
+    stages: list[Stage]
+    forward: Callable[[Batch], Batch]
+    inputs: list[str]
+    recipe: Any
+    epochs: int
+    ahead: Sequence[Stage] = ()
+    dispatch: Callable[[Batch], tuple[Batch, dict[str, Any]]] | None = None
+
+
+class RecipeStages(Protocol):
+    """The stages one kind of recipe needs; a class per kind, made from the recipe (``Kind(recipe)``).
+
+    Members:
+      critic: the step needs a value model beside the policy (built by the trainer and
+        passed back as ``StepParts.critic``).
+      graph: ``parts -> RecipeGraph``.
+    """
+
+    @property
+    def critic(self) -> bool: ...
+
+    def graph(self, parts: StepParts) -> RecipeGraph: ...
+
+
+class PolicyGradientStages:
+    """:class:`rlcore.algos.Algorithm`: the critic's values when it has a value loss (PPO), then the advantages.
+
+    The advantages stage (:func:`rlcore.train.stages.advantages_stage`) runs the
+    recipe's shaping and estimator over whole groups and reads only what they read:
+    ``old_logp`` and ``ref_logp`` as :func:`rlcore.algos.scoring_needs` says, the
+    critic's ``old_values`` for GAE. The update's forward gives the policy's log-probs
+    and, with a critic, its values. When the plan runs no old-policy forward, that
+    forward runs ahead as a stage of its own while the host scores the rows
+    (:func:`rlcore.train.stages.forward_ahead`: its ``logp``, detached, is ``old_logp``).
+    Under context parallelism it gives each rank's share of the tokens
+    (:class:`rlcore.train.ContextParallelRecipe` counts over the group).
+
+    >>> PolicyGradientStages(algos.ppo()).critic, PolicyGradientStages(algos.grpo()).critic
+    (True, False)
+    """
+
+    def __init__(self, recipe: algos.Algorithm):
+        self.recipe = recipe
+
+    @property
+    def critic(self) -> bool:
+        """A value model when the recipe has a value loss (it trains the model; GAE reads its values)."""
+        return self.recipe.value_loss is not None
+
+    def graph(self, parts: StepParts) -> RecipeGraph:
+        """The critic's values (PPO) and the advantages stage; the policy-gradient forward for the update."""
+        if not parts.sampled:
+            raise ValueError(
+                "parts.sampled: got False, expected rows sampled by a rollout (a policy-gradient recipe learns from "
+                "its own samples, not from a dataset's finished rows)"
+            )
+        if self.critic != (parts.critic is not None):
+            raise ValueError(
+                f"parts.critic: got {type(parts.critic).__name__}, expected "
+                f"{'a value model (the recipe has a value loss)' if self.critic else 'None (the recipe has no value loss)'}"
+            )
+        plan, critic = parts.plan, parts.critic
+        needs = algos.scoring_needs(self.recipe)
+        scored = [
+            "scores",
+            "mask",
+            "group",
+            *(["old_logp"] if needs.old_logp else []),
+            *(["ref_logp"] if needs.ref_logp else []),
+        ]
+        produced = ["advantages", "loss_mask"]
+        stages: list[Stage] = []
+        if critic is not None:
+            stages.append(values_stage(critic))
+            scored.append("old_values")
+            produced.append("returns")
+        stages.append(advantages_stage(self.recipe, inputs=scored, outputs=produced))
+        outputs = rl_outputs(parts.policy, critic=critic, temperature=parts.temperature)
+        if plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update's forward runs it on its steps
+            outputs = with_logged_reference(
+                outputs, parts.reference, every=plan.ref_every, temperature=parts.temperature
+            )
+        ahead: list[Stage] = []
+        logged = list(parts.logged)
+        forward: Callable[[Batch], Batch]
+        if plan.old_logp:
+            forward = functools.partial(_rl_forward, outputs)
+        elif parts.dispatch is not None:  # rows change ranks before the update: its forward runs on the dealt rows
+            forward = functools.partial(_rl_forward, old_policy_is_updated(outputs))
+        else:  # the update's forward runs while the rows are scored; its logp, detached, is old_logp
+            run_ahead, forward = forward_ahead(outputs)
+            ahead.append(run_ahead)
+            logged += ["old_logp", "entropy"]
+        recipe: Any = self.recipe
+        if parts.context_parallel is not None:
+            group, mode = parts.context_parallel
+            forward = cp_rl_forward(parts.policy, group=group, mode=mode, temperature=parts.temperature)
+            recipe = ContextParallelRecipe(self.recipe, group, dp_group=parts.dp_group)
+        values = ["old_values", "returns"] if critic is not None else []
+        inputs = ["prompts", "responses", "advantages", "loss_mask", *values, *logged]
+        # Each update's rows may go to any rank: the advantages are computed, the losses use global counts.
+        dispatch = parts.dispatch if parts.context_parallel is None else None
+        return RecipeGraph(stages, forward, inputs, recipe, parts.epochs, ahead, dispatch)
+
+
+def _rl_forward(outputs: Callable[[Batch], Batch], b: Batch) -> Batch:
+    return rl_batch(b, outputs(b))
+
+
+class PreferenceStages:
+    """:class:`rlcore.algos.DPO`: the pairs and the reference's log-probs of both sides; one packed forward to update.
+
+    Sampled rows (online DPO) become pairs (:func:`rlcore.train.stages.pairs_stage`:
+    the reference answer chosen, the sample rejected); a preference dataset's rows
+    (offline DPO) are pairs already. Either way the reference scores both sides
+    (:func:`rlcore.train.stages.preference_logps_stage`) and the update's forward the
+    policy's (:func:`rlcore.train.stages.preference_forward`).
+    """
+
+    critic = False
+
+    def __init__(self, recipe: algos.DPO):
+        self.recipe = recipe
+
+    def graph(self, parts: StepParts) -> RecipeGraph:
+        """The pairs (online) and their reference log-probs; the preference forward for the update."""
+        if parts.context_parallel is not None:
+            raise ValueError(
+                f"parts.context_parallel: got {parts.context_parallel!r}, expected None (the pairs are not split "
+                "over sequence shards)"
+            )
+        stages = [preference_logps_stage(parts.reference)]
+        if parts.sampled:
+            if parts.noise is None or parts.tokenizer is None:
+                raise ValueError("parts.noise, parts.tokenizer: got None, expected both for pairs of sampled rows")
+            stages.insert(0, pairs_stage(parts.tokenizer, parts.noise))
+        inputs = [*PAIR_TOKEN_COLUMNS, *REF_PAIR_LOGPS, *parts.logged]
+        # A dataset's pairs get one pass per step: rl.epochs applies to the sampled pairs only.
+        epochs = parts.epochs if parts.sampled else 1
+        return RecipeGraph(stages, preference_forward(parts.policy), inputs, self.recipe, epochs)
+
+
+@functools.singledispatch
+def stages_for(recipe: Any) -> RecipeStages:
+    """The stages of ``recipe``'s kind, found by its type (the nearest registered class of its MRO).
+
+    :class:`rlcore.algos.Algorithm` -> :class:`PolicyGradientStages`,
+    :class:`rlcore.algos.DPO` -> :class:`PreferenceStages`; register another kind with
+    ``stages_for.register(RecipeType, Kind)`` (``Kind(recipe)`` is a :class:`RecipeStages`).
+
+    >>> type(stages_for(algos.dapo())).__name__, type(stages_for(algos.dpo())).__name__
+    ('PolicyGradientStages', 'PreferenceStages')
+    """
+    kinds = sorted(c.__name__ for c in stages_for.registry if c is not object)
+    raise ValueError(
+        f"recipe: got a {type(recipe).__name__}, expected a recipe of a kind with registered stages "
+        f"({', '.join(kinds)}; add one with rlcore.train.stages_for.register)"
+    )
+
+
+stages_for.register(algos.Algorithm, PolicyGradientStages)
+stages_for.register(algos.DPO, PreferenceStages)
