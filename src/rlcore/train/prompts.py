@@ -262,6 +262,7 @@ class DatasetPrompts(_SeededDataset):
                 ],
                 "group": torch.arange(len(draw)).repeat_interleave(n),
                 "iteration": torch.full((rows,), step, dtype=torch.int64),
+                "row": torch.arange(rows) + rank * rows,  # the row's index in the step's global batch
                 "index": torch.tensor(draw).repeat_interleave(n),
             }
 

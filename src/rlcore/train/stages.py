@@ -16,8 +16,9 @@ that assembly::
 
 **The mask convention at the dock / recipe seam.** The prompt loader puts
 ``prompts`` / ``prompt_mask`` (left-padded ids, ``[N, P]``), ``answers`` (token ids of
-the reference answer, one 1-D row each), ``group`` (the prompt's index, ``[N]``) and
-``iteration`` (``[N]``). Token columns (``responses``, ``mask``, ``old_logp``,
+the reference answer, one 1-D row each), ``group`` (the prompt's index, ``[N]``),
+``iteration`` (``[N]``) and ``row`` (``[N]``, the row's index in the step's global
+batch, which keys its random stream: :mod:`rlcore.seeding`). Token columns (``responses``, ``mask``, ``old_logp``,
 ``ref_logp``, ``old_values``, ``advantages``, ``loss_mask``, ``returns``) hold one row
 per sample over the response positions; ``mask`` is the response mask (1.0 on the
 sampled tokens up to and including ``<eos>``). When the dock hands out rows of
@@ -39,6 +40,7 @@ import torch
 from rlcore import algos
 from rlcore.dataflow import Stage, stage
 from rlcore.models import from_hf, preference_logps, shared_prefix_logprobs, shares_prompts, token_logprobs
+from rlcore.seeding import Purpose, RowStream
 
 __all__ = [
     "PAIR_COLUMNS",
@@ -135,6 +137,7 @@ def response_values(critic: torch.nn.Module, batch: Mapping[str, torch.Tensor]) 
 def rollout_stage(
     engine: Any,
     *,
+    seed: int | None = None,
     generator: Callable[[Batch], torch.Generator | None] | None = None,
     micro_batch: int | None = None,
     resource: str = "device",
@@ -142,25 +145,36 @@ def rollout_stage(
 ) -> Stage:
     """Sample one response per row with ``engine`` (rows are already repeated ``n`` times per prompt).
 
+    With ``seed``, the stage also reads ``row`` (each row's index in the step's global
+    batch) and gives the engine :class:`rlcore.seeding.RowStream`
+    ``(seed, Purpose.SAMPLING, iteration, row)``: a row's response is then the same
+    however the batch is split over ranks or micro-batches.
+
     Args:
       engine: an :class:`rlcore.train.InferenceEngine` (``generate(prompts, prompt_mask, n=, generator=)``).
-      generator: ``generator(batch)`` -> the random stream of a call (seeded from the
-        batch's ``iteration`` for a reproducible run), or None.
+      seed: the run's seed, for the row-keyed stream (the trainer's default).
+      generator: instead of ``seed``, ``generator(batch)`` -> the random stream of a call, or None.
       micro_batch, resource, timeout: as in :func:`rlcore.dataflow.stage`.
 
     Returns:
-      A rollout-role stage ``prompts, prompt_mask, iteration -> responses, mask, version``;
+      A rollout-role stage ``prompts, prompt_mask, iteration (, row) -> responses, mask, version``;
       ``version`` is the policy version the rows were generated with.
     """
+    if seed is not None and generator is not None:
+        raise ValueError("generator: got a generator and a seed, expected one source of randomness")
+
+    def stream(b: Batch) -> torch.Generator | None:
+        if seed is not None:
+            return RowStream(seed, Purpose.SAMPLING, int(b["iteration"][0]), b["row"])
+        return generator(b) if generator is not None else None
 
     def rollout(b: Batch) -> dict[str, torch.Tensor]:
-        g = generator(b) if generator is not None else None
-        r = engine.generate(b["prompts"], b["prompt_mask"], n=1, generator=g)
+        r = engine.generate(b["prompts"], b["prompt_mask"], n=1, generator=stream(b))
         return {"responses": r.responses, "mask": r.mask.float(), "version": b["policy_version"].clone()}
 
     return stage(
         rollout,
-        inputs=["prompts", "prompt_mask", "iteration"],
+        inputs=["prompts", "prompt_mask", "iteration", *(["row"] if seed is not None else [])],
         outputs=["responses", "mask", "version"],
         micro_batch=micro_batch,
         resource=resource,

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlcore import algos
+from rlcore import algos, seeding
 from rlcore.dataflow import (
     RayRolloutWorker,
     RolloutWorker,
@@ -115,7 +115,6 @@ __all__ = [
     "ScoringPlan",
     "build_algorithm",
     "build_model",
-    "make_generator",
     "scoring_plan",
     "supervised_warmup",
     "train",
@@ -129,9 +128,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-# Random streams, one per (phase, step, rank): the task's prompts, the warm-up's, the
-# rollout's sampling, DPO's perturbed answers.
-DATA, WARMUP, SAMPLING, PERTURB = 0, 1, 2, 3
 # Rows of a step written to samples.jsonl (trainer.log_samples), spread over the leader's batch.
 _SAMPLE_ROWS = 4
 
@@ -202,13 +198,6 @@ def build_algorithm(cfg: Config) -> algos.Algorithm | algos.DPO:
         algo = getattr(algos, rl.algo)()
     # Recipes without a KL term get one by composition when beta is set.
     return algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
-
-
-def make_generator(seed: int, rank: int, step: int, phase: int) -> torch.Generator:
-    """The random stream of one (phase, step, rank): a resumed run replays data and sampling noise exactly."""
-    value = ((seed * 1_000_003 + phase) * 1_000_003 + step) * 1_009 + rank
-    # torch takes seeds in [-2**63, 2**64): a trainer.seed of 1e5 already goes past that.
-    return torch.Generator().manual_seed(value if -(2**63) <= value < 2**64 else value % 2**64)
 
 
 # The loss is each rank's share of a loss normalised by global counts: summed over data-parallel ranks.
@@ -462,7 +451,7 @@ def supervised_warmup(
     try:
         for step in range(tr.warmup_steps):
             size = tr.warmup_batch_size
-            samples = task.sample(size * ranks, make_generator(tr.seed, 0, step, WARMUP))[
+            samples = task.sample(size * ranks, seeding.generator(tr.seed, seeding.Purpose.WARMUP, step))[
                 rank * size : (rank + 1) * size
             ]
             if traces is not None:  # a task with its own traces (rlcore.agent.Multiplication: tool calls)
@@ -500,14 +489,16 @@ def _loader(task: Any, cfg: Config, rank: int, start: int, n: int, ranks: int = 
     """Pipeline iteration ``i`` -> the source columns of step ``start + i``: each prompt repeated ``n`` times.
 
     The step's global batch (``rl.batch_size`` prompts per data-parallel rank) is drawn
-    from one stream and data-parallel rank ``rank`` of ``ranks`` takes its share.
+    from one stream and data-parallel rank ``rank`` of ``ranks`` takes its share; ``row``
+    is each row's index in the global batch (``rank * rows + local row``), which keys
+    its sampling stream.
     """
     tok = task.tokenizer
     size = cfg.rl.batch_size
 
     def load(i: int) -> dict[str, Any]:
         step = start + i
-        drawn = task.sample(size * ranks, make_generator(cfg.trainer.seed, 0, step, DATA))
+        drawn = task.sample(size * ranks, seeding.generator(cfg.trainer.seed, seeding.Purpose.DATA, step))
         samples = drawn[rank * size : (rank + 1) * size]
         prompts, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
         rows = len(samples) * n
@@ -517,24 +508,24 @@ def _loader(task: Any, cfg: Config, rank: int, start: int, n: int, ranks: int = 
             "answers": [a for a in (torch.tensor(tok.encode(s["answer"])) for s in samples) for _ in range(n)],
             "group": torch.arange(len(samples)).repeat_interleave(n),
             "iteration": torch.full((rows,), step, dtype=torch.int64),
+            "row": torch.arange(rows) + rank * rows,
         }
 
     return load
 
 
-def _pairs_stage(task: Any, cfg: Config, rank: int) -> Stage:
+def _pairs_stage(task: Any, cfg: Config) -> Stage:
     """(reference answer, sampled answer) pairs; a correct sample is replaced by the answer plus a random letter."""
     tok = task.tokenizer
 
     def pairs(b: dict[str, torch.Tensor]) -> dict[str, Any]:
         step = int(b["iteration"][0])
+        key = seeding.mix(cfg.trainer.seed, seeding.Purpose.PERTURB, step)
         keep = [(row, m != 0) for row, m in zip(b["prompts"], b["prompt_mask"])]
         prompts = [tok.decode(row[k].tolist()) for row, k in keep]
         answers = [tok.decode(row[k].tolist()) for row, k in zip(b["answers"], b["answers_mask"])]
         texts = [tok.decode(row[m != 0].tolist()) for row, m in zip(b["responses"], b["mask"])]
-        noise = torch.randint(
-            0, len(tok.alphabet), (len(prompts),), generator=make_generator(cfg.trainer.seed, rank, step, PERTURB)
-        ).tolist()
+        noise = (seeding.row_uniforms(seeding.row_keys(key, b["row"]), 0) * len(tok.alphabet)).long().tolist()
         rejected = [
             t if s < 1 else a + tok.alphabet[k] for t, s, a, k in zip(texts, b["scores"].tolist(), answers, noise)
         ]
@@ -548,7 +539,7 @@ def _pairs_stage(task: Any, cfg: Config, rank: int) -> Stage:
 
     return stage(
         pairs,
-        inputs=["prompts", "prompt_mask", "answers", "responses", "mask", "scores", "iteration"],
+        inputs=["prompts", "prompt_mask", "answers", "responses", "mask", "scores", "iteration", "row"],
         outputs=list(PAIR_COLUMNS),
         name="pairs",
         resource="cpu",
@@ -704,7 +695,7 @@ class _Steps:
 # --- deployment -------------------------------------------------------------------------------
 
 
-def _serve_rollout(cfg_dict: dict[str, Any], vocab_size: int, rank: int) -> Callable[..., dict[str, torch.Tensor]]:
+def _serve_rollout(cfg_dict: dict[str, Any], vocab_size: int) -> Callable[..., dict[str, torch.Tensor]]:
     """Runs in the rollout worker process: an engine on a model of the config, loaded with each weights version."""
     from rlcore.train.config import parse_config
 
@@ -720,7 +711,7 @@ def _serve_rollout(cfg_dict: dict[str, Any], vocab_size: int, rank: int) -> Call
                 for name, p in params.items():
                     p.copy_(weights[name])
             loaded[0] = weights
-        g = make_generator(cfg.trainer.seed, rank, int(batch["iteration"][0]), SAMPLING)
+        g = seeding.RowStream(cfg.trainer.seed, seeding.Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
         r = engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=g)
         return {"responses": r.responses, "mask": r.mask.float(), "version": batch["policy_version"].clone()}
 
@@ -782,7 +773,7 @@ class _Deployment:
         self.rollout_metrics: Callable[[int], dict[str, torch.Tensor]] = lambda step: {}
         policy = models.policy
         self.device = next(replica.parameters()).device
-        sampling = partial(self._generator, cfg.trainer.seed, world.dp_rank)
+        seed = cfg.trainer.seed
         timeout = cfg.deploy.rollout_timeout or None
         names = [name for name, _ in replica.named_parameters()]
         lora = is_lora(policy)
@@ -803,9 +794,9 @@ class _Deployment:
         if engine is not None:  # a user's engine: weights after every update, through the sync path
             self.publish = sync_to(lambda p: engine.load_weights(unpack_weights(p)))
             self.publish(0)
-            self.rollout = rollout_stage(engine, generator=sampling, timeout=timeout)
+            self.rollout = rollout_stage(engine, seed=seed, timeout=timeout)
         elif cfg.deploy.mode == "disaggregated":
-            serve_args = (cfg.to_dict(), task.tokenizer.vocab_size, world.dp_rank)
+            serve_args = (cfg.to_dict(), task.tokenizer.vocab_size)
             if cfg.deploy.backend == "ray":  # a Ray actor; the weight packets travel through Ray's object store
                 self.worker = RayRolloutWorker(_serve_rollout, args=serve_args, threads=max(1, cfg.trainer.threads))
             else:
@@ -824,7 +815,7 @@ class _Deployment:
             self.publish = publish
             self.publish(0)
             self.rollout = worker.stage(
-                inputs=["prompts", "prompt_mask", "iteration"],
+                inputs=["prompts", "prompt_mask", "iteration", "row"],
                 outputs=["responses", "mask", "version"],
                 resource="rollout",
                 timeout=timeout,
@@ -832,7 +823,7 @@ class _Deployment:
         elif world.sharded or lora:  # an unsharded replica fed by the weight sync (LoRA: merged weights)
             self.publish = sync_to(load_into(replica))
             self.publish(0)
-            self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
+            self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), seed=seed, timeout=timeout)
         else:  # co-located in one process: the engine samples the policy's current weights
             if in_place_rollout(cfg, self.device):  # the device is the host: no swap
                 named = dict(policy.named_parameters())
@@ -841,9 +832,9 @@ class _Deployment:
             else:  # the engine's weights are built by the AllGather-Swap at each switch to rollout
                 self.switch = self._swap(policy, replica, opt)
             self.publish = lambda version: None
-            self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout)
+            self.rollout = rollout_stage(_engine(cfg, replica, task.tokenizer), seed=seed, timeout=timeout)
             if cfg.rl.multi_turn is not None:  # rlcore.agent's multi-turn rollout, on the same weights
-                agent = multi_turn_rollout_stage(cfg, replica, task, rank=world.rank, timeout=timeout)
+                agent = multi_turn_rollout_stage(cfg, replica, task, timeout=timeout)
                 self.rollout, self.rollout_metrics = agent.stage, agent.pop_metrics
 
     def _swap(
@@ -886,10 +877,6 @@ class _Deployment:
                 swap(resource, src, dst)
 
         return switch
-
-    @staticmethod
-    def _generator(seed: int, rank: int, b: dict[str, torch.Tensor]) -> torch.Generator:
-        return make_generator(seed, rank, int(b["iteration"][0]), SAMPLING)
 
     def _record(self, record: Any) -> None:
         self._record_sync(record.seconds, record.nbytes)
@@ -981,7 +968,7 @@ def _graph(
         logged.append("ref_logp")
     if isinstance(algo, algos.DPO):
         recipe: Any = algo
-        stages += [_pairs_stage(task, cfg, world.dp_rank), preference_logps_stage(models.reference)]
+        stages += [_pairs_stage(task, cfg), preference_logps_stage(models.reference)]
         forward = preference_forward(models.policy)
         inputs = [*PAIR_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", *logged]
     else:
@@ -1033,6 +1020,7 @@ def _graph(
         "answers",
         "group",
         "iteration",
+        "row",
         *(("index",) if task.dataset is not None else ()),
     )
     return StageGraph([steps.timed(s) for s in stages], sources=sources)
