@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from rlcore import seeding
 from rlcore.agent import multi_turn_rollout
-from rlcore.models import filter_logits, sample_tokens, uniform_source
+from rlcore.models import filter_logits, sample_tokens, uniform_table
 from rlcore.seeding import Purpose, RowStream, hash32, mix, row_keys, row_uniforms
 from rlcore.testing.reference import filter_logits_ref, row_uniform_ref, sample_token_ref
 from rlcore.train import TorchEngine, generate, left_pad
@@ -50,6 +50,19 @@ def test_row_uniforms_equal_the_loop_reference(seed, purpose, step, rows, positi
     positions = torch.arange(len(rows)) + position
     want = [row_uniform_ref(seed, purpose, step, r, position + i, draw) for i, r in enumerate(rows)]
     assert row_uniforms(keys, positions, draw).tolist() == want
+    # A table [N, S] (the decode loops draw one before their first step) holds the same values by column.
+    table = row_uniforms(keys[:, None], torch.arange(3) + position, draw)
+    for t in range(3):
+        assert torch.equal(table[:, t], row_uniforms(keys, position + t, draw))
+
+
+@settings(max_examples=40)
+@given(st.lists(st.integers(-40, 40), min_size=6, max_size=6), st.integers(1, 6))
+def test_the_largest_uniform_still_draws_a_kept_token(row, top_k):
+    # u = 1 - 2**-24 times the total weight rounds below the total in float32: never past the last kept token.
+    logits = torch.tensor([row], dtype=torch.float32) / 8
+    token, _ = sample_tokens(logits, torch.tensor([1 - 2**-24]), top_k=top_k)
+    assert 0 <= int(token) < 6 and torch.isfinite(filter_logits(logits, top_k=top_k)[0, int(token)])
 
 
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=20), st.integers(0, 2**32 - 1))
@@ -177,8 +190,8 @@ def test_draws_cover_exactly_the_tokens_filter_logits_keeps(rows, top_k, top_p, 
 def test_empirical_frequencies_match_the_filtered_softmax(top_k, top_p, temperature):
     n, vocab = 40_000, 8
     logits = torch.tensor([[1.2, 0.3, -0.5, 2.0, 0.0, -1.5, 0.9, 0.4]])
-    draw = uniform_source(RowStream(11, Purpose.SAMPLING, 2), n, CPU)
-    tokens, _ = sample_tokens(logits.expand(n, -1), draw(0), temperature=temperature, top_k=top_k, top_p=top_p)
+    u = uniform_table(RowStream(11, Purpose.SAMPLING, 2), n, torch.arange(1), CPU)[:, 0]
+    tokens, _ = sample_tokens(logits.expand(n, -1), u, temperature=temperature, top_k=top_k, top_p=top_p)
     freq = torch.bincount(tokens, minlength=vocab).double() / n
     p = torch.softmax(filter_logits_ref(logits.double() / temperature, top_k=top_k, top_p=top_p), -1)[0]
     bound = 5 * (p * (1 - p) / n).sqrt() + 1e-12  # five binomial standard deviations per token

@@ -133,12 +133,13 @@ def row_uniforms(keys: torch.Tensor, position: int | torch.Tensor, draw: int = 0
     (:func:`row_keys`), the position and the draw counter.
 
     Args:
-      keys: ``[N]`` row states from :func:`row_keys`.
-      position: the token position (an int, or ``[N]`` integer positions per row).
+      keys: ``[N]`` row states from :func:`row_keys` (or any shape that broadcasts with ``position``).
+      position: the token position: an int, or integer positions that broadcast with
+        ``keys`` (``[N]`` per row; ``keys[:, None]`` with ``[S]`` or ``[N, S]``: a table).
       draw: a counter for more than one draw at a position.
 
     Returns:
-      ``[N]`` float32.
+      float32 of the broadcast shape.
 
     >>> u = row_uniforms(row_keys(mix(0, Purpose.SAMPLING, 0), torch.arange(3)), 0)
     >>> u.shape, bool(((u >= 0) & (u < 1)).all())

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlcore.models.decoding import CachedDecoder
-from rlcore.models.sampling import sample_tokens, uniform_source
+from rlcore.models.sampling import sample_tokens, uniform_table
 
 __all__ = ["Turn", "sample_turn"]
 
@@ -87,12 +87,13 @@ def sample_turn(
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     reported = [False] * rows
     decoder = CachedDecoder(model, ids, attention)
-    draw = uniform_source(generator, rows, device) if temperature > 0 else None
+    at = offset[:, None] + torch.arange(steps, device=device)
+    draws = uniform_table(generator, rows, at, device) if temperature > 0 else None
     width = steps
     for step in range(steps):
         token, logp = sample_tokens(
             decoder.logits,
-            draw(offset + step) if draw is not None else None,
+            draws[:, step] if draws is not None else None,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,

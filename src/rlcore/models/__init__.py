@@ -37,7 +37,7 @@ from rlcore.models.lora import (
 )
 from rlcore.models.preference import PREFERENCE_SIDES, preference_logps
 from rlcore.models.ring_attention import ring_attention
-from rlcore.models.sampling import filter_logits, left_pad, sample_tokens, uniform_source
+from rlcore.models.sampling import filter_logits, left_pad, sample_tokens, uniform_table
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
 from rlcore.models.shared_prefix import SharedPrefix, shared_prefix_logprobs, shares_prompts
 from rlcore.models.token_logprobs import token_logprobs
@@ -86,5 +86,5 @@ __all__ = [
     "token_ids",
     "token_logprobs",
     "ulysses_attention",
-    "uniform_source",
+    "uniform_table",
 ]

@@ -1,20 +1,18 @@
 """The sampling step shared by every generation loop, with its helpers: left padding, top-k / top-p truncation.
 
 :func:`sample_tokens` draws one token per row by inverse-CDF sampling from uniforms
-that :func:`uniform_source` takes from the call's stream: per-row counter hashes for a
+that :func:`uniform_table` takes from the call's stream: per-row counter hashes for a
 :class:`rlcore.seeding.RowStream` (the trainer's default: a row's tokens do not depend
 on the batch it is in), ``torch.rand`` for a plain ``torch.Generator``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from rlcore.seeding import RowStream, row_keys, row_uniforms
 
-__all__ = ["filter_logits", "left_pad", "sample_tokens", "uniform_source"]
+__all__ = ["filter_logits", "left_pad", "sample_tokens", "uniform_table"]
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,25 +56,28 @@ def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
     return logits
 
 
-def uniform_source(
-    generator: torch.Generator | None, rows: int, device: torch.device
-) -> Callable[[int | torch.Tensor], torch.Tensor]:
-    """``draw(position) -> [rows]`` float32 uniforms in ``[0, 1)`` on ``device``, one per row, for one decoding step.
+def uniform_table(
+    generator: torch.Generator | None, rows: int, positions: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """``[rows, S]`` float32 uniforms in ``[0, 1)`` on ``device``: column ``s`` feeds decoding step ``s``.
 
-    A :class:`rlcore.seeding.RowStream` gives row ``i`` the uniform of its global row
-    index at token ``position`` (an int, or ``[rows]`` per-row positions): the same
-    value whatever the batch. Any other generator (or None: torch's default one) is
-    drawn from in order, ``rows`` values per call, and ``position`` is ignored.
+    Drawn once per decode loop, before its first step. A :class:`rlcore.seeding.RowStream`
+    gives row ``i`` at step ``s`` the uniform of its global row index at token position
+    ``positions[s]`` (``positions`` ``[S]``, or ``[rows, S]`` per row): the same value
+    whatever the batch. Any other generator (or None: torch's default one) is drawn
+    from in order, ``rows x S`` values.
 
-    >>> draw = uniform_source(RowStream(0, 2, 0, torch.tensor([5])), 1, torch.device("cpu"))
-    >>> torch.equal(draw(3), uniform_source(RowStream(0, 2, 0, torch.tensor([4, 5])), 2, torch.device("cpu"))(3)[1:])
+    >>> one = uniform_table(RowStream(0, 2, 0, torch.tensor([5])), 1, torch.arange(3), torch.device("cpu"))
+    >>> two = uniform_table(RowStream(0, 2, 0, torch.tensor([4, 5])), 2, torch.arange(3), torch.device("cpu"))
+    >>> torch.equal(one, two[1:])
     True
     """
+    steps = positions.shape[-1]
     if isinstance(generator, RowStream):
         keys = row_keys(generator.key, generator.row_ids(rows, device))
-        return lambda position: row_uniforms(keys, position)
+        return row_uniforms(keys[:, None], positions.to(device))
     where = generator.device if generator is not None else device
-    return lambda position: torch.rand(rows, generator=generator, device=where).to(device)
+    return torch.rand(rows, steps, generator=generator, device=where).to(device)
 
 
 def sample_tokens(
@@ -96,7 +97,8 @@ def sample_tokens(
 
     Args:
       logits: ``[N, V]`` last-position logits (any float dtype; computed in float32).
-      uniforms: ``[N]`` draws in ``[0, 1)`` (:func:`uniform_source`), or None when greedy.
+      uniforms: ``[N]`` draws in ``[0, 1)`` with 24 bits (a column of :func:`uniform_table`),
+        or None when greedy.
       temperature, top_k, top_p: the sampling controls.
 
     Returns:
@@ -118,7 +120,7 @@ def sample_tokens(
     weights = torch.exp(kept - kept.amax(-1, keepdim=True))
     cdf = weights.cumsum(-1)
     total = cdf[:, -1:]
-    # u * total can round up to total: the target stays below it, so the token found has weight > 0.
-    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # u has 24 bits and u <= 1 - 2**-24, so the float32 product u * total rounds to below total:
+    # the first cdf entry past the target is a token of weight > 0.
+    token = torch.searchsorted(cdf, uniforms[:, None].float() * total, right=True).squeeze(-1)
     return token, scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)

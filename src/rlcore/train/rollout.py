@@ -16,7 +16,7 @@ import torch
 
 from rlcore._checks import check_integer, check_ndim, check_same_shape
 from rlcore.models.decoding import CachedDecoder
-from rlcore.models.sampling import filter_logits, left_pad, sample_tokens, uniform_source
+from rlcore.models.sampling import filter_logits, left_pad, sample_tokens, uniform_table
 
 __all__ = ["InferenceEngine", "Rollout", "TorchEngine", "filter_logits", "generate", "left_pad"]
 
@@ -120,13 +120,13 @@ def generate(
     ids = prompts.repeat_interleave(n, 0)
     rows = ids.shape[0]
     decoder = CachedDecoder(model, ids, prompt_mask.repeat_interleave(n, 0))
-    draw = uniform_source(generator, rows, device) if temperature > 0 else None
+    draws = uniform_table(generator, rows, torch.arange(max_new_tokens), device) if temperature > 0 else None
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens, logps, masks = [], [], []
     for position in range(max_new_tokens):
         token, logp = sample_tokens(
             decoder.logits,
-            draw(position) if draw is not None else None,
+            draws[:, position] if draws is not None else None,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
