@@ -166,7 +166,7 @@ class RowStream(torch.Generator):
     (True, [6, 7])
     """
 
-    seed: int
+    base_seed: int  # not ``seed``: torch.Generator.seed() is a method
     purpose: int
     step: int
     rows: torch.Tensor | None
@@ -182,7 +182,7 @@ class RowStream(torch.Generator):
         first = int(rows[0]) if rows is not None and rows.numel() else 0  # sync-ok: the rows live on the host
         self = super().__new__(cls)
         self.manual_seed(mix(seed, purpose, step, first))
-        self.seed, self.purpose, self.step, self.rows, self.key = seed, int(purpose), step, rows, key
+        self.base_seed, self.purpose, self.step, self.rows, self.key = seed, int(purpose), step, rows, key
         return self
 
     def row_ids(self, count: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -197,8 +197,8 @@ class RowStream(torch.Generator):
         """The stream of a subset of the rows (``index`` into this call's rows), same key."""
         index = torch.as_tensor(index, dtype=torch.int64)
         rows = index if self.rows is None else self.rows[index]
-        return RowStream(self.seed, self.purpose, self.step, rows)
+        return RowStream(self.base_seed, self.purpose, self.step, rows)
 
     def __repr__(self) -> str:
         rows = "all" if self.rows is None else f"{self.rows.numel()} rows"
-        return f"RowStream(seed={self.seed}, purpose={self.purpose}, step={self.step}, {rows})"
+        return f"RowStream(seed={self.base_seed}, purpose={self.purpose}, step={self.step}, {rows})"
