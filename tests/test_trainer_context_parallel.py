@@ -58,8 +58,9 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     leave()
 
 
-# What a step record holds besides its metrics: timings (seconds), throughput, the clock.
-_NOT_METRICS = ("step", "tokens_per_s_device", "busy_s/", "bubble/")
+# What a step record holds besides its metrics: timings (seconds), throughput, the clock, the bytes of a
+# weight sync (a sharded run syncs its rollout replica; the 1-rank run samples its weights in place).
+_NOT_METRICS = ("step", "tokens_per_s_device", "busy_s/", "bubble/", "sync_bytes")
 
 
 def _is_metric(key: str) -> bool:
