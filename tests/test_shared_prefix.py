@@ -7,9 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.models import from_hf, load_causal_lm, shared_prefix_logprobs, shares_prompts
+from rlcore.models import decoding, from_hf, load_causal_lm, shared_prefix_logprobs, shares_prompts
 from rlcore.testing.reference import response_logprobs_ref
-from rlcore.train import rollout as rollout_module
 from rlcore.train.rollout import generate
 from rlcore.train.stages import response_logprobs
 from tiny_runs import tiny_qwen2
@@ -154,11 +153,7 @@ def test_the_prefill_runs_each_distinct_prompt_once_and_samples_the_same(model, 
         model, batch["prompts"], batch["prompt_mask"], generator=torch.Generator().manual_seed(7), **kwargs
     )
     assert sizes[0] == 3 and all(s == 12 for s in sizes[1:])  # the prefill: one row per prompt
-    monkeypatch.setattr(
-        rollout_module,
-        "_prefill",
-        lambda m, ids, att, pos, cache: m(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True),
-    )
+    monkeypatch.setattr(decoding, "shares_prompts", lambda ids, attention: None)  # every row's prompt runs
     whole = generate(
         model, batch["prompts"], batch["prompt_mask"], generator=torch.Generator().manual_seed(7), **kwargs
     )

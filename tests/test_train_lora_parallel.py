@@ -4,8 +4,9 @@ One launch of 2 processes: a data-parallel LoRA run (3 steps; warm-up, KL to the
 in the loss), its engine's weights, the gathered adapters and the sharded reference's
 log-probs; tensor-parallel LoRA is refused first, before any work. The 1-rank LoRA run
 with the same global batch is the oracle; the 2-rank checkpoint resumes in one process.
-Rollouts come from the row-seeded engine of ``test_trainer_parallel``, so a batch split
-across ranks samples what the whole batch samples in one process.
+Rollouts come from an engine of its own, fed through the weight sync, with the trainer's
+default sampler: each row's stream is keyed by its global row, so a batch split across
+ranks samples what the whole batch samples in one process.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from dist_helpers import leave, spawn
 from rlcore.models import AdaptersOff, adapters_disabled
-from rlcore.train import build_model, full_state_dict, load_checkpoint, logprob_stage, make_task, train
+from rlcore.train import TorchEngine, build_model, full_state_dict, load_checkpoint, logprob_stage, make_task, train
 from rlcore.train.cli import main
-from test_trainer_parallel import DATA_PARALLEL, ONE_RANK, RowSeededEngine, _cfg, length_reward
+from test_trainer_parallel import DATA_PARALLEL, ONE_RANK, _cfg, length_reward
 from tiny_runs import record_losses
 
 R, ALPHA, TARGETS = 4, 8, ("q_proj", "v_proj")
@@ -34,8 +35,30 @@ def _lora_cfg(out: Path, *extra: str, steps: int = STEPS):
     return _cfg(out, *LORA, *extra, steps=steps)
 
 
+class SyncedEngine(TorchEngine):
+    """The torch engine on a model of its own, loaded with the weights the trainer publishes after each update."""
+
+    def __init__(self, cfg):
+        tok = make_task(
+            cfg.data.task, length=cfg.data.length, min_length=cfg.data.min_length, letters=cfg.data.letters
+        ).tokenizer
+        torch.manual_seed(123)  # not the policy's initial weights: the first sync must replace them
+        super().__init__(
+            build_model(cfg, tok.vocab_size).eval(),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            max_new_tokens=cfg.rl.max_new_tokens,
+            temperature=cfg.rl.temperature,
+        )
+
+    def load_weights(self, params):
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(params[name])
+
+
 def _run(cfg, start: int = 0):
-    engine = RowSeededEngine(cfg, cfg.rl.n_samples, start)
+    engine = SyncedEngine(cfg)
     return train(cfg, engine=engine, reward=length_reward, resume=start > 0), engine
 
 

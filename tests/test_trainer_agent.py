@@ -100,7 +100,9 @@ def test_training_forwards_reproduce_the_rollout_logprobs():
     plain = logprob_stage(model, outputs=("plain_logp",))
     cols = [*inputs, "prompt_mask", "old_logp", "rollout_logp", "mask", "plain_logp", "ref_logp"]
     update_stage = stage(update, inputs=cols, outputs=["loss"], role="update")
-    graph = StageGraph([*stages, plain, update_stage], sources=("prompts", "prompt_mask", "answers", "iteration"))
+    graph = StageGraph(
+        [*stages, plain, update_stage], sources=("prompts", "prompt_mask", "answers", "iteration", "row")
+    )
     samples = task.sample(4, torch.Generator().manual_seed(1))
     ids, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
 
@@ -110,6 +112,7 @@ def test_training_forwards_reproduce_the_rollout_logprobs():
             "prompt_mask": pmask.repeat_interleave(2, 0),
             "answers": [torch.tensor(tok.encode(s["answer"])) for s in samples for _ in range(2)],
             "iteration": torch.zeros(8, dtype=torch.long),
+            "row": torch.arange(8),
         }
 
     run_pipeline(graph, loader, num_prompts=4, n_samples=2, num_iterations=1)

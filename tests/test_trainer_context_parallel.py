@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dist_helpers import leave, spawn
 from rlcore.train import full_state_dict, load_config
 from rlcore.train.config import check_launch
-from test_trainer_parallel import RowSeededEngine, length_reward
+from test_trainer_parallel import length_reward
 from tiny_runs import TINY, record_losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def _cfg(out: Path, *extra: str):
 def _run(cfg):
     from rlcore.train import train
 
-    return train(cfg, engine=RowSeededEngine(cfg, cfg.rl.n_samples, 0), reward=length_reward)
+    return train(cfg, reward=length_reward)  # the default sampler: each row keyed by its global row
 
 
 def _ranks(rank: int, init_file: str, tmp: str) -> None:
@@ -58,8 +58,9 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     leave()
 
 
-# What a step record holds besides its metrics: timings (seconds), throughput, the clock.
-_NOT_METRICS = ("step", "tokens_per_s_device", "busy_s/", "bubble/")
+# What a step record holds besides its metrics: timings (seconds), throughput, the clock, the bytes of a
+# weight sync (a sharded run syncs its rollout replica; the 1-rank run samples its weights in place).
+_NOT_METRICS = ("step", "tokens_per_s_device", "busy_s/", "bubble/", "sync_bytes")
 
 
 def _is_metric(key: str) -> bool:

@@ -3,24 +3,22 @@
 One launch of 2 processes runs every multi-rank check: a data-parallel run (FSDP2, 3 steps,
 a checkpoint, then resumed to 5 steps at 2 ranks), and a tensor-parallel run (5 steps).
 The 1-rank runs with the same global batch are the oracle; the 2-rank checkpoint taken
-after 3 steps is resumed at 1 rank. Rollouts come from an engine that seeds each row from
-its prompt and its place in the group, so a batch split across ranks samples the same
-responses as the whole batch in one process.
+after 3 steps is resumed at 1 rank. GRPO and PPO runs of 4 steps at 2 data-parallel ranks
+equal their 1-rank runs too. Rollouts come from the trainer's default sampler: each row's
+stream is keyed by its index in the global batch (rlcore.seeding), so a batch split across
+ranks samples the same responses as the whole batch in one process.
 """
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dist_helpers import leave, spawn
-from rlcore.train import TorchEngine, build_model, full_state_dict, generate, load_config, make_task, train
-from rlcore.train.rollout import Rollout
+from rlcore.train import full_state_dict, load_config, train
 from tiny_runs import QUIET, TINY_MODEL, TINY_ROLLOUT, record_losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,60 +33,16 @@ BASE = [
 ONE_RANK = ["rl.batch_size=4", "rl.mini_batch_size=4", "trainer.warmup_batch_size=8"]
 DATA_PARALLEL = ["parallel.data_parallel=2", "rl.batch_size=2", "rl.mini_batch_size=2", "trainer.warmup_batch_size=4"]
 TENSOR_PARALLEL = ["parallel.tensor_parallel=2", *ONE_RANK]
+# GRPO with a KL term (its on-policy loss is otherwise ~0), PPO with its critic's value loss.
+ALGOS = {"grpo": ["rl.algo=grpo", "rl.beta=1.0", "rl.lr=0.02"], "ppo": ["rl.algo=ppo"]}
+# PPO whitens its GAE advantages over each rank's local batch (the advantages stage runs the
+# unwrapped recipe), so its loss depends on the world size even with the same rollouts.
+SAME_LOSS = ("grpo",)
 
 
 def _cfg(out: Path, *extra: str, steps: int = STEPS):
     overrides = [*BASE, f"trainer.output_dir={out}", f"trainer.steps={steps}", *extra]
     return load_config(ROOT / "configs" / "grpo_tiny.yaml", overrides)
-
-
-class RowSeededEngine(TorchEngine):
-    """Samples each row with its own stream, seeded by the call count, the prompt and the row's place in its group.
-
-    The trainer's own sampler draws one stream per rank; this one makes a row's response
-    independent of how the batch is split, which is what comparing world sizes needs.
-    """
-
-    def __init__(self, cfg, n: int, start: int):
-        tok = make_task(
-            cfg.data.task, length=cfg.data.length, min_length=cfg.data.min_length, letters=cfg.data.letters
-        ).tokenizer
-        torch.manual_seed(123)
-        super().__init__(
-            build_model(cfg, tok.vocab_size).eval(),
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            max_new_tokens=cfg.rl.max_new_tokens,
-            temperature=cfg.rl.temperature,
-        )
-        self.n, self.calls, self.loads = n, start, 0  # one call per step
-
-    def load_weights(self, params):
-        self.loads += 1
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(params[name])
-
-    def generate(self, prompts, prompt_mask, *, n, generator):
-        self.calls += 1
-        rows = []
-        for i in range(prompts.shape[0]):
-            keep = prompt_mask[i] != 0
-            ids = prompts[i, keep]
-            digest = hashlib.sha256(f"{self.calls}/{ids.tolist()}/{i % self.n}".encode()).digest()
-            g = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
-            rows.append(
-                generate(self.model, ids[None], prompt_mask[i : i + 1, keep], n=1, generator=g, **self.sampling)
-            )
-        width = max(r.responses.shape[1] for r in rows)
-        pad = self.sampling["pad_token_id"]
-        return Rollout(
-            prompts,
-            prompt_mask,
-            torch.cat([F.pad(r.responses, (0, width - r.responses.shape[1]), value=pad) for r in rows]),
-            torch.cat([F.pad(r.logp, (0, width - r.logp.shape[1])) for r in rows]),
-            torch.cat([F.pad(r.mask, (0, width - r.mask.shape[1])) for r in rows]),
-        )
 
 
 def length_reward(prompts, responses, **columns):
@@ -97,8 +51,7 @@ def length_reward(prompts, responses, **columns):
 
 
 def _run(cfg, start: int = 0, **kwargs):
-    engine = RowSeededEngine(cfg, cfg.rl.n_samples, start)
-    return train(cfg, engine=engine, reward=length_reward, resume=start > 0, **kwargs)
+    return train(cfg, reward=length_reward, resume=start > 0, **kwargs)
 
 
 def _ranks(rank: int, init_file: str, tmp: str) -> None:
@@ -113,9 +66,16 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     dp_weights = full_state_dict(rest.policy)  # collective: the FSDP shards gathered
     tp = _run(_cfg(out / "tp", *TENSOR_PARALLEL))
     tp_weights = full_state_dict(tp.policy)
+    algos = {algo: _run(_cfg(out / algo, *ALGOS[algo], *DATA_PARALLEL, steps=4)).records for algo in ALGOS}
     if rank == 0:
         torch.save(
-            {"dp": first.records + rest.records, "tp": tp.records, "dp_weights": dp_weights, "tp_weights": tp_weights},
+            {
+                "dp": first.records + rest.records,
+                "tp": tp.records,
+                "dp_weights": dp_weights,
+                "tp_weights": tp_weights,
+                **algos,
+            },
             out / "ranks.pt",
         )
     leave()
@@ -149,6 +109,18 @@ def test_two_ranks_fsdp2_and_tensor_parallel_equal_one_rank_and_dcp_resumes_at_o
         final = ref.policy.state_dict()
         for k, v in got[f"{name}_weights"].items():
             torch.testing.assert_close(v, final[k], rtol=0, atol=1e-3, msg=lambda m: f"{name} {k}: {m}")
+    for algo, extra in ALGOS.items():
+        ref = _run(_cfg(tmp_path / f"one_{algo}", *extra, *ONE_RANK, steps=4)).records
+        records = got[algo]
+        assert [r["step"] for r in records] == list(range(4)), algo
+        # The same responses at every step: the default sampler keys each row by its global index.
+        rewards = torch.tensor([r["reward"] for r in records])
+        torch.testing.assert_close(rewards, torch.tensor([r["reward"] for r in ref]), msg=lambda m: f"{algo}: {m}")
+        if algo in SAME_LOSS:
+            assert record_losses(ref).abs().max() > 1e-3, algo
+            torch.testing.assert_close(
+                record_losses(records), record_losses(ref), rtol=0, atol=1e-4, msg=lambda m: f"{algo}: {m}"
+            )
     # The checkpoint the 2-rank run saved after step 2 resumes in one process.
     resumed = _run(_cfg(tmp_path / "saved_at_2", *ONE_RANK), start=3)
     assert [r["step"] for r in resumed.records] == [3, 4]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlcore import algos, device, ops, pytree
+from rlcore import algos, device, ops, pytree, seeding
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "pytree",
     "references",
     "rewards",
+    "seeding",
     "testing",
     "train",
 ]

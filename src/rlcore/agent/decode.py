@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from rlcore.models.sampling import filter_logits
+from rlcore.models.decoding import CachedDecoder
+from rlcore.models.sampling import sample_tokens, uniform_table
 
 __all__ = ["Turn", "sample_turn"]
 
@@ -41,14 +41,15 @@ def sample_turn(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    positions: torch.Tensor | None = None,
     on_stop: Callable[[int, list[int]], None] | None = None,
 ) -> Turn:
     """Sample until each row emits a stop token or spends its budget; call ``on_stop(row, tokens)`` as each row stops.
 
-    The decoding steps are those of :func:`rlcore.train.rollout.generate` (one prefill,
-    then one cached token per row per step, every row drawing from the same generator
-    each step), so with the end-of-sequence id as the only stop token and equal
-    budgets the two sample the same tokens. ``on_stop`` runs on this thread between
+    The decoding steps are those of :func:`rlcore.train.rollout.generate` (the same
+    :class:`rlcore.models.decoding.CachedDecoder` and
+    :func:`rlcore.models.sampling.sample_tokens`), so with the end-of-sequence id as the
+    only stop token and equal budgets the two sample the same tokens. ``on_stop`` runs on this thread between
     steps; it is where the rollout hands a finished turn to the environment, so tool
     calls run while the other rows keep decoding.
 
@@ -57,7 +58,11 @@ def sample_turn(
       ids: ``[B, L]`` left-padded context ids; attention: ``[B, L]``.
       budgets: per-row maximum of new tokens (each >= 1).
       stop_token_ids: ids that end a turn (kept as the turn's last token).
-      pad_token_id, temperature, top_p, top_k, generator: as in ``generate``.
+      pad_token_id, temperature, top_p, top_k, generator: as in ``generate`` (a
+        :class:`rlcore.seeding.RowStream` names the global row of each of the ``B`` rows).
+      positions: ``[B]`` the response position of each row's first token this turn
+        (tokens of earlier turns and observations before it; default 0): a
+        ``RowStream`` draws row ``i``'s ``s``-th token at ``positions[i] + s``.
       on_stop: callback ``(row, tokens)``.
 
     Returns:
@@ -67,36 +72,36 @@ def sample_turn(
     device = ids.device
     if len(budgets) != rows or min(budgets, default=1) < 1:
         raise ValueError(f"budgets: got {list(budgets)}, expected {rows} ints >= 1")
+    if positions is not None and (positions.shape != (rows,) or positions.is_floating_point()):
+        raise ValueError(f"positions: got {positions.dtype} of shape {tuple(positions.shape)}, expected [{rows}] ints")
     steps = max(budgets, default=0)
     if rows == 0:
         empty = torch.zeros((0, 0), dtype=torch.long, device=device)
         return Turn(empty, empty.float(), torch.zeros(0, dtype=torch.long, device=device))
     budget = torch.tensor(list(budgets), device=device)
     stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
-    attention = attention.to(torch.long)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    offset = torch.zeros(rows, dtype=torch.long, device=device) if positions is None else positions.to(device)
     tokens = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
     logps = torch.zeros((rows, steps), dtype=torch.float32, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     reported = [False] * rows
-    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
-    next_position = positions[:, -1:] + 1
+    decoder = CachedDecoder(model, ids, attention)
+    at = offset[:, None] + torch.arange(steps, device=device)
+    draws = uniform_table(generator, rows, at, device) if temperature > 0 else None
     width = steps
     for step in range(steps):
-        logits = out.logits[:, -1].float()
-        scaled = logits / temperature if temperature > 0 else logits
-        logp_all = torch.log_softmax(scaled, dim=-1)
-        if temperature == 0:
-            token = logits.argmax(-1)
-        else:
-            probs = torch.softmax(filter_logits(scaled, top_k=top_k, top_p=top_p), dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token, logp = sample_tokens(
+            decoder.logits,
+            draws[:, step] if draws is not None else None,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
         alive = ~done
         token = torch.where(alive, token, pad_token_id)
         tokens[:, step] = token
-        logps[:, step] = torch.where(alive, logp_all.gather(-1, token[:, None]).squeeze(-1), 0.0)
+        logps[:, step] = torch.where(alive, logp, 0.0)
         lengths += alive.to(torch.long)
         done = done | torch.isin(token, stops) | (lengths >= budget)
         stopped = done.tolist()  # sync-ok: the decode loop hands finished rows to the environment
@@ -108,13 +113,5 @@ def sample_turn(
         if all(stopped):
             width = step + 1
             break
-        attention = torch.cat([attention, torch.ones(rows, 1, dtype=attention.dtype, device=device)], dim=1)
-        out = model(
-            input_ids=token[:, None],
-            attention_mask=attention,
-            position_ids=next_position,
-            use_cache=True,
-            **{cache: getattr(out, cache)},
-        )
-        next_position = next_position + 1
+        decoder.feed(token)
     return Turn(tokens[:, :width], logps[:, :width], lengths)

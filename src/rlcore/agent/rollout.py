@@ -23,6 +23,7 @@ from rlcore.agent.observation import observation_encoder
 from rlcore.agent.protocols import Environment
 from rlcore.agent.runner import StepRunner
 from rlcore.models.sampling import left_pad
+from rlcore.seeding import RowStream
 
 __all__ = ["TRAJECTORY_KEYS", "multi_turn_rollout"]
 
@@ -235,7 +236,10 @@ def multi_turn_rollout(
       eos_token_id, pad_token_id: special ids; stop_token_ids: more ids that end a turn
         (e.g. ``</tool_call>``), kept in the trajectory.
       max_turns, max_new_tokens, max_total_tokens: the budgets.
-      temperature, top_p, top_k, generator: sampling, as :func:`rlcore.train.rollout.generate`.
+      temperature, top_p, top_k, generator: sampling, as :func:`rlcore.train.rollout.generate`;
+        a :class:`rlcore.seeding.RowStream` keys trajectory ``i`` by its global row and
+        draws its ``t``-th response token (observation tokens counted) at position ``t``,
+        so a trajectory's samples do not depend on the others in the batch.
       runner: a :class:`rlcore.agent.StepRunner` (default: a new one for this call).
       step_timeout: seconds per environment call when the runner is made here.
 
@@ -342,7 +346,8 @@ def multi_turn_rollout(
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
-                generator=generator,
+                generator=generator.select(active) if isinstance(generator, RowStream) else generator,
+                positions=torch.tensor([len(trajs[i].tokens) for i in active], device=device),
                 on_stop=hand_over,
             )
             lengths = sampled.lengths.tolist()

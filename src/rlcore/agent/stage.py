@@ -12,6 +12,7 @@ from rlcore.agent.protocols import Environment
 from rlcore.agent.rollout import multi_turn_rollout
 from rlcore.agent.runner import StepRunner
 from rlcore.dataflow.stages import Stage, stage
+from rlcore.seeding import Purpose, RowStream
 
 __all__ = ["STAGE_OUTPUTS", "multi_turn_stage", "trajectory_rows"]
 
@@ -110,8 +111,11 @@ def multi_turn_stage(
     :func:`trajectory_rows`). The default ``to_sample`` gives, per input column, the
     row's decoded text for token columns (``tokenizer.decode``) and the row's tensor
     otherwise. ``model`` samples under ``eval()`` and ``no_grad`` and is restored to
-    its previous mode. The random stream is seeded from ``seed`` and the row's
-    ``policy_version``.
+    its previous mode. The random stream is :class:`rlcore.seeding.RowStream`
+    ``(seed, Purpose.SAMPLING, step, row)``: ``step`` is the batch's ``iteration`` column
+    (else its ``policy_version``) and ``row`` its ``row`` column (else the row's running
+    index over this stage's calls), so a trajectory's samples do not depend on the
+    other rows of its call.
 
     Args:
       model: the policy (a ``transformers`` causal LM).
@@ -121,7 +125,7 @@ def multi_turn_stage(
       inputs: dock columns read.
       to_sample: ``(batch, row) -> sample`` for ``env.reset``.
       temperature, top_p, top_k: sampling controls.
-      seed: the base seed of the sampling stream.
+      seed: the seed of the sampling stream.
       name, micro_batch, resource, timeout: as :func:`rlcore.dataflow.stage`.
 
     Returns:
@@ -138,7 +142,7 @@ def multi_turn_stage(
     if not inputs:
         raise ValueError("inputs: got no columns, expected the prompt column first")
     stops = stop_token_ids(cfg, tokenizer)
-    calls = [0]
+    drawn = [0]  # rows sampled by earlier calls: the running row index when the batch has no ``row``
 
     def default_sample(batch: dict[str, Any], row: int) -> dict[str, Any]:
         sample: dict[str, Any] = {}
@@ -157,11 +161,13 @@ def multi_turn_stage(
         ids = batch[inputs[0]]
         mask = batch.get(f"{inputs[0]}_mask", torch.ones_like(ids))
         prompts = _rows(ids, mask)
-        version = batch.get("policy_version")
-        version_seed = int(version.reshape(-1)[0]) if isinstance(version, torch.Tensor) and version.numel() else 0
-        calls[0] += 1
-        device = next(model.parameters()).device
-        generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + version_seed) * 1_000_003 + calls[0])
+        step = batch.get("iteration", batch.get("policy_version"))
+        step = int(step.reshape(-1)[0]) if isinstance(step, torch.Tensor) and step.numel() else 0
+        rows = batch.get("row")
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.arange(len(prompts)) + drawn[0]
+        drawn[0] += len(prompts)
+        generator = RowStream(seed, Purpose.SAMPLING, step, rows.reshape(-1))
         samples = [sample_of(batch, row) for row in range(len(prompts))]
         was_training = model.training
         model.eval()

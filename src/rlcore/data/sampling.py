@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["PromptDraw", "epoch_permutation", "sample_indices"]
+from rlcore.seeding import Purpose, generator
 
-_MIX = 0x9E3779B97F4A7C15  # the golden-ratio constant of splitmix64: spreads (seed, epoch) over the seed space
+__all__ = ["PromptDraw", "epoch_permutation", "sample_indices"]
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
@@ -22,8 +22,8 @@ def _check_int(name: str, value: object, *, minimum: int) -> int:
 def _permutation(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> tuple[int, ...]:
     if not shuffle:
         return tuple(range(num_prompts))
-    generator = torch.Generator().manual_seed((seed * _MIX + epoch) % (1 << 63))
-    return tuple(torch.randperm(num_prompts, generator=generator).tolist())
+    order = torch.randperm(num_prompts, generator=generator(seed, Purpose.EPOCH_ORDER, epoch))
+    return tuple(order.tolist())
 
 
 def epoch_permutation(num_prompts: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:

@@ -1010,8 +1010,7 @@ class TransferDock:
         if idx.numel() == 0:
             return
         # A column given as one tensor has one spec and one length for all its rows: no per-row pass.
-        dense = {c: v for c, v in columns.items() if isinstance(v, torch.Tensor)}
-        specs = {c: _tensor_spec(dense[c]) if c in dense else _row_spec(c, v) for c, v in rows.items()}
+        specs = {c: _tensor_spec(v) if isinstance(v, torch.Tensor) else _row_spec(c, v) for c, v in rows.items()}
         self._wait_call(self.controller, "try_begin_put", None, specs, idx)
         try:
             routes = self._by_warehouse(idx)
@@ -1030,7 +1029,7 @@ class TransferDock:
         except BaseException:
             self._call(self.controller, "abort_put", list(rows), idx)
             raise
-        lengths = {c: _tensor_lengths(dense[c]) if c in dense else _row_lengths(v) for c, v in rows.items()}
+        lengths = {c: _tensor_lengths(v) if isinstance(v, torch.Tensor) else _row_lengths(v) for c, v in rows.items()}
         self._call(self.controller, "commit_put", lengths, idx)
 
     def get(

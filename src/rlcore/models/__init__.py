@@ -14,6 +14,7 @@ from rlcore.models.context_parallel import (
     shard_packed,
     sharded_token_logprobs,
 )
+from rlcore.models.decoding import CachedDecoder
 from rlcore.models.export import export_hf
 from rlcore.models.hf import ATTENTION_NAME, HFCausalLM, from_hf
 from rlcore.models.loading import TokenIds, load_policy, load_tokenizer, token_ids
@@ -30,7 +31,7 @@ from rlcore.models.lora import (
 )
 from rlcore.models.preference import PREFERENCE_SIDES, preference_logps
 from rlcore.models.ring_attention import ring_attention
-from rlcore.models.sampling import filter_logits, left_pad
+from rlcore.models.sampling import filter_logits, left_pad, sample_tokens, uniform_table
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
 from rlcore.models.shared_prefix import SharedPrefix, shared_prefix_logprobs, shares_prompts
 from rlcore.models.token_logprobs import token_logprobs
@@ -42,6 +43,7 @@ __all__ = [
     "DTYPES",
     "PREFERENCE_SIDES",
     "AdaptersOff",
+    "CachedDecoder",
     "ContextParallelShard",
     "HFCausalLM",
     "MergedWeights",
@@ -71,6 +73,7 @@ __all__ = [
     "preference_logps",
     "resolve_dtype",
     "ring_attention",
+    "sample_tokens",
     "shard_packed",
     "sharded_token_logprobs",
     "shared_prefix_logprobs",
@@ -78,4 +81,5 @@ __all__ = [
     "token_ids",
     "token_logprobs",
     "ulysses_attention",
+    "uniform_table",
 ]

@@ -105,7 +105,6 @@ from rlcore.train.trainer import (
     Run,
     build_algorithm,
     build_model,
-    make_generator,
     supervised_warmup,
     train,
 )
@@ -149,7 +148,6 @@ __all__ = [
     "load_checkpoint",
     "load_config",
     "logprob_stage",
-    "make_generator",
     "make_task",
     "max_positions",
     "multi_turn_graph",

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlcore import algos
+from rlcore import algos, seeding
 from rlcore.agent import build_env_factory, multi_turn_stage, parse_multi_turn, stop_token_ids, trajectory_metrics
 from rlcore.dataflow import Stage, stage
 from rlcore.train.config import Config
@@ -52,7 +52,6 @@ ROLLOUT_COLUMNS = (
     "num_tool_errors",
     "tool_latency",
 )
-_EVAL_SEED = 999_983
 
 
 class MultiTurnRollout(NamedTuple):
@@ -80,7 +79,7 @@ def check_multi_turn(cfg: Config, task: Any) -> None:
 
 
 def multi_turn_rollout_stage(
-    cfg: Config, model: torch.nn.Module, task: Any, *, rank: int = 0, timeout: float | None = None
+    cfg: Config, model: torch.nn.Module, task: Any, *, timeout: float | None = None
 ) -> MultiTurnRollout:
     """The trainer's rollout stage for ``rl.multi_turn``: :func:`rlcore.agent.multi_turn_stage` on the dock's prompts.
 
@@ -89,8 +88,9 @@ def multi_turn_rollout_stage(
     from ``rl.multi_turn`` (:func:`rlcore.agent.build_env_factory`, scored by
     ``task.reward``; relative ``file.py`` references are taken from the working
     directory); each gets ``{"prompt", "answer"}`` decoded from the dock's row. The
-    sampling stream of a call is seeded from ``trainer.seed``, ``rank`` and the step,
-    so a resumed run samples what the uninterrupted one would. Every
+    sampling stream is keyed by ``trainer.seed``, the step and each row's ``row``
+    (:mod:`rlcore.seeding`), so a resumed run samples what the uninterrupted one would,
+    at any data-parallel size. Every
     ``rl.multi_turn.eval_every`` steps (and at the last step) a greedy rollout on a fixed
     set of ``eval_size`` prompts is scored too (``greedy_reward``).
 
@@ -98,12 +98,11 @@ def multi_turn_rollout_stage(
       cfg: the run's config (``rl.multi_turn`` set).
       model: the policy the rollout samples from.
       task: the task (``tokenizer``, ``reward``, ``sample``).
-      rank: this process's data-parallel rank.
       timeout: seconds one call may take.
 
     Returns:
       A :class:`MultiTurnRollout`: a rollout-role stage
-      ``prompts, prompt_mask, answers, iteration ->`` :data:`ROLLOUT_COLUMNS`, and the
+      ``prompts, prompt_mask, answers, iteration, row ->`` :data:`ROLLOUT_COLUMNS`, and the
       per-step metrics of :func:`rlcore.agent.trajectory_metrics` (with ``greedy_reward``
       on evaluation steps), averaged over the step's trajectories.
     """
@@ -113,7 +112,7 @@ def multi_turn_rollout_stage(
     lock = threading.Lock()
     pending: dict[int, dict[str, torch.Tensor]] = {}
     # The fixed greedy-evaluation prompts, drawn only when there is an evaluation (eval_size may be large).
-    eval_seed = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + _EVAL_SEED)
+    eval_seed = seeding.generator(cfg.trainer.seed, seeding.Purpose.EVAL_PROMPTS, 0)
     eval_samples = task.sample(mt.eval_size, eval_seed) if mt.eval_every else []
 
     def to_sample(b: Batch, row: int) -> dict[str, str]:
@@ -138,14 +137,15 @@ def multi_turn_rollout_stage(
 
     def rollout(b: Batch) -> dict[str, Any]:
         step = int(b["iteration"][0])
-        # multi_turn_stage mixes its seed into a 64-bit seed with the version: keep it below 2**63 / 10**12.
-        seed = ((cfg.trainer.seed * 100_003 + step) * 1_009 + rank) % 9_000_000
+        seed = cfg.trainer.seed
         inner = {
             "prompts": b["prompts"],
             "prompts_mask": b["prompt_mask"],
             "answers": b["answers"],
             "answers_mask": b["answers_mask"],
             "policy_version": b["policy_version"],
+            "iteration": b["iteration"],
+            "row": b["row"],
         }
         rows = run(inner, rl.temperature, seed)
         mask = _pad([m.float() for m in rows["policy_mask"]])
@@ -192,7 +192,7 @@ def multi_turn_rollout_stage(
 
     s = stage(
         rollout,
-        inputs=["prompts", "prompt_mask", "answers", "iteration"],
+        inputs=["prompts", "prompt_mask", "answers", "iteration", "row"],
         outputs=ROLLOUT_COLUMNS,
         name="rollout",
         role="rollout",

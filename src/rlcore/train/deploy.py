@@ -67,7 +67,7 @@ __all__ = [
 Batch = dict[str, torch.Tensor]
 # The scheduler's phase-switch hook: (resource, phase left or None, phase entered).
 Switch = Callable[[str, str | None, str], None]
-# A rollout micro-batch -> the random stream its sampling draws from.
+# A rollout micro-batch (with ``iteration`` and ``row``) -> the random streams its sampling draws from.
 Sampling = Callable[[Batch], torch.Generator]
 # (config, vocabulary size) -> a model of the config: the worker builds its own copy of the policy.
 ModelBuilder = Callable[[Config, int], torch.nn.Module]
@@ -300,7 +300,7 @@ class WorkerDeployment(_Synced):
         self.sync = WeightSync(self._full_weights())
         self.publish(0)
         self.rollout: Stage = self.worker.stage(
-            inputs=["prompts", "prompt_mask", "iteration"],
+            inputs=["prompts", "prompt_mask", "iteration", "row"],
             outputs=["responses", "mask", "version"],
             resource="rollout",
             timeout=cfg.deploy.rollout_timeout or None,
@@ -343,7 +343,6 @@ class ColocatedDeployment(_Placed):
         optimiser: torch.optim.Optimizer,
         task: Any,
         *,
-        rank: int,
         sampling: Sampling,
         in_place: bool,
     ):
@@ -360,7 +359,7 @@ class ColocatedDeployment(_Placed):
         )
         self.agent: MultiTurnRollout | None = None
         if cfg.rl.multi_turn is not None:
-            self.agent = multi_turn_rollout_stage(cfg, replica, task, rank=rank, timeout=timeout)
+            self.agent = multi_turn_rollout_stage(cfg, replica, task, timeout=timeout)
             self.rollout = self.agent.stage
 
     def publish(self, version: int) -> None:
@@ -453,6 +452,4 @@ def make_deployment(
         own = _torch_engine(cfg, replica, task.tokenizer)
         return ReplicaDeployment(policy, replica, own, load_into(replica), sampling=sampling, timeout=timeout)
     in_place = in_place_rollout(cfg, next(replica.parameters()).device)
-    return ColocatedDeployment(
-        cfg, policy, replica, opt.opts[0], task, rank=world.rank, sampling=sampling, in_place=in_place
-    )
+    return ColocatedDeployment(cfg, policy, replica, opt.opts[0], task, sampling=sampling, in_place=in_place)

@@ -141,7 +141,7 @@ def _config_reward(cfg: Config, default: Any) -> Any:
 
 
 # What a prompt loader gives each row: the left-padded prompt, its reference answer, its group and step.
-PROMPT_COLUMNS = ("prompts", "prompt_mask", "answers", "group", "iteration")
+PROMPT_COLUMNS = ("prompts", "prompt_mask", "answers", "group", "iteration", "row")
 
 
 class TaskPrompts:
@@ -273,6 +273,7 @@ class DatasetPrompts(_SeededDataset):
                 ],
                 "group": torch.arange(len(draw)).repeat_interleave(n),
                 "iteration": torch.full((rows,), step, dtype=torch.int64),
+                "row": torch.arange(rows) + rank * rows,  # the row's index in the step's global batch
                 "index": torch.tensor(draw).repeat_interleave(n),
             }
 

@@ -74,8 +74,8 @@ class StepParts(NamedTuple):
         ``prompt_mask`` and ``iteration``).
       epochs: passes of the update over each step's rows (``rl.epochs``).
       tokenizer: the task's tokenizer (online DPO decodes the answers and the samples).
-      noise: ``step -> torch.Generator``, the random stream of a step's perturbed
-        answers (online DPO).
+      seed: ``trainer.seed``, which keys the random stream of a row's perturbed answer
+        (online DPO, :mod:`rlcore.seeding`).
       context_parallel: ``(group, mode)`` when each sequence is split over the
         context-parallel ranks, else None.
       dp_group: the data-parallel group, or None.
@@ -93,7 +93,7 @@ class StepParts(NamedTuple):
     logged: Sequence[str] = ()
     epochs: int = 1
     tokenizer: Any = None
-    noise: Callable[[int], torch.Generator] | None = None
+    seed: int | None = None
     context_parallel: tuple[Any, str] | None = None
     dp_group: Any = None
     dispatch: Callable[[Batch], tuple[Batch, dict[str, Any]]] | None = None
@@ -249,9 +249,9 @@ class PreferenceStages:
             )
         stages = [preference_logps_stage(parts.reference)]
         if parts.sampled:
-            if parts.noise is None or parts.tokenizer is None:
-                raise ValueError("parts.noise, parts.tokenizer: got None, expected both for pairs of sampled rows")
-            stages.insert(0, pairs_stage(parts.tokenizer, parts.noise))
+            if parts.seed is None or parts.tokenizer is None:
+                raise ValueError("parts.seed, parts.tokenizer: got None, expected both for pairs of sampled rows")
+            stages.insert(0, pairs_stage(parts.tokenizer, parts.seed))
         inputs = [*PAIR_TOKEN_COLUMNS, *REF_PAIR_LOGPS, *parts.logged]
         # A dataset's pairs get one pass per step: rl.epochs applies to the sampled pairs only.
         epochs = parts.epochs if parts.sampled else 1

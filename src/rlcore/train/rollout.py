@@ -9,15 +9,14 @@ vllm-ascend -- plugs into the trainer.
 
 from __future__ import annotations
 
-import inspect
 import numbers
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from rlcore._checks import check_integer, check_ndim, check_same_shape
-from rlcore.models.sampling import filter_logits, left_pad
-from rlcore.models.shared_prefix import shares_prompts
+from rlcore.models.decoding import CachedDecoder
+from rlcore.models.sampling import filter_logits, left_pad, sample_tokens, uniform_table
 
 __all__ = ["InferenceEngine", "Rollout", "TorchEngine", "filter_logits", "generate", "left_pad"]
 
@@ -48,6 +47,13 @@ class InferenceEngine(Protocol):
     ``generate`` samples ``n`` responses per left-padded prompt; ``load_weights`` receives
     the trainer's parameters (name -> tensor) after each optimiser step, so a
     disaggregated engine (vLLM, vllm-ascend) can refresh its copy.
+
+    The trainer passes a :class:`rlcore.seeding.RowStream` as ``generator``: a
+    ``torch.Generator`` that also names the key ``(seed, purpose, step)`` and each
+    output row's global index. An engine that samples each row from its own key
+    (:class:`TorchEngine` does) gives responses that do not depend on how the batch
+    is split over data-parallel ranks; an engine that only knows ``torch.Generator``
+    draws from it as from any generator.
     """
 
     def generate(
@@ -74,11 +80,11 @@ def generate(
 ) -> Rollout:
     """Sample ``n`` responses per prompt from a Hugging Face causal LM, reusing its KV cache.
 
-    The prompt goes through the model once; each later step feeds one token per row
-    with the cache (``past_key_values``), position ids counted from each row's first
-    real token, and the attention mask grown by one column. A row stops at ``<eos>``
-    (kept, masked in); the loop stops when every row has stopped or after
-    ``max_new_tokens``. ``temperature=0`` is greedy decoding.
+    The prompt goes through the model once and each later step feeds one token per row
+    (:class:`rlcore.models.decoding.CachedDecoder`); each token is drawn by
+    :func:`rlcore.models.sampling.sample_tokens`. A row stops at ``<eos>`` (kept, masked
+    in); the loop stops when every row has stopped or after ``max_new_tokens``.
+    ``temperature=0`` is greedy decoding.
 
     Args:
       model: ``model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True)``
@@ -87,7 +93,10 @@ def generate(
       prompts: ``[B, P]`` int64 left-padded ids; prompt_mask: ``[B, P]``.
       eos_token_id, pad_token_id: special ids.
       max_new_tokens, n, temperature, top_p, top_k: sampling controls.
-      generator: the random stream (a seeded generator makes a rollout reproducible).
+      generator: the random stream. A :class:`rlcore.seeding.RowStream` draws the token of
+        output row ``i`` at response position ``t`` from the hash of its key, its global
+        row index and ``t``: the response is the same in any batch. A plain
+        ``torch.Generator`` (or None: torch's default) is drawn from in order.
 
     Returns:
       a :class:`Rollout` with ``B * n`` rows.
@@ -109,76 +118,31 @@ def generate(
     _check_token_id("pad_token_id", pad_token_id, vocab)
     device = prompts.device
     ids = prompts.repeat_interleave(n, 0)
-    attention = prompt_mask.to(torch.long).repeat_interleave(n, 0)
     rows = ids.shape[0]
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    # transformers 5 renamed ``past_key_values`` to ``cache`` (argument and output field).
-    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = _prefill(model, ids, attention, positions, cache)
-    next_position = positions[:, -1:] + 1
+    decoder = CachedDecoder(model, ids, prompt_mask.repeat_interleave(n, 0))
+    draws = uniform_table(generator, rows, torch.arange(max_new_tokens), device) if temperature > 0 else None
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens, logps, masks = [], [], []
-    for _ in range(max_new_tokens):
-        logits = out.logits[:, -1].float()
-        scaled = logits / temperature if temperature > 0 else logits
-        logp_all = torch.log_softmax(scaled, dim=-1)
-        if temperature == 0:
-            token = logits.argmax(-1)
-        else:
-            probs = torch.softmax(filter_logits(scaled, top_k=top_k, top_p=top_p), dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    for position in range(max_new_tokens):
+        token, logp = sample_tokens(
+            decoder.logits,
+            draws[:, position] if draws is not None else None,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
         alive = ~done
         token = torch.where(alive, token, pad_token_id)
         tokens.append(token)
-        logps.append(torch.where(alive, logp_all.gather(-1, token[:, None]).squeeze(-1), 0.0))
+        logps.append(torch.where(alive, logp, 0.0))
         masks.append(alive.to(torch.long))
         done = done | (token == eos_token_id)
         if bool(done.all()):  # sync-ok: the trainer's decode loop, not a library op; stops early
             break
-        attention = torch.cat([attention, torch.ones(rows, 1, dtype=attention.dtype, device=device)], dim=1)
-        out = model(
-            input_ids=token[:, None],
-            attention_mask=attention,
-            position_ids=next_position,
-            use_cache=True,
-            **{cache: getattr(out, cache)},
-        )
-        next_position = next_position + 1
+        decoder.feed(token)
     return Rollout(
         ids, prompt_mask.repeat_interleave(n, 0), torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1)
     )
-
-
-def _prefill(model: Any, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: str) -> Any:
-    """The prompt forward with a KV cache; rows with the same prompt (a GRPO group) share one.
-
-    Each distinct left-padded prompt runs once and its cache entries and last logits are
-    then given to every row that has it (``Cache.reorder_cache``, beam search's
-    row gather), as vLLM's prefix cache does: the decode steps see exactly what a forward
-    over all rows would give them.
-    """
-    inverse = shares_prompts(ids, attention)
-    if inverse is None:
-        return model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
-    rows = ids.shape[0]
-    distinct = int(inverse.max()) + 1  # sync-ok: the trainer's decode loop sizes the prefill
-    first = torch.full((distinct,), rows, dtype=torch.long, device=ids.device)
-    first.scatter_reduce_(0, inverse, torch.arange(rows, device=ids.device), reduce="amin")
-    out = model(input_ids=ids[first], attention_mask=attention[first], position_ids=positions[first], use_cache=True)
-    kv: Any = getattr(out, cache, None)
-    if hasattr(kv, "reorder_cache"):
-        kv.reorder_cache(inverse)
-    elif isinstance(kv, (tuple, list)):  # a legacy per-layer (key, value) tuple
-        kv = tuple(tuple(t.index_select(0, inverse) for t in layer) for layer in kv)
-    return _Prefilled(out.logits[:, -1:].index_select(0, inverse), kv, cache)
-
-
-class _Prefilled:
-    """The prefill's result for every row: the last logits and the cache under the model output's field name."""
-
-    def __init__(self, logits: torch.Tensor, kv: Any, field: str):
-        self.logits = logits
-        setattr(self, field, kv)
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -228,6 +192,7 @@ class TorchEngine:
     def generate(
         self, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, n: int, generator: torch.Generator | None
     ) -> Rollout:
+        """:func:`generate` under ``eval()`` (restored after); ``generator`` as there (a ``RowStream`` keys each row)."""
         was_training = self.model.training
         self.model.eval()
         try:

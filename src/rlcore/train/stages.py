@@ -12,14 +12,15 @@ that assembly::
     logprob_stage(reference, outputs=("ref_logp",))
     values_stage(critic)                 -> old_values
     advantages_stage(algo)               -> advantages, loss_mask (+ returns)
-    pairs_stage(tok, noise)              -> chosen_* / rejected_* token rows   (online DPO)
+    pairs_stage(tok, seed)               -> chosen_* / rejected_* token rows   (online DPO)
     preference_logps_stage(reference)    -> ref_chosen_logps, ref_rejected_logps
     update_stage(forward, algo, step)    -> loss
 
 **The mask convention at the dock / recipe seam.** The prompt loader puts
 ``prompts`` / ``prompt_mask`` (left-padded ids, ``[N, P]``), ``answers`` (token ids of
-the reference answer, one 1-D row each), ``group`` (the prompt's index, ``[N]``) and
-``iteration`` (``[N]``). Token columns (``responses``, ``mask``, ``old_logp``,
+the reference answer, one 1-D row each), ``group`` (the prompt's index, ``[N]``),
+``iteration`` (``[N]``) and ``row`` (``[N]``, the row's index in the step's global
+batch, which keys its random stream: :mod:`rlcore.seeding`). Token columns (``responses``, ``mask``, ``old_logp``,
 ``ref_logp``, ``old_values``, ``advantages``, ``loss_mask``, ``returns``) hold one row
 per sample over the response positions; ``mask`` is the response mask (1.0 on the
 sampled tokens up to and including ``<eos>``). When the dock hands out rows of
@@ -39,9 +40,10 @@ from typing import Any
 
 import torch
 
-from rlcore import algos
+from rlcore import algos, seeding
 from rlcore.dataflow import Stage, deal_rows, stage
 from rlcore.models import from_hf, preference_logps, shared_prefix_logprobs, shares_prompts, token_logprobs
+from rlcore.seeding import Purpose, RowStream
 from rlcore.train.tagged_metrics import maximum
 
 __all__ = [
@@ -146,6 +148,7 @@ def response_values(critic: torch.nn.Module, batch: Mapping[str, torch.Tensor]) 
 def rollout_stage(
     engine: Any,
     *,
+    seed: int | None = None,
     generator: Callable[[Batch], torch.Generator | None] | None = None,
     micro_batch: int | None = None,
     resource: str = "device",
@@ -153,25 +156,36 @@ def rollout_stage(
 ) -> Stage:
     """Sample one response per row with ``engine`` (rows are already repeated ``n`` times per prompt).
 
+    With ``seed``, the stage also reads ``row`` (each row's index in the step's global
+    batch) and gives the engine :class:`rlcore.seeding.RowStream`
+    ``(seed, Purpose.SAMPLING, iteration, row)``: a row's response is then the same
+    however the batch is split over ranks or micro-batches.
+
     Args:
       engine: an :class:`rlcore.train.InferenceEngine` (``generate(prompts, prompt_mask, n=, generator=)``).
-      generator: ``generator(batch)`` -> the random stream of a call (seeded from the
-        batch's ``iteration`` for a reproducible run), or None.
+      seed: the run's seed, for the row-keyed stream (the trainer's default).
+      generator: instead of ``seed``, ``generator(batch)`` -> the random stream of a call, or None.
       micro_batch, resource, timeout: as in :func:`rlcore.dataflow.stage`.
 
     Returns:
-      A rollout-role stage ``prompts, prompt_mask, iteration -> responses, mask, version``;
+      A rollout-role stage ``prompts, prompt_mask, iteration (, row) -> responses, mask, version``;
       ``version`` is the policy version the rows were generated with.
     """
+    if seed is not None and generator is not None:
+        raise ValueError("generator: got a generator and a seed, expected one source of randomness")
+
+    def stream(b: Batch) -> torch.Generator | None:
+        if seed is not None:
+            return RowStream(seed, Purpose.SAMPLING, int(b["iteration"][0]), b["row"])
+        return generator(b) if generator is not None else None
 
     def rollout(b: Batch) -> dict[str, torch.Tensor]:
-        g = generator(b) if generator is not None else None
-        r = engine.generate(b["prompts"], b["prompt_mask"], n=1, generator=g)
+        r = engine.generate(b["prompts"], b["prompt_mask"], n=1, generator=stream(b))
         return {"responses": r.responses, "mask": r.mask.float(), "version": b["policy_version"].clone()}
 
     return stage(
         rollout,
-        inputs=["prompts", "prompt_mask", "iteration"],
+        inputs=["prompts", "prompt_mask", "iteration", *(["row"] if seed is not None else [])],
         outputs=["responses", "mask", "version"],
         micro_batch=micro_batch,
         resource=resource,
@@ -405,7 +419,7 @@ def forward_ahead(
       one optimiser step per batch does; not one whose rows are dealt over the ranks
       first, :func:`balanced_rows`), or it raises.
     """
-    kept: dict[int, Batch] = {}
+    kept: dict[int, tuple[Batch, torch.Tensor]] = {}
     lock = threading.Lock()
 
     def run(b: Batch) -> dict[str, torch.Tensor]:
@@ -417,19 +431,19 @@ def forward_ahead(
     def forward(b: Batch) -> Batch:
         iteration = int(b["iteration"][0])
         with lock:
-            out, responses = kept.pop(iteration, (None, None))
+            entry = kept.pop(iteration, None)
         rows = b["loss_mask"].shape[0]
         if (
-            out is None
-            or out["logp"].shape[0] != rows
-            or ("responses" in b and not torch.equal(b["responses"], responses))
+            entry is None
+            or entry[0]["logp"].shape[0] != rows
+            or not torch.equal(b.get("responses", entry[1]), entry[1])
         ):
-            got = "nothing" if out is None else f"{out['logp'].shape[0]} other rows"
+            got = "nothing" if entry is None else f"{entry[0]['logp'].shape[0]} other rows"
             raise RuntimeError(
                 f"stage {name!r}: the update of iteration {iteration} takes {rows} rows, but the forward kept "
                 f"{got}: the update must take each iteration's rows in one call, as the forward took them"
             )
-        return rl_batch(b, out)
+        return rl_batch(b, entry[0])
 
     return (
         stage(
@@ -611,7 +625,7 @@ def response_sequences(
     return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "mask": scored.to(device)}
 
 
-def pairs_stage(tok: Any, noise: Callable[[int], torch.Generator], *, resource: str = "cpu") -> Stage:
+def pairs_stage(tok: Any, seed: int, *, resource: str = "cpu") -> Stage:
     """Online DPO pairs of the sampled rows: the reference answer is chosen, the sampled answer rejected.
 
     A correct sample (score >= 1) would make a pair of two right answers, so its
@@ -619,8 +633,8 @@ def pairs_stage(tok: Any, noise: Callable[[int], torch.Generator], *, resource: 
 
     Args:
       tok: the task's tokenizer (``encode``, ``decode``, ``alphabet``, EOS and padding ids).
-      noise: ``step -> torch.Generator``, the random stream of the perturbed answers of
-        a step (the rows carry ``iteration``), so a resumed run draws the same letters.
+      seed: keys each row's random letter by ``(seed, Purpose.PERTURB, iteration, row)``
+        (:mod:`rlcore.seeding`): the same at any data-parallel size and on a resume.
       resource: as in :func:`rlcore.dataflow.stage`.
 
     Returns:
@@ -633,7 +647,8 @@ def pairs_stage(tok: Any, noise: Callable[[int], torch.Generator], *, resource: 
         prompts = [tok.decode(row[k].tolist()) for row, k in keep]
         answers = [tok.decode(row[k].tolist()) for row, k in zip(b["answers"], b["answers_mask"])]
         texts = [tok.decode(row[m != 0].tolist()) for row, m in zip(b["responses"], b["mask"])]
-        letters = torch.randint(0, len(tok.alphabet), (len(prompts),), generator=noise(step)).tolist()
+        key = seeding.mix(seed, Purpose.PERTURB, step)
+        letters = (seeding.row_uniforms(seeding.row_keys(key, b["row"]), 0) * len(tok.alphabet)).long().tolist()
         rejected = [
             t if s < 1 else a + tok.alphabet[k] for t, s, a, k in zip(texts, b["scores"].tolist(), answers, letters)
         ]
@@ -647,7 +662,7 @@ def pairs_stage(tok: Any, noise: Callable[[int], torch.Generator], *, resource: 
 
     return stage(
         pairs,
-        inputs=["prompts", "prompt_mask", "answers", "responses", "mask", "scores", "iteration"],
+        inputs=["prompts", "prompt_mask", "answers", "responses", "mask", "scores", "iteration", "row"],
         outputs=list(PAIR_TOKEN_COLUMNS),
         name="pairs",
         resource=resource,

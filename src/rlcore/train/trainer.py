@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlcore import algos
+from rlcore import algos, seeding
 from rlcore.dataflow import Stage, StageGraph, run_pipeline
 from rlcore.device import get_device
 from rlcore.models import (
@@ -99,14 +99,10 @@ __all__ = [
     "Run",
     "build_algorithm",
     "build_model",
-    "make_generator",
     "supervised_warmup",
     "train",
 ]
 
-# Random streams, one per (phase, step, rank): the task's prompts, the warm-up's, the
-# rollout's sampling, DPO's perturbed answers.
-DATA, WARMUP, SAMPLING, PERTURB = 0, 1, 2, 3
 # Rows of a step written to samples.jsonl (trainer.log_samples), spread over the leader's batch.
 _SAMPLE_ROWS = 4
 
@@ -153,13 +149,6 @@ def build_algorithm(cfg: Config) -> algos.Recipe:
         algo = getattr(algos, rl.algo)()
     # Recipes without a KL term get one by composition when beta is set.
     return algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
-
-
-def make_generator(seed: int, rank: int, step: int, phase: int) -> torch.Generator:
-    """The random stream of one (phase, step, rank): a resumed run replays data and sampling noise exactly."""
-    value = ((seed * 1_000_003 + phase) * 1_000_003 + step) * 1_009 + rank
-    # torch takes seeds in [-2**63, 2**64): a trainer.seed of 1e5 already goes past that.
-    return torch.Generator().manual_seed(value if -(2**63) <= value < 2**64 else value % 2**64)
 
 
 class _World:
@@ -380,7 +369,7 @@ def supervised_warmup(
     try:
         for step in range(tr.warmup_steps):
             size = tr.warmup_batch_size
-            samples = task.sample(size * ranks, make_generator(tr.seed, 0, step, WARMUP))[
+            samples = task.sample(size * ranks, seeding.generator(tr.seed, seeding.Purpose.WARMUP, step))[
                 rank * size : (rank + 1) * size
             ]
             if traces is not None:  # a task with its own traces (rlcore.agent.Multiplication: tool calls)
@@ -420,14 +409,16 @@ def _loader(task: Any, cfg: Config, rank: int, start: int, n: int, ranks: int = 
     """Pipeline iteration ``i`` -> the source columns of step ``start + i``: each prompt repeated ``n`` times.
 
     The step's global batch (``rl.batch_size`` prompts per data-parallel rank) is drawn
-    from one stream and data-parallel rank ``rank`` of ``ranks`` takes its share.
+    from one stream and data-parallel rank ``rank`` of ``ranks`` takes its share; ``row``
+    is each row's index in the global batch (``rank * rows + local row``), which keys
+    its sampling stream.
     """
     tok = task.tokenizer
     size = cfg.rl.batch_size
 
     def load(i: int) -> dict[str, Any]:
         step = start + i
-        drawn = task.sample(size * ranks, make_generator(cfg.trainer.seed, 0, step, DATA))
+        drawn = task.sample(size * ranks, seeding.generator(cfg.trainer.seed, seeding.Purpose.DATA, step))
         samples = drawn[rank * size : (rank + 1) * size]
         prompts, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
         rows = len(samples) * n
@@ -437,6 +428,7 @@ def _loader(task: Any, cfg: Config, rank: int, start: int, n: int, ranks: int = 
             "answers": [a for a in (torch.tensor(tok.encode(s["answer"])) for s in samples) for _ in range(n)],
             "group": torch.arange(len(samples)).repeat_interleave(n),
             "iteration": torch.full((rows,), step, dtype=torch.int64),
+            "row": torch.arange(rows) + rank * rows,
         }
 
     return load
@@ -545,9 +537,9 @@ class _Steps:
 # --- deployment: rlcore.train.deploy places the rollout; the trainer gives it the rollout's random stream -----
 
 
-def _sampling_stream(seed: int, rank: int, batch: dict[str, torch.Tensor]) -> torch.Generator:
-    """The random stream a rollout micro-batch samples with: its step's, on this data-parallel rank."""
-    return make_generator(seed, rank, int(batch["iteration"][0]), SAMPLING)
+def _sampling_stream(seed: int, batch: dict[str, torch.Tensor]) -> torch.Generator:
+    """The random streams a rollout micro-batch samples with: one per row, keyed by its step and global row."""
+    return seeding.RowStream(seed, seeding.Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
 
 
 # --- the assembly -----------------------------------------------------------------------------
@@ -601,7 +593,6 @@ def _graph(
     """The step's stages: rollout, reward and scoring forwards (when rows are sampled), the recipe's, the update."""
     rl = cfg.rl
     sampling, scoring, logged = _sampling_stages(cfg, models, rollout, rewards, task, world, plan)
-    seed, rank = cfg.trainer.seed, world.dp_rank
     part = stages_for(algo).graph(
         StepParts(
             models.policy,
@@ -613,7 +604,7 @@ def _graph(
             logged=logged,
             epochs=rl.epochs,
             tokenizer=task.tokenizer,
-            noise=lambda step: make_generator(seed, rank, step, PERTURB),
+            seed=cfg.trainer.seed,
             context_parallel=world.cp,
             dp_group=world.group,
             # Data parallel: each update's rows dealt to the ranks by their tokens.
@@ -840,7 +831,7 @@ def _train(
             task,
             engine,
             replica,
-            sampling=partial(_sampling_stream, tr.seed, world.dp_rank),
+            sampling=partial(_sampling_stream, tr.seed),
             build_model=build_model,
         )
         dep = deployment

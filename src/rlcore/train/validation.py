@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rlcore import algos
 from rlcore.data import PromptSet
 from rlcore.rewards import evaluate
+from rlcore.seeding import Purpose, RowStream
 from rlcore.train.config import Config
 from rlcore.train.rollout import generate, left_pad
 
@@ -74,7 +75,9 @@ class Validator:
         ids = self.data.prompt_ids
         assert ids is not None
         prompts, mask = left_pad([list(ids[i]) for i in rows], self.tok.pad_token_id)
-        g = torch.Generator().manual_seed((self.cfg.trainer.seed * 1_000_003 + step) * 1_009 + self.rank)
+        # Row j of prompt i is global row i * n + j: the samples do not depend on the ranks' share.
+        global_rows = (torch.tensor(rows)[:, None] * n + torch.arange(n)).reshape(-1)
+        g = RowStream(self.cfg.trainer.seed, Purpose.VALIDATION, step, global_rows)
         out = generate(
             policy,
             prompts.to(device),

@@ -70,6 +70,7 @@ from rlcore.testing.reference.resharding import (
 )
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
 from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
+from rlcore.testing.reference.seeding import row_uniform_ref, sample_token_ref
 from rlcore.testing.reference.shaping import (
     RunningNormalizerRef,
     clip_rewards_ref,
@@ -133,6 +134,8 @@ __all__ = [
     "response_logprobs_ref",
     "reverse_linear_scan_ref",
     "rloo_advantages_ref",
+    "row_uniform_ref",
+    "sample_token_ref",
     "sapo_loss_ref",
     "scores_to_token_rewards_ref",
     "segment_mean_ref",

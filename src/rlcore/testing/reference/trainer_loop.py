@@ -64,17 +64,16 @@ def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
     # imported here so that importing rlcore.testing does not load transformers.
     from rlcore import algos
     from rlcore.rewards import RewardPool
+    from rlcore.seeding import Purpose, RowStream, generator
     from rlcore.train import (
         TorchEngine,
         build_algorithm,
         build_model,
         left_pad,
-        make_generator,
         make_task,
         supervised_warmup,
     )
     from rlcore.train.prompts import task_options
-    from rlcore.train.trainer import DATA, SAMPLING
 
     rl, tr = cfg.rl, cfg.trainer
     if rl.algo == "dpo":
@@ -112,9 +111,9 @@ def train_loop_ref(cfg: Any, *, reward: Any = None) -> LoopRun:
     if critic is not None:
         critic.train()
     for step in range(tr.steps):
-        samples = task.sample(rl.batch_size, make_generator(tr.seed, 0, step, DATA))
+        samples = task.sample(rl.batch_size, generator(tr.seed, Purpose.DATA, step))
         prompts, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
-        r = engine.generate(prompts, pmask, n=n, generator=make_generator(tr.seed, 0, step, SAMPLING))
+        r = engine.generate(prompts, pmask, n=n, generator=RowStream(tr.seed, Purpose.SAMPLING, step))
         texts = [tok.decode(row) for row in r.responses.tolist()]
         repeated = [s for s in samples for _ in range(n)]
         scores = rewards.submit(

@@ -1,0 +1,81 @@
+"""The KV-cache shim every decode loop uses: a ``transformers`` causal LM fed the prompt once, then one token per row."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from rlcore.models.shared_prefix import shares_prompts
+
+__all__ = ["CachedDecoder"]
+
+
+class CachedDecoder:
+    """A batch of rows decoding with a KV cache: :attr:`logits` of the next token, :meth:`feed` one token per row.
+
+    The prompt goes through the model once (rows with the same left-padded prompt, a
+    GRPO group, share one prefill, as vLLM's prefix cache does); each :meth:`feed`
+    runs one cached forward with position ids counted from each row's first real
+    token and the attention mask grown by one column. transformers 5 renamed
+    ``past_key_values`` to ``cache`` (argument and output field): the model's own
+    name is used.
+
+    Args:
+      model: ``model(input_ids=, attention_mask=, position_ids=, <cache>=, use_cache=True)``
+        returning ``.logits`` and the cache (any ``transformers`` causal LM).
+      ids: ``[B, L]`` left-padded ids; attention: ``[B, L]`` (1 on real tokens).
+    """
+
+    def __init__(self, model: Any, ids: torch.Tensor, attention: torch.Tensor):
+        self.model = model
+        self.field = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.attention = attention.to(torch.long)
+        positions = (self.attention.cumsum(-1) - 1).clamp(min=0)
+        self.next_position = positions[:, -1:] + 1
+        self._logits, self._cache = self._prefill(ids, positions)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``[B, V]`` float32 logits of each row's next token."""
+        return self._logits.float()
+
+    def feed(self, token: torch.Tensor) -> None:
+        """Append ``token`` (``[B]``, one per row) and run the cached forward for the next logits."""
+        rows = token.shape[0]
+        ones = torch.ones(rows, 1, dtype=self.attention.dtype, device=self.attention.device)
+        self.attention = torch.cat([self.attention, ones], dim=1)
+        out = self.model(
+            input_ids=token[:, None],
+            attention_mask=self.attention,
+            position_ids=self.next_position,
+            use_cache=True,
+            **{self.field: self._cache},
+        )
+        self._logits, self._cache = out.logits[:, -1], getattr(out, self.field)
+        self.next_position = self.next_position + 1
+
+    def _prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The prompt forward: each distinct prompt once, its cache entries and last logits then given to its rows.
+
+        ``Cache.reorder_cache`` (beam search's row gather) copies the entries, so the
+        decode steps see exactly what a forward over all rows would give them.
+        """
+        inverse = shares_prompts(ids, self.attention)
+        if inverse is None:
+            out = self.model(input_ids=ids, attention_mask=self.attention, position_ids=positions, use_cache=True)
+            return out.logits[:, -1], getattr(out, self.field)
+        rows = ids.shape[0]
+        distinct = int(inverse.max()) + 1  # sync-ok: the decode loop sizes the prefill on the host
+        first = torch.full((distinct,), rows, dtype=torch.long, device=ids.device)
+        first.scatter_reduce_(0, inverse, torch.arange(rows, device=ids.device), reduce="amin")
+        out = self.model(
+            input_ids=ids[first], attention_mask=self.attention[first], position_ids=positions[first], use_cache=True
+        )
+        kv: Any = getattr(out, self.field, None)
+        if hasattr(kv, "reorder_cache"):
+            kv.reorder_cache(inverse)
+        elif isinstance(kv, (tuple, list)):  # a legacy per-layer (key, value) tuple
+            kv = tuple(tuple(t.index_select(0, inverse) for t in layer) for layer in kv)
+        return out.logits[:, -1].index_select(0, inverse), kv
