@@ -482,8 +482,8 @@ def test_reprobe30_trainer_checkpoints_by_step_refuses_a_shorter_resume_and_chec
 def test_reprobe30_export_refuses_an_out_dir_that_is_a_file_or_inside_the_checkpoint(tmp_path, capsys, where):
     # A file gave "[Errno 17] File exists"; the checkpoint folder itself was filled with the model's files.
     from rlcore.train import load_config
+    from rlcore.train.build import build_model
     from rlcore.train.cli import main
-    from rlcore.train.trainer import build_model
 
     cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", TINY)
     save_checkpoint(tmp_path, {"step": 0, "config": cfg.to_dict(), "policy": build_model(cfg, 9)})

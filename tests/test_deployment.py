@@ -63,7 +63,6 @@ class _Place:
             self.task,
             engine,
             self.replica,
-            sampling=lambda b: torch.Generator().manual_seed(0),
             build_model=build_model,
         )
 

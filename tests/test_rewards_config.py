@@ -296,7 +296,9 @@ def test_reward_metrics_and_close_collect_from_components():
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_reward_pool_brings_the_counters_back_per_batch(num_workers):
     """The verified-maths counters reach the pool's owner with the scores, from a worker process too."""
-    reward = build_reward([{"reward": "math", "kwargs": {"timeout": 1.0}}, "length"])
+    # A timeout that only the pathological answer reaches, also on a loaded 2-core machine
+    # (at 1 s, "\boxed{2}" timed out there beside the suite's other processes).
+    reward = build_reward([{"reward": "math", "kwargs": {"timeout": 5.0}}, "length"])
     try:
         with RewardPool(reward, num_workers=num_workers, timeout=120) as pool:
             # the verified-maths counters, and each component's raw scores summed (the per-reward breakdown)

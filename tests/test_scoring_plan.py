@@ -84,14 +84,14 @@ def test_kl_shaping_at_coefficient_zero_reads_no_log_probs(shaping):
     ],
 )
 def test_scoring_plan(overrides, plan):
-    from rlcore.train.trainer import build_algorithm
+    from rlcore.train.build import build_algorithm
 
     cfg = _cfg("rl.beta=0.0", *overrides)
     assert scoring_plan(cfg, build_algorithm(cfg)) == plan
 
 
 def test_dpo_and_context_parallel_keep_both_forwards():
-    from rlcore.train.trainer import build_algorithm
+    from rlcore.train.build import build_algorithm
 
     cfg = _cfg(*ONE_UPDATE, "rl.beta=0.0")
     assert scoring_plan(cfg, build_algorithm(cfg), context_parallel=True) == ScoringPlan(True, 1)
@@ -237,17 +237,17 @@ def test_update_stage_epochs_pass_over_the_mini_batches_in_order():
 
 
 def test_config_epochs_make_that_many_passes(tmp_path, monkeypatch):
-    from rlcore.train import trainer as trainer_module
+    from rlcore.train import optim as optim_module
 
     updates = []
-    real = trainer_module._Optimiser.__call__
+    real = optim_module.Optimiser.__call__
 
     @functools.wraps(real)
     def counted(self, loss, rows):
         updates.append(int(rows["iteration"][0]))
         return real(self, loss, rows)
 
-    monkeypatch.setattr(trainer_module._Optimiser, "__call__", counted)
+    monkeypatch.setattr(optim_module.Optimiser, "__call__", counted)
     records = train(_cfg("rl.epochs=2", "trainer.steps=2", f"trainer.output_dir={tmp_path}")).records
     # TINY: 4 prompts, mini-batches of 2: two updates per pass, two passes per step.
     assert updates == [0, 0, 0, 0, 1, 1, 1, 1] and len(records) == 2

@@ -11,6 +11,7 @@ from rlcore.train.agent_stages import (
     multi_turn_graph,
     multi_turn_rollout_stage,
 )
+from rlcore.train.build import build_algorithm, build_model
 from rlcore.train.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -101,14 +102,9 @@ from rlcore.train.stages import (
     with_logged_reference,
 )
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
-from rlcore.train.trainer import (
-    Run,
-    build_algorithm,
-    build_model,
-    supervised_warmup,
-    train,
-)
+from rlcore.train.trainer import Run, train
 from rlcore.train.validation import Validator, validation_keys
+from rlcore.train.warmup import supervised_warmup
 
 __all__ = [
     "ALGOS",

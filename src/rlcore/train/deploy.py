@@ -46,6 +46,7 @@ from rlcore.dataflow import (
 from rlcore.device import memory_stats
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
 from rlcore.models import is_lora
+from rlcore.seeding import Purpose, RowStream
 from rlcore.train.agent_stages import MultiTurnRollout, multi_turn_rollout_stage
 from rlcore.train.config import Config, parse_config
 from rlcore.train.parallel import full_state_dict
@@ -67,8 +68,6 @@ __all__ = [
 Batch = dict[str, torch.Tensor]
 # The scheduler's phase-switch hook: (resource, phase left or None, phase entered).
 Switch = Callable[[str, str | None, str], None]
-# A rollout micro-batch (with ``iteration`` and ``row``) -> the random streams its sampling draws from.
-Sampling = Callable[[Batch], torch.Generator]
 # (config, vocabulary size) -> a model of the config: the worker builds its own copy of the policy.
 ModelBuilder = Callable[[Config, int], torch.nn.Module]
 
@@ -156,7 +155,7 @@ def _loader(engine: InferenceEngine) -> Callable[[WeightPacket], None]:
 
 
 def _serve_rollout(
-    cfg_dict: dict[str, Any], vocab_size: int, sampling: Sampling, build_model: ModelBuilder
+    cfg_dict: dict[str, Any], vocab_size: int, build_model: ModelBuilder
 ) -> Callable[[Batch, dict[str, torch.Tensor]], Batch]:
     """Runs in the rollout worker process: an engine on a model of the config, loaded with each weights version."""
     cfg = parse_config(cfg_dict)
@@ -171,7 +170,9 @@ def _serve_rollout(
                 for name, p in params.items():
                     p.copy_(weights[name])
             loaded[0] = weights
-        r = engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=sampling(batch))
+        # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
+        stream = RowStream(cfg.trainer.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
+        r = engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
         return {"responses": r.responses, "mask": r.mask.float(), "version": batch["policy_version"].clone()}
 
     return generate
@@ -262,14 +263,14 @@ class ReplicaDeployment(_Synced):
         engine: InferenceEngine,
         receiver: Callable[[WeightPacket], Any],
         *,
-        sampling: Sampling,
+        seed: int,
         timeout: float | None,
     ):
         super().__init__(policy, replica)
         self.receiver = receiver
         self.sync = WeightSync(self._full_weights())
         self.publish(0)
-        self.rollout: Stage = rollout_stage(engine, generator=sampling, timeout=timeout)
+        self.rollout: Stage = rollout_stage(engine, seed=seed, timeout=timeout)
 
     def publish(self, version: int) -> None:
         self._send(version, self.receiver)
@@ -279,7 +280,7 @@ class WorkerDeployment(_Synced):
     """``deploy.mode: disaggregated``: the rollout in a :class:`rlcore.dataflow.RolloutWorker` process.
 
     The worker builds its own model of the config (``build_model``) and samples with
-    ``sampling`` (so both must pickle: module-level functions, or partials of them);
+    the run's row-keyed streams (``build_model`` must pickle: a module-level function);
     each version's weight packet reaches it as shared-memory buckets. Start-up (spawn,
     imports, model build) happens here, before the first step, not inside it.
     """
@@ -291,11 +292,10 @@ class WorkerDeployment(_Synced):
         replica: torch.nn.Module,
         *,
         vocab_size: int,
-        sampling: Sampling,
         build_model: ModelBuilder,
     ):
         super().__init__(policy, replica)
-        self.worker = self._start((cfg.to_dict(), vocab_size, sampling, build_model), max(1, cfg.trainer.threads))
+        self.worker = self._start((cfg.to_dict(), vocab_size, build_model), max(1, cfg.trainer.threads))
         self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
         self.sync = WeightSync(self._full_weights())
         self.publish(0)
@@ -343,7 +343,6 @@ class ColocatedDeployment(_Placed):
         optimiser: torch.optim.Optimizer,
         task: Any,
         *,
-        sampling: Sampling,
         in_place: bool,
     ):
         super().__init__(next(replica.parameters()).device)
@@ -355,7 +354,7 @@ class ColocatedDeployment(_Placed):
             self.switch = self._swap(policy, replica, optimiser)
         timeout = cfg.deploy.rollout_timeout or None
         self.rollout: Stage = rollout_stage(
-            _torch_engine(cfg, replica, task.tokenizer), generator=sampling, timeout=timeout
+            _torch_engine(cfg, replica, task.tokenizer), seed=cfg.trainer.seed, timeout=timeout
         )
         self.agent: MultiTurnRollout | None = None
         if cfg.rl.multi_turn is not None:
@@ -417,7 +416,6 @@ def make_deployment(
     engine: InferenceEngine | None,
     replica: torch.nn.Module,
     *,
-    sampling: Sampling,
     build_model: ModelBuilder,
 ) -> Deployment:
     """The deployment the run needs: the one place the deployment mode is chosen.
@@ -431,7 +429,6 @@ def make_deployment(
       engine: a user's engine to sample with, or None.
       replica: an unsharded copy of the policy's architecture (eval mode, no grads) the
         in-process engines sample on.
-      sampling: a rollout batch -> its random stream (picklable for a worker).
       build_model: ``(cfg, vocab_size) -> model``: a worker's own copy of the policy (picklable).
 
     Returns:
@@ -442,14 +439,12 @@ def make_deployment(
     policy = models.policy
     timeout = cfg.deploy.rollout_timeout or None
     if engine is not None:
-        return ReplicaDeployment(policy, replica, engine, _loader(engine), sampling=sampling, timeout=timeout)
+        return ReplicaDeployment(policy, replica, engine, _loader(engine), seed=cfg.trainer.seed, timeout=timeout)
     if cfg.deploy.mode == "disaggregated":
         kind = RayDeployment if cfg.deploy.backend == "ray" else WorkerDeployment
-        return kind(
-            cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, sampling=sampling, build_model=build_model
-        )
+        return kind(cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, build_model=build_model)
     if world.sharded or is_lora(policy):
         own = _torch_engine(cfg, replica, task.tokenizer)
-        return ReplicaDeployment(policy, replica, own, load_into(replica), sampling=sampling, timeout=timeout)
+        return ReplicaDeployment(policy, replica, own, load_into(replica), seed=cfg.trainer.seed, timeout=timeout)
     in_place = in_place_rollout(cfg, next(replica.parameters()).device)
-    return ColocatedDeployment(cfg, policy, replica, opt.opts[0], task, sampling=sampling, in_place=in_place)
+    return ColocatedDeployment(cfg, policy, replica, opt.opts[0], task, in_place=in_place)

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from rlcore.models import export_hf
+from rlcore.train.build import build_model
 from rlcore.train.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
 from rlcore.train.config import parse_config
 from rlcore.train.lora import adapter_modules, attach_lora
 from rlcore.train.prompts import source_tokenizer, task_options
-from rlcore.train.trainer import build_model
 
 __all__ = ["export_checkpoint"]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rlcore import seeding
 from rlcore.agent import parse_multi_turn
 from rlcore.data import PromptSet, load_preferences, load_prompts, sample_indices
 from rlcore.dataflow import Stage, stage
@@ -159,7 +160,8 @@ class TaskPrompts:
     # The loader's columns (the trainer's prompt loader serves a built-in task).
     columns = PROMPT_COLUMNS
 
-    def __init__(self, cfg: Config, options: dict[str, Any]):
+    def __init__(self, cfg: Config, options: dict[str, Any], world_size: int = 1):
+        self.seed, self.batch_size, self.world_size = cfg.trainer.seed, cfg.rl.batch_size, world_size
         self.task = make_task(cfg.data.task, **options)
         self.tokenizer = self.task.tokenizer
         self.reward = _config_reward(cfg, self.task.reward)
@@ -170,6 +172,33 @@ class TaskPrompts:
 
     def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
         return self.task.sample(n, generator)
+
+    def loader(self, rank: int, start: int, n: int) -> Callable[[int], dict[str, Any]]:
+        """Pipeline iteration ``i`` -> the source columns of step ``start + i``: each prompt repeated ``n`` times.
+
+        The step's global batch (``rl.batch_size`` prompts per data-parallel rank) is drawn
+        from one stream and data-parallel rank ``rank`` takes its share; ``row`` is each
+        row's index in the global batch (``rank * rows + local row``), which keys its
+        sampling stream.
+        """
+        tok, size = self.tokenizer, self.batch_size
+
+        def load(i: int) -> dict[str, Any]:
+            step = start + i
+            drawn = self.sample(size * self.world_size, seeding.generator(self.seed, seeding.Purpose.DATA, step))
+            samples = drawn[rank * size : (rank + 1) * size]
+            prompts, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
+            rows = len(samples) * n
+            return {
+                "prompts": prompts.repeat_interleave(n, 0),
+                "prompt_mask": pmask.repeat_interleave(n, 0),
+                "answers": [a for a in (torch.tensor(tok.encode(s["answer"])) for s in samples) for _ in range(n)],
+                "group": torch.arange(len(samples)).repeat_interleave(n),
+                "iteration": torch.full((rows,), step, dtype=torch.int64),
+                "row": torch.arange(rows) + rank * rows,
+            }
+
+        return load
 
     def reward_stage(self, pool: Any) -> Stage:
         return reward_stage(pool, self.tokenizer.decode)
@@ -410,7 +439,7 @@ def make_prompt_source(
     """The run's prompt source: the dataset at ``data.path`` when set (preference pairs for ``rl.algo: dpo``), else the built-in task."""
     if cfg.data.path is not None:
         return PreferencePrompts(cfg, world_size) if cfg.rl.algo == "dpo" else DatasetPrompts(cfg, world_size)
-    return TaskPrompts(cfg, task_options)
+    return TaskPrompts(cfg, task_options, world_size)
 
 
 def source_tokenizer(cfg: Config, task_options: dict[str, Any]) -> Any:

@@ -1,0 +1,91 @@
+"""The run's models and recipe, built from the config: the one place the models are made and sharded."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import torch
+
+from rlcore import algos
+from rlcore.models import AdaptersOff, is_lora, load_causal_lm
+from rlcore.train.config import Config
+from rlcore.train.context_parallel import check_context_parallel_model
+from rlcore.train.lora import attach_lora
+from rlcore.train.parallel import full_state_dict, parallelize
+from rlcore.train.world import World, shard_critic
+
+__all__ = ["build_algorithm", "build_model", "build_models", "build_reference"]
+
+
+def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.nn.Module:
+    """The config's model through :func:`rlcore.models.load_causal_lm`: a causal LM, or with ``critic=True`` a value head.
+
+    ``model.model_name_or_path`` is a local directory or an inline HF config (random
+    initialisation from the global stream, which the trainer seeds; ``vocab_size``
+    defaults to the task tokenizer's).
+    """
+    m = cfg.model
+    return load_causal_lm(
+        m.model_name_or_path,
+        dtype=m.torch_dtype,
+        seed=None,
+        vocab_size=vocab_size,
+        value_head=critic,
+        use_flash_attention=m.use_flash_attention,
+        what="config key 'model.model_name_or_path'",
+    )
+
+
+def build_algorithm(cfg: Config) -> algos.Recipe:
+    """The rlcore recipe named by ``rl.algo``, with ``rl.beta`` as its KL coefficient when set."""
+    rl, beta = cfg.rl, cfg.rl.beta
+    if rl.algo == "dpo":
+        return algos.dpo() if beta is None else algos.dpo(beta=beta)
+    if rl.algo in ("grpo", "ppo", "rloo", "reinforce_pp"):
+        recipe = getattr(algos, rl.algo)
+        return recipe() if beta is None else recipe(kl_coef=beta)
+    if rl.algo == "dapo":
+        # Soft overlong punishment over the last quarter of the generation budget.
+        algo = algos.dapo(max_length=rl.max_new_tokens, cache_length=max(1, rl.max_new_tokens // 4))
+    else:
+        algo = getattr(algos, rl.algo)()
+    # Recipes without a KL term get one by composition when beta is set.
+    return algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
+
+
+def build_models(
+    cfg: Config, world: World, vocab_size: int, device: torch.device, *, critic: bool
+) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module]:
+    """The policy (with LoRA adapters when configured) and, with ``critic``, a value model, sharded over ``world``.
+
+    Every rank builds the same initial weights from ``trainer.seed``; the models are then
+    sharded (FSDP2 over "dp", tensor parallel over "tp"): the one place parallelism
+    enters. Also returns an unsharded copy of the policy (eval mode, no gradient): the
+    rollout's and the reference's template.
+    """
+    torch.manual_seed(cfg.trainer.seed)
+    policy = build_model(cfg, vocab_size).to(device)
+    value = build_model(cfg, vocab_size, critic=True).to(device) if critic else None
+    replica = copy.deepcopy(policy).eval().requires_grad_(False)
+    if world.cp is not None:
+        check_context_parallel_model(policy.config, context_parallel=world.mesh["cp"].size(), mode=world.cp[1])
+    if cfg.model.lora is not None:  # only the adapters train; the warm-up trains them too
+        policy = attach_lora(policy, cfg)
+    parallelize(policy, world.mesh, grad_reduce="sum")  # LoRA: FSDP2 over dp, base and adapters in each unit
+    if value is not None:
+        shard_critic(value, world)
+    return policy, value, replica
+
+
+def build_reference(policy: torch.nn.Module, replica: torch.nn.Module, world: World) -> torch.nn.Module:
+    """The reference: the (warmed-up) policy's weights in a model of its own, sharded the same way.
+
+    With LoRA, the policy's own (sharded) modules with the adapters off: no second copy.
+    """
+    if is_lora(policy):
+        return AdaptersOff(policy)
+    reference = copy.deepcopy(replica)
+    reference.load_state_dict(full_state_dict(policy))
+    parallelize(reference, world.mesh, grad_reduce="sum")
+    return reference

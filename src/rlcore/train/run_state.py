@@ -1,0 +1,69 @@
+"""What a run's checkpoint holds, and the one place it is saved and restored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from rlcore.models import is_lora
+from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from rlcore.train.config import Config
+from rlcore.train.lora import adapter_modules
+from rlcore.train.optim import Models, Optimiser
+from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps
+
+__all__ = ["check_resume", "restore_run", "save_run"]
+
+
+def _state(step: int, models: Models, opt: Optimiser, cfg: Config) -> dict[str, Any]:
+    """What a checkpoint holds: the models with their optimisers (DCP shards), the step, the random streams."""
+    lora = is_lora(models.policy)  # the adapters alone; the base (and reference) is the model directory's
+    state: dict[str, Any] = {
+        "step": step,
+        "policy": (adapter_modules(models.policy) if lora else models.policy, opt.opts[0]),
+        **({} if lora else {"reference": models.reference}),
+        # The global stream: the update's dropout (critic) draws from it.
+        "rng": rng_state(),
+        "config": cfg.to_dict(),
+    }
+    if models.critic is not None:
+        state["critic"] = (models.critic, opt.opts[1])
+    return state
+
+
+def save_run(out: Path, step: int, models: Models, opt: Optimiser, cfg: Config, shapes: dict[str, list[int]]) -> None:
+    """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1).
+
+    ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state.
+    """
+    save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes}, step=step + 1)
+
+
+def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config) -> int:
+    """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step."""
+    data = load_checkpoint(out, _state(0, models, opt, cfg))
+    for o in opt.opts:
+        # Loaded tensors may share the file's storage, which cannot be resized: the
+        # co-located swap offloads the optimiser state by resizing storages to 0.
+        for values in o.state.values():
+            for k, v in values.items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                    values[k] = v.clone()
+    set_rng_state(data["rng"])
+    return int(data["step"]) + 1
+
+
+def check_resume(out: Path, cfg: Config, shapes: dict[str, list[int]], *, allow_change: bool = False) -> None:
+    """Refuse a resume, before anything loads, whose checkpoint has another config (unless
+    ``allow_change``), other tensor shapes (the model directory may hold other weights now)
+    or more steps than ``trainer.steps``."""
+    saved = load_checkpoint(out)
+    check_resume_config(saved.get("config"), cfg.to_dict(), allow_change=allow_change)
+    checkpoint = out / "checkpoint"
+    check_resume_shapes(
+        saved.get("model_shapes"), shapes, checkpoint=checkpoint, model=str(cfg.model.model_name_or_path)
+    )
+    check_resume_steps(saved.get("step"), cfg.trainer.steps, checkpoint=checkpoint)

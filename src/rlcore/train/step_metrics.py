@@ -1,0 +1,115 @@
+"""One step's record: the recipe's metrics accumulated over the updates, the rollout's, and each stage's busy time."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlcore import algos
+from rlcore.dataflow import Stage
+from rlcore.ops import masked_sum
+from rlcore.train.tagged_metrics import Metric, as_tensors, maximum, mean, merge_into, total
+
+__all__ = ["StepMetrics"]
+
+
+class StepMetrics:
+    """Accumulates one step's metrics over its updates; at the step's end, the record (logged, checkpointed)."""
+
+    def __init__(self, updates: int, start: int, ref_every: int = 1):
+        self.updates, self.start, self.ref_every = updates, start, ref_every
+        self.lock = threading.Lock()
+        # Per step: the logged metrics, and the counts the logged ratios are made of.
+        self.sums: dict[int, tuple[dict[str, Metric], dict[str, Metric]]] = {}
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.last_end = time.perf_counter()
+
+    def on_metrics(self, b: dict[str, torch.Tensor], loss: torch.Tensor, metrics: dict[str, Any]) -> None:
+        step = int(b["iteration"][0])
+        # The recipe's metrics are the whole batch's on every rank (DataParallelRecipe): averaged;
+        # the update's own (e.g. the dispatch's balance) come tagged. The loss is this rank's share
+        # of a loss normalised by global counts: the step's loss adds the shares' means over updates.
+        stats = {
+            "loss": total(loss.detach().float() / self.updates),
+            **{k: v if isinstance(v, Metric) else mean(v) for k, v in metrics.items()},
+        }
+        counts = {
+            "rows": total(float(b["iteration"].shape[0])),
+            "prompt_tokens": total((b["prompt_mask"] != 0).sum()),
+        }
+        if "scores" not in b:  # offline DPO: the dataset's pairs, no rollout (mean of both responses' lengths)
+            counts["response_tokens"] = total(((b["chosen_mask"] != 0).sum() + (b["rejected_mask"] != 0).sum()) / 2)
+        else:
+            mask = b["mask"]
+            lag = (b["iteration"] - self.start - b["version"]).float()  # versions counted from this run's first step
+            if self.ref_every and step % self.ref_every == 0:  # the steps the reference forward ran
+                counts["kl"] = total(masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask))
+            counts.update(
+                reward=total(b["scores"].float().sum()),
+                entropy=total(masked_sum(b["entropy"], mask)),
+                tokens=total(mask.float().sum()),
+                response_tokens=total((mask != 0).sum(-1).float().sum()),
+                lag=total(lag.sum()),
+                lag_max=maximum(lag.max()),
+            )
+        with self.lock:
+            acc = self.sums.setdefault(step, ({}, {}))
+            merge_into(acc[0], stats)
+            merge_into(acc[1], counts)
+
+    def timed(self, s: Stage) -> Stage:
+        fn = s.fn
+
+        def run(b: dict[str, torch.Tensor]) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(b)
+            finally:
+                with self.lock:
+                    self.spans.append((s.name, s.resource, t0, time.perf_counter()))
+
+        return dataclasses.replace(s, fn=run)
+
+    def local(
+        self, step: int, reduce: Callable[[dict[str, Metric]], dict[str, Metric]] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The step's metrics and its timing (busy seconds per stage, idle fraction per resource).
+
+        ``reduce`` merges this rank's metrics with the other data-parallel ranks' before
+        the ratios are taken (:meth:`rlcore.train.world.World.reduce`).
+        """
+        with self.lock:
+            acc = self.sums.pop(step)
+            now = time.perf_counter()
+            window = max(now - self.last_end, 1e-9)
+            spans = [(n, r, max(a, self.last_end), min(b, now)) for n, r, a, b in self.spans if b > self.last_end]
+            self.spans = [sp for sp in self.spans if sp[3] > now]
+            self.last_end = now
+        stats, counts = acc
+        if reduce is not None:
+            stats, counts = reduce(stats), reduce(counts)
+        out, c = as_tensors(stats), as_tensors(counts)
+        rows = c["rows"]
+        out.update(response_length=c["response_tokens"] / rows, prompt_length=c["prompt_tokens"] / rows)
+        if "reward" in c:  # rollouts (not offline DPO)
+            out.update(
+                reward=c["reward"] / rows,  # the task reward, before any shaping
+                entropy=c["entropy"] / c["tokens"],
+                policy_lag=c["lag"] / rows,
+                policy_lag_max=c["lag_max"],
+            )
+            if "kl" in c:  # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot
+                out["kl"] = c["kl"] / c["tokens"]
+        timing: dict[str, float] = {"step_time_s": window}
+        busy: dict[str, float] = {}
+        for name, resource, a, b in spans:
+            timing[f"busy_s/{name}"] = timing.get(f"busy_s/{name}", 0.0) + (b - a)
+            busy[resource] = busy.get(resource, 0.0) + (b - a)
+        for resource, seconds in busy.items():
+            timing[f"bubble/{resource}"] = max(0.0, 1.0 - seconds / window)
+        return out, timing

@@ -1,0 +1,88 @@
+"""This process's place in the run's device mesh, and the critic's sharding over it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from rlcore.train.config import Config
+from rlcore.train.parallel import device_mesh
+from rlcore.train.tagged_metrics import Metric, all_reduce_metrics
+
+__all__ = ["World", "shard_critic"]
+
+
+class World:
+    """This process's place in the ``("dp", "cp", "tp")`` device mesh (one process when not launched by torchrun).
+
+    Every sum over data (global counts, metric means, the data split of the prompts) uses
+    the data-parallel group; the models' gradients cross ranks only inside FSDP2 and
+    DTensor (:func:`rlcore.train.parallel.parallelize`). The ranks of a context-parallel
+    group hold the same rows and split each sequence (:mod:`rlcore.train.context_parallel`).
+    """
+
+    def __init__(self, cfg: Config, device: torch.device):
+        par = cfg.parallel
+        self.owns_group = not dist.is_initialized()
+        self.mesh = device_mesh(
+            par.data_parallel,
+            par.tensor_parallel,
+            pipeline_parallel=par.pipeline_parallel,
+            context_parallel=par.context_parallel,
+            device=device,
+        )
+        self.size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.dp_size = self.mesh["dp"].size()
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        # The data-parallel group the counts and metrics are summed over (None: nothing to sum).
+        self.group = self.mesh.get_group("dp") if self.dp_size > 1 else None
+        self.sharded = self.size > 1
+        # The context-parallel group and mode the forwards split sequences over (None: cp = 1).
+        self.cp: tuple[Any, str] | None = None
+        if self.mesh["cp"].size() > 1:
+            self.cp = (self.mesh.get_group("cp"), par.cp_mode)
+
+    def close(self, *, ok: bool = True) -> None:
+        """Destroy the process group this trainer started: after a barrier when the run succeeded.
+
+        After an error no barrier is entered (a peer may never reach it); the group is
+        destroyed all the same so that the process can exit.
+        """
+        if self.owns_group and dist.is_initialized():
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
+            self.owns_group = False
+
+    def any(self, flag: torch.Tensor) -> bool:
+        """True on every rank when ``flag`` (a 0-d float) is non-zero on any rank."""
+        if self.sharded:
+            dist.all_reduce(flag)
+        return bool(flag.item() > 0)  # sync-ok: the trainer's stop decision
+
+    def reduce(self, metrics: dict[str, Metric]) -> dict[str, Metric]:
+        """One step's metrics merged over the data-parallel ranks, each as it declares (:mod:`rlcore.train.tagged_metrics`)."""
+        return all_reduce_metrics(metrics, self.group)
+
+
+def shard_critic(critic: torch.nn.Module, world: World) -> None:
+    """FSDP2 over ``dp`` for the critic (a token-classification head: one unit per decoder layer and the root)."""
+    if world.mesh["tp"].size() > 1:
+        raise ValueError(
+            "config key 'parallel.tensor_parallel': got "
+            f"{world.mesh['tp'].size()} with rl.algo 'ppo', expected 1 (the critic is not tensor parallel; "
+            "use data parallelism)"
+        )
+    if world.dp_size == 1:
+        return
+    backbone: Any = getattr(critic, str(critic.base_model_prefix))
+    layers = backbone.layers
+    units = [fully_shard(layer, mesh=world.mesh["dp"]) for layer in layers]
+    units.append(fully_shard(critic, mesh=world.mesh["dp"]))
+    for unit in units:
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(1.0)
