@@ -250,7 +250,7 @@ def test_reprobe30_a_built_in_task_run_writes_a_loadable_tokenizer_and_special_i
         "rl.batch_size=2",
         "rl.mini_batch_size=2",
         "rl.num_rollouts=2",
-        "trainer.warmup_steps=20",  # enough for greedy outputs of several letters
+        "trainer.warmup_steps=40",  # enough for greedy outputs of several letters
         "trainer.warmup_batch_size=16",
         "trainer.threads=1",
         "trainer.reward_workers=0",

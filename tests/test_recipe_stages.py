@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMED = [algos.grpo, algos.dr_grpo, algos.dapo, algos.gspo, algos.rloo, algos.reinforce_pp, algos.ppo]
 LOGGED = ("scores", "mask", "prompt_mask", "iteration", "version")
 TRAINER = ROOT / "src" / "rlcore" / "train" / "trainer.py"
+BUILD = ROOT / "src" / "rlcore" / "train" / "build.py"
 NO_FORWARDS = ScoringPlan(False, 0, ref_stage=False)
 
 
@@ -262,22 +263,27 @@ def test_pairs_put_the_answer_against_the_sample_and_perturb_a_correct_sample():
 
 
 def test_the_trainer_branches_on_no_algorithm_name_or_recipe_type():
-    """``rl.algo`` is read in ``build_algorithm`` only; nothing tests a recipe's type or names DPO's columns."""
-    tree = ast.parse((TRAINER).read_text())
-    resolver = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_algorithm")
-    allowed = {id(n) for n in ast.walk(resolver)}
+    """``rl.algo`` is read in ``build_algorithm`` only; nothing in the trainer or the model building tests a recipe's
+    type or names DPO's columns."""
     offenders = []
-    for node in ast.walk(tree):
-        if id(node) in allowed:
-            continue
-        if isinstance(node, ast.Attribute) and node.attr == "algo":
-            offenders.append(f"line {node.lineno}: {ast.unparse(node)}")
-        if isinstance(node, ast.Attribute) and node.attr in ("DPO", "PAIR_LOGP_COLUMNS", "PAIR_TOKEN_COLUMNS"):
-            offenders.append(f"line {node.lineno}: {ast.unparse(node)}")
-        if (
-            isinstance(node, ast.Call)
-            and getattr(node.func, "id", None) == "isinstance"
-            and "algos." in ast.unparse(node.args[1])
-        ):
-            offenders.append(f"line {node.lineno}: {ast.unparse(node)}")
+    for path in (TRAINER, BUILD):
+        tree = ast.parse(path.read_text())
+        resolvers = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_algorithm"]
+        allowed = {id(n) for r in resolvers for n in ast.walk(r)}
+        for node in ast.walk(tree):
+            if id(node) in allowed:
+                continue
+            if isinstance(node, ast.Attribute) and node.attr in (
+                "algo",
+                "DPO",
+                "PAIR_LOGP_COLUMNS",
+                "PAIR_TOKEN_COLUMNS",
+            ):
+                offenders.append(f"{path.name} line {node.lineno}: {ast.unparse(node)}")
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "isinstance"
+                and "algos." in ast.unparse(node.args[1])
+            ):
+                offenders.append(f"{path.name} line {node.lineno}: {ast.unparse(node)}")
     assert not offenders, offenders

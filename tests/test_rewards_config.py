@@ -135,7 +135,8 @@ def test_pathological_answer_times_out_scores_zero_and_is_counted(quick_math_rew
     scores = quick_math_reward(["q"], [PATHOLOGICAL], answers=["1"])
     elapsed = time.monotonic() - start
     assert scores.tolist() == [0.0]
-    assert elapsed < quick_math_reward.timeout + 1.0, elapsed  # the bound: the timeout plus one second
+    # The timeout plus one second, and scheduling slack: the suite's other processes share 2 cores.
+    assert elapsed < quick_math_reward.timeout + 2.5, elapsed
     assert quick_math_reward.pop_metrics()["timeouts"] == 1
     # the next items are checked by the replacement worker
     scores = quick_math_reward(["q"] * 3, ["\\boxed{2}", PATHOLOGICAL, "#### 5"], answers=["2", "1", "5"])
