@@ -13,7 +13,8 @@ reward, GRPO with groups of ``num_rollouts`` samples, one optimiser update per b
   pipeline, rewards in a worker process;
 * TRL: ``trl.GRPOTrainer`` (``GRPOConfig(per_device_train_batch_size = prompts x
   num_rollouts, num_generations = num_rollouts, max_completion_length, temperature,
-  beta=0, use_cpu=True)``), the same character tokenizer as a ``transformers`` one.
+  beta=0, use_cpu=True, bf16=False, gradient_checkpointing=False)``: float32 without
+  recomputation, as rlcore runs), the same character tokenizer as a ``transformers`` one.
 
 Each (side, size, threads, repeat) runs in a fresh process of this script, one after the
 other, alternating which side goes first. A side's seconds per step is the median over
@@ -197,6 +198,10 @@ def run_trl(size: dict[str, Any], steps: int, threads: int) -> dict[str, Any]:
             lr_scheduler_type="constant",
             max_grad_norm=1.0,
             use_cpu=True,
+            # GRPOConfig defaults to bf16 autocast and gradient checkpointing; rlcore's side is float32
+            # without recomputation, so TRL is run the same way: the same arithmetic, not a slower mode.
+            bf16=False,
+            gradient_checkpointing=False,
             max_steps=steps,
             logging_steps=1,
             report_to=[],
