@@ -135,8 +135,7 @@ def test_pathological_answer_times_out_scores_zero_and_is_counted(quick_math_rew
     scores = quick_math_reward(["q"], [PATHOLOGICAL], answers=["1"])
     elapsed = time.monotonic() - start
     assert scores.tolist() == [0.0]
-    # The timeout plus one second, and scheduling slack: the suite's other processes share 2 cores.
-    assert elapsed < quick_math_reward.timeout + 2.5, elapsed
+    assert elapsed < quick_math_reward.timeout + 1.0, elapsed  # the issue's bound: the timeout plus one second
     assert quick_math_reward.pop_metrics()["timeouts"] == 1
     # the next items are checked by the replacement worker
     scores = quick_math_reward(["q"] * 3, ["\\boxed{2}", PATHOLOGICAL, "#### 5"], answers=["2", "1", "5"])
@@ -297,9 +296,7 @@ def test_reward_metrics_and_close_collect_from_components():
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_reward_pool_brings_the_counters_back_per_batch(num_workers):
     """The verified-maths counters reach the pool's owner with the scores, from a worker process too."""
-    # A timeout that only the pathological answer reaches, also on a loaded 2-core machine
-    # (at 1 s, "\boxed{2}" timed out there beside the suite's other processes).
-    reward = build_reward([{"reward": "math", "kwargs": {"timeout": 5.0}}, "length"])
+    reward = build_reward([{"reward": "math", "kwargs": {"timeout": 1.0}}, "length"])
     try:
         with RewardPool(reward, num_workers=num_workers, timeout=120) as pool:
             # the verified-maths counters, and each component's raw scores summed (the per-reward breakdown)

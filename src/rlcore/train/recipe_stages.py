@@ -37,8 +37,8 @@ from rlcore.train.stages import (
     pairs_stage,
     preference_forward,
     preference_logps_stage,
-    rl_batch,
     rl_outputs,
+    update_forward,
     values_stage,
     with_logged_reference,
 )
@@ -202,9 +202,9 @@ class PolicyGradientStages:
         logged = list(parts.logged)
         forward: Callable[[Batch], Batch]
         if plan.old_logp:
-            forward = functools.partial(_rl_forward, outputs)
+            forward = update_forward(outputs)
         elif parts.dispatch is not None:  # rows change ranks before the update: its forward runs on the dealt rows
-            forward = functools.partial(_rl_forward, old_policy_is_updated(outputs))
+            forward = update_forward(old_policy_is_updated(outputs))
         else:  # the update's forward runs while the rows are scored; its logp, detached, is old_logp
             run_ahead, forward = forward_ahead(outputs)
             ahead.append(run_ahead)
@@ -219,10 +219,6 @@ class PolicyGradientStages:
         # Each update's rows may go to any rank: the advantages are computed, the losses use global counts.
         dispatch = parts.dispatch if parts.context_parallel is None else None
         return RecipeGraph(stages, forward, inputs, recipe, parts.epochs, ahead, dispatch)
-
-
-def _rl_forward(outputs: Callable[[Batch], Batch], b: Batch) -> Batch:
-    return rl_batch(b, outputs(b))
 
 
 class PreferenceStages:

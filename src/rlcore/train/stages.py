@@ -34,6 +34,7 @@ on ``loss_mask``; metrics of the rollout (KL, entropy, lengths) use ``mask``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -65,6 +66,7 @@ __all__ = [
     "rl_forward",
     "rl_outputs",
     "rollout_stage",
+    "update_forward",
     "update_stage",
     "values_stage",
     "with_logged_reference",
@@ -380,8 +382,16 @@ def rl_forward(
       critic: PPO's critic, whose ``values`` are added, or None.
       temperature: the sampling temperature.
     """
-    outputs = rl_outputs(policy, critic=critic, temperature=temperature)
-    return lambda b: rl_batch(b, outputs(b))
+    return update_forward(rl_outputs(policy, critic=critic, temperature=temperature))
+
+
+def update_forward(outputs: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
+    """The update's forward from a model half ``outputs`` (:func:`rl_outputs`): rows -> :func:`rl_batch` of them."""
+    return functools.partial(_update_forward, outputs)
+
+
+def _update_forward(outputs: Callable[[Batch], Batch], b: Batch) -> Batch:
+    return rl_batch(b, outputs(b))
 
 
 def old_policy_is_updated(outputs: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
