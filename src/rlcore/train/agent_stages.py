@@ -209,7 +209,12 @@ def _attend_trajectory(fn: Callable[[Batch], Any]) -> Callable[[Batch], Any]:
 
 
 def multi_turn_graph(
-    stages: Sequence[Stage], forward: Callable[[Batch], Batch], inputs: Sequence[str], algo: algos.Algorithm
+    stages: Sequence[Stage],
+    forward: Callable[[Batch], Batch],
+    inputs: Sequence[str],
+    algo: algos.Algorithm,
+    *,
+    process_group: Any = None,
 ) -> tuple[list[Stage], Callable[[Batch], Batch], list[str]]:
     """The single-turn step's stages, forward and update inputs adapted to the rollout of :func:`multi_turn_rollout_stage`.
 
@@ -226,6 +231,8 @@ def multi_turn_graph(
       forward: the update's forward (:func:`rlcore.train.stages.rl_forward`).
       inputs: the update stage's input columns.
       algo: the recipe the advantages stage runs.
+      process_group: the data-parallel group its batch whitening spans (as in
+        :func:`rlcore.train.stages.advantages_stage`).
 
     Returns:
       ``(stages, forward, inputs)`` for the multi-turn step.
@@ -237,7 +244,15 @@ def multi_turn_graph(
         elif "scores" in s.outputs:
             continue
         elif "advantages" in s.outputs:
-            out.append(advantages_stage(algo, inputs=[*s.inputs, "rewards"], outputs=s.outputs, resource=s.resource))
+            out.append(
+                advantages_stage(
+                    algo,
+                    inputs=[*s.inputs, "rewards"],
+                    outputs=s.outputs,
+                    resource=s.resource,
+                    process_group=process_group,
+                )
+            )
         elif "responses" in s.inputs:
             out.append(dataclasses.replace(s, fn=_attend_trajectory(s.fn), inputs=(*s.inputs, "trajectory_mask")))
         else:

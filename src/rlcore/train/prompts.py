@@ -159,6 +159,8 @@ class TaskPrompts:
     hf_tokenizer: Any = None
     # The loader's columns (the trainer's prompt loader serves a built-in task).
     columns = PROMPT_COLUMNS
+    # Prompts: the rollout samples their responses and the rewards score them.
+    sampled = True
 
     def __init__(self, cfg: Config, options: dict[str, Any], world_size: int = 1):
         self.seed, self.batch_size, self.world_size = cfg.trainer.seed, cfg.rl.batch_size, world_size
@@ -211,6 +213,9 @@ class _SeededDataset:
     """What both dataset sources share: the model directory's tokenizer, ``data.val_path``
     and the seeded, resumable order in which rank ``r`` of step ``s`` takes the rows at
     positions ``(s * world_size + r) * batch_size ...`` (:func:`rlcore.data.sample_indices`)."""
+
+    # Prompts (a preference dataset's pairs come finished: False there).
+    sampled = True
 
     def __init__(self, cfg: Config, world_size: int):
         d = cfg.data
@@ -350,6 +355,8 @@ class PreferencePrompts(_SeededDataset):
     """
 
     columns = (*PAIR_TOKEN_COLUMNS, "prompt_mask", "iteration", "index")
+    # The rows come finished (pairs): nothing is sampled or scored during training.
+    sampled = False
 
     def __init__(self, cfg: Config, world_size: int = 1):
         super().__init__(cfg, world_size)

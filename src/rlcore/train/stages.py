@@ -303,6 +303,7 @@ def advantages_stage(
     inputs: Sequence[str] = ("scores", "mask", "group", "old_logp", "ref_logp"),
     outputs: Sequence[str] = ("advantages", "loss_mask"),
     resource: str = "device",
+    process_group: Any = None,
 ) -> Stage:
     """The recipe's shaping and advantage estimator over whole groups, adapted to the dock.
 
@@ -316,6 +317,9 @@ def advantages_stage(
       inputs: dock columns the recipe reads (``group`` becomes ``group_ids``).
       outputs: a subset of ``advantages``, ``loss_mask``, ``returns``.
       resource: as in :func:`rlcore.dataflow.stage`.
+      process_group: the data-parallel group: batch whitening (GAE's) takes its moments
+        over every rank's rows, so the advantages do not depend on the world size. The
+        stage takes the whole local batch once per iteration on every rank.
 
     >>> s = advantages_stage(algos.grpo(), inputs=("scores", "mask", "group"))
     >>> out = s.fn({"scores": torch.tensor([1.0, 0.0, 1.0, 1.0]), "mask": torch.ones(4, 2),
@@ -332,7 +336,7 @@ def advantages_stage(
         batch = {c: b[c] for c in inputs if c != "group"}
         if "group" in inputs:
             batch["group_ids"] = torch.unique(b["group"], return_inverse=True)[1]
-        out = algo.advantages(batch)
+        out = algo.advantages(batch, process_group=process_group)
         return {c: out[known[c]] for c in outputs}
 
     return stage(advantages, inputs=inputs, outputs=outputs, by_group=True, resource=resource)
