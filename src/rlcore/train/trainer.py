@@ -53,6 +53,7 @@ from rlcore.device import get_device
 from rlcore.rewards import RewardPool
 from rlcore.train.agent_stages import check_multi_turn, multi_turn_graph
 from rlcore.train.build import build_algorithm, build_model, build_models, build_reference
+from rlcore.train.columns import COLUMNS
 from rlcore.train.config import Config, check_launch
 from rlcore.train.context_parallel import (
     DataParallelRecipe,
@@ -188,7 +189,7 @@ def _graph(
             dispatch=part.dispatch,
         )
     )
-    return StageGraph([steps.timed(s) for s in stages], sources=task.columns)
+    return StageGraph([steps.timed(s) for s in stages], sources=task.columns, schema=COLUMNS)
 
 
 def train(
