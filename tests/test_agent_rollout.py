@@ -450,9 +450,7 @@ def test_stage_in_a_pipeline():
         assert batch["mask"].shape == batch["responses"].shape and batch["mask"].dtype == torch.float32
         return {"loss": batch["scores"].float()}
 
-    graph = StageGraph(
-        [roll, stage(update, inputs=["responses", "mask", "scores"], outputs=["loss"], role="update")]
-    )
+    graph = StageGraph([roll, stage(update, inputs=["responses", "mask", "scores"], outputs=["loss"], role="update")])
     samples = task.sample(4, torch.Generator().manual_seed(0))
 
     def loader(iteration):
