@@ -75,9 +75,12 @@ def main() -> None:
     put_cost()
     on: list[float] = []
     off: list[float] = []
-    for _ in range(args.repeats):
-        off += step_times(args.steps, checked=False)
-        on += step_times(args.steps, checked=True)
+    for i in range(args.repeats):
+        off_i, on_i = step_times(args.steps, checked=False), step_times(args.steps, checked=True)
+        print(
+            f"repeat {i}: unchecked {statistics.median(off_i) * 1e3:.1f} ms, checked {statistics.median(on_i) * 1e3:.1f} ms"
+        )
+        off, on = off + off_i, on + on_i
     a, b = statistics.median(on), statistics.median(off)
     print(
         f"main job step, median of {len(on)} steps: checked {a * 1e3:.1f} ms, unchecked {b * 1e3:.1f} ms, ratio {a / b:.3f}"
