@@ -34,6 +34,7 @@ from rlcore.data import PromptSet, load_preferences, load_prompts, sample_indice
 from rlcore.dataflow import Stage, stage
 from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
+from rlcore.train.columns import COLUMNS
 from rlcore.train.config import Config, max_positions
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import PAIR_TOKEN_COLUMNS, reward_stage
@@ -142,7 +143,7 @@ def _config_reward(cfg: Config, default: Any) -> Any:
 
 
 # What a prompt loader gives each row: the left-padded prompt, its reference answer, its group and step.
-PROMPT_COLUMNS = ("prompts", "prompt_mask", "answers", "group", "iteration", "row")
+PROMPT_COLUMNS = COLUMNS.select("prompts", "prompt_mask", "answers", "group", "iteration", "row")
 
 
 class TaskPrompts:
@@ -256,7 +257,7 @@ class DatasetPrompts(_SeededDataset):
         positions ``(s * world_size + r) * batch_size ...`` of the seeded order.
     """
 
-    columns = (*PROMPT_COLUMNS, "index")
+    columns = (*PROMPT_COLUMNS, *COLUMNS.select("index"))
 
     def __init__(self, cfg: Config, world_size: int = 1):
         super().__init__(cfg, world_size)
@@ -354,7 +355,7 @@ class PreferencePrompts(_SeededDataset):
         positions ``(s * world_size + r) * batch_size ...`` of the seeded order.
     """
 
-    columns = (*PAIR_TOKEN_COLUMNS, "prompt_mask", "iteration", "index")
+    columns = (*PAIR_TOKEN_COLUMNS, *COLUMNS.select("prompt_mask", "iteration", "index"))
     # The rows come finished (pairs): nothing is sampled or scored during training.
     sampled = False
 

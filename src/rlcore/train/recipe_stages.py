@@ -27,6 +27,7 @@ import torch
 
 from rlcore import algos
 from rlcore.dataflow import Stage
+from rlcore.train.columns import COLUMNS
 from rlcore.train.context_parallel import ContextParallelRecipe, cp_rl_forward
 from rlcore.train.scoring import ScoringPlan
 from rlcore.train.stages import (
@@ -54,7 +55,7 @@ __all__ = [
 
 Batch = dict[str, torch.Tensor]
 # What the reference's forward over the pairs writes (preference_logps_stage).
-REF_PAIR_LOGPS = ("ref_chosen_logps", "ref_rejected_logps")
+REF_PAIR_LOGPS = COLUMNS.select("ref_chosen_logps", "ref_rejected_logps")
 
 
 class StepParts(NamedTuple):

@@ -45,6 +45,7 @@ from rlcore import algos, seeding
 from rlcore.dataflow import Stage, deal_rows, stage
 from rlcore.models import from_hf, preference_logps, shared_prefix_logprobs, shares_prompts, token_logprobs
 from rlcore.seeding import Purpose, RowStream
+from rlcore.train.columns import COLUMNS
 from rlcore.train.tagged_metrics import maximum
 
 __all__ = [
@@ -611,7 +612,9 @@ _PREF_SIDES = ("chosen", "rejected")
 
 
 def _pair_columns() -> list[str]:
-    return [f"{side}_{k}" for side in _PREF_SIDES for k in ("input_ids", "attention_mask", "mask")]
+    return list(
+        COLUMNS.select(*(f"{side}_{k}" for side in _PREF_SIDES for k in ("input_ids", "attention_mask", "mask")))
+    )
 
 
 def response_sequences(

@@ -17,6 +17,7 @@ from rlcore import algos
 from rlcore.dataflow import Stage, StageGraph
 from rlcore.rewards import RewardPool
 from rlcore.train.agent_stages import multi_turn_graph
+from rlcore.train.columns import COLUMNS
 from rlcore.train.config import Config
 from rlcore.train.context_parallel import DataParallelRecipe, cp_logprob_stage, replica_groups, replicate_stage
 from rlcore.train.optim import Models, Optimiser
@@ -69,6 +70,8 @@ def step_graph(
     plan: ScoringPlan,
 ) -> StageGraph:
     """The step's stages: rollout, reward and scoring forwards (when rows are sampled), the recipe's, the update.
+
+    The graph checks every column against the trainer's schema (:data:`rlcore.train.COLUMNS`).
 
     Args:
       cfg: the run's config.
@@ -126,4 +129,4 @@ def step_graph(
             dispatch=part.dispatch,
         )
     )
-    return StageGraph([steps.timed(s) for s in stages], sources=task.columns)
+    return StageGraph([steps.timed(s) for s in stages], sources=task.columns, schema=COLUMNS)
