@@ -160,12 +160,14 @@ def _check_recipes(rank: int, pg) -> None:  # type: ignore[no-untyped-def]
     }
     rows = torch.arange(4) if rank == 0 else torch.arange(4, 8)  # groups live on one rank
     batch_std = algos.Algorithm(
-        advantage_estimator=partial(
-            algos.outcome_advantages, estimator=partial(algos.grpo_advantages, scale="batch")
-        ),
+        advantage_estimator=partial(algos.outcome_advantages, estimator=partial(algos.grpo_advantages, scale="batch")),
         policy_loss=algos.ppo_clip_loss,
     )
-    for name, recipe in (("ppo", algos.ppo(kl_coef=0.1)), ("reinforce_pp", algos.reinforce_pp()), ("grpo batch", batch_std)):
+    for name, recipe in (
+        ("ppo", algos.ppo(kl_coef=0.1)),
+        ("reinforce_pp", algos.reinforce_pp()),
+        ("grpo batch", batch_std),
+    ):
         whole = recipe.advantages(batch)
         mine = recipe.advantages({k: v[rows] for k, v in batch.items()}, process_group=pg)
         local = recipe.advantages({k: v[rows] for k, v in batch.items()})

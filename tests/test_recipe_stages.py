@@ -30,7 +30,11 @@ NAMED = [algos.grpo, algos.dr_grpo, algos.dapo, algos.gspo, algos.rloo, algos.re
 LOGGED = ("scores", "mask", "prompt_mask", "iteration", "version")
 TRAINER = ROOT / "src" / "rlcore" / "train" / "trainer.py"
 BUILD = ROOT / "src" / "rlcore" / "train" / "build.py"
-ASSEMBLY = [TRAINER, BUILD, *(ROOT / "src" / "rlcore" / "train" / f"{m}.py" for m in ("step_graph", "scoring", "world"))]
+ASSEMBLY = [
+    TRAINER,
+    BUILD,
+    *(ROOT / "src" / "rlcore" / "train" / f"{m}.py" for m in ("step_graph", "scoring", "world")),
+]
 NO_FORWARDS = ScoringPlan(False, 0, ref_stage=False)
 
 

@@ -603,8 +603,13 @@ def test_offline_dpo_takes_rl_epochs_passes_over_each_steps_pairs(tmp_path):
     def run(epochs: int):
         cfg = load_config(
             SHIPPED_DPO,
-            [f"trainer.output_dir={tmp_path / str(epochs)}", "trainer.steps=1", "trainer.progress=false",
-             "trainer.plot=false", f"rl.epochs={epochs}"],
+            [
+                f"trainer.output_dir={tmp_path / str(epochs)}",
+                "trainer.steps=1",
+                "trainer.progress=false",
+                "trainer.plot=false",
+                f"rl.epochs={epochs}",
+            ],
         )
         return train(cfg)
 

@@ -208,7 +208,8 @@ def _no_dropout(critic: nn.Module) -> None:
     (PPO's value clip), and must not depend on the random stream, so that runs reproduce
     at any world size. The config records it, so a saved critic loads the same.
     """
-    critic.config.classifier_dropout = 0.0
+    config: Any = critic.config
+    config.classifier_dropout = 0.0
     for module in critic.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
