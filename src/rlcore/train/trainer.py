@@ -143,7 +143,7 @@ def _train(
     """Build the models, the optimisers and the step's stages over the deployment; run the pipeline."""
     tr, rl, out = cfg.trainer, cfg.rl, Path(cfg.trainer.output_dir)
     policy, critic, replica = build_models(
-        cfg, world, task.tokenizer.vocab_size, local_device(), critic=stages_for(recipe).critic
+        cfg, world, task.tokenizer.vocab_size, world.device, critic=stages_for(recipe).critic
     )
     shapes = {name: list(t.shape) for name, t in replica.state_dict().items()}  # recorded by every checkpoint
     if resume:  # refused before anything loads: another config, other weights, fewer steps

@@ -30,6 +30,7 @@ class World:
 
     def __init__(self, cfg: Config, device: torch.device):
         par = cfg.parallel
+        self.device = device
         self.owns_group = not dist.is_initialized()
         self.mesh = device_mesh(
             par.data_parallel,

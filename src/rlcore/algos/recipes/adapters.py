@@ -8,7 +8,6 @@ documented keys and are meant to be bound with ``functools.partial``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from rlcore.algos.advantages import batch_normalize, gae
 from rlcore.algos.filters import dynamic_sampling_mask
 from rlcore.algos.kl import kl_in_reward, kl_penalty
-from rlcore.algos.recipes.algorithm import Batch, batch_entry, takes_group
+from rlcore.algos.recipes.algorithm import Batch, batch_entry, with_group
 from rlcore.algos.shaping import overlong_penalty, scores_to_token_rewards
 from rlcore.ops import masked_sum
 
@@ -49,7 +48,7 @@ def outcome_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor], 
     """
     scores = batch_entry(batch, "scores", "sequence scores [B]")
     groups = batch_entry(batch, "group_ids", "groups [B]")
-    adv = estimator(scores, groups) if process_group is None else _with_group(estimator, process_group)(scores, groups)
+    adv = with_group(estimator, process_group)(scores, groups)
     mask = batch_entry(batch, "mask", "the token mask")
     return {"advantages": torch.where(mask != 0, adv[:, None], torch.zeros((), dtype=adv.dtype, device=adv.device))}
 
@@ -62,8 +61,7 @@ def token_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor], pr
     """
     rewards = batch_entry(batch, "rewards", "token rewards [B, T]")
     mask = batch_entry(batch, "mask", "the token mask")
-    run = estimator if process_group is None else _with_group(estimator, process_group)
-    return {"advantages": run(rewards, mask)}
+    return {"advantages": with_group(estimator, process_group)(rewards, mask)}
 
 
 def gae_advantages(
@@ -148,8 +146,3 @@ def overlong_shaping(batch: Batch, *, max_length: int = 20480, cache_length: int
     lengths = batch["lengths"] if "lengths" in batch else (batch_entry(batch, "mask", "the token mask") != 0).sum(-1)
     penalty = overlong_penalty(lengths, max_length=max_length, cache_length=cache_length)
     return {**batch, "scores": (scores.float() + penalty.float()).to(scores.dtype)}
-
-
-def _with_group(estimator: Callable[..., torch.Tensor], process_group: Any) -> Callable[..., torch.Tensor]:
-    """``estimator`` with ``process_group`` bound when it takes that keyword (else as it is)."""
-    return partial(estimator, process_group=process_group) if takes_group(estimator) else estimator

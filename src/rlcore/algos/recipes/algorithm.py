@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -45,9 +46,9 @@ def takes_group(fn: Callable[..., Any]) -> bool:
     return "process_group" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def call_with_group(fn: Callable[..., Any], batch: Any, process_group: Any) -> Any:
-    """``fn(batch, process_group=process_group)`` when ``fn`` takes that keyword, else ``fn(batch)``."""
-    return fn(batch, process_group=process_group) if takes_group(fn) else fn(batch)
+def with_group(fn: Callable[..., Any], process_group: Any) -> Callable[..., Any]:
+    """``fn`` with ``process_group`` bound when a group is given and ``fn`` takes that keyword, else ``fn``."""
+    return fn if process_group is None or not takes_group(fn) else partial(fn, process_group=process_group)
 
 
 def chain(*steps: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
@@ -128,9 +129,7 @@ class Algorithm(NamedTuple):
         """
         if self.shaping is not None:
             batch = self.shaping(batch)
-        if process_group is None:
-            return {**batch, **self.advantage_estimator(batch)}
-        return {**batch, **call_with_group(self.advantage_estimator, batch, process_group)}
+        return {**batch, **with_group(self.advantage_estimator, process_group)(batch)}
 
     def global_counts(self, batch: Batch, *, process_group: Any = None) -> dict[str, torch.Tensor]:
         """``{"num_tokens", "num_seqs"}`` of ``batch["mask"]``, summed over ``process_group`` when given.
