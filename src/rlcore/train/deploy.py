@@ -52,7 +52,7 @@ from rlcore.train.config import Config, parse_config
 from rlcore.train.parallel import full_state_dict
 from rlcore.train.prompts import source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine
-from rlcore.train.stages import rollout_stage
+from rlcore.train.stages import ROLLOUT_OUTPUTS, rollout_columns, rollout_stage
 
 __all__ = [
     "ColocatedDeployment",
@@ -172,8 +172,7 @@ def _serve_rollout(
             loaded[0] = weights
         # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
         stream = RowStream(cfg.trainer.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
-        r = engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
-        return {"responses": r.responses, "mask": r.mask.float(), "version": batch["policy_version"].clone()}
+        return rollout_columns(engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream), batch)
 
     return generate
 
@@ -301,7 +300,7 @@ class WorkerDeployment(_Synced):
         self.publish(0)
         self.rollout: Stage = self.worker.stage(
             inputs=["prompts", "prompt_mask", "iteration", "row"],
-            outputs=["responses", "mask", "version"],
+            outputs=list(ROLLOUT_OUTPUTS),
             resource="rollout",
             timeout=cfg.deploy.rollout_timeout or None,
         )
