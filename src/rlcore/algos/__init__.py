@@ -1,4 +1,4 @@
-"""RL algorithm maths: advantage estimators, policy/value/KL/preference losses, aggregation, recipes.
+"""RL algorithm maths: advantage estimators, policy/value/KL/preference/distillation/reward-model losses, aggregation, recipes.
 
 Pure functions over tensors and pytree batches: no modules, no process groups held,
 no host syncs.
@@ -21,6 +21,7 @@ from rlcore.algos.advantages import (
 )
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
 from rlcore.algos.collectives import group_sum, resolve_process_group
+from rlcore.algos.distillation import generalized_jsd_loss, reverse_kl_distill_loss
 from rlcore.algos.evaluation import pass_at_k
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
@@ -76,6 +77,7 @@ from rlcore.algos.recipes import (
     token_advantages,
     token_rewards_shaping,
 )
+from rlcore.algos.reward_model import bradley_terry_loss, process_reward_loss
 from rlcore.algos.shaping import (
     RewardNormalizer,
     RunningMomentsState,
@@ -107,6 +109,7 @@ __all__: list[str] = [
     "aggregate",
     "batch_moments",
     "batch_normalize",
+    "bradley_terry_loss",
     "chain",
     "cispo_loss",
     "clip_cov_loss",
@@ -126,6 +129,7 @@ __all__: list[str] = [
     "gae",
     "gae_advantages",
     "gdpo_advantages",
+    "generalized_jsd_loss",
     "global_counts",
     "gmpo_loss",
     "gpg_advantages",
@@ -151,6 +155,7 @@ __all__: list[str] = [
     "passk_advantages",
     "ppo",
     "ppo_clip_loss",
+    "process_reward_loss",
     "reduce_metrics",
     "reinforce_loss",
     "reinforce_pp",
@@ -159,6 +164,7 @@ __all__: list[str] = [
     "rejection_mask",
     "remax_advantages",
     "resolve_process_group",
+    "reverse_kl_distill_loss",
     "rloo",
     "rloo_advantages",
     "running_reward_normalizer",

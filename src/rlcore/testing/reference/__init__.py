@@ -20,6 +20,7 @@ from rlcore.testing.reference.advantages import (
     rloo_advantages_ref,
 )
 from rlcore.testing.reference.attention import packed_attention_ref
+from rlcore.testing.reference.distillation import generalized_jsd_loss_ref, reverse_kl_distill_loss_ref
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
 from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
 from rlcore.testing.reference.kl import adaptive_kl_coefs_ref, kl_in_reward_ref, kl_penalty_ref
@@ -75,6 +76,7 @@ from rlcore.testing.reference.resharding import (
     transition_peak_ref,
     unshard_ref,
 )
+from rlcore.testing.reference.reward_model import bradley_terry_loss_ref, process_reward_loss_ref
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
 from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
 from rlcore.testing.reference.seeding import row_uniform_ref, sample_token_ref
@@ -94,6 +96,7 @@ __all__ = [
     "aggregate_ref",
     "balanced_partition_ref",
     "batch_normalize_ref",
+    "bradley_terry_loss_ref",
     "cispo_loss_ref",
     "clip_cov_loss_ref",
     "clip_rewards_ref",
@@ -111,6 +114,7 @@ __all__ = [
     "flow_shop_makespan_ref",
     "gae_ref",
     "gdpo_advantages_ref",
+    "generalized_jsd_loss_ref",
     "gmpo_loss_ref",
     "gpg_advantages_ref",
     "greedy_ref",
@@ -140,12 +144,14 @@ __all__ = [
     "pass_at_k_ref",
     "passk_advantages_ref",
     "ppo_clip_loss_ref",
+    "process_reward_loss_ref",
     "reinforce_loss_ref",
     "reinforce_pp_advantages_ref",
     "reinforce_pp_baseline_advantages_ref",
     "rejection_mask_ref",
     "remax_advantages_ref",
     "response_logprobs_ref",
+    "reverse_kl_distill_loss_ref",
     "reverse_linear_scan_ref",
     "rloo_advantages_ref",
     "row_uniform_ref",
