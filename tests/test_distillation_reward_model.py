@@ -89,7 +89,7 @@ def logit_pairs(draw, *, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     data=st.data(),
     beta=st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]),
@@ -157,7 +157,7 @@ def test_generalized_jsd_gradcheck_float64(beta, top_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     b=st.integers(0, 6),
     seed=st.integers(0, 999),

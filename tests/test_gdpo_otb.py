@@ -33,7 +33,7 @@ def multi_rewards(draw, *, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(data=multi_rewards(), batch_norm=st.booleans(), weighted=st.booleans())
 def test_gdpo_matches_loop_reference(dtype, data, batch_norm, weighted):
     scores, ids = data
@@ -47,7 +47,7 @@ def test_gdpo_matches_loop_reference(dtype, data, batch_norm, weighted):
     assert_close(got, want, dtype=dtype, scale=max(1.0, float(want.abs().max())))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(data=grouped_scores(max_groups=5, max_size=5), eps=st.sampled_from([0.0, 1e-6]))
 def test_gdpo_with_one_reward_is_grpo(data, eps):
     scores, ids = data
@@ -114,7 +114,7 @@ def _otb(batch, dtype=torch.float64, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(batch=token_groups(), tail=st.booleans(), multi=st.booleans(), use_rho=st.booleans())
 def test_otb_matches_loop_reference(dtype, batch, tail, multi, use_rho):
     kw = {"handle_zero_tail": tail, "multi_turn": multi}
@@ -130,7 +130,7 @@ def test_otb_matches_loop_reference(dtype, batch, tail, multi, use_rho):
     assert_close(adv, want_adv, dtype=dtype, scale=max(1.0, float(want_adv.abs().max())))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(data=grouped_scores(max_groups=4, max_size=4), length=st.integers(1, 6), c=st.sampled_from([0.3, 1.0]))
 def test_otb_with_uniform_variance_and_equal_lengths_is_the_group_mean_baseline(data, length, c):
     """With the same path variance everywhere and no ragged tail, b_t is the group mean of
@@ -151,7 +151,7 @@ def test_otb_with_uniform_variance_and_equal_lengths_is_the_group_mean_baseline(
     torch.testing.assert_close(ret, scores[:, None].expand(b, length))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(batch=token_groups(interior_zeros=False), tail=st.booleans())
 def test_otb_multi_turn_is_single_turn_without_holes(batch, tail):
     nonempty = batch["mask"].any(-1)
@@ -166,7 +166,7 @@ def test_otb_multi_turn_is_single_turn_without_holes(batch, tail):
     torch.testing.assert_close(multi, single)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(batch=token_groups(interior_zeros=False), data=st.data())
 def test_otb_multi_turn_ignores_inserted_observation_tokens(batch, data):
     """Observation tokens (mask 0) inserted inside a response move nothing in multi-turn mode."""

@@ -228,13 +228,13 @@ def test_clip_cov_draws_uniformly_among_eligible_tokens():
     adv = torch.tensor([[2.0, 2.0, -2.0, -2.0, 0.0, 0.0, 0.0, 0.0]])
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(8)
-    for _ in range(400):
+    for _ in range(200):
         loss, _ = algos.clip_cov_loss(
             logp, logp, adv, torch.ones(1, 8), cov_fraction=1 / 8, cov_low=0.5, noise=torch.rand(1, 8, generator=g)
         )
         counts += (loss[0] == 0) & (adv[0] != 0)
-    assert counts[4:].sum() == 0 and counts.sum() == 400
-    assert torch.all((counts[:4] > 70) & (counts[:4] < 130)), counts
+    assert counts[4:].sum() == 0 and counts.sum() == 200
+    assert torch.all((counts[:4] > 30) & (counts[:4] < 70)), counts
 
 
 # DPPO's weight is a stop-gradient ratio (as CISPO's): its loss value is not the function
