@@ -100,7 +100,7 @@ POLICY = {
 
 
 @pytest.mark.parametrize("name", list(POLICY))
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(batch=policy_batches(dtype=torch.float64, drifts=("small", "large")), data=st.data())
 def test_policy_losses_match_verl(verl, name, batch, data):
     b = _clean(batch)
@@ -156,7 +156,7 @@ def grouped_components(draw):
     return scores, ids, mask
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=grouped_components())
 def test_gdpo_matches_verl_up_to_where_the_batch_is_whitened(verl, data):
     """Both normalise each component in its group and sum; verl then whitens the [B, T]
@@ -179,7 +179,7 @@ def test_gdpo_matches_verl_up_to_where_the_batch_is_whitened(verl, data):
 
 
 @pytest.mark.parametrize("multi", [False, True])
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=st.data(), tail=st.booleans(), use_rho=st.booleans())
 def test_optimal_token_baseline_matches_verl(verl, multi, data, tail, use_rho):
     ids = data.draw(group_ids(max_groups=4, max_size=4))
@@ -205,7 +205,7 @@ def test_optimal_token_baseline_matches_verl(verl, multi, data, tail, use_rho):
     torch.testing.assert_close(ours, peer, rtol=1e-9, atol=1e-9)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     seed=st.integers(0, 999),
     beta=st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]),
@@ -227,7 +227,7 @@ def test_generalized_jsd_matches_trl(trl_gkd, seed, beta, temperature, data):
     torch.testing.assert_close(algos.aggregate(ours, mask, mode="token-mean"), batchmean, rtol=1e-9, atol=1e-12)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 999), margin=st.booleans(), center=st.sampled_from([None, 0.01, 1.0]))
 def test_bradley_terry_matches_trl_reward_trainer(trl_reward, seed, margin, center):
     g = torch.Generator().manual_seed(seed)

@@ -1,5 +1,6 @@
-"""DPPO (TV and binary-KL trust regions), DRO and the entropy-controlling Clip-Cov and KL-Cov:
-against their loop references, their identities with PPO and CISPO, gradients and compilation."""
+"""DPPO (TV and binary-KL trust regions), DRO, the entropy-controlling Clip-Cov and KL-Cov, and
+the adaptive entropy bonus: against their loop references, their identities with PPO and CISPO,
+gradients and compilation."""
 
 import functools
 import math
@@ -314,3 +315,43 @@ def test_no_host_sync_forward_and_backward(name):
         out.append((loss.detach(), lp.grad, metrics))
     torch.testing.assert_close(out[1][:2], out[0][:2])
     torch.testing.assert_close(out[1][2], out[0][2])
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    entropies=st.lists(
+        st.one_of(st.floats(0.0, 1.0), st.sampled_from([float("nan"), float("inf")])), min_size=1, max_size=30
+    ),
+    target=st.sampled_from([0.2, 0.5]),
+    delta=st.sampled_from([0.005, 0.1]),
+    init=st.sampled_from([0.0, 0.05]),
+    cap=st.sampled_from([None, 0.2]),
+)
+def test_adaptive_entropy_controller_matches_loop_reference(entropies, target, delta, init, cap):
+    ctrl = algos.adaptive_entropy_controller(target=target, delta=delta, init_coef=init, max_coef=cap)
+    want = ref.adaptive_entropy_coefs_ref(entropies, target=target, delta=delta, init_coef=init, max_coef=cap)
+    state = ctrl.init()
+    for h, (alpha, coef) in zip(entropies, want):
+        state = ctrl.update(torch.tensor(h), state)
+        assert state.alpha.dtype == torch.float32 and state.entropy_coef.dtype == torch.float32
+        assert abs(float(state.alpha) - alpha) < 1e-5 and abs(float(state.entropy_coef) - coef) < 1e-5
+        assert float(state.alpha) >= 0 and (cap is None or float(state.alpha) <= cap + 1e-7)
+
+
+def test_adaptive_entropy_controller_bad_inputs_and_no_host_sync():
+    with pytest.raises(ValueError, match="target"):
+        algos.adaptive_entropy_controller(target=0.0)
+    with pytest.raises(ValueError, match="max_coef"):
+        algos.adaptive_entropy_controller(init_coef=0.5, max_coef=0.1)
+    ctrl = algos.adaptive_entropy_controller()
+    with pytest.raises(ValueError, match="entropy"):
+        ctrl.update(torch.ones(2), ctrl.init())
+    with pytest.raises(ValueError, match="state"):
+        ctrl.update(0.1, (0.0, 0.0))
+    torch._dynamo.reset()
+    compiled = torch.compile(ctrl.update, fullgraph=True, backend="eager")
+    state = ctrl.init()
+    for h in (0.1, 0.1, 0.3):
+        want = ctrl.update(torch.tensor(h), state)
+        state = compiled(torch.tensor(h), state)
+        assert torch.equal(state.alpha, want.alpha) and torch.equal(state.entropy_coef, want.entropy_coef)

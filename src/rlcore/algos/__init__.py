@@ -22,6 +22,7 @@ from rlcore.algos.advantages import (
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
 from rlcore.algos.collectives import group_sum, resolve_process_group
 from rlcore.algos.distillation import generalized_jsd_loss, reverse_kl_distill_loss
+from rlcore.algos.entropy import EntropyController, EntropyControllerState, adaptive_entropy_controller
 from rlcore.algos.evaluation import pass_at_k
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
@@ -101,12 +102,15 @@ __all__: list[str] = [
     "PAIR_LOGP_COLUMNS",
     "RL_METRIC_REDUCTIONS",
     "Algorithm",
+    "EntropyController",
+    "EntropyControllerState",
     "KLController",
     "KLControllerState",
     "Recipe",
     "RewardNormalizer",
     "RunningMomentsState",
     "ScoringNeeds",
+    "adaptive_entropy_controller",
     "adaptive_kl_controller",
     "aggregate",
     "batch_moments",

@@ -23,7 +23,12 @@ from rlcore.testing.reference.attention import packed_attention_ref
 from rlcore.testing.reference.distillation import generalized_jsd_loss_ref, reverse_kl_distill_loss_ref
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
 from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
-from rlcore.testing.reference.kl import adaptive_kl_coefs_ref, kl_in_reward_ref, kl_penalty_ref
+from rlcore.testing.reference.kl import (
+    adaptive_entropy_coefs_ref,
+    adaptive_kl_coefs_ref,
+    kl_in_reward_ref,
+    kl_penalty_ref,
+)
 from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
 from rlcore.testing.reference.losses import (
     aggregate_ref,
@@ -92,6 +97,7 @@ __all__ = [
     "LoopRun",
     "RunningNormalizerRef",
     "TransferDockRef",
+    "adaptive_entropy_coefs_ref",
     "adaptive_kl_coefs_ref",
     "aggregate_ref",
     "balanced_partition_ref",
