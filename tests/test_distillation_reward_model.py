@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from rlcore import algos
@@ -98,6 +98,10 @@ def logit_pairs(draw, *, dtype=torch.float32):
 def test_generalized_jsd_matches_loop_reference(dtype, data, beta, temperature):
     student, teacher, mask = data.draw(logit_pairs(dtype=dtype))
     top_k = data.draw(st.sampled_from([None, 1, student.shape[-1] // 2 or 1]))
+    if top_k is not None:
+        # A tie at the k-th teacher logit (bfloat16 rounds many together) makes the support ambiguous.
+        top = teacher.double().nan_to_num().sort(-1, descending=True).values
+        assume(bool((top[..., top_k - 1] != top[..., top_k]).all()) if top_k < top.shape[-1] else True)
     kw = {"beta": beta, "temperature": temperature, "top_k": top_k}
     s = student.clone().requires_grad_(True)
     loss, metrics = algos.generalized_jsd_loss(s, teacher, mask, **kw)

@@ -14,6 +14,7 @@ finite-loss check then stops the step); it never silently rescales other groups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -119,7 +120,7 @@ def gdpo_advantages(
     scores: torch.Tensor,
     group_ids: torch.Tensor | None,
     *,
-    weights: torch.Tensor | None = None,
+    weights: torch.Tensor | Sequence[float] | None = None,
     eps: float = 1e-6,
     batch_norm: bool = True,
     num_groups: int | None = None,
@@ -150,7 +151,7 @@ def gdpo_advantages(
     Args:
       scores: ``[B, K]`` reward components per sample (``[B]`` is one component).
       group_ids: ``[B]`` integer group of each sample (``None`` with ``group_size``).
-      weights: ``[K]`` weights ``w_k`` (1 when ``None``).
+      weights: ``[K]`` weights ``w_k`` (a tensor or a sequence of numbers; 1 when ``None``).
       eps: added to each group std.
       batch_norm: whiten the combined advantages over the batch (the paper's last step).
       num_groups, group_size: the group layout, as in :func:`grpo_advantages`.
@@ -169,15 +170,17 @@ def gdpo_advantages(
     k = columns.shape[1]
     if k == 0:
         raise ValueError(f"scores: got shape {tuple(scores.shape)}, expected [B] or [B, K] with K >= 1 components")
+    w: torch.Tensor | None = None
     if weights is not None:
-        check_floating("weights", weights)
-        check_shape("weights", weights, (k,), what="one weight per reward component")
+        w = weights if isinstance(weights, torch.Tensor) else torch.as_tensor(weights, dtype=torch.float64)
+        check_floating("weights", w)
+        check_shape("weights", w, (k,), what="one weight per reward component")
     check_outcome(columns[:, 0], group_ids, num_groups, group_size)
     acc = acc_dtype(scores.dtype)
     total = torch.zeros(columns.shape[0], dtype=acc, device=scores.device)
     for j in range(k):
         adv = grpo_advantages(columns[:, j].to(acc), group_ids, eps=eps, num_groups=num_groups, group_size=group_size)
-        total = total + (adv if weights is None else weights[j].to(acc) * adv)
+        total = total + (adv if w is None else w[j].to(acc) * adv)
     if batch_norm:
         keep = torch.ones_like(total, dtype=torch.bool)
         total = batch_normalize(total, keep, eps=1e-8, process_group=process_group)
