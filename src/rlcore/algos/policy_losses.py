@@ -677,6 +677,13 @@ def dppo_tv_loss(
     tensor([[0.0000, 0.7702]])
     >>> m["trust_region_frac"]
     tensor(0.5000)
+
+    In a recipe, in place of PPO's clip:
+
+    >>> from functools import partial
+    >>> from rlcore.algos import grpo
+    >>> grpo()._replace(policy_loss=partial(dppo_tv_loss, clip_high=0.2)).policy_loss.keywords
+    {'clip_high': 0.2}
     """
     return _dppo(
         logp,
@@ -868,6 +875,12 @@ def clip_cov_loss(
     >>> adv = torch.tensor([[4.0, -4.0, 0.0, 0.0]])
     >>> clip_cov_loss(lp, lp, adv, torch.ones(1, 4), cov_fraction=0.25, noise=torch.rand(1, 4))[0]
     tensor([[0., 4., -0., -0.]])
+
+    Entropy control for GRPO (the paper's setting) is a change of its policy loss:
+
+    >>> from rlcore.algos import grpo
+    >>> grpo(kl_coef=0.0)._replace(policy_loss=clip_cov_loss).policy_loss.__name__
+    'clip_cov_loss'
     """
     _check(logp, old_logp, advantages, mask)
     _check_clip("clip_low", clip_low)
