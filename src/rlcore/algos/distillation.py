@@ -43,8 +43,8 @@ def reverse_kl_distill_loss(
 
     Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
     Self-Generated Mistakes" (GKD), arXiv:2306.13649, with the reverse KL (``beta = 1``)
-    estimated from the sampled tokens only, as in Qwen3 (arXiv:2505.09388, section 4.5)
-    and Thinking Machines' "On-Policy Distillation" (2025): the teacher scores the
+    estimated from the sampled tokens only, as in Qwen3's strong-to-weak distillation
+    (arXiv:2505.09388) and Thinking Machines' "On-Policy Distillation" (2025): the teacher scores the
     tokens the student sampled, one log-prob each, no full-vocabulary logits.
 
     Formula, with ``d_t = logp_t - teacher_logp_t`` (the one-sample estimate of the
@@ -120,8 +120,9 @@ def generalized_jsd_loss(
     """Per-token generalised Jensen-Shannon divergence between teacher and student (GKD).
 
     Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
-    Self-Generated Mistakes" (GKD), arXiv:2306.13649, eq. 1; TRL's ``GKDTrainer``
-    (defaults ``beta=0.5``, ``temperature=1``).
+    Self-Generated Mistakes" (GKD), arXiv:2306.13649, eq. 1; TRL's
+    ``GKDTrainer.generalized_jsd_loss`` (defaults ``beta=0.5``, ``temperature=1``; TRL's
+    trainer config samples at 0.9 and passes that temperature here too).
 
     Formula, per token, with ``S = softmax(student_logits / temperature)``, ``T`` the
     teacher's likewise and ``M = beta T + (1 - beta) S``::

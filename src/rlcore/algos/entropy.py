@@ -35,18 +35,20 @@ class EntropyController(NamedTuple):
 
 
 def adaptive_entropy_controller(
-    *, target: float = 0.2, delta: float = 0.005, init_coef: float = 0.0, max_coef: float | None = None
+    *, target: float = 0.2, delta: float = 1e-4, init_coef: float = 0.0, max_coef: float | None = 0.005
 ) -> EntropyController:
     """An entropy bonus whose coefficient rises while entropy is below a target and falls above it.
 
     Reference: He et al. 2025, "Skywork Open Reasoner 1 Technical Report", arXiv
-    2505.22312, section 4 (adaptive entropy control; target 0.2, step 0.005, start 0).
+    2505.22312 (adaptive entropy control); defaults from its training scripts: target
+    0.2, step 1e-4, coefficient in ``[0, 0.005]``, starting at 0.
     Where Clip-Cov and KL-Cov (:func:`rlcore.algos.clip_cov_loss`) act on the tokens that
     drive entropy down, this acts on the loss's entropy bonus as a whole.
 
     Formula, with ``H_k`` the measured mean token entropy of batch ``k``::
 
-        alpha_{k+1} = clip(alpha_k + delta * sign(target - H_k), 0, max_coef)
+        alpha_{k+1} = clip(alpha_k + delta, 0, max_coef)   if H_k < target
+                      clip(alpha_k - delta, 0, max_coef)   otherwise
         coef_{k+1}  = alpha_{k+1} * [H_k < target]
 
     so the bonus is on only while the entropy is below its target, with a coefficient
@@ -61,12 +63,12 @@ def adaptive_entropy_controller(
       target: the entropy to hold (> 0), in nats per token.
       delta: the step of ``alpha`` per update (> 0).
       init_coef: ``alpha_0`` (>= 0).
-      max_coef: an upper bound on ``alpha``, or ``None``.
+      max_coef: an upper bound on ``alpha`` (>= ``init_coef``), or ``None``.
 
     Returns:
       An :class:`EntropyController` whose state is :class:`EntropyControllerState`.
 
-    >>> ctrl = adaptive_entropy_controller(target=0.5, delta=0.01)
+    >>> ctrl = adaptive_entropy_controller(target=0.5, delta=0.01, max_coef=None)
     >>> state = ctrl.update(torch.tensor(0.3), ctrl.update(torch.tensor(0.2), ctrl.init()))
     >>> state.alpha, state.entropy_coef
     (tensor(0.0200), tensor(0.0200))
@@ -100,7 +102,7 @@ def adaptive_entropy_controller(
         alpha = state.alpha
         h = torch.as_tensor(entropy, dtype=alpha.dtype, device=alpha.device).detach().reshape(())
         below = h < target
-        new = torch.clamp(alpha + delta * torch.sign(target - h), min=0.0, max=max_coef)
+        new = torch.clamp(torch.where(below, alpha + delta, alpha - delta), min=0.0, max=max_coef)
         ok = torch.isfinite(h)
         new_alpha = torch.where(ok, new, alpha)
         new_coef = torch.where(ok, torch.where(below, new_alpha, 0.0), state.entropy_coef)

@@ -642,7 +642,9 @@ def dppo_tv_loss(
 
     Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"
     (Divergence PPO), arXiv:2602.04879; verl's ``dppo_tv``. Defaults: the TV bound 0.15 of
-    the paper's runs, and the truncated importance weight ``C = 20`` of its section 5.4.
+    verl's DPPO example, and the importance-weight cap ``C = 20`` that verl's DPPO code
+    names (the paper's section 5.4 recommends a large cap; verl's actor config overrides
+    it with its dual-clip default 3.0 unless ``clip_ratio_c`` is set).
 
     PPO's ratio clip over-restrains rare tokens (a small change of probability is a large
     ratio) and under-restrains likely ones. DPPO bounds the change of the sampled token's
@@ -710,8 +712,8 @@ def dppo_kl_loss(
     """Per-token DPPO-Binary-KL loss: the policy gradient masked by a binary-KL trust region.
 
     Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
-    arXiv:2602.04879; verl's ``dppo_kl``. Defaults: the KL bound 0.05 of the paper's runs
-    and ``C = 20`` (section 5.4).
+    arXiv:2602.04879; verl's ``dppo_kl``. Defaults: the KL bound 0.05 of verl's DPPO
+    example and ``C = 20`` (see :func:`dppo_tv_loss`).
 
     The divergence is the KL between the Bernoulli distributions "the sampled token or
     not" under the old and the current policy, with ``p = exp(logp)``, ``q = exp(old_logp)``::
@@ -765,8 +767,8 @@ def dro_loss(
 
     Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large Language
     Models Alignment" (Direct Reward Optimization), arXiv:2405.19107; the same objective,
-    with the sampling policy as the anchor, is Kimi k1.5's (arXiv:2501.12599, section
-    2.3.2); verl's ``dro``. ``beta`` (the paper's ``tau``) has no published default.
+    with the sampling policy as the anchor, is Kimi k1.5's policy optimisation
+    (arXiv:2501.12599); verl's ``dro``. ``beta`` (the paper's ``tau``) has no published default.
 
     Formula, with ``l_t = logp_t - old_logp_t`` (not clamped: the penalty's restoring
     gradient ``beta * l_t`` is largest exactly where the policy has drifted furthest)::

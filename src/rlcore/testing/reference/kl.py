@@ -70,16 +70,15 @@ def adaptive_entropy_coefs_ref(
     entropies: list[float],
     *,
     target: float = 0.2,
-    delta: float = 0.005,
+    delta: float = 1e-4,
     init_coef: float = 0.0,
-    max_coef: float | None = None,
+    max_coef: float | None = 0.005,
 ) -> list[tuple[float, float]]:
     """``(alpha, coef)`` after each update of the adaptive entropy controller, skipping non-finite entropies."""
     alpha, coef, out = init_coef, init_coef, []
     for h in entropies:
         if math.isfinite(h):
-            step = delta if h < target else (-delta if h > target else 0.0)
-            alpha = max(alpha + step, 0.0)
+            alpha = max(alpha + (delta if h < target else -delta), 0.0)
             if max_coef is not None:
                 alpha = min(alpha, max_coef)
             coef = alpha if h < target else 0.0
