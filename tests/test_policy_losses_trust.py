@@ -37,7 +37,8 @@ HYPER = {
             "cov_fraction": st.sampled_from([2e-4, 0.1, 0.5]),
             "cov_low": st.sampled_from([0.0, 1.0]),
             "cov_high": st.sampled_from([5.0, 50.0]),
-            "clip_high": st.sampled_from([0.2, 0.28]),
+            "clip_low": st.sampled_from([0.2, 1.0]),
+            "clip_high": st.sampled_from([0.28, 1.0]),
         }
     ),
     "kl_cov": st.fixed_dictionaries(
@@ -210,7 +211,7 @@ def test_kl_cov_penalises_exactly_its_share_of_tokens(batch, frac):
 def test_clip_cov_cuts_at_most_its_share_and_leaves_ppo_elsewhere(batch, frac, seed):
     noise = torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(seed))
     loss, grad, _ = _run(algos.clip_cov_loss, batch, cov_fraction=frac, cov_low=0.0, noise=noise)
-    ppo, pgrad, _ = _run(algos.ppo_clip_loss, batch)
+    ppo, pgrad, _ = _run(algos.ppo_clip_loss, batch, clip_low=1.0, clip_high=1.0)
     n = int(batch["mask"].sum())
     cut = batch["mask"] & (loss != ppo)
     assert int(cut.sum()) <= max(int(frac * n), 1)

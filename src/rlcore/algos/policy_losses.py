@@ -833,8 +833,8 @@ def clip_cov_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
+    clip_low: float = 1.0,
+    clip_high: float = 1.0,
     cov_fraction: float = 2e-4,
     cov_low: float = 1.0,
     cov_high: float = 5.0,
@@ -846,7 +846,10 @@ def clip_cov_loss(
     Language Models", arXiv:2505.22617, section 4 (verl's ``clip_cov``). Policy entropy
     falls in proportion to the covariance of a token's log-probability and its advantage;
     cutting the update of the tokens with the largest covariance keeps entropy from
-    collapsing. Defaults are the paper's (and verl's): ``r = 2e-4``, ``[1, 5]``.
+    collapsing. Defaults are the authors' runs: ``r = 2e-4``, the band ``[1, 5]``, and
+    PPO's clip range widened to 1 (the ratio clipped to ``[0, 2]``), so the covariance
+    cut, not the clip, is the trust region; verl's ``clip_cov`` takes the actor's clip
+    range instead (0.2 unless set).
 
     Formula, over the counted tokens of the batch (means weighted by the mask)::
 
@@ -864,7 +867,7 @@ def clip_cov_loss(
 
     Args:
       logp, old_logp, advantages, mask: ``[B, T]`` as in :func:`ppo_clip_loss`.
-      clip_low, clip_high: PPO's clip ranges (>= 0).
+      clip_low, clip_high: PPO's clip ranges (>= 0; 1 in the authors' runs).
       cov_fraction: ``r``, the fraction of counted tokens whose gradient is cut, in ``(0, 1]``.
       cov_low, cov_high: the covariance band of the tokens eligible for the cut.
       noise: ``[B, T]`` uniform draws ranking the eligible tokens, or ``None``.
@@ -929,9 +932,9 @@ def kl_cov_loss(
     """Per-token KL-Cov loss: the unclipped surrogate, with a KL penalty on the highest-covariance tokens.
 
     Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-    Language Models", arXiv:2505.22617, section 4 (verl's ``kl_cov``). Defaults: ``k =
-    2e-4`` as in the paper and verl, ``beta = 1`` as verl's function (verl's shipped
-    config sets 0.1).
+    Language Models", arXiv:2505.22617, section 4 (verl's ``kl_cov``). Defaults: the
+    authors' 32B runs, ``k = 2e-4`` (their 7B runs use ``2e-3``) and ``beta = 1`` (verl's
+    shipped config sets 0.1).
 
     Formula, over the counted tokens of the batch (means weighted by the mask), with the
     KL of the paper estimated as ``|log r_t|`` (as in its code)::
