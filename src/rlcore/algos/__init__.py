@@ -1,4 +1,4 @@
-"""RL algorithm maths: advantage estimators, policy/value/KL/preference losses, aggregation, recipes.
+"""RL algorithm maths: advantage estimators, policy/value/KL/preference/distillation/reward-model losses, aggregation, recipes.
 
 Pure functions over tensors and pytree batches: no modules, no process groups held,
 no host syncs.
@@ -8,9 +8,11 @@ from rlcore.algos.advantages import (
     batch_moments,
     batch_normalize,
     gae,
+    gdpo_advantages,
     gpg_advantages,
     grpo_advantages,
     opo_advantages,
+    optimal_token_baseline_advantages,
     passk_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
@@ -19,6 +21,8 @@ from rlcore.algos.advantages import (
 )
 from rlcore.algos.aggregate import AGGREGATION_MODES, aggregate, global_counts
 from rlcore.algos.collectives import group_sum, resolve_process_group
+from rlcore.algos.distillation import generalized_jsd_loss, reverse_kl_distill_loss
+from rlcore.algos.entropy import EntropyController, EntropyControllerState, adaptive_entropy_controller
 from rlcore.algos.evaluation import pass_at_k
 from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
 from rlcore.algos.kl import (
@@ -35,9 +39,14 @@ from rlcore.algos.metric_reduction import METRIC_REDUCTIONS, RL_METRIC_REDUCTION
 from rlcore.algos.off_policy import BEHAVIOUR_MODES, behaviour_weights, decoupled, interpolated_prox_logp
 from rlcore.algos.policy_losses import (
     cispo_loss,
+    clip_cov_loss,
+    dppo_kl_loss,
+    dppo_tv_loss,
+    dro_loss,
     gmpo_loss,
     gpg_loss,
     gspo_loss,
+    kl_cov_loss,
     ppo_clip_loss,
     reinforce_loss,
     sapo_loss,
@@ -57,10 +66,12 @@ from rlcore.algos.recipes import (
     dr_grpo,
     dynamic_sampling_filter,
     gae_advantages,
+    gdpo,
     grpo,
     gspo,
     kl_reward_shaping,
     kl_score_shaping,
+    on_policy_distillation,
     outcome_advantages,
     overlong_shaping,
     ppo,
@@ -70,6 +81,7 @@ from rlcore.algos.recipes import (
     token_advantages,
     token_rewards_shaping,
 )
+from rlcore.algos.reward_model import bradley_terry_loss, process_reward_loss
 from rlcore.algos.shaping import (
     RewardNormalizer,
     RunningMomentsState,
@@ -92,32 +104,43 @@ __all__: list[str] = [
     "PAIR_LOGP_COLUMNS",
     "RL_METRIC_REDUCTIONS",
     "Algorithm",
+    "EntropyController",
+    "EntropyControllerState",
     "KLController",
     "KLControllerState",
     "Recipe",
     "RewardNormalizer",
     "RunningMomentsState",
     "ScoringNeeds",
+    "adaptive_entropy_controller",
     "adaptive_kl_controller",
     "aggregate",
     "batch_moments",
     "batch_normalize",
     "behaviour_weights",
+    "bradley_terry_loss",
     "chain",
     "cispo_loss",
+    "clip_cov_loss",
     "clip_rewards",
     "cpo_loss",
     "dapo",
     "decoupled",
     "dpo",
     "dpo_loss",
+    "dppo_kl_loss",
+    "dppo_tv_loss",
     "dr_grpo",
+    "dro_loss",
     "dynamic_sampling_filter",
     "dynamic_sampling_indices",
     "dynamic_sampling_mask",
     "fixed_kl_controller",
     "gae",
     "gae_advantages",
+    "gdpo",
+    "gdpo_advantages",
+    "generalized_jsd_loss",
     "global_counts",
     "gmpo_loss",
     "gpg_advantages",
@@ -128,12 +151,15 @@ __all__: list[str] = [
     "gspo",
     "gspo_loss",
     "interpolated_prox_logp",
+    "kl_cov_loss",
     "kl_in_reward",
     "kl_penalty",
     "kl_reward_shaping",
     "kl_score_shaping",
     "kto_loss",
+    "on_policy_distillation",
     "opo_advantages",
+    "optimal_token_baseline_advantages",
     "orpo_loss",
     "outcome_advantages",
     "overlong_penalty",
@@ -142,6 +168,7 @@ __all__: list[str] = [
     "passk_advantages",
     "ppo",
     "ppo_clip_loss",
+    "process_reward_loss",
     "reduce_metrics",
     "reinforce_loss",
     "reinforce_pp",
@@ -150,6 +177,7 @@ __all__: list[str] = [
     "rejection_mask",
     "remax_advantages",
     "resolve_process_group",
+    "reverse_kl_distill_loss",
     "rloo",
     "rloo_advantages",
     "running_reward_normalizer",

@@ -1,4 +1,5 @@
-"""Per-token policy-gradient losses: PPO-clip (DAPO clip-higher, dual-clip), GSPO, CISPO, SAPO, GMPO, GPG, REINFORCE.
+"""Per-token policy-gradient losses: PPO-clip (DAPO clip-higher, dual-clip), GSPO, CISPO, SAPO, GMPO, GPG, REINFORCE,
+the divergence trust regions of DPPO, DRO's quadratic penalty, and the entropy-controlling Clip-Cov and KL-Cov.
 
 Every loss takes ``(logp, old_logp, advantages, mask)``, all ``[B, T]``, and returns
 ``(loss_t, metrics)``: the per-token loss ``[B, T]`` in the dtype of ``logp`` (0 where
@@ -33,7 +34,20 @@ import torch
 from rlcore._checks import check_counts, check_floating, check_ndim, check_positive, check_same_shape
 from rlcore.ops import acc_dtype, saturating_cast
 
-__all__ = ["cispo_loss", "gmpo_loss", "gpg_loss", "gspo_loss", "ppo_clip_loss", "reinforce_loss", "sapo_loss"]
+__all__ = [
+    "cispo_loss",
+    "clip_cov_loss",
+    "dppo_kl_loss",
+    "dppo_tv_loss",
+    "dro_loss",
+    "gmpo_loss",
+    "gpg_loss",
+    "gspo_loss",
+    "kl_cov_loss",
+    "ppo_clip_loss",
+    "reinforce_loss",
+    "sapo_loss",
+]
 
 Metrics = dict[str, torch.Tensor]
 
@@ -551,4 +565,415 @@ def gmpo_loss(
         metrics = _ratio_metrics(log_ratio.exp(), log_ratio, tok)
         metrics["clip_frac_low"] = _mean((nadv > 0) & (log_ratio < -clip_low), tok)
         metrics["clip_frac_high"] = _mean((nadv < 0) & (log_ratio > clip_high), tok)
+    return _cast(loss, logp.dtype), metrics
+
+
+def _probs_in_range(logp: torch.Tensor) -> torch.Tensor:
+    """A log-probability as a probability; a value above 0 (not a log-probability) counts as 1."""
+    return logp.clamp(max=0.0).exp()
+
+
+def _binary_kl(old_lp: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """``KL(Bern(p_old) || Bern(p))`` from log-probabilities ``<= 0``, exact near ``p = 1``.
+
+    ``log(1 - p)`` is ``log(-expm1(logp))``, so a probability within float rounding of 1
+    keeps its distance to 1 (peers add ``1e-8`` to both sides instead). A token whose
+    old probability is 1 contributes no second term (``0 log 0 = 0``); one whose new
+    probability is 1 and old is not is infinitely far.
+    """
+    old_lp, lp = old_lp.clamp(max=0.0), lp.clamp(max=0.0)
+    q = old_lp.exp()
+    tail = (1.0 - q) * (torch.log(-torch.expm1(old_lp)) - torch.log(-torch.expm1(lp)))
+    return q * (old_lp - lp) + torch.where(old_lp < 0, tail, 0.0)
+
+
+def _dppo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    divergence: str,
+    clip_low: float,
+    clip_high: float,
+    ratio_cap: float | None,
+) -> tuple[torch.Tensor, Metrics]:
+    _check(logp, old_logp, advantages, mask)
+    _check_clip("clip_low", clip_low)
+    _check_clip("clip_high", clip_high)
+    if ratio_cap is not None:
+        check_positive("ratio_cap", ratio_cap, finite=True)
+    tok = _prepare(logp, old_logp, advantages, mask)
+    nadv = tok.neg_adv  # -A
+    lp = _logp(logp, tok)
+    with torch.no_grad():
+        old_lp = torch.where(tok.keep, old_logp.detach().to(lp.dtype), 0.0)
+        new_lp = lp.detach()
+        if divergence == "tv":
+            step = _probs_in_range(new_lp) - _probs_in_range(old_lp)  # p - p_old
+            up_ok, down_ok = step <= clip_high, step >= -clip_low
+        else:
+            kl = _binary_kl(old_lp, new_lp)
+            up_ok = (kl <= clip_high) | (new_lp <= old_lp)
+            down_ok = (kl <= clip_low) | (new_lp >= old_lp)
+        inside = tok.keep & torch.where(nadv < 0, up_ok, down_ok)  # A > 0 may not push p up too far, A <= 0 down
+        ratio = tok.log_ratio.detach().exp()
+        weight = ratio if ratio_cap is None else ratio.clamp(max=ratio_cap)
+    loss = torch.where(inside, weight * nadv * lp, 0.0)
+    with torch.no_grad():
+        metrics = _ratio_metrics(ratio, tok.log_ratio, tok)
+        metrics["trust_region_frac"] = _mean(tok.keep & ~inside, tok)
+        capped = torch.zeros_like(inside) if ratio_cap is None else inside & (ratio > ratio_cap)
+        metrics["cap_frac"] = _mean(capped, tok)
+    return _cast(loss, logp.dtype), metrics
+
+
+def dppo_tv_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.15,
+    clip_high: float = 0.15,
+    ratio_cap: float | None = 20.0,
+) -> tuple[torch.Tensor, Metrics]:
+    """Per-token DPPO-Binary-TV loss: the policy gradient masked by a total-variation trust region.
+
+    Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"
+    (Divergence PPO), arXiv:2602.04879; verl's ``dppo_tv``. Defaults: the TV bound 0.15 of
+    verl's DPPO example, and the importance-weight cap ``C = 20`` that verl's DPPO code
+    names (the paper's section 5.4 recommends a large cap; verl's actor config overrides
+    it with its dual-clip default 3.0 unless ``clip_ratio_c`` is set).
+
+    PPO's ratio clip over-restrains rare tokens (a small change of probability is a large
+    ratio) and under-restrains likely ones. DPPO bounds the change of the sampled token's
+    probability instead, ``p = exp(logp)``, ``p_old = exp(old_logp)``, and only in the
+    direction the advantage pushes::
+
+        inside_t = (p - p_old <= clip_high)   if A_t > 0
+                   (p - p_old >= -clip_low)   otherwise
+        loss_t   = -sg(min(r_t, C)) * A_t * logp_t * inside_t
+
+    A token outside its trust region has loss and gradient 0; inside, the gradient is the
+    truncated importance-weighted policy gradient ``-min(r, C) A d logp``. Like CISPO's,
+    the loss value is ``-w A logp``; only its gradient is the estimator. ``ratio_cap=None``
+    leaves the weight untruncated.
+
+    Args:
+      logp, old_logp, advantages, mask: ``[B, T]`` as in :func:`ppo_clip_loss`. A
+        log-probability above 0 (not one) is read as 0, probability 1.
+      clip_low: the bound ``delta_low`` (>= 0) on a decrease of ``p`` where ``A <= 0``.
+      clip_high: the bound ``delta_high`` (>= 0) on an increase of ``p`` where ``A > 0``.
+      ratio_cap: ``C`` (> 0), the truncation of the importance weight, or ``None``.
+
+    Returns:
+      ``(loss_t, metrics)``; ``trust_region_frac`` is the fraction of counted tokens
+      outside their trust region, ``cap_frac`` of those inside whose ratio exceeds ``C``;
+      ``approx_kl`` and ratio stats.
+
+    >>> lp = torch.log(torch.tensor([[0.9, 0.5]]))
+    >>> old = torch.log(torch.tensor([[0.5, 0.45]]))
+    >>> loss, m = dppo_tv_loss(lp, old, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2))
+    >>> loss  # p rose by 0.4 > 0.15: outside; by 0.05: inside, weight 0.5 / 0.45
+    tensor([[0.0000, 0.7702]])
+    >>> m["trust_region_frac"]
+    tensor(0.5000)
+
+    In a recipe, in place of PPO's clip:
+
+    >>> from functools import partial
+    >>> from rlcore.algos import grpo
+    >>> grpo()._replace(policy_loss=partial(dppo_tv_loss, clip_high=0.2)).policy_loss.keywords
+    {'clip_high': 0.2}
+    """
+    return _dppo(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        divergence="tv",
+        clip_low=clip_low,
+        clip_high=clip_high,
+        ratio_cap=ratio_cap,
+    )
+
+
+def dppo_kl_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.05,
+    clip_high: float = 0.05,
+    ratio_cap: float | None = 20.0,
+) -> tuple[torch.Tensor, Metrics]:
+    """Per-token DPPO-Binary-KL loss: the policy gradient masked by a binary-KL trust region.
+
+    Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
+    arXiv:2602.04879; verl's ``dppo_kl``. Defaults: the KL bound 0.05 of verl's DPPO
+    example and ``C = 20`` (see :func:`dppo_tv_loss`).
+
+    The divergence is the KL between the Bernoulli distributions "the sampled token or
+    not" under the old and the current policy, with ``p = exp(logp)``, ``q = exp(old_logp)``::
+
+        D_t      = q log(q / p) + (1 - q) log((1 - q) / (1 - p))
+        inside_t = (D_t <= clip_high or p <= q)   if A_t > 0
+                   (D_t <= clip_low  or p >= q)   otherwise
+        loss_t   = -sg(min(r_t, C)) * A_t * logp_t * inside_t
+
+    so a token may move against its advantage without limit and along it only within the
+    divergence bound. ``log(1 - p)`` is computed as ``log(-expm1(logp))``, exact where
+    ``p`` is within rounding of 1 (verl adds ``1e-8`` inside both logarithms, which moves
+    the bound for likely tokens).
+
+    Args:
+      logp, old_logp, advantages, mask: ``[B, T]`` as in :func:`ppo_clip_loss`. A
+        log-probability above 0 (not one) is read as 0, probability 1.
+      clip_low: the KL bound (>= 0) where ``A <= 0``.
+      clip_high: the KL bound (>= 0) where ``A > 0``.
+      ratio_cap: ``C`` (> 0), the truncation of the importance weight, or ``None``.
+
+    Returns:
+      ``(loss_t, metrics)`` as :func:`dppo_tv_loss`.
+
+    >>> lp = torch.log(torch.tensor([[0.9, 0.5]]))
+    >>> old = torch.log(torch.tensor([[0.5, 0.45]]))
+    >>> dppo_kl_loss(lp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))[0]
+    tensor([[ 0.0000, -0.7702]])
+    """
+    return _dppo(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        divergence="kl",
+        clip_low=clip_low,
+        clip_high=clip_high,
+        ratio_cap=ratio_cap,
+    )
+
+
+def dro_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float,
+) -> tuple[torch.Tensor, Metrics]:
+    """Per-token DRO loss: the policy gradient plus a quadratic penalty on the log-ratio.
+
+    Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large Language
+    Models Alignment" (Direct Reward Optimization), arXiv:2405.19107; the same objective,
+    with the sampling policy as the anchor, is Kimi k1.5's policy optimisation
+    (arXiv:2501.12599); verl's ``dro``. ``beta`` (the paper's ``tau``) has no published default.
+
+    Formula, with ``l_t = logp_t - old_logp_t`` (not clamped: the penalty's restoring
+    gradient ``beta * l_t`` is largest exactly where the policy has drifted furthest)::
+
+        loss_t = -A_t * logp_t + beta / 2 * l_t ** 2       (gradient: (-A_t + beta * l_t) d logp_t)
+
+    On-policy the gradient is the policy gradient; as ``logp`` moves, the penalty pulls it
+    back towards the sampling policy, a soft trust region in place of a clip.
+
+    Args:
+      logp, old_logp, advantages, mask: ``[B, T]`` as in :func:`ppo_clip_loss`.
+      beta: the penalty's coefficient (> 0).
+
+    Returns:
+      ``(loss_t, metrics)``: ``approx_kl``, ratio stats, and ``log_ratio_sq``, the mean
+      of ``l_t ** 2``.
+
+    >>> lp = torch.log(torch.tensor([[0.5, 0.5]]))
+    >>> dro_loss(lp, lp - torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), beta=0.2)[0]
+    tensor([[0.6931, 0.7931]])
+    """
+    _check(logp, old_logp, advantages, mask)
+    check_positive("beta", beta, finite=True)
+    tok = _prepare(logp, old_logp, advantages, mask)
+    lp = _logp(logp, tok)
+    log_ratio = lp - torch.where(tok.keep, old_logp.detach().to(lp.dtype), 0.0)
+    loss = tok.neg_adv * lp + (0.5 * beta) * log_ratio.square()
+    with torch.no_grad():
+        metrics = _ratio_metrics(tok.log_ratio.exp(), tok.log_ratio, tok)
+        metrics["log_ratio_sq"] = _mean(log_ratio.detach().square(), tok)
+    return _cast(loss, logp.dtype), metrics
+
+
+def _covariance(tok: _Tokens, lp: torch.Tensor) -> torch.Tensor:
+    """Each counted token's ``(A_t - mean A) (logp_t - mean logp)``, means over the counted tokens (mask weights)."""
+    adv = -tok.neg_adv
+    mean_adv = (adv * tok.weights).sum() / tok.total
+    mean_lp = (lp * tok.weights).sum() / tok.total
+    return (adv - mean_adv) * (lp - mean_lp)
+
+
+def _select_count(fraction: float, tok: _Tokens) -> torch.Tensor:
+    """``max(floor(fraction * n), 1)`` for ``n`` the counted weight, as a float64 device scalar (no host read)."""
+    return torch.clamp(torch.floor(fraction * tok.counted.double()), min=1.0)
+
+
+def _first_ranked(keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The ``count`` eligible positions with the largest ``keys`` (fewer if fewer are eligible), as a bool mask.
+
+    ``count`` is a device scalar: a stable sort of the whole batch ranks every position
+    (ties go to the earlier position in row-major order), so no count is read back.
+    """
+    flat = torch.where(eligible, keys, -torch.inf).flatten()
+    order = torch.argsort(flat, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
+    return eligible & (rank.view(keys.shape) < count)
+
+
+def clip_cov_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 1.0,
+    cov_fraction: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Per-token Clip-Cov loss: PPO-clip with the gradient of a few high-covariance tokens removed.
+
+    Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models", arXiv:2505.22617, section 4 (verl's ``clip_cov``). Policy entropy
+    falls in proportion to the covariance of a token's log-probability and its advantage;
+    cutting the update of the tokens with the largest covariance keeps entropy from
+    collapsing. Defaults are the authors' runs: ``r = 2e-4``, the band ``[1, 5]``, and
+    PPO's clip range widened to 1 (the ratio clipped to ``[0, 2]``), so the covariance
+    cut, not the clip, is the trust region; verl's ``clip_cov`` takes the actor's clip
+    range instead (0.2 unless set).
+
+    Formula, over the counted tokens of the batch (means weighted by the mask)::
+
+        cov_t     = (A_t - mean A) * (sg(logp_t) - mean sg(logp))
+        eligible  = cov_low < cov_t < cov_high, and the token is not clipped by PPO
+        selected  = max(floor(cov_fraction * N), 1) eligible tokens drawn uniformly
+        loss_t    = 0 if selected, else the PPO-clip loss (:func:`ppo_clip_loss`)
+
+    The draw ranks the eligible tokens by ``noise`` (uniform ``[B, T]``; drawn with
+    ``torch.rand`` when ``None``) and keeps the first ``max(floor(r N), 1)``, on the
+    device: no count is read back (verl reads the token count and the selection to the
+    host). The covariance is a statistic of the batch the loss sees, so a micro-batch
+    selects from its own tokens, as in verl; for a selection over the whole batch, call
+    the loss on the whole batch.
+
+    Args:
+      logp, old_logp, advantages, mask: ``[B, T]`` as in :func:`ppo_clip_loss`.
+      clip_low, clip_high: PPO's clip ranges (>= 0; 1 in the authors' runs).
+      cov_fraction: ``r``, the fraction of counted tokens whose gradient is cut, in ``(0, 1]``.
+      cov_low, cov_high: the covariance band of the tokens eligible for the cut.
+      noise: ``[B, T]`` uniform draws ranking the eligible tokens, or ``None``.
+
+    Returns:
+      ``(loss_t, metrics)``: PPO's ``clip_frac_low`` / ``clip_frac_high``, ``cov_frac``
+      (the fraction of counted tokens cut), ``approx_kl`` and ratio stats.
+
+    >>> lp = torch.log(torch.tensor([[0.9, 0.1, 0.5, 0.5]]))
+    >>> adv = torch.tensor([[4.0, -4.0, 0.0, 0.0]])
+    >>> clip_cov_loss(lp, lp, adv, torch.ones(1, 4), cov_fraction=0.25, noise=torch.rand(1, 4))[0]
+    tensor([[0., 4., -0., -0.]])
+
+    Entropy control for GRPO (the paper's setting) is a change of its policy loss:
+
+    >>> from rlcore.algos import grpo
+    >>> grpo(kl_coef=0.0)._replace(policy_loss=clip_cov_loss).policy_loss.__name__
+    'clip_cov_loss'
+    """
+    _check(logp, old_logp, advantages, mask)
+    _check_clip("clip_low", clip_low)
+    _check_clip("clip_high", clip_high)
+    if not 0.0 < cov_fraction <= 1.0:
+        raise ValueError(f"cov_fraction: got {cov_fraction!r}, expected a number in (0, 1]")
+    if not cov_low < cov_high:
+        raise ValueError(f"cov_high: got {cov_high!r} with cov_low={cov_low!r}, expected cov_low < cov_high")
+    if noise is not None:
+        check_same_shape("noise", noise, "logp", logp)
+    tok = _prepare(logp, old_logp, advantages, mask)
+    nadv = tok.neg_adv
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    adv_pos, adv_neg = nadv < 0, nadv > 0
+    ratio = tok.log_ratio.exp()
+    lower = torch.where(adv_neg, ratio.new_full((), lo), 0.0)
+    upper = torch.where(adv_pos, ratio.new_full((), hi), math.inf)
+    ppo = nadv * ratio.clamp(lower, upper)
+    with torch.no_grad():
+        r = ratio.detach()
+        clip_low_t, clip_high_t = adv_neg & (r < lo), adv_pos & (r > hi)
+        cov = _covariance(tok, _logp(logp, tok).detach())
+        eligible = tok.keep & ~clip_low_t & ~clip_high_t & (cov > cov_low) & (cov < cov_high)
+        u = torch.rand(logp.shape, device=logp.device) if noise is None else noise.detach().to(cov.dtype)
+        cut = _first_ranked(u, eligible, _select_count(cov_fraction, tok))
+    loss = torch.where(cut, 0.0, ppo)
+    with torch.no_grad():
+        metrics = _ratio_metrics(r, tok.log_ratio, tok)
+        metrics["clip_frac_low"] = _mean(clip_low_t, tok)
+        metrics["clip_frac_high"] = _mean(clip_high_t, tok)
+        metrics["cov_frac"] = _mean(cut, tok)
+    return _cast(loss, logp.dtype), metrics
+
+
+def kl_cov_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cov_fraction: float = 2e-4,
+    kl_coef: float = 1.0,
+) -> tuple[torch.Tensor, Metrics]:
+    """Per-token KL-Cov loss: the unclipped surrogate, with a KL penalty on the highest-covariance tokens.
+
+    Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models", arXiv:2505.22617, section 4 (verl's ``kl_cov``). Defaults: the
+    authors' 32B runs, ``k = 2e-4`` (their 7B runs use ``2e-3``) and ``beta = 1`` (verl's
+    shipped config sets 0.1).
+
+    Formula, over the counted tokens of the batch (means weighted by the mask), with the
+    KL of the paper estimated as ``|log r_t|`` (as in its code)::
+
+        cov_t    = (A_t - mean A) * (sg(logp_t) - mean sg(logp))
+        selected = the max(floor(cov_fraction * N), 1) tokens of largest cov_t
+        loss_t   = -A_t * r_t + kl_coef * |log r_t| * selected
+
+    There is no ratio clip: the penalty on the few tokens that drive entropy down is the
+    only trust region. The top tokens are found by a stable sort on the device (ties go to
+    the earlier token; verl reads the tokens to the host for ``torch.topk``). As for
+    :func:`clip_cov_loss`, the selection is over the batch the loss sees.
+
+    Args:
+      logp, old_logp, advantages, mask: ``[B, T]`` as in :func:`ppo_clip_loss`.
+      cov_fraction: ``k``, the fraction of counted tokens penalised, in ``(0, 1]``.
+      kl_coef: ``beta`` (>= 0), the penalty's coefficient.
+
+    Returns:
+      ``(loss_t, metrics)``: ``cov_frac`` (the fraction penalised), ``abs_log_ratio`` (the
+      mean ``|log r|``), ``approx_kl`` and ratio stats.
+
+    >>> lp = torch.log(torch.tensor([[0.9, 0.1, 0.5, 0.5]]))
+    >>> adv = torch.tensor([[4.0, -4.0, 0.0, 0.0]])
+    >>> kl_cov_loss(lp, lp - 0.1, adv, torch.ones(1, 4), cov_fraction=0.25)[0]
+    tensor([[-4.4207,  4.5207,  0.0000,  0.0000]])
+    """
+    _check(logp, old_logp, advantages, mask)
+    if not 0.0 < cov_fraction <= 1.0:
+        raise ValueError(f"cov_fraction: got {cov_fraction!r}, expected a number in (0, 1]")
+    check_positive("kl_coef", kl_coef, strict=False, finite=True)
+    tok = _prepare(logp, old_logp, advantages, mask)
+    ratio = tok.log_ratio.exp()
+    with torch.no_grad():
+        cov = _covariance(tok, _logp(logp, tok).detach())
+        selected = _first_ranked(cov, tok.keep, _select_count(cov_fraction, tok))
+    loss = tok.neg_adv * ratio + torch.where(selected, kl_coef * tok.log_ratio.abs(), 0.0)
+    with torch.no_grad():
+        metrics = _ratio_metrics(ratio.detach(), tok.log_ratio, tok)
+        metrics["cov_frac"] = _mean(selected, tok)
+        metrics["abs_log_ratio"] = _mean(tok.log_ratio.detach().abs(), tok)
     return _cast(loss, logp.dtype), metrics

@@ -1,7 +1,8 @@
-"""Advantage estimators: token-level (GAE, REINFORCE++), group outcome (GRPO, RLOO, GPG, OPO, ReMax, pass@k), batch whitening."""
+"""Advantage estimators: token-level (GAE, REINFORCE++, optimal token baseline), group outcome (GRPO, GDPO, RLOO, GPG, OPO, ReMax, pass@k), batch whitening."""
 
 from rlcore.algos.advantages.normalize import batch_moments, batch_normalize
 from rlcore.algos.advantages.outcome import (
+    gdpo_advantages,
     gpg_advantages,
     grpo_advantages,
     opo_advantages,
@@ -9,15 +10,22 @@ from rlcore.algos.advantages.outcome import (
     rloo_advantages,
 )
 from rlcore.algos.advantages.passk import passk_advantages
-from rlcore.algos.advantages.token import gae, reinforce_pp_advantages, reinforce_pp_baseline_advantages
+from rlcore.algos.advantages.token import (
+    gae,
+    optimal_token_baseline_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+)
 
 __all__ = [
     "batch_moments",
     "batch_normalize",
     "gae",
+    "gdpo_advantages",
     "gpg_advantages",
     "grpo_advantages",
     "opo_advantages",
+    "optimal_token_baseline_advantages",
     "passk_advantages",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",

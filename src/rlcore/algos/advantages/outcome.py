@@ -1,4 +1,4 @@
-"""Outcome (sequence-score) advantage estimators with a group baseline: GRPO, RLOO, GPG, OPO, ReMax.
+"""Outcome (sequence-score) advantage estimators with a group baseline: GRPO, GDPO, RLOO, GPG, OPO, ReMax.
 
 Each takes one score per sample ``[B]`` and the sample's group ``group_ids [B]``
 (the prompt it answers; groups may be uneven and non-contiguous) and returns one
@@ -14,17 +14,33 @@ finite-loss check then stops the step); it never silently rescales other groups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rlcore._checks import check_choice, check_counts, check_floating, check_ndim, check_positive, check_same_shape
+from rlcore._checks import (
+    check_choice,
+    check_counts,
+    check_floating,
+    check_ndim,
+    check_positive,
+    check_same_shape,
+    check_shape,
+)
 from rlcore.algos._groups import check_outcome
-from rlcore.algos.advantages.normalize import batch_moments
+from rlcore.algos.advantages.normalize import batch_moments, batch_normalize
 from rlcore.algos.filters import dynamic_sampling_mask
 from rlcore.ops import acc_dtype, safe_div, segment_centred, segment_count, segment_sum, segment_zscore
 
-__all__ = ["gpg_advantages", "grpo_advantages", "opo_advantages", "remax_advantages", "rloo_advantages"]
+__all__ = [
+    "gdpo_advantages",
+    "gpg_advantages",
+    "grpo_advantages",
+    "opo_advantages",
+    "remax_advantages",
+    "rloo_advantages",
+]
 
 _SCALES = ("group", "batch", "none")
 
@@ -98,6 +114,77 @@ def grpo_advantages(
         return (centred / (std + eps)).to(scores.dtype)
     # eps = 0: where the std is 0 (a constant group) the centred score is exactly 0 too.
     return (centred / torch.where(std > 0, std, 1.0)).to(scores.dtype)
+
+
+def gdpo_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    *,
+    weights: torch.Tensor | Sequence[float] | None = None,
+    eps: float = 1e-6,
+    batch_norm: bool = True,
+    num_groups: int | None = None,
+    group_size: int | None = None,
+    process_group: Any = None,
+) -> torch.Tensor:
+    """GDPO advantages: each reward component normalised within its group, then combined.
+
+    Reference: Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization for Multi-reward RL Optimization", arXiv 2601.05242 (verl's ``gdpo``).
+    GRPO on the sum of several rewards maps different reward combinations to the same
+    advantage (a group whose format reward varies drowns a group whose accuracy varies);
+    normalising each component in its group first keeps them apart.
+
+    Formula, for components ``k`` with weights ``w_k``::
+
+        A_k   = grpo_advantages(scores[:, k], group_ids)        (group z-score per component)
+        A_sum = sum_k w_k * A_k
+        A     = (A_sum - mean(A_sum)) / sqrt(var(A_sum) + 1e-8)  (over the batch's samples)
+
+    The batch normalisation keeps the scale from growing with the number of components.
+    It is taken over samples: verl whitens the ``[B, T]`` token advantages instead, which
+    weighs each sample by its length and gives samples of all-equal groups a nonzero
+    advantage (``-mean / std``). With one component and ``batch_norm=False`` this is
+    exactly :func:`grpo_advantages`. A constant component contributes 0, and a group of
+    one sample gets 0, as in GRPO.
+
+    Args:
+      scores: ``[B, K]`` reward components per sample (``[B]`` is one component).
+      group_ids: ``[B]`` integer group of each sample (``None`` with ``group_size``).
+      weights: ``[K]`` weights ``w_k`` (a tensor or a sequence of numbers; 1 when ``None``).
+      eps: added to each group std.
+      batch_norm: whiten the combined advantages over the batch (the paper's last step).
+      num_groups, group_size: the group layout, as in :func:`grpo_advantages`.
+      process_group: take the batch statistics over all data-parallel ranks.
+
+    Returns:
+      ``[B]`` advantages in ``scores.dtype``.
+
+    >>> scores = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    >>> gdpo_advantages(scores, torch.tensor([0, 0, 1, 1]), batch_norm=False)
+    tensor([ 0.7071, -0.7071,  0.7071, -0.7071])
+    """
+    check_floating("scores", scores)
+    check_ndim("scores", scores, (1, 2))
+    columns = scores[:, None] if scores.dim() == 1 else scores
+    k = columns.shape[1]
+    if k == 0:
+        raise ValueError(f"scores: got shape {tuple(scores.shape)}, expected [B] or [B, K] with K >= 1 components")
+    w: torch.Tensor | None = None
+    if weights is not None:
+        w = weights if isinstance(weights, torch.Tensor) else torch.as_tensor(weights, dtype=torch.float64)
+        check_floating("weights", w)
+        check_shape("weights", w, (k,), what="one weight per reward component")
+    check_outcome(columns[:, 0], group_ids, num_groups, group_size)
+    acc = acc_dtype(scores.dtype)
+    total = torch.zeros(columns.shape[0], dtype=acc, device=scores.device)
+    for j in range(k):
+        adv = grpo_advantages(columns[:, j].to(acc), group_ids, eps=eps, num_groups=num_groups, group_size=group_size)
+        total = total + (adv if w is None else w[j].to(acc) * adv)
+    if batch_norm:
+        keep = torch.ones_like(total, dtype=torch.bool)
+        total = batch_normalize(total, keep, eps=1e-8, process_group=process_group)
+    return total.to(scores.dtype)
 
 
 def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, num_groups: int | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Token-level advantage estimators: GAE, REINFORCE++ and REINFORCE++ with a group baseline.
+"""Token-level advantage estimators: GAE, REINFORCE++, REINFORCE++ with a group baseline, the optimal token baseline.
 
-All three run on ``[B, T]`` right-padded tensors with an explicit ``mask``. Tokens with
+All of them run on ``[B, T]`` right-padded tensors with an explicit ``mask``. Tokens with
 mask 0 *inside* a response (observation tokens of a multi-turn rollout) are not time
 steps: they carry the running quantities through unchanged and their rewards and
 values are ignored, so padding may hold anything, even NaN. Every recurrence runs on
@@ -14,12 +14,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlcore._checks import check_floating, check_ndim, check_positive, check_same_shape, check_shape
+from rlcore._checks import (
+    check_floating,
+    check_group_ids,
+    check_integer,
+    check_ndim,
+    check_positive,
+    check_same_shape,
+    check_shape,
+)
 from rlcore.algos._groups import check_outcome
 from rlcore.algos.advantages.normalize import batch_normalize
-from rlcore.ops import acc_dtype, reverse_linear_scan, segment_centred
+from rlcore.ops import acc_dtype, reverse_linear_scan, segment_centred, segment_sum
 
-__all__ = ["gae", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages"]
+__all__ = ["gae", "optimal_token_baseline_advantages", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages"]
 
 
 def _check_tokens(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
@@ -189,3 +197,120 @@ def reinforce_pp_baseline_advantages(
     finite = torch.isfinite(tokens)
     out = batch_normalize(tokens, torch.where(finite, mask, 0), eps=eps, process_group=process_group)
     return torch.where(finite | (mask == 0), out, tokens).to(scores.dtype)
+
+
+def _compact(x: torch.Tensor, keep: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Row ``i``'s counted values moved to the front, in order (``slot`` is each token's counted index, ``T`` if none)."""
+    out = x.new_zeros(x.shape[0], x.shape[1] + 1)
+    return out.scatter(1, slot, torch.where(keep, x, 0.0))[:, :-1]
+
+
+def optimal_token_baseline_advantages(
+    rewards: torch.Tensor,
+    old_logp: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    multi_turn: bool = False,
+    eps: float = 1e-8,
+    num_groups: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline: a per-position group baseline weighted by each path's gradient variance.
+
+    Reference: verl's ``optimal_token_baseline`` and ``tir_optimal_token_baseline``; the
+    variance-minimising baseline ``b* = E[G ||grad log pi||^2] / E[||grad log pi||^2]``
+    of Weaver & Tao 2001, "The Optimal Reward Baseline for Gradient-Based RL", with the
+    squared norm of the logits' score function ``||e_y - pi||^2 = 1 - 2 pi_y + sum_v pi_v^2``.
+
+    Formula, per token ``t`` of response ``i`` in group ``g``::
+
+        G_{i,t} = sum_{s >= t} mask * rewards                   (reward-to-go)
+        w_{i,t} = (1 - 2 exp(old_logp_{i,t}) + sum_pi_squared_{i,t}) * rho_{i,t}^2
+        W_{i,t} = sum_{s <= t} mask * w                         (the path's variance so far)
+        b_{g,t} = sum_{i in g, t counted} G W / (sum_{i in g, t counted} W + eps)
+        A_{i,t} = G_{i,t} - b_{g,t}
+
+    with ``rho`` the ``is_weights`` (1 when ``None``). Where only one response of a group
+    is present, it has no baseline (``b = 0``, ``A = G``, as in verl): a group of one, and
+    with ``handle_zero_tail`` the positions of the longest response beyond all others
+    (otherwise its own return would be its baseline there, and its advantage 0).
+
+    ``multi_turn=False`` lines the responses up by position. With ``multi_turn=True`` the
+    mask may have holes (tool outputs inside the response) and the ``k``-th counted token
+    of each response is lined up with the ``k``-th of the others; a response with no
+    counted token then does not count as a member of its group (verl's ``tir_`` variant).
+
+    Args:
+      rewards: ``[B, T]`` token rewards (an outcome score on the last counted token).
+      old_logp: ``[B, T]`` log-probabilities of the sampled tokens under the rollout policy.
+      sum_pi_squared: ``[B, T]`` ``sum_v pi(v)^2`` of the rollout policy at each position,
+        e.g. ``torch.softmax(logits, -1).square().sum(-1)``.
+      mask: ``[B, T]``, nonzero where a token counts.
+      group_ids: ``[B]`` integer group (prompt) of each response, in ``[0, num_groups)``.
+      is_weights: optional ``[B, T]`` truncated importance weights ``rho`` (rollout vs
+        training engine); ``W`` then weighs by ``rho^2``, minimising the variance of the
+        importance-weighted estimator.
+      handle_zero_tail: no baseline where a single response of its group is present.
+      multi_turn: line the responses up by counted token rather than by position.
+      eps: added to the baseline's denominator.
+      num_groups: number of groups; ``None`` uses ``B`` (no host sync).
+
+    Returns:
+      ``(advantages, returns)``, both ``[B, T]`` in ``rewards.dtype`` and 0 where the mask is 0.
+
+    >>> rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    >>> adv, ret = optimal_token_baseline_advantages(
+    ...     rewards, torch.zeros(2, 2) - 0.7, torch.full((2, 2), 0.5), torch.ones(2, 2), torch.tensor([0, 0]))
+    >>> adv
+    tensor([[ 0.5000,  0.5000],
+            [-0.5000, -0.5000]])
+    """
+    _check_tokens("rewards", rewards, mask)
+    for name, x in (("old_logp", old_logp), ("sum_pi_squared", sum_pi_squared)):
+        check_floating(name, x)
+        check_same_shape(name, x, "rewards", rewards)
+    if is_weights is not None:
+        check_same_shape("is_weights", is_weights, "rewards", rewards)
+    check_ndim("group_ids", group_ids, 1)
+    check_integer("group_ids", group_ids)
+    check_shape("group_ids", group_ids, (rewards.shape[0],), what="one group per response")
+    check_positive("eps", eps, strict=False, finite=True)
+    if num_groups is None:
+        num_groups = rewards.shape[0]
+    elif isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups: got {num_groups!r}, expected a non-negative int (or None for B)")
+    check_group_ids(group_ids, num_groups)
+    acc = acc_dtype(rewards.dtype)
+    keep = mask != 0
+    r = torch.where(keep, rewards.to(acc), 0.0)
+    returns = r.flip(-1).cumsum(-1).flip(-1)
+    w = 1.0 - 2.0 * old_logp.to(acc).exp() + sum_pi_squared.to(acc)
+    if is_weights is not None:
+        w = w * is_weights.detach().to(acc).square()
+    path = torch.where(keep, w, 0.0).cumsum(-1)  # W_t
+    if multi_turn:
+        counted = keep.cumsum(-1)
+        slot = torch.where(keep, counted - 1, rewards.shape[1])
+        g_al, w_al = _compact(returns, keep, slot), _compact(path, keep, slot)
+        k_al = torch.arange(rewards.shape[1], device=rewards.device) < counted[:, -1:]
+        members = (counted[:, -1] > 0).to(acc)
+    else:
+        g_al, w_al, k_al = returns, path, keep
+        members = torch.ones(rewards.shape[0], dtype=acc, device=rewards.device)
+    on = k_al.to(acc)
+    num = segment_sum(g_al * w_al * on, group_ids, num_segments=num_groups)[group_ids]
+    den = segment_sum(w_al * on, group_ids, num_segments=num_groups)[group_ids]
+    sole = (segment_sum(members, group_ids, num_segments=num_groups)[group_ids] == 1)[:, None]
+    if handle_zero_tail:
+        sole = sole | (segment_sum(on, group_ids, num_segments=num_groups)[group_ids] == 1)
+    baseline = torch.where(sole, 0.0, num / (den + eps))
+    adv = g_al - baseline
+    if multi_turn:
+        adv = adv.gather(1, torch.where(keep, slot, 0))
+    return (
+        torch.where(keep, adv, 0.0).to(rewards.dtype),
+        torch.where(keep, returns, 0.0).to(rewards.dtype),
+    )

@@ -1,9 +1,10 @@
 """Recipes: named RL algorithms and preference recipes as compositions of rlcore's pure functions.
 
 An :class:`Algorithm` is a NamedTuple of the functions it is made of; the recipes
-(:func:`ppo`, :func:`grpo`, :func:`dr_grpo`, :func:`dapo`, :func:`gspo`,
-:func:`reinforce_pp`, :func:`rloo`) fill it with the published defaults, and
-``algo._replace(policy_loss=...)`` makes a new algorithm from an old one. :class:`DPO`
+(:func:`ppo`, :func:`grpo`, :func:`dr_grpo`, :func:`dapo`, :func:`gspo`, :func:`gdpo`,
+:func:`reinforce_pp`, :func:`rloo`, :func:`on_policy_distillation`) fill it with the
+published defaults, and ``algo._replace(policy_loss=...)`` makes a new algorithm from
+an old one. :class:`DPO`
 (:func:`dpo`) is the preference recipe of the same shape; both are a :class:`Recipe`.
 """
 
@@ -18,7 +19,17 @@ from rlcore.algos.recipes.adapters import (
     token_rewards_shaping,
 )
 from rlcore.algos.recipes.algorithm import Algorithm, chain
-from rlcore.algos.recipes.named import dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo
+from rlcore.algos.recipes.named import (
+    dapo,
+    dr_grpo,
+    gdpo,
+    grpo,
+    gspo,
+    on_policy_distillation,
+    ppo,
+    reinforce_pp,
+    rloo,
+)
 from rlcore.algos.recipes.needs import ScoringNeeds, scoring_needs
 from rlcore.algos.recipes.preference import DPO, PAIR_LOGP_COLUMNS, dpo
 from rlcore.algos.recipes.protocol import Recipe
@@ -35,10 +46,12 @@ __all__ = [
     "dr_grpo",
     "dynamic_sampling_filter",
     "gae_advantages",
+    "gdpo",
     "grpo",
     "gspo",
     "kl_reward_shaping",
     "kl_score_shaping",
+    "on_policy_distillation",
     "outcome_advantages",
     "overlong_shaping",
     "ppo",

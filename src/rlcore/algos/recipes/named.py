@@ -1,10 +1,10 @@
-"""Named recipes: PPO, GRPO, Dr. GRPO, DAPO, GSPO, REINFORCE++ and RLOO as compositions, with published defaults."""
+"""Named recipes: PPO, GRPO, Dr. GRPO, DAPO, GSPO, GDPO, REINFORCE++, RLOO and on-policy distillation as compositions, with published defaults."""
 
 from __future__ import annotations
 
 from functools import partial
 
-from rlcore.algos.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from rlcore.algos.advantages import gdpo_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.policy_losses import gspo_loss, ppo_clip_loss
 from rlcore.algos.recipes.adapters import (
@@ -20,7 +20,7 @@ from rlcore.algos.recipes.adapters import (
 from rlcore.algos.recipes.algorithm import Algorithm, chain
 from rlcore.algos.value_loss import value_loss
 
-__all__ = ["dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"]
+__all__ = ["dapo", "dr_grpo", "gdpo", "grpo", "gspo", "on_policy_distillation", "ppo", "reinforce_pp", "rloo"]
 
 
 def ppo(
@@ -185,4 +185,55 @@ def rloo(*, clip: float = 0.2, kl_coef: float = 0.05) -> Algorithm:
         policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
         agg_mode="token-mean",
         shaping=partial(kl_score_shaping, kl_coef=kl_coef, estimator="k1"),
+    )
+
+
+def gdpo(*, clip: float = 0.2, eps: float = 1e-6) -> Algorithm:
+    """GDPO: each reward component normalised within its group, summed, whitened over the batch; PPO clip.
+
+    Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
+    Multi-reward RL Optimization", arXiv:2601.05242 (:func:`rlcore.algos.gdpo_advantages`):
+    clip 0.2, no KL loss and a token mean, as verl's GDPO example. The batch's
+    ``scores`` are ``[B, K]``, one column per reward component (``[B]`` is one component).
+    Component weights: ``gdpo()._replace(advantage_estimator=partial(outcome_advantages,
+    estimator=partial(gdpo_advantages, weights=w)))``.
+
+    Batch: ``scores`` ``[B, K]``, ``group_ids``, ``logp``, ``old_logp``, ``mask``.
+
+    >>> gdpo().advantage_estimator.keywords["estimator"].func.__name__
+    'gdpo_advantages'
+    """
+    return Algorithm(
+        advantage_estimator=partial(outcome_advantages, estimator=partial(gdpo_advantages, eps=eps)),
+        policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+        agg_mode="token-mean",
+    )
+
+
+def on_policy_distillation(*, teacher_coef: float = 1.0, gamma: float = 0.0, clip: float = 0.2) -> Algorithm:
+    """On-policy distillation: the teacher's log-prob of each sampled token as a dense reward.
+
+    Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD),
+    arXiv:2306.13649, with the sampled-token reverse KL of Qwen3 (arXiv:2505.09388) and
+    Thinking Machines' "On-Policy Distillation" (2025): each token of the student's
+    sample is rewarded ``-teacher_coef * (old_logp - ref_logp)``, the negative one-sample
+    reverse KL to the teacher, whose log-probs fill the ``ref_logp`` column (the teacher
+    is this recipe's reference model). A task score in ``scores`` adds on the last token.
+    The discount ``gamma = 0`` credits each token with its own KL only (Thinking
+    Machines' choice; ``gamma = 1`` gives the sequence's reverse KL to go); the
+    advantages are whitened over the batch and the update is PPO-clipped. For the
+    full-vocabulary loss use :func:`rlcore.algos.generalized_jsd_loss`; for the
+    sampled-token reverse KL as a direct loss, :func:`rlcore.algos.reverse_kl_distill_loss`.
+
+    Batch: ``scores`` (0 for pure distillation) or ``rewards``, ``old_logp``,
+    ``ref_logp`` (the teacher's), ``logp``, ``mask``.
+
+    >>> on_policy_distillation().shaping.steps[1].keywords
+    {'kl_coef': 1.0, 'estimator': 'k1'}
+    """
+    return Algorithm(
+        advantage_estimator=partial(token_advantages, estimator=partial(reinforce_pp_advantages, gamma=gamma)),
+        policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+        agg_mode="token-mean",
+        shaping=chain(token_rewards_shaping, partial(kl_reward_shaping, kl_coef=teacher_coef, estimator="k1")),
     )

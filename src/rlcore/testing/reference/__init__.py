@@ -8,9 +8,11 @@ correct one.
 from rlcore.testing.reference.advantages import (
     batch_normalize_ref,
     gae_ref,
+    gdpo_advantages_ref,
     gpg_advantages_ref,
     grpo_advantages_ref,
     opo_advantages_ref,
+    optimal_token_baseline_advantages_ref,
     passk_advantages_ref,
     reinforce_pp_advantages_ref,
     reinforce_pp_baseline_advantages_ref,
@@ -18,15 +20,26 @@ from rlcore.testing.reference.advantages import (
     rloo_advantages_ref,
 )
 from rlcore.testing.reference.attention import packed_attention_ref
+from rlcore.testing.reference.distillation import generalized_jsd_loss_ref, reverse_kl_distill_loss_ref
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
 from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
-from rlcore.testing.reference.kl import adaptive_kl_coefs_ref, kl_in_reward_ref, kl_penalty_ref
+from rlcore.testing.reference.kl import (
+    adaptive_entropy_coefs_ref,
+    adaptive_kl_coefs_ref,
+    kl_in_reward_ref,
+    kl_penalty_ref,
+)
 from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
 from rlcore.testing.reference.losses import (
     aggregate_ref,
     cispo_loss_ref,
+    clip_cov_loss_ref,
+    dppo_kl_loss_ref,
+    dppo_tv_loss_ref,
+    dro_loss_ref,
     gmpo_loss_ref,
     gspo_loss_ref,
+    kl_cov_loss_ref,
     ppo_clip_loss_ref,
     reinforce_loss_ref,
     sapo_loss_ref,
@@ -69,6 +82,7 @@ from rlcore.testing.reference.resharding import (
     transition_peak_ref,
     unshard_ref,
 )
+from rlcore.testing.reference.reward_model import bradley_terry_loss_ref, process_reward_loss_ref
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
 from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
 from rlcore.testing.reference.seeding import row_uniform_ref, sample_token_ref
@@ -84,29 +98,38 @@ __all__ = [
     "LoopRun",
     "RunningNormalizerRef",
     "TransferDockRef",
+    "adaptive_entropy_coefs_ref",
     "adaptive_kl_coefs_ref",
     "aggregate_ref",
     "balanced_partition_ref",
     "batch_normalize_ref",
     "behaviour_weights_ref",
+    "bradley_terry_loss_ref",
     "cispo_loss_ref",
+    "clip_cov_loss_ref",
     "clip_rewards_ref",
     "cpo_loss_ref",
     "discounted_cumsum_ref",
     "dpo_loss_ref",
     "dpo_step_ref",
+    "dppo_kl_loss_ref",
+    "dppo_tv_loss_ref",
+    "dro_loss_ref",
     "dynamic_sampling_mask_ref",
     "entropy_ref",
     "filter_logits_ref",
     "first_fit_decreasing_ref",
     "flow_shop_makespan_ref",
     "gae_ref",
+    "gdpo_advantages_ref",
+    "generalized_jsd_loss_ref",
     "gmpo_loss_ref",
     "gpg_advantages_ref",
     "greedy_ref",
     "grpo_advantages_ref",
     "gspo_loss_ref",
     "interpolated_prox_logp_ref",
+    "kl_cov_loss_ref",
     "kl_in_reward_ref",
     "kl_penalty_ref",
     "kto_loss_ref",
@@ -121,6 +144,7 @@ __all__ = [
     "merge_metrics_ref",
     "min_bins_ref",
     "opo_advantages_ref",
+    "optimal_token_baseline_advantages_ref",
     "orpo_loss_ref",
     "overlong_penalty_ref",
     "pack_ref",
@@ -129,12 +153,14 @@ __all__ = [
     "pass_at_k_ref",
     "passk_advantages_ref",
     "ppo_clip_loss_ref",
+    "process_reward_loss_ref",
     "reinforce_loss_ref",
     "reinforce_pp_advantages_ref",
     "reinforce_pp_baseline_advantages_ref",
     "rejection_mask_ref",
     "remax_advantages_ref",
     "response_logprobs_ref",
+    "reverse_kl_distill_loss_ref",
     "reverse_linear_scan_ref",
     "rloo_advantages_ref",
     "row_uniform_ref",

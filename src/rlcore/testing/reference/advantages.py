@@ -16,9 +16,11 @@ import torch
 __all__ = [
     "batch_normalize_ref",
     "gae_ref",
+    "gdpo_advantages_ref",
     "gpg_advantages_ref",
     "grpo_advantages_ref",
     "opo_advantages_ref",
+    "optimal_token_baseline_advantages_ref",
     "passk_advantages_ref",
     "reinforce_pp_advantages_ref",
     "reinforce_pp_baseline_advantages_ref",
@@ -215,3 +217,75 @@ def passk_advantages_ref(scores: torch.Tensor, group_ids: torch.Tensor, *, k: in
             mine = [r for sub, r in zip(subsets, rewards) if i in sub]
             out[i] = float(sum((r - mu for r in mine), Fraction(0)) / len(mine)) / sigma
     return torch.tensor(out, dtype=torch.float64)
+
+
+def gdpo_advantages_ref(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    weights: list[float] | None = None,
+    eps: float = 1e-6,
+    batch_norm: bool = True,
+) -> torch.Tensor:
+    """GDPO: a GRPO z-score per component and group, the weighted sum, then whitened over the samples."""
+    columns = scores.double()[:, None] if scores.dim() == 1 else scores.double()
+    total = [0.0] * columns.shape[0]
+    for k in range(columns.shape[1]):
+        adv = grpo_advantages_ref(columns[:, k], group_ids, eps=eps).tolist()
+        w = 1.0 if weights is None else weights[k]
+        total = [t + w * a for t, a in zip(total, adv)]
+    if batch_norm:
+        mu = float(_mean(total))
+        std = _std(total)
+        total = [(t - mu) / math.sqrt(std * std + 1e-8) for t in total]
+    return torch.tensor(total, dtype=torch.float64)
+
+
+def optimal_token_baseline_advantages_ref(
+    rewards: torch.Tensor,
+    old_logp: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    multi_turn: bool = False,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline, one group and one aligned step at a time.
+
+    Each response becomes a list of ``(position, G_t, W_t)`` over its counted tokens;
+    responses are lined up by position, or by counted index with ``multi_turn``.
+    """
+    rs, lps, sps, ms = (x.double().tolist() for x in (rewards, old_logp, sum_pi_squared, mask))
+    rho = is_weights.double().tolist() if is_weights is not None else None
+    b, t_len = len(ms), len(ms[0]) if ms else 0
+    steps: list[dict[int, tuple[int, float, float]]] = []
+    ret_out = [[0.0] * t_len for _ in range(b)]
+    for i in range(b):
+        counted = [t for t in range(t_len) if ms[i][t] != 0]
+        running, path = 0.0, 0.0
+        g = {}
+        for t in reversed(counted):
+            running += rs[i][t]
+            g[t] = running
+        row: dict[int, tuple[int, float, float]] = {}
+        for k, t in enumerate(counted):
+            w = 1.0 - 2.0 * math.exp(lps[i][t]) + sps[i][t]
+            path += w * (rho[i][t] ** 2 if rho is not None else 1.0)
+            row[k if multi_turn else t] = (t, g[t], path)
+            ret_out[i][t] = g[t]
+        steps.append(row)
+    adv_out = [[0.0] * t_len for _ in range(b)]
+    for idx in _members(group_ids).values():
+        members = [i for i in idx if steps[i]] if multi_turn else idx
+        for i in idx:
+            for key, (t, g_t, _) in steps[i].items():
+                present = [steps[j][key] for j in idx if key in steps[j]]
+                if len(members) == 1 or (handle_zero_tail and len(present) == 1):
+                    base = 0.0
+                else:
+                    base = math.fsum(gj * wj for _, gj, wj in present) / (math.fsum(wj for *_, wj in present) + eps)
+                adv_out[i][t] = g_t - base
+    return torch.tensor(adv_out, dtype=torch.float64), torch.tensor(ret_out, dtype=torch.float64)

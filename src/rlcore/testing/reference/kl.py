@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["adaptive_kl_coefs_ref", "kl_in_reward_ref", "kl_penalty_ref"]
+__all__ = ["adaptive_entropy_coefs_ref", "adaptive_kl_coefs_ref", "kl_in_reward_ref", "kl_penalty_ref"]
 
 
 def _one(lp: float, rp: float, estimator: str) -> float:
@@ -63,4 +63,24 @@ def adaptive_kl_coefs_ref(
         error = min(max(kl / target - 1.0, -0.2), 0.2)
         value *= 1.0 + error * n / horizon
         out.append(value)
+    return out
+
+
+def adaptive_entropy_coefs_ref(
+    entropies: list[float],
+    *,
+    target: float = 0.2,
+    delta: float = 1e-4,
+    init_coef: float = 0.0,
+    max_coef: float | None = 0.005,
+) -> list[tuple[float, float]]:
+    """``(alpha, coef)`` after each update of the adaptive entropy controller, skipping non-finite entropies."""
+    alpha, coef, out = init_coef, init_coef, []
+    for h in entropies:
+        if math.isfinite(h):
+            alpha = max(alpha + (delta if h < target else -delta), 0.0)
+            if max_coef is not None:
+                alpha = min(alpha, max_coef)
+            coef = alpha if h < target else 0.0
+        out.append((alpha, coef))
     return out

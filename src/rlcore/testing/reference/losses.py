@@ -16,8 +16,13 @@ import torch
 __all__ = [
     "aggregate_ref",
     "cispo_loss_ref",
+    "clip_cov_loss_ref",
+    "dppo_kl_loss_ref",
+    "dppo_tv_loss_ref",
+    "dro_loss_ref",
     "gmpo_loss_ref",
     "gspo_loss_ref",
+    "kl_cov_loss_ref",
     "ppo_clip_loss_ref",
     "reinforce_loss_ref",
     "sapo_loss_ref",
@@ -352,3 +357,209 @@ def aggregate_ref(
     if mode == "seq-mean-token-sum-norm":
         return total / (n_seq * hor) if n_seq > 0 else 0.0
     raise ValueError(f"mode: got {mode!r}")
+
+
+def _binary_kl_ref(old_lp: float, lp: float) -> float:
+    """``KL(Bern(q) || Bern(p))`` for log-probabilities (clamped to <= 0), with ``0 log 0 = 0``."""
+    old_lp, lp = min(old_lp, 0.0), min(lp, 0.0)
+    q = math.exp(old_lp)
+    head = q * (old_lp - lp)
+    if old_lp == 0.0:
+        return head
+    if lp == 0.0:
+        return math.inf
+    return head + (1.0 - q) * (math.log(-math.expm1(old_lp)) - math.log(-math.expm1(lp)))
+
+
+def _dppo_ref(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    divergence: str,
+    clip_low: float,
+    clip_high: float,
+    ratio_cap: float | None,
+) -> Result:
+    lps, olps, advs, ms = _rows(logp, old_logp, advantages, mask)
+    loss, grad, lrs, outside, capped = [], [], [], [], []
+    for i, row in enumerate(ms):
+        lrow, grow = [], []
+        for t, m in enumerate(row):
+            if m == 0:
+                lrow.append(0.0)
+                grow.append(0.0)
+                continue
+            lp, olp, a = lps[i][t], olps[i][t], advs[i][t]
+            p, q = math.exp(min(lp, 0.0)), math.exp(min(olp, 0.0))
+            if divergence == "tv":
+                ok = p - q <= clip_high if a > 0 else p - q >= -clip_low
+            else:
+                d = _binary_kl_ref(olp, lp)
+                ok = (d <= clip_high or p <= q) if a > 0 else (d <= clip_low or p >= q)
+            lr = _log_ratio(lp, olp)
+            r = math.exp(lr)
+            w = r if ratio_cap is None else min(r, ratio_cap)
+            lrow.append(-w * a * lp if ok else 0.0)
+            grow.append(-w * a if ok else 0.0)
+            lrs.append(lr)
+            outside.append(not ok)
+            capped.append(ok and ratio_cap is not None and r > ratio_cap)
+        loss.append(lrow)
+        grad.append(grow)
+    metrics = {"trust_region_frac": _frac(outside), "cap_frac": _frac(capped), **_ratio_stats(lrs)}
+    return _tensor(loss), _tensor(grad), metrics
+
+
+def dppo_tv_loss_ref(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.15,
+    clip_high: float = 0.15,
+    ratio_cap: float | None = 20.0,
+) -> Result:
+    """DPPO-Binary-TV per token: ``-min(r, C) A logp`` where ``p - p_old`` stays within its bound, else 0."""
+    return _dppo_ref(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        divergence="tv",
+        clip_low=clip_low,
+        clip_high=clip_high,
+        ratio_cap=ratio_cap,
+    )
+
+
+def dppo_kl_loss_ref(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.05,
+    clip_high: float = 0.05,
+    ratio_cap: float | None = 20.0,
+) -> Result:
+    """DPPO-Binary-KL per token: as the TV one, with the Bernoulli KL bounding moves along the advantage."""
+    return _dppo_ref(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        divergence="kl",
+        clip_low=clip_low,
+        clip_high=clip_high,
+        ratio_cap=ratio_cap,
+    )
+
+
+def dro_loss_ref(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, beta: float
+) -> Result:
+    """DRO per token: ``-A logp + beta / 2 (logp - old_logp)^2``; gradient ``-A + beta (logp - old_logp)``."""
+    lps, olps, advs, ms = _rows(logp, old_logp, advantages, mask)
+    loss, grad, lrs, squares = [], [], [], []
+    for i, row in enumerate(ms):
+        lrow, grow = [], []
+        for t, m in enumerate(row):
+            if m == 0:
+                lrow.append(0.0)
+                grow.append(0.0)
+                continue
+            lp, olp, a = lps[i][t], olps[i][t], advs[i][t]
+            lrow.append(-a * lp + 0.5 * beta * (lp - olp) ** 2)
+            grow.append(-a + beta * (lp - olp))
+            lrs.append(_log_ratio(lp, olp))
+            squares.append((lp - olp) ** 2)
+        loss.append(lrow)
+        grad.append(grow)
+    metrics = {"log_ratio_sq": math.fsum(squares) / len(squares) if squares else 0.0, **_ratio_stats(lrs)}
+    return _tensor(loss), _tensor(grad), metrics
+
+
+def _covariances_ref(lps: list[list[float]], advs: list[list[float]], ms: list[list[float]]) -> dict:
+    """``{(i, t): (A - mean A) (logp - mean logp)}`` over the counted tokens."""
+    cells = [(i, t) for i, row in enumerate(ms) for t, m in enumerate(row) if m != 0]
+    if not cells:
+        return {}
+    mean_a = math.fsum(advs[i][t] for i, t in cells) / len(cells)
+    mean_lp = math.fsum(lps[i][t] for i, t in cells) / len(cells)
+    return {(i, t): (advs[i][t] - mean_a) * (lps[i][t] - mean_lp) for i, t in cells}
+
+
+def clip_cov_loss_ref(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    noise: torch.Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 1.0,
+    cov_fraction: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+) -> Result:
+    """Clip-Cov: PPO-clip, with loss and gradient 0 on the eligible tokens of largest ``noise``.
+
+    Eligible: covariance strictly inside ``(cov_low, cov_high)`` and not clipped by PPO;
+    ``max(int(cov_fraction * N), 1)`` of them are cut, ties to the earlier token.
+    """
+    loss, grad, metrics = ppo_clip_loss_ref(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+    lps, olps, advs, ms, us = _rows(logp, old_logp, advantages, mask, noise)
+    cov = _covariances_ref(lps, advs, ms)
+    eligible = []
+    for (i, t), c in cov.items():
+        r = math.exp(_log_ratio(lps[i][t], olps[i][t]))
+        a = advs[i][t]
+        clipped = (a > 0 and r > 1.0 + clip_high) or (a < 0 and r < 1.0 - clip_low)
+        if cov_low < c < cov_high and not clipped:
+            eligible.append((-us[i][t], i * len(ms[0]) + t, i, t))
+    count = max(int(cov_fraction * len(cov)), 1)
+    cut = [(i, t) for _, _, i, t in sorted(eligible)[:count]]
+    for i, t in cut:
+        loss[i, t] = 0.0
+        grad[i, t] = 0.0
+    metrics["cov_frac"] = len(cut) / len(cov) if cov else 0.0
+    return loss, grad, metrics
+
+
+def kl_cov_loss_ref(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cov_fraction: float = 2e-4,
+    kl_coef: float = 1.0,
+) -> Result:
+    """KL-Cov: ``-A r`` per token, plus ``kl_coef |log r|`` on the ``max(int(k N), 1)`` tokens of largest covariance."""
+    lps, olps, advs, ms = _rows(logp, old_logp, advantages, mask)
+    cov = _covariances_ref(lps, advs, ms)
+    width = len(ms[0]) if ms else 0
+    ranked = sorted((-c, i * width + t, i, t) for (i, t), c in cov.items())
+    chosen = {(i, t) for _, _, i, t in ranked[: max(int(cov_fraction * len(cov)), 1)]}
+    loss = [[0.0] * width for _ in ms]
+    grad = [[0.0] * width for _ in ms]
+    lrs, abs_lrs = [], []
+    for i, t in cov:
+        lr = _log_ratio(lps[i][t], olps[i][t])
+        r, a = math.exp(lr), advs[i][t]
+        live = -_CLAMP < lps[i][t] - olps[i][t] < _CLAMP
+        penalty = kl_coef * abs(lr) if (i, t) in chosen else 0.0
+        slope = kl_coef * math.copysign(1.0, lr) if (i, t) in chosen and lr != 0 else 0.0
+        loss[i][t] = -a * r + penalty
+        grad[i][t] = (-a * r + slope) if live else 0.0
+        lrs.append(lr)
+        abs_lrs.append(abs(lr))
+    metrics = {
+        "cov_frac": len(chosen) / len(cov) if cov else 0.0,
+        "abs_log_ratio": math.fsum(abs_lrs) / len(abs_lrs) if abs_lrs else 0.0,
+        **_ratio_stats(lrs),
+    }
+    return _tensor(loss), _tensor(grad), metrics

@@ -1,0 +1,115 @@
+"""The GDPO and on-policy-distillation recipes against their composed loop references, and the
+new policy losses plugged into an existing recipe with ``_replace``."""
+
+from functools import partial
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore import algos
+from rlcore.testing import assert_no_host_sync
+from rlcore.testing import reference as ref
+from rlcore.testing.loss_strategies import microbatch_splits, recipe_batches
+from rlcore.testing.reference.kl import kl_in_reward_ref
+from rlcore.testing.reference.shaping import scores_to_token_rewards_ref
+
+
+def _with_components(batch, k):
+    g = torch.Generator().manual_seed(int(batch["group_ids"].sum()))
+    extra = torch.randint(0, 2, (batch["scores"].shape[0], k - 1), generator=g).float()
+    return {**batch, "scores": torch.cat([batch["scores"][:, None], extra], -1)}
+
+
+@settings(max_examples=15, deadline=None)
+@given(batch=recipe_batches(dtype=torch.float64), k=st.integers(1, 3))
+def test_gdpo_recipe_matches_composed_references(batch, k):
+    batch = _with_components(batch, k)
+    algo = algos.gdpo()
+    prepared = algo.advantages(batch)
+    mask = batch["mask"]
+    adv = torch.where(mask, ref.gdpo_advantages_ref(batch["scores"], batch["group_ids"])[:, None], 0.0)
+    torch.testing.assert_close(prepared["advantages"], adv.to(prepared["advantages"].dtype), rtol=1e-5, atol=1e-6)
+    loss, _ = algo.loss(prepared, **algo.global_counts(prepared))
+    pg, _, _ = ref.ppo_clip_loss_ref(batch["logp"], batch["old_logp"], prepared["advantages"], mask)
+    # The advantages are float32 (the scores' dtype): the loss carries their rounding.
+    torch.testing.assert_close(loss, torch.tensor(ref.aggregate_ref(pg, mask), dtype=loss.dtype), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.0])
+@settings(max_examples=15, deadline=None)
+@given(batch=recipe_batches(dtype=torch.float64), coef=st.sampled_from([0.5, 1.0]), task=st.booleans())
+def test_on_policy_distillation_matches_composed_references(gamma, batch, coef, task):
+    """The teacher (in ``ref_logp``) rewards each token by minus its reverse-KL estimate."""
+    if not task:
+        batch = {**batch, "scores": torch.zeros_like(batch["scores"])}
+    algo = algos.on_policy_distillation(teacher_coef=coef, gamma=gamma)
+    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=True, ref_logp=True)
+    prepared = algo.advantages(batch)
+    mask = batch["mask"]
+    rewards, _ = kl_in_reward_ref(
+        scores_to_token_rewards_ref(batch["scores"], mask), batch["old_logp"], batch["ref_logp"], mask, kl_coef=coef
+    )
+    adv = ref.reinforce_pp_advantages_ref(rewards, mask, gamma=gamma)
+    torch.testing.assert_close(prepared["advantages"], adv.to(prepared["advantages"].dtype), rtol=1e-5, atol=1e-6)
+    loss, _ = algo.loss(prepared, **algo.global_counts(prepared))
+    pg, _, _ = ref.ppo_clip_loss_ref(batch["logp"], batch["old_logp"], adv, mask)
+    # The advantages are float32 (the scores' dtype): the loss carries their rounding.
+    torch.testing.assert_close(loss, torch.tensor(ref.aggregate_ref(pg, mask), dtype=loss.dtype), rtol=1e-5, atol=1e-6)
+
+
+LOSSES = {
+    "dppo_tv": algos.dppo_tv_loss,
+    "dppo_kl": algos.dppo_kl_loss,
+    "dro": partial(algos.dro_loss, beta=0.1),
+    "kl_cov": partial(algos.kl_cov_loss, cov_fraction=0.2),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@settings(max_examples=10, deadline=None)
+@given(batch=recipe_batches(dtype=torch.float64), data=st.data())
+def test_new_losses_in_grpo_add_up_over_micro_batches(name, batch, data):
+    """Token-local losses keep the recipe's micro-batch invariance (KL-Cov's selection is
+    batch-wide, so it is checked on a whole-batch call only)."""
+    algo = algos.grpo()._replace(policy_loss=LOSSES[name])
+    prepared = algo.advantages(batch)
+    counts = algo.global_counts(prepared)
+    logp = prepared["logp"].clone().requires_grad_(True)
+    whole, _ = algo.loss({**prepared, "logp": logp}, **counts)
+    whole.backward()
+    assert torch.isfinite(whole) and torch.isfinite(logp.grad).all()
+    if name == "kl_cov":
+        return
+    logp_mb = prepared["logp"].clone().requires_grad_(True)
+    total = torch.zeros((), dtype=torch.float64)
+    for idx in data.draw(microbatch_splits(logp.shape[0]), label="split"):
+        total = total + algo.loss({**{k: v[idx] for k, v in prepared.items()}, "logp": logp_mb[idx]}, **counts)[0]
+    total.backward()
+    torch.testing.assert_close(total, whole, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(logp_mb.grad, logp.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_new_recipes_have_no_host_sync():
+    g = torch.Generator().manual_seed(0)
+    b, t = 8, 5
+    batch = {
+        "scores": torch.rand(b, 2, generator=g),
+        "group_ids": torch.arange(b) // 4,
+        "mask": torch.rand(b, t, generator=g) > 0.2,
+        "old_logp": -torch.rand(b, t, generator=g),
+        "ref_logp": -torch.rand(b, t, generator=g),
+    }
+    batch["logp"] = batch["old_logp"] + 0.1
+
+    def step(algo, batch):
+        prepared = algo.advantages(batch)
+        return algo.loss(prepared, **algo.global_counts(prepared))
+
+    gdpo = algos.gdpo()._replace(
+        advantage_estimator=partial(algos.outcome_advantages, estimator=partial(algos.gdpo_advantages, group_size=4))
+    )
+    assert_no_host_sync(partial(step, gdpo), batch)
+    distill = {**batch, "scores": batch["scores"][:, 0]}
+    assert_no_host_sync(partial(step, algos.on_policy_distillation()), distill)
