@@ -54,6 +54,11 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              detached, are the old policy's (no separate forward); forward: always
     trainer.log_ref_kl_every                 when nothing reads the reference (rl.beta 0), its forward runs only
                                              every n steps to log the KL (0: never; the kl metric is then absent)
+    trainer.stop_signals                     signals that stop the run at the end of the current step with a
+                                             checkpoint there, exit status 75 (default [SIGTERM]; [] for none;
+                                             rlcore.train.preemption)
+    trainer.async_save                       checkpoints are written in the background (DCP async_save) while
+                                             training goes on; committed only once complete (default true)
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ import dataclasses
 import math
 import os
 import re
+import signal
 import types
 import typing
 from collections.abc import Hashable, Mapping, Sequence
@@ -74,6 +80,7 @@ import yaml
 from rlcore.agent import parse_multi_turn
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
+from rlcore.train.preemption import STOP_SIGNALS
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
@@ -171,6 +178,8 @@ class TrainerConfig:
     export: bool = True
     log_samples: int = 0
     log_ref_kl_every: int = 0
+    stop_signals: list = dataclasses.field(default_factory=lambda: ["SIGTERM"])
+    async_save: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +328,7 @@ def _validate(cfg: Config) -> None:
             f"config key 'trainer.seed': got {tr.seed}, expected an int in [-2**63, 2**64) (torch's range)"
         )
     _check_output_dir(tr.output_dir)
+    _check_stop_signals(tr.stop_signals)
     for key, kind in (
         ("path", "a dataset path"),
         ("val_path", "a dataset path"),
@@ -352,6 +362,19 @@ def _validate(cfg: Config) -> None:
             "config mapping (rlcore downloads nothing; save the model locally and override model.model_name_or_path=DIR)"
         )
     _check_model(cfg)
+
+
+def _check_stop_signals(names: list) -> None:
+    """``trainer.stop_signals``: distinct names of :data:`rlcore.train.preemption.STOP_SIGNALS` this platform has."""
+    known = [n for n in STOP_SIGNALS if hasattr(signal, n)]
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"config key 'trainer.stop_signals': got {name!r} in {names!r}, expected a list of signal names "
+                f"from {', '.join(known)} ([] for none)"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"config key 'trainer.stop_signals': got {names!r}, expected each signal once")
 
 
 def _check_data_keys(data: DataConfig, algo: str) -> None:

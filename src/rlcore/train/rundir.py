@@ -45,6 +45,8 @@ FREE_KEYS = frozenset(
         "trainer.timeline_iterations",
         "trainer.eval_every",
         "trainer.export",
+        "trainer.stop_signals",
+        "trainer.async_save",
         "deploy.rollout_timeout",
     }
 )
