@@ -86,11 +86,12 @@ def test_python_dash_m_entry_point(tmp_path):
     assert bad.returncode == 2 and "config key 'rl.algo': got str 'trpo'" in bad.stderr
 
 
-def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("stop_signals", ["[SIGTERM]", "[]"])
+def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path, stop_signals):
     import signal
     import time
 
-    from rlcore.train import load_checkpoint
+    from rlcore.train import load_checkpoint, read_metrics
 
     out = tmp_path / "run"
     cmd = [
@@ -105,6 +106,7 @@ def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
         f"trainer.output_dir={out}",
         "trainer.progress=false",
         "trainer.reward_workers=1",
+        f"trainer.stop_signals={stop_signals}",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 90
@@ -113,8 +115,12 @@ def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
-    assert load_checkpoint(out)["step"] >= 1
+    if stop_signals == "[]":  # SIGTERM is Ctrl-C: the run stops at once, the last committed checkpoint stays
+        assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
+        assert load_checkpoint(out)["step"] >= 1
+    else:  # a stop signal: the step under way finishes and is saved, the reward worker closed
+        assert proc.returncode == 75 and "stopped by SIGTERM after step" in err, err[-2000:]
+        assert load_checkpoint(out)["step"] == read_metrics(out / "metrics.jsonl")[-1]["step"] >= 2
 
 
 def _fake_train(calls):

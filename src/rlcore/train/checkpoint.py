@@ -421,7 +421,8 @@ def save_checkpoint_async(
 
     Returns:
       a ``concurrent.futures.Future`` of the committed version's directory; its
-      ``result()`` re-raises a failed write (the partial version is removed).
+      ``result()`` raises a :class:`CheckpointError` naming the cause of a failed write
+      (the partial version is removed).
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -470,7 +471,9 @@ def save_checkpoint_async(
         except BaseException as err:
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
-            done.set_exception(err)
+            failed = _fail(path, f"the background save failed, the previous version stays ({_cause(err)})")
+            failed.__cause__ = err
+            done.set_exception(failed)
         else:
             done.set_result(path)
         finally:
