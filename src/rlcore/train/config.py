@@ -59,6 +59,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              rlcore.train.preemption)
     trainer.async_save                       checkpoints are written in the background (DCP async_save) while
                                              training goes on; committed only once complete (default true)
+    trainer.max_worker_restarts              times a dead disaggregated rollout worker process is replaced (its
+                                             weights re-sent, its call redone) before the run stops (default 0)
 """
 
 from __future__ import annotations
@@ -180,6 +182,7 @@ class TrainerConfig:
     log_ref_kl_every: int = 0
     stop_signals: list = dataclasses.field(default_factory=lambda: ["SIGTERM"])
     async_save: bool = True
+    max_worker_restarts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +310,7 @@ def _validate(cfg: Config) -> None:
         ("trainer.eval_every", tr.eval_every),
         ("trainer.log_samples", tr.log_samples),
         ("trainer.log_ref_kl_every", tr.log_ref_kl_every),
+        ("trainer.max_worker_restarts", tr.max_worker_restarts),
     ):
         _positive(key, value, strict=False)
     for key in ("warmup_lr", "warmup_batch_size"):
@@ -329,6 +333,11 @@ def _validate(cfg: Config) -> None:
         )
     _check_output_dir(tr.output_dir)
     _check_stop_signals(tr.stop_signals)
+    if tr.max_worker_restarts and cfg.deploy.backend == "ray":
+        raise ValueError(
+            f"config key 'trainer.max_worker_restarts': got {tr.max_worker_restarts} with deploy.backend 'ray', "
+            "expected 0 (the local rollout worker process is replaced; a Ray actor is not yet)"
+        )
     for key, kind in (
         ("path", "a dataset path"),
         ("val_path", "a dataset path"),

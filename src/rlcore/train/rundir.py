@@ -47,6 +47,7 @@ FREE_KEYS = frozenset(
         "trainer.export",
         "trainer.stop_signals",
         "trainer.async_save",
+        "trainer.max_worker_restarts",
         "deploy.rollout_timeout",
     }
 )
