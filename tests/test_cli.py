@@ -199,7 +199,8 @@ def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
     # Issue 18, defect 3: SIGTERM unwound into a shutdown that waited for the stuck call.
     marker = tmp_path / "pid"
     argv = ["train", "--config", CONFIG, *TINY, "trainer.reward_workers=1", "trainer.progress=false"]
-    argv += ["trainer.plot=false", f"trainer.output_dir={tmp_path / 'run'}"]
+    # SIGTERM asks for the stuck step to finish; trainer.stop_timeout later the step is abandoned.
+    argv += ["trainer.plot=false", f"trainer.output_dir={tmp_path / 'run'}", "trainer.stop_timeout=1"]
     script = _STUCK_RUN.format(tests=TESTS, marker=str(marker), argv=argv)
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
@@ -211,6 +212,7 @@ def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
         # Guards against the hang; the run stops in about a second on a quiet machine.
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
+        assert "did not finish within 1 s of SIGTERM (trainer.stop_timeout); abandoning it" in err
         assert reward_helpers.wait_for(lambda: not reward_helpers.alive(worker), 120)
     finally:
         proc.kill()

@@ -124,6 +124,16 @@ def test_a_signal_during_a_save_never_corrupts_the_last_checkpoint(tmp_path, mon
     assert sorted(p.name for p in (tmp_path / CHECKPOINT_NAME).iterdir() if p.name.startswith("v")) == ["v000002"]
 
 
+def test_a_step_that_does_not_finish_within_the_stop_timeout_is_abandoned(capfd):
+    with stop_on_signals(["SIGUSR1"], timeout=0.2), pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(30)  # a stuck step: interrupted after 0.2 s
+    assert "did not finish within 0.2 s of SIGUSR1 (trainer.stop_timeout); abandoning it" in capfd.readouterr().err
+    with stop_on_signals(["SIGUSR1"], timeout=0.2):  # a stop that came in time: no interrupt later
+        os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.4)
+
+
 def test_handlers_are_installed_only_from_the_main_thread():
     seen = []
 
@@ -145,6 +155,8 @@ def test_stop_signals_are_validated_naming_the_key(tmp_path):
     ):
         with pytest.raises(ValueError, match=match):
             _cfg(tmp_path, f"trainer.stop_signals={bad}")
+    with pytest.raises(ValueError, match=r"'trainer.stop_timeout': got 0.0, expected > 0"):
+        _cfg(tmp_path, "trainer.stop_timeout=0")
 
 
 def test_sigterm_to_the_cli_saves_exits_75_and_resume_equals_the_whole_run(tmp_path):

@@ -462,8 +462,10 @@ def save_checkpoint_async(
     def finish() -> None:
         try:
             if writes is not None:
-                # Rank 0 (DCP's coordinator) gets its result only once every rank's shards are written.
-                writes.result()
+                # Rank 0 (DCP's coordinator) gets its result only once every rank's shards are written. An
+                # asynchronous stager's response (newer torch) carries the upload's future.
+                upload: Any = getattr(writes, "upload_completion", writes)
+                upload.result()
             elif collective:
                 dist.barrier(group=process_group)
             if rank == 0:

@@ -57,6 +57,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.stop_signals                     signals that stop the run at the end of the current step with a
                                              checkpoint there, exit status 75 (default [SIGTERM]; [] for none;
                                              rlcore.train.preemption)
+    trainer.stop_timeout                     seconds the step under way may take to finish after a stop signal
+                                             before it is abandoned (exit status 130; null: no limit; default 120)
     trainer.async_save                       checkpoints are written in the background (DCP async_save) while
                                              training goes on; committed only once complete (default true)
     trainer.max_worker_restarts              times a dead disaggregated rollout worker process is replaced (its
@@ -181,6 +183,7 @@ class TrainerConfig:
     log_samples: int = 0
     log_ref_kl_every: int = 0
     stop_signals: list = dataclasses.field(default_factory=lambda: ["SIGTERM"])
+    stop_timeout: float | None = 120.0
     async_save: bool = True
     max_worker_restarts: int = 0
 
@@ -321,6 +324,8 @@ def _validate(cfg: Config) -> None:
             _positive(f"data.{key}", getattr(cfg.data, key))
     if tr.reward_timeout is not None:
         _positive("trainer.reward_timeout", tr.reward_timeout)
+    if tr.stop_timeout is not None:
+        _positive("trainer.stop_timeout", tr.stop_timeout)
     most_threads = max(256, 4 * (os.cpu_count() or 1))  # torch takes a C int; OpenMP would start them all
     if tr.threads > most_threads:
         raise ValueError(

@@ -5,14 +5,18 @@ A scheduler that preempts a job (Slurm, Kubernetes, a spot instance's notice) se
 signals named by ``trainer.stop_signals`` into a request the trainer reads at the end of
 each step: the step finishes, the run saves a checkpoint of it, closes its workers and
 raises :class:`Preempted`; the command line exits with :data:`EXIT_PREEMPTED`, and
-``--resume`` continues with the next step. A second signal abandons the step at once
-(``KeyboardInterrupt``): the last committed checkpoint stays the one to resume from.
+``--resume`` continues with the next step. A second signal, or a step that does not
+finish within ``trainer.stop_timeout`` seconds of the first (a stuck reward, a hung
+engine), abandons the step (``KeyboardInterrupt``): the last committed checkpoint stays
+the one to resume from.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from types import FrameType
@@ -57,9 +61,10 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_on_signals(names: Sequence[str]) -> Iterator[StopRequest]:
-    """Within the block, each signal of ``names`` sets the yielded :class:`StopRequest`; a second one raises
-    ``KeyboardInterrupt`` (abandon the step). The previous handlers come back after the block.
+def stop_on_signals(names: Sequence[str], *, timeout: float | None = None) -> Iterator[StopRequest]:
+    """Within the block, each signal of ``names`` sets the yielded :class:`StopRequest`; a second one, or
+    ``timeout`` seconds passing after the first, raises ``KeyboardInterrupt`` in the main thread (abandon
+    the step). The previous handlers come back after the block.
 
     Handlers are installed only from the main thread (Python runs signal handlers there); elsewhere
     the request is never set by a signal.
@@ -74,11 +79,31 @@ def stop_on_signals(names: Sequence[str]) -> Iterator[StopRequest]:
     """
     request = StopRequest()
     previous: dict[signal.Signals, Any] = {}
+    timers: list[threading.Timer] = []
+
+    def abandon() -> None:
+        print(
+            f"rlcore: the step under way did not finish within {timeout:g} s of {request.signal_name} "
+            "(trainer.stop_timeout); abandoning it",
+            file=sys.stderr,
+            flush=True,
+        )
+        sig = signal.Signals[request.signal_name]  # handled here: a second signal, KeyboardInterrupt
+        main = threading.main_thread().ident
+        if hasattr(signal, "pthread_kill") and main is not None:
+            signal.pthread_kill(main, sig)  # a real signal: it also interrupts a blocking call in the main thread
+        else:
+            _thread.interrupt_main(sig)
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if request.is_set():
             raise KeyboardInterrupt
         request.set(signal.Signals(signum).name)
+        if timeout is not None:
+            timer = threading.Timer(timeout, abandon)
+            timer.daemon = True
+            timers.append(timer)
+            timer.start()
 
     try:
         if threading.current_thread() is threading.main_thread():
@@ -87,5 +112,7 @@ def stop_on_signals(names: Sequence[str]) -> Iterator[StopRequest]:
                 previous[sig] = signal.signal(sig, handler)
         yield request
     finally:
+        for timer in timers:
+            timer.cancel()
         for sig, old in previous.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)

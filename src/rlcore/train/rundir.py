@@ -46,6 +46,7 @@ FREE_KEYS = frozenset(
         "trainer.eval_every",
         "trainer.export",
         "trainer.stop_signals",
+        "trainer.stop_timeout",
         "trainer.async_save",
         "trainer.max_worker_restarts",
         "deploy.rollout_timeout",

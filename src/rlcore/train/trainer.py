@@ -106,13 +106,14 @@ def train(
       Preempted: a signal of ``trainer.stop_signals`` arrived (handled when ``train`` runs in
         the main thread; the previous handlers are restored after): the step under way
         finished, its checkpoint is committed and the workers are closed; ``resume=True``
-        continues with the next step. A second signal abandons the step (``KeyboardInterrupt``).
+        continues with the next step. A second signal, or ``trainer.stop_timeout`` seconds
+        without the step finishing, abandons the step (``KeyboardInterrupt``).
     """
     tr = cfg.trainer
     if tr.threads:
         torch.set_num_threads(tr.threads)
     check_run(cfg, engine=engine is not None)
-    with stop_on_signals(tr.stop_signals) as stop:
+    with stop_on_signals(tr.stop_signals, timeout=tr.stop_timeout) as stop:
         world = World(cfg, local_device())
         ok = False
         try:
