@@ -31,6 +31,15 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.reward_timeout                   seconds one batch's reward may run (null: no limit)
     trainer.reward_workers                   reward worker processes (0: score in the trainer's process)
     trainer.timeline_iterations              iterations shown in the output directory's timeline.png
+    trainer.stop_signals                     signals that stop the run at the end of the current step with a
+                                             checkpoint there, exit status 75 (default [SIGTERM]; [] for none;
+                                             rlcore.train.preemption)
+    trainer.stop_timeout                     seconds the step under way may take to finish after a stop signal
+                                             before it is abandoned (exit status 130; null: no limit; default 120)
+    trainer.async_save                       checkpoints are written in the background (DCP async_save) while
+                                             training goes on; committed only once complete (default true)
+    trainer.max_worker_restarts              times a dead disaggregated rollout worker process is replaced (its
+                                             weights re-sent, its call redone) before the run stops (default 0)
     trainer.warmup_steps, trainer.warmup_lr, trainer.warmup_batch_size   supervised warm-up first
     data.path, data.val_path                 a prompt dataset (JSONL / Parquet / save_to_disk) instead of the task,
                                              and a validation set; the tokenizer is the model directory's
@@ -54,15 +63,6 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              detached, are the old policy's (no separate forward); forward: always
     trainer.log_ref_kl_every                 when nothing reads the reference (rl.beta 0), its forward runs only
                                              every n steps to log the KL (0: never; the kl metric is then absent)
-    trainer.stop_signals                     signals that stop the run at the end of the current step with a
-                                             checkpoint there, exit status 75 (default [SIGTERM]; [] for none;
-                                             rlcore.train.preemption)
-    trainer.stop_timeout                     seconds the step under way may take to finish after a stop signal
-                                             before it is abandoned (exit status 130; null: no limit; default 120)
-    trainer.async_save                       checkpoints are written in the background (DCP async_save) while
-                                             training goes on; committed only once complete (default true)
-    trainer.max_worker_restarts              times a dead disaggregated rollout worker process is replaced (its
-                                             weights re-sent, its call redone) before the run stops (default 0)
 """
 
 from __future__ import annotations
