@@ -136,7 +136,7 @@ def test_the_trainer_replaces_a_killed_rollout_worker_and_trains_as_if_undisturb
     with pytest.warns(RuntimeWarning, match=r"exited with code -9; restarting it \(1 of at most 1\)"):
         disturbed = run(tmp_path / "a", KillsTheWorkerOnce(), "trainer.max_worker_restarts=1")
     assert [r["worker_restarts"] for r in disturbed] == [0.0, 1.0]  # killed after step 0's rollout
-    undisturbed = run(tmp_path / "b", KillsTheWorkerOnce(kill=False))
+    undisturbed = run(tmp_path / "b", KillsTheWorkerOnce(kill=False), "trainer.max_worker_restarts=1")
     assert [r["worker_restarts"] for r in undisturbed] == [0.0, 0.0]
     for a, b in zip(disturbed, undisturbed, strict=True):  # the redone rows are the ones the dead worker owed
         assert a["loss"] == b["loss"] and a["reward"] == b["reward"] and a["entropy"] == b["entropy"], a["step"]

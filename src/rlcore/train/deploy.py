@@ -316,8 +316,10 @@ class WorkerDeployment(_Synced):
         self._send(version, partial(self.worker.publish, version))
 
     def step_metrics(self) -> dict[str, float]:
-        # Replacements of a dead worker process so far (trainer.max_worker_restarts bounds them).
-        return {**super().step_metrics(), "worker_restarts": float(getattr(self.worker, "restarts", 0))}
+        out = super().step_metrics()
+        if self.max_restarts:  # replacements of a dead worker process so far, of trainer.max_worker_restarts
+            out["worker_restarts"] = float(getattr(self.worker, "restarts", 0))
+        return out
 
     def close(self) -> None:
         self.worker.close()
