@@ -15,11 +15,11 @@ from rlcore.train import load_config, train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_generate(marker_dir: str, deaths: int):
-    """Runs in the worker: responses = prompts * w + 0.5; the first ``deaths`` calls at version 2 kill the process."""
+def make_generate(marker_dir: str, deaths: int, at: int = 2):
+    """Runs in the worker: responses = prompts * w + 0.5; the first ``deaths`` calls at version ``at`` kill it."""
 
     def generate(batch, params):
-        if int(batch["policy_version"].max()) == 2:
+        if int(batch["policy_version"].max()) == at:
             done = len(os.listdir(marker_dir))
             if done < deaths:
                 Path(marker_dir, f"death{done}").touch()
@@ -76,6 +76,21 @@ def test_a_worker_killed_mid_call_is_replaced_and_its_rows_redone_with_their_ver
         assert b["prompts"].tolist() == [10 * j + i for i in range(6)]  # every row once, none lost
         # version v means weights w = 1 + v: the replacement got exactly the versions the rows record
         torch.testing.assert_close(b["responses"], b["prompts"].double() * (1 + v) + 0.5, rtol=0, atol=0)
+
+
+def test_the_replacement_gets_the_version_the_rows_record_not_the_newest(tmp_path):
+    with (
+        RolloutWorker(make_generate, args=(str(tmp_path), 1, 1), start_method="fork", max_restarts=1) as worker,
+        pytest.warns(RuntimeWarning, match="restarting it"),
+    ):
+        for v in range(4):  # the trainer is ahead: versions 0-3 published
+            worker.publish(v, {"w": torch.tensor(float(1 + v), dtype=torch.float64)})
+        call = worker.stage(inputs=["prompts"], outputs=["responses"]).fn
+        prompts = torch.arange(3)
+        for v in (1, 2, 3):  # the worker dies at version 1's rows
+            out = call({"prompts": prompts, "policy_version": torch.full((3,), v)})
+            assert torch.equal(out["responses"], prompts.double() * (1 + v) + 0.5), v
+        assert worker.restarts == 1
 
 
 def test_past_max_restarts_the_run_stops_with_the_named_error(tmp_path):
