@@ -190,3 +190,30 @@ def test_sigterm_to_the_cli_saves_exits_75_and_resume_equals_the_whole_run(tmp_p
     assert stopped < steps - 1 and [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(stopped + 1))
     assert main([*args, "--resume"]) == 0
     assert _curve(read_metrics(out / "metrics.jsonl")) == _whole(tmp_path / "whole", steps)[0]
+
+
+def _two_ranks(rank: int, init_file: str, tmp: str) -> None:
+    import torch.distributed as dist
+
+    from dist_helpers import leave
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    parallel = ["parallel.data_parallel=2", "rl.batch_size=2", "rl.mini_batch_size=2", "trainer.warmup_batch_size=4"]
+    cfg = _cfg(Path(tmp) / "run", *parallel, "trainer.steps=4", "trainer.stop_signals=[SIGUSR1]")
+    try:
+        train(cfg, reward=SignalsAt(call=2 if rank == 1 else 0))  # only rank 1 is signalled, during step 1
+        stopped: tuple = (rank, None, None)
+    except Preempted as err:
+        stopped = (rank, err.step, err.signal_name)
+    torch.save(stopped, Path(tmp) / f"rank{rank}.pt")
+    leave()
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    from dist_helpers import spawn
+
+    spawn(_two_ranks, (str(tmp_path / "init"), str(tmp_path)), nprocs=2, timeout=240)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert got == [(0, 1, "a peer"), (1, 1, "SIGUSR1")]  # no rank went on into a collective alone
+    assert load_checkpoint(tmp_path / "run")["step"] == 1
