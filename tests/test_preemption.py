@@ -129,6 +129,11 @@ def test_a_step_that_does_not_finish_within_the_stop_timeout_is_abandoned(capfd)
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(30)  # a stuck step: interrupted after 0.2 s
     assert "did not finish within 0.2 s of SIGUSR1 (trainer.stop_timeout); abandoning it" in capfd.readouterr().err
+    with stop_on_signals(["SIGUSR1"], timeout=0.2) as stop:  # a stop under way (saved): no interrupt
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        stop.disarm()
+        time.sleep(0.4)
     with stop_on_signals(["SIGUSR1"], timeout=0.2):  # a stop that came in time: no interrupt later
         os.kill(os.getpid(), signal.SIGUSR1)
     time.sleep(0.4)

@@ -50,6 +50,12 @@ class StopRequest:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.signal_name = ""
+        self.timers: list[threading.Timer] = []
+
+    def disarm(self) -> None:
+        """The stop is under way (the step finished and is saved): no abandoning by the timeout from now on."""
+        for timer in self.timers:
+            timer.cancel()
 
     def set(self, signal_name: str) -> None:
         if not self._event.is_set():
@@ -79,7 +85,6 @@ def stop_on_signals(names: Sequence[str], *, timeout: float | None = None) -> It
     """
     request = StopRequest()
     previous: dict[signal.Signals, Any] = {}
-    timers: list[threading.Timer] = []
 
     def abandon() -> None:
         print(
@@ -102,7 +107,7 @@ def stop_on_signals(names: Sequence[str], *, timeout: float | None = None) -> It
         if timeout is not None:
             timer = threading.Timer(timeout, abandon)
             timer.daemon = True
-            timers.append(timer)
+            request.timers.append(timer)
             timer.start()
 
     try:
@@ -112,7 +117,6 @@ def stop_on_signals(names: Sequence[str], *, timeout: float | None = None) -> It
                 previous[sig] = signal.signal(sig, handler)
         yield request
     finally:
-        for timer in timers:
-            timer.cancel()
+        request.disarm()
         for sig, old in previous.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)

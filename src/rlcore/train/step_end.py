@@ -100,9 +100,13 @@ class StepEnd:
         self.records.append(record)
         if self.log is not None:
             self.log.write(record)
-        if stop and step + 1 < tr.steps:
+        if stop:
             self.wait_saved()
-            raise Preempted(step, self.stop.signal_name if self.stop is not None and self.stop.is_set() else "a peer")
+            if self.stop is not None:
+                self.stop.disarm()  # saved: closing the workers must not be cut short by trainer.stop_timeout
+            if step + 1 < tr.steps:
+                by = self.stop.signal_name if self.stop is not None and self.stop.is_set() else "a peer"
+                raise Preempted(step, by)
 
     def _metrics(self, step: int) -> dict[str, float]:
         world, rl = self.world, self.cfg.rl
