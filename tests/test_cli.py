@@ -86,11 +86,12 @@ def test_python_dash_m_entry_point(tmp_path):
     assert bad.returncode == 2 and "config key 'rl.algo': got str 'trpo'" in bad.stderr
 
 
-def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("stop_signals", ["[SIGTERM]", "[]"])
+def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path, stop_signals):
     import signal
     import time
 
-    from rlcore.train import load_checkpoint
+    from rlcore.train import load_checkpoint, read_metrics
 
     out = tmp_path / "run"
     cmd = [
@@ -105,6 +106,7 @@ def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
         f"trainer.output_dir={out}",
         "trainer.progress=false",
         "trainer.reward_workers=1",
+        f"trainer.stop_signals={stop_signals}",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 90
@@ -113,8 +115,12 @@ def test_sigterm_stops_cleanly_and_keeps_the_checkpoint(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
-    assert load_checkpoint(out)["step"] >= 1
+    if stop_signals == "[]":  # SIGTERM is Ctrl-C: the run stops at once, the last committed checkpoint stays
+        assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
+        assert load_checkpoint(out)["step"] >= 1
+    else:  # a stop signal: the step under way finishes and is saved, the reward worker closed
+        assert proc.returncode == 75 and "stopped by SIGTERM after step" in err, err[-2000:]
+        assert load_checkpoint(out)["step"] == read_metrics(out / "metrics.jsonl")[-1]["step"] >= 2
 
 
 def _fake_train(calls):
@@ -193,7 +199,8 @@ def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
     # Issue 18, defect 3: SIGTERM unwound into a shutdown that waited for the stuck call.
     marker = tmp_path / "pid"
     argv = ["train", "--config", CONFIG, *TINY, "trainer.reward_workers=1", "trainer.progress=false"]
-    argv += ["trainer.plot=false", f"trainer.output_dir={tmp_path / 'run'}"]
+    # SIGTERM asks for the stuck step to finish; trainer.stop_timeout later the step is abandoned.
+    argv += ["trainer.plot=false", f"trainer.output_dir={tmp_path / 'run'}", "trainer.stop_timeout=1"]
     script = _STUCK_RUN.format(tests=TESTS, marker=str(marker), argv=argv)
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
@@ -205,6 +212,7 @@ def test_stuck_reward_sigterm_stops_the_run_within_seconds(tmp_path):
         # Guards against the hang; the run stops in about a second on a quiet machine.
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130 and "interrupted; the last checkpoint is intact" in err
+        assert "did not finish within 1 s of SIGTERM (trainer.stop_timeout); abandoning it" in err
         assert reward_helpers.wait_for(lambda: not reward_helpers.alive(worker), 120)
     finally:
         proc.kill()

@@ -37,7 +37,7 @@ TINY = [
     "deploy.async_infer=false",
     "trainer.reward_workers=0",
 ]
-TIME_KEYS = {"step_time_s", "tokens_per_s_device"}
+TIME_KEYS = {"step_time_s", "tokens_per_s_device", "checkpoint_stall_s"}
 
 
 def tiny(name: str, out: Path, *extra: str):

@@ -192,7 +192,7 @@ def test_resume_is_bit_exact_for_every_shipped_config(name, tmp_path):
     whole = train(tiny(name, tmp_path / "a", "trainer.steps=4"))
     train(tiny(name, tmp_path / "b", "trainer.steps=2"))
     resumed = train(tiny(name, tmp_path / "b", "trainer.steps=4"), resume=True)
-    timing = ("busy_s/", "bubble/", "sync_s", "step_time_s", "tokens_per_s_device")
+    timing = ("busy_s/", "bubble/", "sync_s", "step_time_s", "tokens_per_s_device", "checkpoint_stall_s")
 
     def keep(r):
         return {k: v for k, v in r.items() if not k.startswith(timing)}

@@ -24,6 +24,7 @@ import multiprocessing.connection
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -185,6 +186,14 @@ class ProxyRollout:
         )
 
 
+class _WorkerDied(RuntimeError):
+    """The worker process is gone (``kill -9``, an OOM kill, a segfault): the named error the run stops with."""
+
+    def __init__(self, name: str, code: int | None) -> None:
+        super().__init__(f"stage {name!r}: rollout worker process exited with code {code}")
+        self.cause = f"the worker process exited with code {code}"
+
+
 class RolloutWorker(ProxyRollout):
     """A rollout in its own process, driven by a proxy :class:`~rlcore.dataflow.Stage` of the trainer's pipeline.
 
@@ -208,6 +217,13 @@ class RolloutWorker(ProxyRollout):
       threads: torch intra-op threads in the worker.
       start_method: ``"spawn"`` (default, safe with threads) or ``"fork"``.
       join_timeout: seconds :meth:`close` waits before terminating the worker.
+      max_restarts: how many times a dead worker process is replaced (0: its death stops
+        the run). The replacement receives the weights again (the packets from the version
+        of the call under way on, kept for that), and the call is sent again, so its rows
+        are redone with exactly the version they record; :attr:`restarts` counts the
+        replacements and :attr:`restart_causes` says why, and each one is warned about.
+        Past the bound the death raises as without restarts.
+      ready_timeout: seconds a replacement may take to build its generate function.
     """
 
     def __init__(
@@ -218,12 +234,29 @@ class RolloutWorker(ProxyRollout):
         threads: int = 1,
         start_method: str = "spawn",
         join_timeout: float = 10.0,
+        max_restarts: int = 0,
+        ready_timeout: float = 120.0,
     ) -> None:
         if not callable(factory):
             raise ValueError(f"factory: got {type(factory).__name__}, expected a module-level callable")
-        ctx = mp.get_context(start_method)
-        self._jobs, self._weights, self._results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+            raise ValueError(f"max_restarts: got {max_restarts!r}, expected an int >= 0")
+        self._ctx = mp.get_context(start_method)
+        self._spec = (factory, args, threads)
         self.join_timeout = join_timeout
+        self.max_restarts, self.ready_timeout = max_restarts, ready_timeout
+        self.restarts = 0
+        self.restart_causes: list[str] = []
+        # The packets a replacement may need: the version of the last job sent, and every later one.
+        self._packets: dict[int, WeightPacket] = {}
+        self._sent = -1
+        self._launch()
+        self.published = -1
+        self._closed = False
+
+    def _launch(self) -> None:
+        ctx, (factory, args, threads) = self._ctx, self._spec
+        self._jobs, self._weights, self._results = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # The kernel's parent-death signal follows the starting thread: only the main one outlives the worker.
         deathsig = threading.current_thread() is threading.main_thread()
         self.process = ctx.Process(  # type: ignore[attr-defined]  # get_context() returns a concrete context
@@ -232,9 +265,7 @@ class RolloutWorker(ProxyRollout):
             daemon=True,
         )
         self.process.start()
-        self.published = -1
         self._ready = False
-        self._closed = False
 
     def publish(self, version: int, weights: WeightPacket | Mapping[str, torch.Tensor]) -> None:
         """Send weights ``version`` to the worker; returns at once.
@@ -254,7 +285,10 @@ class RolloutWorker(ProxyRollout):
         if not isinstance(weights, WeightPacket):
             weights = WeightSync(weights).gather()
         buffers = tuple(b.detach().clone().share_memory_() for b in weights.buffers)
-        self._weights.put(weights._replace(version=version, buffers=buffers))
+        packet = weights._replace(version=version, buffers=buffers)
+        self._weights.put(packet)
+        if self.max_restarts:
+            self._packets[version] = packet
         self.published = version
 
     def _check_open(self) -> None:
@@ -269,8 +303,48 @@ class RolloutWorker(ProxyRollout):
             raise ValueError(
                 f"stage {name!r}: rows stamped with policy version {want}, but only up to {self.published} was published"
             )
-        self._jobs.put((batch, want))
-        return self._receive(name, None)
+        if self.max_restarts:  # a replacement starts from this job's version: older packets are not needed again
+            self._sent = max(self._sent, want)
+            for v in [v for v in self._packets if v < self._sent]:
+                del self._packets[v]
+        while True:
+            self._jobs.put((batch, want))
+            try:
+                return self._receive(name, None)
+            except _WorkerDied as died:
+                if self.restarts >= self.max_restarts:
+                    bound = f" (after {self.restarts} restart{'s' * (self.restarts != 1)}, the most allowed)"
+                    raise RuntimeError(f"{died}{bound if self.max_restarts else ''}") from None
+                self._restart(name, str(died.cause))
+
+    def _restart(self, name: str, cause: str) -> None:
+        """Replace the dead process: a new one with fresh queues, the weights from the last job's version on.
+
+        The call that was under way is sent again: its rows are redone by the replacement
+        with the version they record and the same random streams (keyed by row), so they come
+        out as the dead worker would have made them.
+        """
+        self.restarts += 1
+        self.restart_causes.append(cause)
+        warnings.warn(
+            f"stage {name!r}: {cause}; restarting it ({self.restarts} of at most {self.max_restarts})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self._discard()
+        self._launch()
+        self._receive(name, self.ready_timeout)
+        for version in sorted(self._packets):
+            self._weights.put(self._packets[version])
+
+    def _discard(self) -> None:
+        """Reap the process (dead, or stopped here) and drop its queues (a killed writer may hold their locks)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        for q in (self._jobs, self._weights, self._results):
+            q.cancel_join_thread()
+            q.close()
 
     def _receive(self, name: str, timeout: float | None) -> Any:
         """The worker's next result, skipping its ready message; raises its errors, its death or the timeout."""
@@ -280,9 +354,7 @@ class RolloutWorker(ProxyRollout):
                 raw = self._results.get(timeout=0.1)
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise RuntimeError(
-                        f"stage {name!r}: rollout worker process exited with code {self.process.exitcode}"
-                    ) from None
+                    raise _WorkerDied(name, self.process.exitcode) from None
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
                 continue

@@ -18,6 +18,7 @@ from rlcore.train.checkpoint import (
     load_checkpoint,
     rng_state,
     save_checkpoint,
+    save_checkpoint_async,
     set_rng_state,
 )
 from rlcore.train.columns import COLUMNS
@@ -54,6 +55,7 @@ from rlcore.train.parallel import (
     parallelize,
     shard_mesh,
 )
+from rlcore.train.preemption import EXIT_PREEMPTED, STOP_SIGNALS, Preempted, StopRequest, stop_on_signals
 from rlcore.train.prompts import (
     PROMPT_COLUMNS,
     DatasetPrompts,
@@ -232,3 +234,5 @@ __all__ += [
 ]
 # LoRA in the trainer.
 __all__ += ["LORA_KEYS", "adapter_modules", "attach_lora", "check_lora_launch", "lora_options"]
+# Stopping on a signal at a step boundary (preemption), and resuming.
+__all__ += ["EXIT_PREEMPTED", "STOP_SIGNALS", "Preempted", "StopRequest", "save_checkpoint_async", "stop_on_signals"]

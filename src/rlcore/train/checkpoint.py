@@ -26,8 +26,10 @@ import os
 import random
 import re
 import shutil
+import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ __all__ = [
     "load_checkpoint",
     "rng_state",
     "save_checkpoint",
+    "save_checkpoint_async",
     "set_rng_state",
 ]
 
@@ -278,14 +281,30 @@ def save_checkpoint(output_dir: str | os.PathLike, state: Mapping[str, Any], *, 
     >>> load_checkpoint(d)["step"]
     3
     """
+    kinds, collective, rank, root = _prepare_save(output_dir, state, step)
+    lock, previous, name = _start(root, step, collective, rank)
+    try:
+        return _save_version(root / name, state, kinds, collective, rank, previous)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _prepare_save(
+    output_dir: str | os.PathLike, state: Mapping[str, Any], step: int | None
+) -> tuple[dict[str, str], bool, int, Path]:
+    """Check a save's arguments: the entries' kinds, whether the save is collective, this rank."""
     if not isinstance(state, Mapping) or not all(isinstance(k, str) and k and "." not in k for k in state):
         raise ValueError(f"state: got {type(state).__name__}, expected a mapping with non-empty str keys without '.'")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step: got {step!r}, expected a non-negative int (the steps the checkpoint holds) or None")
     kinds = {name: _kind(name, value) for name, value in state.items()}
     collective = _collective(kinds)
-    rank = dist.get_rank() if collective else 0
-    root = Path(output_dir) / CHECKPOINT_NAME
+    return kinds, collective, dist.get_rank() if collective else 0, Path(output_dir) / CHECKPOINT_NAME
+
+
+def _start(root: Path, step: int | None, collective: bool, rank: int) -> tuple[int | None, str | None, str]:
+    """Every rank: the save lock (rank 0), the committed version and the new version's folder (named by rank 0)."""
     lock: int | None = None
     previous: str | None = None
     name = ""
@@ -303,10 +322,11 @@ def save_checkpoint(output_dir: str | os.PathLike, state: Mapping[str, Any], *, 
             name = _broadcast(name)
             if not name:
                 raise _fail(root, "rank 0 could not start the save (its error names the cause)")
-        return _save_version(root / name, state, kinds, collective, rank, previous)
-    finally:
+    except BaseException:
         if lock is not None:
             os.close(lock)
+        raise
+    return lock, previous, name
 
 
 def _begin(root: Path, step: int | None) -> tuple[str | None, str]:
@@ -327,42 +347,143 @@ def _begin(root: Path, step: int | None) -> tuple[str | None, str]:
 def _save_version(
     path: Path, state: Mapping[str, Any], kinds: Mapping[str, str], collective: bool, rank: int, previous: str | None
 ) -> Path:
-    root, name = path.parent, path.name
-    committed = False
     try:
-        data = {k: v for k, v in state.items() if kinds[k] == "data"}
-        _write(path / f"data_{rank}.pt", lambda f: torch.save(data, f))
-        tensors = {k: _tensor_state(kinds[k], v) for k, v in state.items() if kinds[k] != "data"}
+        tensors = _write_data(path, state, kinds, rank)
         if tensors:
             with _quiet_single_process(not collective):
                 dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=not collective)
         if collective:
             dist.barrier()
         if rank == 0:
-            world = dist.get_world_size() if collective else 1
-            manifest = {
-                "format": _FORMAT,
-                "version": _VERSION,
-                "world_size": world,
-                "entries": dict(kinds),
-                "files": _file_digests(path),
-            }
-            _write(path / _MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-            _fsync_dir(path)
-            tmp = root / f".{_LATEST}.tmp"
-            _write(tmp, lambda f: f.write(f"{name}\n".encode()))
-            os.replace(tmp, root / _LATEST)
-            committed = True
-            _fsync_dir(root)
-            if previous is not None:
-                shutil.rmtree(root / previous, ignore_errors=True)
+            _commit(path, kinds, dist.get_world_size() if collective else 1, previous)
     except BaseException:
-        if rank == 0 and not committed:  # a full disk, Ctrl-C: the partial version goes, the last one stays
+        if rank == 0 and _committed(path.parent) != path.name:  # a full disk, Ctrl-C: the partial version goes
             shutil.rmtree(path, ignore_errors=True)
         raise
     if collective:
         dist.barrier()
     return path
+
+
+def _write_data(path: Path, state: Mapping[str, Any], kinds: Mapping[str, str], rank: int) -> dict[str, Any]:
+    """Write this rank's plain-data file; return the tensor entries' state dicts (DCP's to write)."""
+    data = {k: v for k, v in state.items() if kinds[k] == "data"}
+    _write(path / f"data_{rank}.pt", lambda f: torch.save(data, f))
+    return {k: _tensor_state(kinds[k], v) for k, v in state.items() if kinds[k] != "data"}
+
+
+def _commit(path: Path, kinds: Mapping[str, str], world: int, previous: str | None) -> None:
+    """Rank 0, once every rank's files are written: the manifest, then ``latest`` replaced atomically (the
+    commit), then the previous version removed."""
+    root, name = path.parent, path.name
+    manifest = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "world_size": world,
+        "entries": dict(kinds),
+        "files": _file_digests(path),
+    }
+    _write(path / _MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    _fsync_dir(path)
+    tmp = root / f".{_LATEST}.tmp"
+    _write(tmp, lambda f: f.write(f"{name}\n".encode()))
+    os.replace(tmp, root / _LATEST)
+    _fsync_dir(root)
+    if previous is not None:
+        shutil.rmtree(root / previous, ignore_errors=True)
+
+
+def save_checkpoint_async(
+    output_dir: str | os.PathLike,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    process_group: Any = None,
+) -> Future[Path]:
+    """:func:`save_checkpoint` off the critical path: the tensors are copied to host memory, then written and
+    committed in the background (``torch.distributed.checkpoint.async_save``).
+
+    The call returns once the tensors are staged, so the caller may change the modules and
+    optimisers at once. The version counts only when committed: every rank's shards
+    written, then the manifest, then ``latest`` replaced atomically, as in
+    :func:`save_checkpoint`; until then ``latest`` names the previous version, so a crash
+    or ``kill -9`` during the background write leaves that one loadable. One save at a
+    time: wait for the returned future before the next save into the same folder.
+
+    With a process group, every rank calls it; ``process_group`` is the group of the
+    background writes' collectives, which must have a CPU backend (gloo) and should not be
+    one the caller's own collectives use meanwhile (the default: a ``dist.new_group`` made
+    here; the trainer makes one per run).
+
+    Args:
+      output_dir, state, step: as in :func:`save_checkpoint`.
+      process_group: the group the background save synchronises over.
+
+    Returns:
+      a ``concurrent.futures.Future`` of the committed version's directory; its
+      ``result()`` raises a :class:`CheckpointError` naming the cause of a failed write
+      (the partial version is removed).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> model = torch.nn.Linear(2, 2)
+    >>> pending = save_checkpoint_async(d, {"step": 3, "model": model})
+    >>> _ = model.weight.data.zero_()  # training goes on: the staged copy is what is written
+    >>> pending.result().name, bool(load_checkpoint(d)["model"]["weight"].any())
+    ('v000001', True)
+    """
+    kinds, collective, rank, root = _prepare_save(output_dir, state, step)
+    if collective and process_group is None:
+        process_group = dist.new_group(backend="gloo")
+    lock, previous, name = _start(root, step, collective, rank)
+    path = root / name
+    done: Future[Path] = Future()
+    try:
+        tensors = _write_data(path, state, kinds, rank)
+        with _quiet_single_process(not collective):
+            writes = (
+                dcp.async_save(
+                    tensors,
+                    storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                    process_group=process_group if collective else None,
+                    no_dist=not collective,
+                )
+                if tensors
+                else None
+            )
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+        raise
+    world = dist.get_world_size() if collective else 1
+
+    def finish() -> None:
+        try:
+            if writes is not None:
+                # Rank 0 (DCP's coordinator) gets its result only once every rank's shards are written. An
+                # asynchronous stager's response (newer torch) carries the upload's future.
+                upload: Any = getattr(writes, "upload_completion", writes)
+                upload.result()
+            elif collective:
+                dist.barrier(group=process_group)
+            if rank == 0:
+                _commit(path, kinds, world, previous)
+        except BaseException as err:
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            failed = _fail(path, f"the background save failed, the previous version stays ({_cause(err)})")
+            failed.__cause__ = err
+            done.set_exception(failed)
+        else:
+            done.set_result(path)
+        finally:
+            if lock is not None:
+                os.close(lock)
+
+    threading.Thread(target=finish, name="rlcore-checkpoint-commit", daemon=True).start()
+    return done
 
 
 # --- loading ----------------------------------------------------------------------

@@ -69,8 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlcore`` script; returns the exit status.
 
     Config errors and a stopped run (a non-finite loss) print one line naming the
-    cause and exit with status 2 and 3; Ctrl-C exits with 130, leaving the last
-    checkpoint loadable (SIGTERM is treated as Ctrl-C).
+    cause and exit with status 2 and 3. A signal of ``trainer.stop_signals`` (default
+    SIGTERM) stops the run at the end of the current step with a checkpoint there and
+    exits with status 75 (:data:`rlcore.train.preemption.EXIT_PREEMPTED`; ``--resume``
+    continues). Ctrl-C (and SIGTERM when not a stop signal) exits with 130, leaving the
+    last committed checkpoint loadable.
     """
     parser = _parser()
     # Options may follow the overrides (``... rl.lr=1e-4 --resume trainer.steps=9``): argparse
@@ -84,9 +87,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The seed's flags are overrides too (JSON strings are YAML: any path stays a string).
     flags = [("data.path", args.dataset), ("trainer.output_dir", args.output_dir)]
     args.overrides = [*args.overrides, *rest, *(f"{key}={json.dumps(v)}" for key, v in flags if v is not None)]
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _train(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _train(args: argparse.Namespace) -> int:
     from rlcore.train.config import load_config
     from rlcore.train.metrics import headline
+    from rlcore.train.preemption import EXIT_PREEMPTED, Preempted
     from rlcore.train.trainer import train
 
     try:
@@ -104,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FloatingPointError as err:
         print(f"rlcore: stopped: {err}", file=sys.stderr)
         return 3
+    except Preempted as err:
+        print(f"rlcore: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print("rlcore: interrupted; the last checkpoint is intact", file=sys.stderr)
         return 130

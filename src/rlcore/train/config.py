@@ -31,6 +31,15 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.reward_timeout                   seconds one batch's reward may run (null: no limit)
     trainer.reward_workers                   reward worker processes (0: score in the trainer's process)
     trainer.timeline_iterations              iterations shown in the output directory's timeline.png
+    trainer.stop_signals                     signals that stop the run at the end of the current step with a
+                                             checkpoint there, exit status 75 (default [SIGTERM]; [] for none;
+                                             rlcore.train.preemption)
+    trainer.stop_timeout                     seconds the step under way may take to finish after a stop signal
+                                             before it is abandoned (exit status 130; null: no limit; default 120)
+    trainer.async_save                       checkpoints are written in the background (DCP async_save) while
+                                             training goes on; committed only once complete (default true)
+    trainer.max_worker_restarts              times a dead disaggregated rollout worker process is replaced (its
+                                             weights re-sent, its call redone) before the run stops (default 0)
     trainer.warmup_steps, trainer.warmup_lr, trainer.warmup_batch_size   supervised warm-up first
     data.path, data.val_path                 a prompt dataset (JSONL / Parquet / save_to_disk) instead of the task,
                                              and a validation set; the tokenizer is the model directory's
@@ -69,6 +78,7 @@ import dataclasses
 import math
 import os
 import re
+import signal
 import types
 import typing
 from collections.abc import Hashable, Mapping, Sequence
@@ -80,6 +90,7 @@ import yaml
 from rlcore.agent import parse_multi_turn
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
+from rlcore.train.preemption import STOP_SIGNALS
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
@@ -179,6 +190,10 @@ class TrainerConfig:
     export: bool = True
     log_samples: int = 0
     log_ref_kl_every: int = 0
+    stop_signals: list = dataclasses.field(default_factory=lambda: ["SIGTERM"])
+    stop_timeout: float | None = 120.0
+    async_save: bool = True
+    max_worker_restarts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +321,7 @@ def _validate(cfg: Config) -> None:
         ("trainer.eval_every", tr.eval_every),
         ("trainer.log_samples", tr.log_samples),
         ("trainer.log_ref_kl_every", tr.log_ref_kl_every),
+        ("trainer.max_worker_restarts", tr.max_worker_restarts),
     ):
         _positive(key, value, strict=False)
     for key in ("warmup_lr", "warmup_batch_size"):
@@ -316,6 +332,8 @@ def _validate(cfg: Config) -> None:
             _positive(f"data.{key}", getattr(cfg.data, key))
     if tr.reward_timeout is not None:
         _positive("trainer.reward_timeout", tr.reward_timeout)
+    if tr.stop_timeout is not None:
+        _positive("trainer.stop_timeout", tr.stop_timeout)
     most_threads = max(256, 4 * (os.cpu_count() or 1))  # torch takes a C int; OpenMP would start them all
     if tr.threads > most_threads:
         raise ValueError(
@@ -327,6 +345,12 @@ def _validate(cfg: Config) -> None:
             f"config key 'trainer.seed': got {tr.seed}, expected an int in [-2**63, 2**64) (torch's range)"
         )
     _check_output_dir(tr.output_dir)
+    _check_stop_signals(tr.stop_signals)
+    if tr.max_worker_restarts and cfg.deploy.backend == "ray":
+        raise ValueError(
+            f"config key 'trainer.max_worker_restarts': got {tr.max_worker_restarts} with deploy.backend 'ray', "
+            "expected 0 (the local rollout worker process is replaced; a Ray actor is not yet)"
+        )
     for key, kind in (
         ("path", "a dataset path"),
         ("val_path", "a dataset path"),
@@ -366,6 +390,19 @@ def _validate(cfg: Config) -> None:
             "config mapping (rlcore downloads nothing; save the model locally and override model.model_name_or_path=DIR)"
         )
     _check_model(cfg)
+
+
+def _check_stop_signals(names: list) -> None:
+    """``trainer.stop_signals``: distinct names of :data:`rlcore.train.preemption.STOP_SIGNALS` this platform has."""
+    known = [n for n in STOP_SIGNALS if hasattr(signal, n)]
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"config key 'trainer.stop_signals': got {name!r} in {names!r}, expected a list of signal names "
+                f"from {', '.join(known)} ([] for none)"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"config key 'trainer.stop_signals': got {names!r}, expected each signal once")
 
 
 def _check_data_keys(data: DataConfig, algo: str) -> None:

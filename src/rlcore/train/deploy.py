@@ -294,6 +294,7 @@ class WorkerDeployment(_Synced):
         build_model: ModelBuilder,
     ):
         super().__init__(policy, replica)
+        self.max_restarts = cfg.trainer.max_worker_restarts
         self.worker = self._start((cfg.to_dict(), vocab_size, build_model), max(1, cfg.trainer.threads))
         self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
         self.sync = WeightSync(self._full_weights())
@@ -306,10 +307,18 @@ class WorkerDeployment(_Synced):
         )
 
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RolloutWorker(_serve_rollout, args=args, threads=threads, join_timeout=5.0)
+        return RolloutWorker(
+            _serve_rollout, args=args, threads=threads, join_timeout=5.0, max_restarts=self.max_restarts
+        )
 
     def publish(self, version: int) -> None:
         self._send(version, partial(self.worker.publish, version))
+
+    def step_metrics(self) -> dict[str, float]:
+        out = super().step_metrics()
+        if self.max_restarts:  # replacements of a dead worker process so far, of trainer.max_worker_restarts
+            out["worker_restarts"] = float(getattr(self.worker, "restarts", 0))
+        return out
 
     def close(self) -> None:
         self.worker.close()

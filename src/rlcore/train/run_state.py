@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -9,13 +10,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rlcore.models import is_lora
-from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_checkpoint_async, set_rng_state
 from rlcore.train.config import Config
 from rlcore.train.lora import adapter_modules
 from rlcore.train.optim import Models, Optimiser
 from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps
 
-__all__ = ["check_resume", "restore_run", "save_run"]
+__all__ = ["check_resume", "restore_run", "save_run", "save_run_async"]
 
 
 def _state(step: int, models: Models, opt: Optimiser, cfg: Config) -> dict[str, Any]:
@@ -40,6 +41,22 @@ def save_run(out: Path, step: int, models: Models, opt: Optimiser, cfg: Config, 
     ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state.
     """
     save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes}, step=step + 1)
+
+
+def save_run_async(
+    out: Path,
+    step: int,
+    models: Models,
+    opt: Optimiser,
+    cfg: Config,
+    shapes: dict[str, list[int]],
+    *,
+    process_group: Any = None,
+) -> Future[Path]:
+    """:func:`save_run` in the background (:func:`rlcore.train.checkpoint.save_checkpoint_async`): returns once the
+    state is copied to host memory; the future is done when the version is committed."""
+    state = {**_state(step, models, opt, cfg), "model_shapes": shapes}
+    return save_checkpoint_async(out, state, step=step + 1, process_group=process_group)
 
 
 def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config) -> int:

@@ -45,6 +45,10 @@ FREE_KEYS = frozenset(
         "trainer.timeline_iterations",
         "trainer.eval_every",
         "trainer.export",
+        "trainer.stop_signals",
+        "trainer.stop_timeout",
+        "trainer.async_save",
+        "trainer.max_worker_restarts",
         "deploy.rollout_timeout",
     }
 )

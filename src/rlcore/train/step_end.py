@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlcore.models import export_hf
 from rlcore.rewards import RewardPool, reward_log_values
@@ -14,7 +17,8 @@ from rlcore.train.deploy import Deployment
 from rlcore.train.metrics import MetricsLog
 from rlcore.train.optim import Models, Optimiser
 from rlcore.train.parallel import full_state_dict
-from rlcore.train.run_state import save_run
+from rlcore.train.preemption import Preempted, StopRequest
+from rlcore.train.run_state import save_run, save_run_async
 from rlcore.train.step_metrics import StepMetrics
 from rlcore.train.tagged_metrics import as_tensors, mean, total
 from rlcore.train.validation import Validator
@@ -27,10 +31,17 @@ class StepEnd:
     """The update stage's ``on_iteration_end``: one call per step, on every rank.
 
     It publishes weights version ``i + 1``, reduces the step's metrics over the
-    data-parallel ranks, logs the record (rank 0: ``metrics.jsonl`` and, every
-    ``trainer.log_samples`` steps, ``samples.jsonl``), runs the validation when due, and
-    saves the checkpoint (and the Hugging Face export) every ``trainer.save_every`` steps
-    and at the last. ``records`` holds every step's record; :meth:`close` closes the logs.
+    data-parallel ranks, runs the validation when due, saves the checkpoint (and the
+    Hugging Face export) every ``trainer.save_every`` steps and at the last, and logs the
+    record (rank 0: ``metrics.jsonl`` and, every ``trainer.log_samples`` steps,
+    ``samples.jsonl``) with the seconds the save held the step up (``checkpoint_stall_s``).
+    With ``trainer.async_save`` the checkpoint is written in the background while the next
+    steps train; a save first waits for the one before it.
+
+    When ``stop`` is set on any rank (a signal of ``trainer.stop_signals``), the ranks agree
+    to stop at this step: it is saved, the save is waited for, and :class:`Preempted` is
+    raised. ``records`` holds every step's record; :meth:`close` waits for the last save and
+    closes the logs.
     """
 
     def __init__(
@@ -49,8 +60,14 @@ class StepEnd:
         resume: bool,
         shapes: dict[str, list[int]],
         validator: Validator | None,
+        stop: StopRequest | None = None,
     ):
         tr = cfg.trainer
+        self.stop = stop
+        self.pending: Future[Path] | None = None
+        # The background saves synchronise over a group of their own (gloo: DCP's async save needs a CPU
+        # backend), so that their collectives never interleave with the training's.
+        self.save_group = dist.new_group(backend="gloo") if tr.async_save and dist.is_initialized() else None
         self.cfg, self.world, self.task, self.models, self.opt, self.replica = cfg, world, task, models, opt, replica
         self.deployment, self.rewards, self.steps, self.start, self.shapes = deployment, rewards, steps, start, shapes
         self.validator = validator
@@ -74,11 +91,22 @@ class StepEnd:
         record = {"step": step, **self._metrics(step), **self.deployment.step_metrics(), **self.task.step_metrics(step)}
         if self.validator is not None and self.validator.due(step):
             record.update(self.validator(self.models.policy if world.size == 1 else self.replica, step))
+        # Every rank reads the same answer (a signal may reach the ranks at different steps).
+        stop = bool(tr.stop_signals) and world.any(
+            torch.tensor(float(self.stop is not None and self.stop.is_set()), device=world.device)
+        )
+        due = (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps
+        record["checkpoint_stall_s"] = self._save(step) if due or stop else 0.0
         self.records.append(record)
         if self.log is not None:
             self.log.write(record)
-        if (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps:
-            self._save(step)
+        if stop:
+            self.wait_saved()
+            if self.stop is not None:
+                self.stop.disarm()  # saved: closing the workers must not be cut short by trainer.stop_timeout
+            if step + 1 < tr.steps:
+                by = self.stop.signal_name if self.stop is not None and self.stop.is_set() else "a peer"
+                raise Preempted(step, by)
 
     def _metrics(self, step: int) -> dict[str, float]:
         world, rl = self.world, self.cfg.rl
@@ -105,8 +133,26 @@ class StepEnd:
         )
         return {**metrics, **timing}
 
-    def _save(self, step: int) -> None:
-        save_run(self.out, step, self.models, self.opt, self.cfg, self.shapes)  # every rank: DCP writes its shards
+    def _save(self, step: int) -> float:
+        """Save the run after ``step`` (every rank: DCP writes its shards); the seconds it held the step up."""
+        t0 = time.perf_counter()
+        self.wait_saved()
+        if self.cfg.trainer.async_save:
+            self.pending = save_run_async(
+                self.out, step, self.models, self.opt, self.cfg, self.shapes, process_group=self.save_group
+            )
+        else:
+            save_run(self.out, step, self.models, self.opt, self.cfg, self.shapes)
+        self._export()
+        return time.perf_counter() - t0
+
+    def wait_saved(self) -> None:
+        """Wait until the background save in flight (if any) is committed; its error is raised here."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def _export(self) -> None:
         if not self.cfg.trainer.export:
             return
         # The policy as a Hugging Face directory beside the checkpoint; a built-in task's
@@ -120,6 +166,9 @@ class StepEnd:
                 export_hf(self.replica, self.out / "hf", tokenizer=tok, params=weights)
 
     def close(self) -> None:
-        for log in (self.log, self.sample_log):
-            if log is not None:
-                log.close()
+        try:
+            self.wait_saved()  # also after an error: the state it holds was whole at its step's end
+        finally:
+            for log in (self.log, self.sample_log):
+                if log is not None:
+                    log.close()

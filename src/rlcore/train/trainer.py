@@ -51,6 +51,7 @@ from rlcore.train.config import Config
 from rlcore.train.deploy import make_deployment
 from rlcore.train.metrics import plot_run
 from rlcore.train.optim import Models, Optimiser
+from rlcore.train.preemption import Preempted, StopRequest, stop_on_signals
 from rlcore.train.prompts import make_prompt_source, task_options
 from rlcore.train.recipe_stages import stages_for
 from rlcore.train.rollout import InferenceEngine
@@ -100,24 +101,36 @@ def train(
         callable or a ``BaseReward``-style object; it receives ``answers``).
       overwrite: replace a run already in ``trainer.output_dir`` (else a new run there is refused).
       allow_config_change: resume with hyper-parameters that differ from the checkpoint's.
+
+    Raises:
+      Preempted: a signal of ``trainer.stop_signals`` arrived (handled when ``train`` runs in
+        the main thread; the previous handlers are restored after): the step under way
+        finished, its checkpoint is committed and the workers are closed; ``resume=True``
+        continues with the next step. A second signal, or ``trainer.stop_timeout`` seconds
+        without the step finishing, abandons the step (``KeyboardInterrupt``).
     """
     tr = cfg.trainer
     if tr.threads:
         torch.set_num_threads(tr.threads)
     check_run(cfg, engine=engine is not None)
-    world = World(cfg, local_device())
-    ok = False
-    try:
-        prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
-        task = make_prompt_source(cfg, task_options(cfg), world_size=world.dp_size)
-        if cfg.rl.multi_turn is not None:  # tools, environment and stop tokens: refused before the warm-up
-            check_multi_turn(cfg, task)
-        if task.dataset is not None and world.rank == 0:
-            print(task.summary(), flush=True)
-        run = _train(cfg, world, task, resume, engine, algo or build_algorithm(cfg), reward, allow_config_change)
-        ok = True
-    finally:
-        world.close(ok=ok)
+    with stop_on_signals(tr.stop_signals, timeout=tr.stop_timeout) as stop:
+        world = World(cfg, local_device())
+        ok = False
+        try:
+            prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
+            task = make_prompt_source(cfg, task_options(cfg), world_size=world.dp_size)
+            if cfg.rl.multi_turn is not None:  # tools, environment and stop tokens: refused before the warm-up
+                check_multi_turn(cfg, task)
+            if task.dataset is not None and world.rank == 0:
+                print(task.summary(), flush=True)
+            recipe = algo or build_algorithm(cfg)
+            run = _train(cfg, world, task, resume, engine, recipe, reward, allow_config_change, stop)
+            ok = True
+        except Preempted:
+            ok = True  # every rank stopped at the same step, its checkpoint committed
+            raise
+        finally:
+            world.close(ok=ok)
     if world.rank == 0 and tr.plot:
         plot_run(tr.output_dir, run.tasks, last=tr.timeline_iterations, offset=run.start)
     return Run(run.records, run.models.policy, run.models.critic)
@@ -139,6 +152,7 @@ def _train(
     recipe: algos.Recipe,
     reward: Any,
     allow_config_change: bool,
+    stop: StopRequest,
 ) -> _Trained:
     """Build the models, the optimisers and the step's stages over the deployment; run the pipeline."""
     tr, rl, out = cfg.trainer, cfg.rl, Path(cfg.trainer.output_dir)
@@ -165,7 +179,7 @@ def _train(
     steps = StepMetrics(updates=rl.batch_size // rl.mini_batch_size * rl.epochs, start=start, ref_every=plan.ref_every)
     rewards, validator = scorers(cfg, task, reward, world)
     result = None
-    # Errors and KeyboardInterrupt (Ctrl-C; SIGTERM through the CLI) unwind the stack: workers and writers stop.
+    # Errors, Preempted (a stop signal) and KeyboardInterrupt (Ctrl-C) unwind the stack: workers and writers stop.
     with ExitStack() as stack:
         stack.callback(rewards.close)
         deployment = make_deployment(cfg, models, opt, world, task, engine, replica, build_model=build_model)
@@ -184,6 +198,7 @@ def _train(
             resume=resume,
             shapes=shapes,
             validator=validator,
+            stop=stop,
         )
         stack.callback(end.close)
         graph = step_graph(cfg, models, recipe, opt, steps, deployment.rollout, rewards, task, world, end, plan)
