@@ -109,6 +109,7 @@ from rlcore.train.stages import (
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import Run, train
 from rlcore.train.validation import Validator, validation_keys
+from rlcore.train.vllm_engine import VLLMEngine, VLLMOptions, import_vllm, parse_vllm_options
 from rlcore.train.warmup import supervised_warmup
 
 __all__ = [
@@ -130,6 +131,8 @@ __all__ = [
     "Run",
     "ScoringPlan",
     "TorchEngine",
+    "VLLMEngine",
+    "VLLMOptions",
     "advantages_stage",
     "apply_overrides",
     "balanced_rows",
@@ -146,6 +149,7 @@ __all__ = [
     "full_state_dict",
     "generate",
     "headline",
+    "import_vllm",
     "left_pad",
     "load_checkpoint",
     "load_config",
@@ -158,6 +162,7 @@ __all__ = [
     "pairs_stage",
     "parallelize",
     "parse_config",
+    "parse_vllm_options",
     "plot_curves",
     "plot_timeline",
     "preference_forward",

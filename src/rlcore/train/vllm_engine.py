@@ -31,6 +31,7 @@ vLLM is imported when an engine is built, never by ``import rlcore``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import random
@@ -98,12 +99,17 @@ def parse_vllm_options(raw: Mapping[str, Any] | None, *, key: str = "deploy.vllm
             raise ValueError(f"config key '{key}.{name}': unknown, expected one of {', '.join(fields)}")
     opts = VLLMOptions()._replace(**raw)
     # The KV cache is sized one way: bytes, or a fraction of the device (null switches bytes off).
-    if "gpu_memory_utilization" in raw and raw["gpu_memory_utilization"] is not None and "kv_cache_memory_bytes" not in raw:
+    if (
+        "gpu_memory_utilization" in raw
+        and raw["gpu_memory_utilization"] is not None
+        and "kv_cache_memory_bytes" not in raw
+    ):
         opts = opts._replace(kv_cache_memory_bytes=None)
     for name, ok, want in (
         (
             "kv_cache_memory_bytes",
-            opts.kv_cache_memory_bytes is None or (_is_int(opts.kv_cache_memory_bytes) and opts.kv_cache_memory_bytes > 0),
+            opts.kv_cache_memory_bytes is None
+            or (_is_int(opts.kv_cache_memory_bytes) and opts.kv_cache_memory_bytes > 0),
             "a positive int (bytes) or null",
         ),
         (
@@ -195,6 +201,17 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _check_sampling(*, max_new_tokens: Any, temperature: Any, top_p: Any, top_k: Any) -> None:
+    for name, value, ok, want in [
+        ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1"),
+        ("temperature", temperature, _is_number(temperature) and temperature >= 0, ">= 0"),
+        ("top_p", top_p, _is_number(top_p) and 0 < top_p <= 1, "in (0, 1]"),
+        ("top_k", top_k, _is_int(top_k) and top_k >= 0, "an int >= 0"),
+    ]:
+        if not ok:
+            raise ValueError(f"{name}: got {value!r}, expected {want}")
+
+
 def _head_dim(config: Any) -> int | None:
     hd = getattr(config, "head_dim", None)
     if isinstance(hd, int) and hd > 0:
@@ -268,15 +285,9 @@ class VLLMEngine:
         vllm = import_vllm()
         if isinstance(dtype, torch.dtype):
             dtype = next((k for k, v in _DTYPES.items() if v == dtype), str(dtype))
-        for name, value, ok, want in [
-            ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1"),
-            ("temperature", temperature, _is_number(temperature) and temperature >= 0, ">= 0"),
-            ("top_p", top_p, _is_number(top_p) and 0 < top_p <= 1, "in (0, 1]"),
-            ("top_k", top_k, _is_int(top_k) and top_k >= 0, "an int >= 0"),
-            ("dtype", dtype, dtype in _DTYPES, f"one of {', '.join(_DTYPES)}"),
-        ]:
-            if not ok:
-                raise ValueError(f"{name}: got {value!r}, expected {want}")
+        _check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: got {dtype!r}, expected one of {', '.join(_DTYPES)}")
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model: got {str(model)!r}, expected a local model directory with a config.json")
         config = AutoConfig.from_pretrained(model, local_files_only=True)
@@ -291,6 +302,7 @@ class VLLMEngine:
         self.dtype = _DTYPES[dtype]
         self.seed = seed
         self._tmpdir: str | None = None
+        self._module: torch.nn.Module | None = None
         if "VLLM_LOGGING_LEVEL" not in os.environ:
             logging.getLogger("vllm").setLevel(logging.ERROR)  # its per-step warnings would drown the run's log
         memory: dict[str, Any] = (
@@ -342,6 +354,19 @@ class VLLMEngine:
         return engine
 
     # -- sampling ------------------------------------------------------------------------
+
+    def sampling(self, **controls: Any) -> VLLMEngine:
+        """This engine (the same vLLM instance and weights) with other sampling controls (greedy: ``temperature=0``)."""
+        allowed = ("max_new_tokens", "temperature", "top_p", "top_k")
+        for name in controls:
+            if name not in allowed:
+                raise ValueError(f"{name}: unknown sampling control, expected one of {', '.join(allowed)}")
+        values = {name: controls.get(name, getattr(self, name)) for name in allowed}
+        _check_sampling(**values)
+        other = copy.copy(self)
+        other.__dict__.update(values)
+        other._tmpdir = None  # the original owns (and removes) the config directory
+        return other
 
     def _row_seeds(self, rows: int, generator: torch.Generator | None) -> list[int]:
         if isinstance(generator, RowStream):
@@ -413,7 +438,9 @@ class VLLMEngine:
     # -- weights -------------------------------------------------------------------------
 
     def _model(self) -> torch.nn.Module:
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        if self._module is None:  # the engine core runs in this process: its model is this object
+            self._module = self.llm.apply_model(lambda model: model)[0]
+        return self._module
 
     def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """The checkpoint names the engine's model loads, with their shapes (fused projections split back)."""
@@ -472,7 +499,7 @@ class VLLMEngine:
                 raise ValueError(f"params[{name!r}]: got shape {tuple(shape)}, expected {self._names[name]}")
 
     def _reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        cast = ((name, t.detach().to("cpu" if t.device.type == "meta" else t.device, self.dtype)) for name, t in weights)
+        cast = ((name, t.detach().to(dtype=self.dtype)) for name, t in weights)
         with _host_state_kept():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast, "is_checkpoint_format": True})
             # vLLM reloads the embedding, not the tied lm_head that shares it, whose CPU kernel
@@ -494,7 +521,12 @@ class VLLMEngine:
             names = [n for bucket in packet.names for n in bucket]
             tied = self._tied_names(dict.fromkeys(names))
             self._check_names(
-                {n: s for bucket, shapes in zip(packet.names, packet.shapes) for n, s in zip(bucket, shapes) if n not in tied}
+                {
+                    n: s
+                    for bucket, shapes in zip(packet.names, packet.shapes)
+                    for n, s in zip(bucket, shapes)
+                    if n not in tied
+                }
             )
             self._reload(_bucket_views(packet, skip=tied))
 
