@@ -175,6 +175,7 @@ def test_missing_vllm_names_the_install(monkeypatch):
     "kwargs, match",
     [
         ({"temperature": -1.0}, "temperature: got -1.0"),
+        ({"temperature": 2.5}, r"temperature: got 2.5, expected in \[0, 2\]"),
         ({"top_p": 0.0}, r"top_p: got 0.0, expected in \(0, 1\]"),
         ({"max_new_tokens": 0}, "max_new_tokens: got 0"),
         ({"top_k": 2.5}, "top_k: got 2.5"),

@@ -7,6 +7,7 @@ the class from the config, in this order:
 
 * :class:`NoRollout`: offline DPO on a preference dataset; nothing to place or sync.
 * :class:`ReplicaDeployment` with a user's :class:`~rlcore.train.InferenceEngine`.
+* :class:`VLLMDeployment` (``deploy.engine: vllm``): vLLM in the trainer's process.
 * :class:`WorkerDeployment` (``deploy.mode: disaggregated``): the rollout in a
   :class:`rlcore.dataflow.RolloutWorker` process; :class:`RayDeployment` with
   ``deploy.backend: ray``: in a :class:`rlcore.dataflow.RayRolloutWorker` actor.
@@ -23,6 +24,7 @@ numbers of forwards in its collectives): every sync sends
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -53,6 +55,7 @@ from rlcore.train.parallel import full_state_dict
 from rlcore.train.prompts import PreferencePrompts, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine
 from rlcore.train.stages import rollout_stage
+from rlcore.train.vllm_engine import VLLMEngine, parse_vllm_options
 
 __all__ = [
     "ColocatedDeployment",
@@ -60,6 +63,7 @@ __all__ = [
     "NoRollout",
     "RayDeployment",
     "ReplicaDeployment",
+    "VLLMDeployment",
     "WorkerDeployment",
     "in_place_rollout",
     "make_deployment",
@@ -276,6 +280,63 @@ class ReplicaDeployment(_Synced):
         self._send(version, self.receiver)
 
 
+class VLLMDeployment(_Synced):
+    """``deploy.engine: vllm``: a :class:`~rlcore.train.VLLMEngine` in the trainer's process, fed through the one sync.
+
+    The engine is built from the replica's config alone (no weights on disk); version 0 and
+    every later version of the policy's weights stream through one
+    :class:`rlcore.dataflow.WeightSync` into the engine's in-place reload, bucket by bucket
+    (``sync_s``, ``sync_bytes``). vLLM's sleep mode (freeing the engine's memory while the
+    trainer updates) is not used: the engine's weights and KV cache stay resident, and the
+    log says so once -- on the CPU platform, which has no sleep mode.
+    """
+
+    def __init__(self, cfg: Config, policy: torch.nn.Module, replica: torch.nn.Module, task: Any):
+        super().__init__(policy, replica)
+        rl, tok = cfg.rl, task.tokenizer
+        self.engine = VLLMEngine.from_module(
+            replica,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            max_new_tokens=rl.max_new_tokens,
+            temperature=rl.temperature,
+            top_p=rl.top_p,
+            top_k=rl.top_k,
+            options=parse_vllm_options(cfg.deploy.vllm),
+            seed=cfg.trainer.seed,
+        )
+        _note_resident_engine()
+        self.sync = WeightSync(self._full_weights())
+        self.publish(0)
+        self.rollout: Stage = rollout_stage(
+            self.engine, seed=cfg.trainer.seed, timeout=cfg.deploy.rollout_timeout or None
+        )
+
+    def publish(self, version: int) -> None:
+        self._send(version, self.engine.receiver())
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+_NOTED: list[bool] = []
+
+
+def _note_resident_engine() -> None:
+    """Say once per process that the vLLM engine's memory stays resident through training."""
+    if _NOTED:
+        return
+    _NOTED.append(True)
+    from vllm.platforms import current_platform
+
+    why = "vLLM's CPU platform has no sleep mode" if current_platform.is_cpu() else "rlcore does not put vLLM to sleep"
+    print(
+        f"rlcore: deploy.engine vllm: {why}; the engine's weights and KV cache stay in memory while the trainer updates",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 class WorkerDeployment(_Synced):
     """``deploy.mode: disaggregated``: the rollout in a :class:`rlcore.dataflow.RolloutWorker` process.
 
@@ -440,6 +501,8 @@ def make_deployment(
     timeout = cfg.deploy.rollout_timeout or None
     if engine is not None:
         return ReplicaDeployment(policy, replica, engine, _loader(engine), seed=cfg.trainer.seed, timeout=timeout)
+    if cfg.deploy.engine == "vllm":
+        return VLLMDeployment(cfg, policy, replica, task)
     if cfg.deploy.mode == "disaggregated":
         kind = RayDeployment if cfg.deploy.backend == "ray" else WorkerDeployment
         return kind(cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, build_model=build_model)

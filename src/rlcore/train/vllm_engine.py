@@ -204,7 +204,7 @@ def _env(**values: str) -> Iterator[None]:
 def _check_sampling(*, max_new_tokens: Any, temperature: Any, top_p: Any, top_k: Any) -> None:
     for name, value, ok, want in [
         ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1"),
-        ("temperature", temperature, _is_number(temperature) and temperature >= 0, ">= 0"),
+        ("temperature", temperature, _is_number(temperature) and 0 <= temperature <= 2, "in [0, 2] (vLLM's range)"),
         ("top_p", top_p, _is_number(top_p) and 0 < top_p <= 1, "in (0, 1]"),
         ("top_k", top_k, _is_int(top_k) and top_k >= 0, "an int >= 0"),
     ]:
