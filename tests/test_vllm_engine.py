@@ -8,6 +8,7 @@ both are places where an engine's weights can silently differ from the trainer's
 """
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,26 +17,46 @@ import transformers
 from rlcore.dataflow import WeightSync
 from rlcore.models import from_hf, token_logprobs
 from rlcore.seeding import Purpose, RowStream
-from rlcore.train import TorchEngine, VLLMEngine, import_vllm, left_pad
+from rlcore.train import (
+    TorchEngine,
+    VLLMDeployment,
+    VLLMEngine,
+    VLLMOptions,
+    check_launch,
+    import_vllm,
+    left_pad,
+    parse_config,
+    parse_vllm_options,
+)
 
 EOS, PAD, VOCAB = 1, 0, 100
 SET_NUM_THREADS = torch.set_num_threads  # before any engine: vLLM's CPU worker replaces it with a no-op
 PROMPTS = [[2, 3, 4, 5, 6], [7, 8], [9, 10, 11], [12, 13, 14, 15]]
 
 
+MODEL = {
+    "model_type": "qwen2",
+    "vocab_size": VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+# deploy.engine vllm with the rollout's controls; greedy, so the engine compares token for token.
+CONFIG = {
+    "model": {"model_name_or_path": MODEL},
+    "rl": {"temperature": 0.0, "max_new_tokens": 16},
+    "deploy": {"engine": "vllm", "vllm": {"kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 64}},
+}
+
+
 def tiny_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(
-        "qwen2",
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    fields = dict(MODEL)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
@@ -45,10 +66,17 @@ def policy():
 
 
 @pytest.fixture(scope="module")
-def engine(policy):
-    eng = VLLMEngine.from_module(policy, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=16, temperature=0.0)
-    yield eng
-    eng.close()
+def deployment(policy):
+    """The trainer's vLLM deployment: the engine built from a replica, version 0 of the policy published to it."""
+    task = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
+    d = VLLMDeployment(parse_config(CONFIG), policy, tiny_model(2), task)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def engine(deployment):
+    return deployment.engine
 
 
 @pytest.fixture
@@ -205,3 +233,51 @@ def test_the_trainers_process_state_is_left_as_it_was(engine):
     engine.sampling(temperature=1.0).generate(ids, mask, n=2, generator=RowStream(0, Purpose.SAMPLING, 0))
     assert torch.equal(torch.get_rng_state(), rng)  # vLLM's CPU sampler draws from torch's global generator
     assert torch.set_num_threads is SET_NUM_THREADS and torch.get_num_threads() == threads
+
+
+def test_deployment_publishes_each_update_through_the_sync_bit_for_bit(deployment, policy, capfd):
+    params = dict(policy.named_parameters())
+    assert all(torch.equal(deployment.engine.read_weights()[n], p) for n, p in params.items())  # version 0
+    before = {n: p.detach().clone() for n, p in params.items()}
+    try:
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(torch.randn_like(p) * 1e-2)  # an optimiser step, in place
+        deployment.publish(1)
+        back = deployment.engine.read_weights()
+        assert all(torch.equal(back[n], p) for n, p in params.items())
+        metrics = deployment.step_metrics()
+        assert metrics["sync_bytes"] == sum(p.numel() * 4 for p in params.values()) and metrics["sync_s"] > 0
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(before[n])
+        deployment.publish(2)
+
+
+def test_deploy_vllm_keys_are_validated_naming_the_key():
+    cfg = parse_config(CONFIG)
+    assert (cfg.deploy.engine, parse_vllm_options(cfg.deploy.vllm)) == (
+        "vllm",
+        VLLMOptions(kv_cache_memory_bytes=32 << 20, max_num_seqs=64),
+    )
+    assert parse_vllm_options({"gpu_memory_utilization": 0.5}).kv_cache_memory_bytes is None
+    bad = [
+        ({"deploy": {"vllm": {"max_num_seqs": 8}}}, "'deploy.vllm': got a section with deploy.engine 'torch'"),
+        ({"deploy": {"engine": "vllm", "vllm": {"max_seqs": 8}}}, "'deploy.vllm.max_seqs': unknown"),
+        ({"deploy": {"engine": "vllm", "vllm": {"max_num_seqs": 0}}}, "'deploy.vllm.max_num_seqs': got 0"),
+        (
+            {"deploy": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 1 << 20}}},
+            "expected exactly one of the two set",
+        ),
+        ({"deploy": {"engine": "vllm", "mode": "disaggregated"}}, "'deploy.mode': got 'disaggregated' with deploy"),
+        ({"deploy": {"engine": "vllm", "async_infer": True}}, "'deploy.async_infer': got True with deploy.engine"),
+        ({"deploy": {"engine": "vllm"}, "rl": {"temperature": 2.5}}, r"'rl.temperature': got 2.5 .*at most 2"),
+        ({"deploy": {"engine": "sglang"}}, "'deploy.engine': got str 'sglang', expected one of 'torch', 'vllm'"),
+    ]
+    for change, match in bad:
+        raw = {"model": {"model_name_or_path": MODEL}, **change}
+        with pytest.raises(ValueError, match=match):
+            parse_config(raw)
+    with pytest.raises(ValueError, match="'deploy.engine': got 'vllm' at world size 2"):
+        check_launch(parse_config({**CONFIG, "parallel": {"data_parallel": 2}}), 2)

@@ -303,15 +303,16 @@ class VLLMEngine:
         self.seed = seed
         self._tmpdir: str | None = None
         self._module: torch.nn.Module | None = None
-        if "VLLM_LOGGING_LEVEL" not in os.environ:
-            logging.getLogger("vllm").setLevel(logging.ERROR)  # its per-step warnings would drown the run's log
         memory: dict[str, Any] = (
             {"kv_cache_memory_bytes": opts.kv_cache_memory_bytes}
             if opts.kv_cache_memory_bytes is not None
             else {"gpu_memory_utilization": opts.gpu_memory_utilization}
         )
         # In-process engine core: the model object, and its load_weights, live in this process.
-        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), _host_state_kept():
+        # vLLM logs errors only unless VLLM_LOGGING_LEVEL says otherwise: its per-step notes (the
+        # thread-count no-op, the tied head's reload) would drown the run's log.
+        quiet = {} if "VLLM_LOGGING_LEVEL" in os.environ else {"VLLM_LOGGING_LEVEL": "ERROR"}
+        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **quiet), _host_state_kept():
             self.llm = vllm.LLM(
                 model=str(model),
                 skip_tokenizer_init=True,
@@ -327,6 +328,8 @@ class VLLMEngine:
                 disable_log_stats=True,
                 **memory,
             )
+        if quiet:
+            logging.getLogger("vllm").setLevel(logging.ERROR)  # vLLM configured its loggers while starting
         self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
         self._names = self._checkpoint_shapes()
 
@@ -408,7 +411,7 @@ class VLLMEngine:
                 f"(the engine's max_model_len {self.max_model_len} minus max_new_tokens {self.max_new_tokens})"
             )
         seeds = self._row_seeds(rows, generator)
-        common = dict(
+        common: dict[str, Any] = dict(
             n=1,
             max_tokens=self.max_new_tokens,
             temperature=self.temperature,
@@ -471,7 +474,7 @@ class VLLMEngine:
             else:
                 yield module_name, module, own, None
 
-    def _tied_kernels(self) -> Iterator[tuple[str, torch.nn.Module]]:
+    def _tied_kernels(self) -> Iterator[tuple[str, Any]]:
         """Modules with a kernel of their own over a parameter they share (a tied ``lm_head`` on vLLM's CPU build)."""
         seen: set[int] = set()
         for module_name, module in self._model().named_modules():
@@ -582,19 +585,19 @@ def _bucket_views(packet: WeightPacket, *, skip: set[str]) -> Iterator[tuple[str
             offset += numel
 
 
-def _output_sizes(module: torch.nn.Module, parts: int) -> list[int]:
+def _output_sizes(module: Any, parts: int) -> list[int]:
     sizes = getattr(module, "output_sizes", None)
     if sizes is None or len(sizes) != parts:
         raise ValueError(f"module {type(module).__name__}: expected {parts} output sizes of a fused projection")
     return list(sizes)
 
 
-def _packed_away(module: torch.nn.Module, pname: str, p: torch.Tensor) -> bool:
+def _packed_away(module: Any, pname: str, p: torch.Tensor) -> bool:
     """vLLM's CPU build moved this linear weight into its kernel's own layout and left the parameter empty."""
     return pname == "weight" and p.numel() == 0 and hasattr(module, "cpu_linear")
 
 
-def _param_shape(module: torch.nn.Module, pname: str, p: torch.Tensor) -> tuple[int, ...]:
+def _param_shape(module: Any, pname: str, p: torch.Tensor) -> tuple[int, ...]:
     """A parameter's checkpoint shape: a packed-away weight's, and an embedding's without vLLM's vocabulary padding."""
     if _packed_away(module, pname, p):
         return (int(module.output_size_per_partition), int(module.input_size_per_partition))
@@ -604,7 +607,7 @@ def _param_shape(module: torch.nn.Module, pname: str, p: torch.Tensor) -> tuple[
     return tuple(p.shape)
 
 
-def _read_kernel(module: torch.nn.Module) -> torch.Tensor:
+def _read_kernel(module: Any) -> torch.Tensor:
     """A linear kernel's weight operand ``W``, read as ``kernel(I)^T`` (exact) and cut to the checkpoint's rows."""
     w = module.weight
     eye = torch.eye(int(getattr(module, "input_size_per_partition", w.shape[-1])), dtype=w.dtype)
@@ -612,7 +615,7 @@ def _read_kernel(module: torch.nn.Module) -> torch.Tensor:
     return module.cpu_linear(eye, w, None).t()[:rows].contiguous()
 
 
-def _read_param(module: torch.nn.Module, pname: str, p: torch.Tensor) -> torch.Tensor:
+def _read_param(module: Any, pname: str, p: torch.Tensor) -> torch.Tensor:
     if _packed_away(module, pname, p):
         return _read_kernel(module)
     rows = _param_shape(module, pname, p)[0] if p.dim() else None
