@@ -323,6 +323,10 @@ class VLLMEngine:
                 enforce_eager=opts.enforce_eager,
                 enable_prefix_caching=opts.enable_prefix_caching,
                 max_num_seqs=opts.max_num_seqs,
+                # A prompt split over two engine steps rewinds its seeded generator's offset,
+                # which vLLM's CPU build cannot do ("CPU Generator does not use offset"):
+                # every prompt is prefilled in one step.
+                enable_chunked_prefill=False,
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # the model directory's sampling defaults do not apply
                 disable_log_stats=True,
