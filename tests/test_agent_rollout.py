@@ -133,7 +133,9 @@ def test_single_turn_equals_generate(model, runner, prompts, seed, max_new_token
     )
     assert torch.equal(out["prompts"], ref.prompts) and torch.equal(out["prompt_mask"], ref.prompt_mask)
     assert torch.equal(out["responses"], ref.responses)
-    assert torch.equal(out["mask"], ref.mask) and torch.equal(out["responses_mask"], ref.mask)
+    # The masks are float32, as rlcore.train.COLUMNS declares them; the single-turn sampler's is int64.
+    assert out["mask"].dtype == out["trajectory_mask"].dtype == torch.float32
+    assert torch.equal(out["mask"], ref.mask.float()) and torch.equal(out["trajectory_mask"], ref.mask.float())
     assert torch.equal(out["rollout_logp"], ref.logp)
     assert out["num_turns"].eq(1).all() and out["scores"].eq(0.5).all()
     # The same loss, through the GRPO recipe, from either batch.
@@ -157,7 +159,7 @@ def test_single_turn_equals_generate(model, runner, prompts, seed, max_new_token
 
 def _check_trajectory(model, out, envs, obs, *, max_turns, max_new_tokens, max_total_tokens):
     for i, env in enumerate(envs):
-        valid = out["responses_mask"][i] == 1
+        valid = out["trajectory_mask"][i] == 1
         row, policy = out["responses"][i][valid].tolist(), out["mask"][i][valid].tolist()
         # Token in, token out: policy ids as sampled (the env saw them losslessly), then each observation's ids.
         expected, flags = [], []
@@ -225,7 +227,7 @@ def test_trajectories_concatenate_policy_and_observation_ids_within_budgets(
 
 def _full_logits(model, out):
     ids = torch.cat([out["prompts"], out["responses"]], 1)
-    attention = torch.cat([out["prompt_mask"], out["responses_mask"]], 1)
+    attention = torch.cat([out["prompt_mask"], out["trajectory_mask"].long()], 1)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
     logits.retain_grad()
@@ -258,7 +260,7 @@ def test_observation_and_prompt_tokens_get_no_gradient(recipe):
             generator=torch.Generator().manual_seed(0),
         )
         model.train()
-    assert (out["responses_mask"] - out["mask"]).sum() > 0  # there are observation tokens
+    assert (out["trajectory_mask"] - out["mask"]).sum() > 0  # there are observation tokens
     logits, logp, entropy = _full_logits(model, out)
     mask = out["mask"].float()
     batch = {
@@ -352,7 +354,7 @@ def test_failing_environments_end_their_trajectory_only(model):
     assert out["num_env_errors"].tolist() == [1, 1, 1, 1, 1, 0]
     assert out["scores"].tolist() == [0, 0, 0, 0, 0, 1.0]
     assert out["num_turns"].tolist() == [1, 1, 1, 1, 0, 1]
-    assert out["responses_mask"][4].eq(0).all()
+    assert out["trajectory_mask"][4].eq(0).all()
 
 
 class FaultyCaller(ToolEnv):
@@ -431,7 +433,7 @@ def test_calc_rollout_with_observation_tokens_from_the_tokenizer():
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(p, dtype=torch.bool) for p in prompts], batch_first=True)
     rows = s.fn({"prompts": ids, "prompts_mask": mask, "policy_version": torch.zeros(6, dtype=torch.long)})
     assert set(rows) == set(STAGE_OUTPUTS)
-    for k in ("responses", "policy_mask", "rollout_logp", "token_rewards"):
+    for k in ("responses", "mask", "trajectory_mask", "rollout_logp", "rewards"):
         assert [r.shape for r in rows[k]] == [r.shape for r in rows["responses"]]
     assert all(r.numel() <= 80 for r in rows["responses"])
     assert model.training is False
@@ -445,12 +447,10 @@ def test_stage_in_a_pipeline():
     roll = multi_turn_stage(model, tok, task.make_env, cfg)
 
     def update(batch):
-        assert batch["policy_mask"].shape == batch["responses"].shape
+        assert batch["mask"].shape == batch["responses"].shape and batch["mask"].dtype == torch.float32
         return {"loss": batch["scores"].float()}
 
-    graph = StageGraph(
-        [roll, stage(update, inputs=["responses", "policy_mask", "scores"], outputs=["loss"], role="update")]
-    )
+    graph = StageGraph([roll, stage(update, inputs=["responses", "mask", "scores"], outputs=["loss"], role="update")])
     samples = task.sample(4, torch.Generator().manual_seed(0))
 
     def loader(iteration):
@@ -488,7 +488,7 @@ def test_trajectory_logprobs_and_metrics(model, runner):
         logp, entropy = trajectory_logprobs(apply, params, out, with_entropy=True)
     on = out["mask"] == 1
     torch.testing.assert_close(logp[on], out["rollout_logp"][on], atol=1e-4, rtol=0)
-    assert logp[out["responses_mask"] == 0].eq(0).all() and entropy.shape == logp.shape
+    assert logp[out["trajectory_mask"] == 0].eq(0).all() and entropy.shape == logp.shape
     m = trajectory_metrics(out)
     turns = [len(e.actions) for e in envs]
     calls = [min(t, len(o)) for t, o in zip(turns, obs)]
@@ -625,7 +625,7 @@ def test_reprobe30_a_flood_of_tool_output_is_not_tokenized_whole(model):
     # A long observation that fits is still tokenized whole and appended.
     fits = Returns(StepResult("1" * 10, 0.0, False, {}))
     out, _ = _bounded(60, lambda: _rollout(model, [fits], encode=tok.encode, max_total_tokens=40))
-    assert (out["responses_mask"][0] - out["mask"][0]).sum() == 10
+    assert (out["trajectory_mask"][0] - out["mask"][0]).sum() == 10
 
 
 def test_reprobe30_a_reset_observation_past_the_model_positions_is_refused(model):
@@ -663,7 +663,7 @@ def test_reprobe30_an_environment_factory_that_raises_ends_only_its_trajectory()
     )
     ids, mask = left_pad([task.tokenizer.encode("12*34=")] * 2, 0)
     with pytest.warns(RuntimeWarning, match="the environment factory raised RuntimeError: no sandbox left"):
-        out = _bounded(60, lambda: s.fn({"prompts": ids, "prompts_mask": mask}))[0]
+        out = _bounded(60, lambda: s.fn({"prompts": ids, "prompt_mask": mask}))[0]
     assert out["num_env_errors"].tolist() == [1, 0]
 
 

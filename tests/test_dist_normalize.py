@@ -1,4 +1,7 @@
-"""Cross-rank whitening on a real 2-process gloo group: equals single-process whitening of the whole batch."""
+"""Cross-rank whitening on a real 2-process gloo group: equals single-process whitening of the whole batch.
+
+The estimators and the recipes (PPO's GAE, REINFORCE++, GRPO at batch scale) given the group.
+"""
 
 from __future__ import annotations
 
@@ -137,6 +140,48 @@ def _check_estimators(rank: int, pg, mesh) -> None:  # type: ignore[no-untyped-d
         torch.testing.assert_close(a, b)
 
 
+def _check_recipes(rank: int, pg) -> None:  # type: ignore[no-untyped-def]
+    """A recipe's advantages over a rank's share of the groups, given the group, equal one process's over the batch."""
+    from functools import partial
+
+    from rlcore import algos
+
+    g = torch.Generator().manual_seed(9)
+    b, t = 8, 6
+    mask = (torch.rand(b, t, generator=g) > 0.3).float()
+    mask[:, 0] = 1.0
+    batch = {
+        "scores": torch.randn(b, generator=g),
+        "group_ids": torch.arange(b) // 2,
+        "mask": mask,
+        "old_values": torch.randn(b, t, generator=g),
+        "old_logp": -torch.rand(b, t, generator=g),
+        "ref_logp": -torch.rand(b, t, generator=g),
+    }
+    rows = torch.arange(4) if rank == 0 else torch.arange(4, 8)  # groups live on one rank
+    batch_std = algos.Algorithm(
+        advantage_estimator=partial(algos.outcome_advantages, estimator=partial(algos.grpo_advantages, scale="batch")),
+        policy_loss=algos.ppo_clip_loss,
+    )
+    for name, recipe in (
+        ("ppo", algos.ppo(kl_coef=0.1)),
+        ("reinforce_pp", algos.reinforce_pp()),
+        ("grpo batch", batch_std),
+    ):
+        whole = recipe.advantages(batch)
+        mine = recipe.advantages({k: v[rows] for k, v in batch.items()}, process_group=pg)
+        local = recipe.advantages({k: v[rows] for k, v in batch.items()})
+        torch.testing.assert_close(mine["advantages"], whole["advantages"][rows], msg=lambda m: f"{name}: {m}")
+        # Without the group the moments are the rank's own: the check above is not vacuous.
+        assert not torch.allclose(local["advantages"], whole["advantages"][rows]), name
+    # GRPO's group scale needs no group: the result is the same either way.
+    grpo = algos.grpo()
+    torch.testing.assert_close(
+        grpo.advantages({k: v[rows] for k, v in batch.items()}, process_group=pg)["advantages"],
+        grpo.advantages(batch)["advantages"][rows],
+    )
+
+
 def _worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -148,6 +193,7 @@ def _worker(rank: int, init_file: str) -> None:
         _check_batch_normalize(rank, pg)
         _check_gradients(rank, pg)
         _check_estimators(rank, pg, mesh)
+        _check_recipes(rank, pg)
     except BaseException:
         dist.destroy_process_group()
         raise

@@ -191,3 +191,21 @@ def test_builder_errors_name_the_setting():
         with pytest.raises(ValueError, match=pattern) as info:
             call()
         assert str(info.value).startswith(what)
+
+
+def test_a_critic_has_no_dropout_its_train_mode_values_equal_its_eval_values(model_dir):
+    """transformers' token-classification head drops 10% by default; a critic must not (PPO's value clip compares
+    the update's values with the rollout's old_values on the same weights, and runs reproduce across world sizes)."""
+    from rlcore.models import load_causal_lm
+
+    ids = torch.randint(0, 30, (3, 7), generator=torch.Generator().manual_seed(0))
+    for critic in (load_causal_lm(TINY, vocab_size=30, value_head=True), load_causal_lm(model_dir, value_head=True)):
+        assert critic.config.classifier_dropout == 0.0
+        critic.train()
+        torch.manual_seed(1)
+        a = critic(input_ids=ids).logits
+        torch.manual_seed(2)
+        b = critic(input_ids=ids).logits
+        critic.eval()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, critic(input_ids=ids).logits, rtol=0, atol=0)

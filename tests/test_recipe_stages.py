@@ -30,6 +30,11 @@ NAMED = [algos.grpo, algos.dr_grpo, algos.dapo, algos.gspo, algos.rloo, algos.re
 LOGGED = ("scores", "mask", "prompt_mask", "iteration", "version")
 TRAINER = ROOT / "src" / "rlcore" / "train" / "trainer.py"
 BUILD = ROOT / "src" / "rlcore" / "train" / "build.py"
+ASSEMBLY = [
+    TRAINER,
+    BUILD,
+    *(ROOT / "src" / "rlcore" / "train" / f"{m}.py" for m in ("step_graph", "scoring", "world")),
+]
 NO_FORWARDS = ScoringPlan(False, 0, ref_stage=False)
 
 
@@ -189,11 +194,11 @@ def test_online_dpo_pairs_the_samples_then_scores_them_under_the_reference(model
     assert part.recipe is recipe and part.epochs == 3
 
 
-def test_offline_dpo_scores_the_datasets_pairs_once_per_step(models):
+def test_offline_dpo_scores_the_datasets_pairs_and_takes_rl_epochs_passes(models):
     part = stages_for(algos.dpo()).graph(_parts(models, sampled=False, epochs=3)._replace(logged=("prompt_mask",)))
     assert [s.name for s in part.stages] == ["ref_pair_logps"]
     assert part.inputs == [*PAIR_TOKEN_COLUMNS, "ref_chosen_logps", "ref_rejected_logps", "prompt_mask"]
-    assert part.epochs == 1
+    assert part.epochs == 3  # rl.epochs passes over each step's pairs, as for sampled pairs
 
 
 def test_preference_stages_refuse_what_they_cannot_run(models):
@@ -263,10 +268,10 @@ def test_pairs_put_the_answer_against_the_sample_and_perturb_a_correct_sample():
 
 
 def test_the_trainer_branches_on_no_algorithm_name_or_recipe_type():
-    """``rl.algo`` is read in ``build_algorithm`` only; nothing in the trainer or the model building tests a recipe's
-    type or names DPO's columns."""
+    """``rl.algo`` is read in ``build_algorithm`` only; nothing in the trainer, the step graph, the model building or
+    the scoring set-up tests a recipe's type or names DPO's columns."""
     offenders = []
-    for path in (TRAINER, BUILD):
+    for path in ASSEMBLY:
         tree = ast.parse(path.read_text())
         resolvers = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_algorithm"]
         allowed = {id(n) for r in resolvers for n in ast.walk(r)}
@@ -287,3 +292,11 @@ def test_the_trainer_branches_on_no_algorithm_name_or_recipe_type():
             ):
                 offenders.append(f"{path.name} line {node.lineno}: {ast.unparse(node)}")
     assert not offenders, offenders
+
+
+def test_train_reads_as_a_short_recipe():
+    """``train()`` and its one helper assemble a run in at most 120 lines (docstrings included); the file stays small."""
+    tree = ast.parse(TRAINER.read_text())
+    sizes = {n.name: n.end_lineno - n.lineno + 1 for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert sum(sizes[name] for name in ("train", "_train", "_Trained")) <= 120, sizes
+    assert len(TRAINER.read_text().splitlines()) <= 400

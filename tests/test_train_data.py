@@ -591,3 +591,30 @@ def test_reprobe30_the_shipped_offline_dpo_config_learns_with_the_progress_bar_o
     margins = [r["margins"] for r in records]
     assert len(margins) == 20 and sum(margins[-2:]) / 2 > sum(margins[:2]) / 2 + 0.01, margins
     assert (out / "hf" / "tokenizer.json").is_file()  # the shipped tokenizer travels with the export
+
+
+def test_offline_dpo_takes_rl_epochs_passes_over_each_steps_pairs(tmp_path):
+    """rl.epochs applies to a dataset's pairs as to sampled ones: epochs 2 is two updates on the same pairs.
+
+    The step's logged loss is the mean over its updates: log 2 at the first update (the policy starts as the
+    reference), lower at the second; were the second pass skipped, the mean would be log 2 / 2."""
+    from rlcore.train import load_config, train
+
+    def run(epochs: int):
+        cfg = load_config(
+            SHIPPED_DPO,
+            [
+                f"trainer.output_dir={tmp_path / str(epochs)}",
+                "trainer.steps=1",
+                "trainer.progress=false",
+                "trainer.plot=false",
+                f"rl.epochs={epochs}",
+            ],
+        )
+        return train(cfg)
+
+    one, two = run(1), run(2)
+    assert one.records[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert math.log(2) / 2 + 0.1 < two.records[0]["loss"] < math.log(2) - 1e-4, two.records[0]["loss"]
+    moved = [(a - b).abs().max() for a, b in zip(one.policy.parameters(), two.policy.parameters())]
+    assert max(moved) > 0  # the second pass trained

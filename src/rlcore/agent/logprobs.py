@@ -30,7 +30,7 @@ def trajectory_logprobs(
 
     Args:
       apply, params: the model function and its parameters (:func:`rlcore.models.from_hf`).
-      traj: ``prompts``, ``prompt_mask`` ``[B, P]``, ``responses``, ``responses_mask``
+      traj: ``prompts``, ``prompt_mask`` ``[B, P]``, ``responses``, ``trajectory_mask``
         ``[B, R]`` (from :func:`rlcore.agent.multi_turn_rollout`).
       temperature: the sampling temperature.
       with_entropy: also return the entropies ``[B, R]``.
@@ -40,7 +40,7 @@ def trajectory_logprobs(
     """
     batch = {
         "input_ids": torch.cat([traj["prompts"], traj["responses"]], 1),
-        "attention_mask": torch.cat([traj["prompt_mask"], traj["responses_mask"]], 1),
+        "attention_mask": torch.cat([traj["prompt_mask"].long(), (traj["trajectory_mask"] != 0).long()], 1),
     }
     width = traj["prompts"].shape[1]
     out = token_logprobs(apply, params, batch, temperature=temperature, with_entropy=with_entropy)

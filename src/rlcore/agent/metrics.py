@@ -21,7 +21,7 @@ def trajectory_metrics(traj: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     >>> traj = {"num_turns": torch.tensor([2, 1]), "num_tool_calls": torch.tensor([1, 0]),
     ...         "num_tool_errors": torch.tensor([1, 0]), "tool_latency": torch.tensor([0.5, 0.0]),
     ...         "num_env_errors": torch.tensor([0, 0]), "truncated": torch.tensor([False, True]),
-    ...         "mask": torch.tensor([[1, 0, 1], [1, 0, 0]]), "responses_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
+    ...         "mask": torch.tensor([[1, 0, 1], [1, 0, 0]]), "trajectory_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
     >>> {k: round(float(v), 2) for k, v in trajectory_metrics(traj).items()}["tool_error_rate"]
     1.0
     """
@@ -38,5 +38,5 @@ def trajectory_metrics(traj: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
         "env_errors": traj["num_env_errors"].float().mean(),
         "truncated": traj["truncated"].float().mean(),
         "policy_tokens": policy.mean(),
-        "observation_tokens": (traj["responses_mask"].float().sum(-1) - policy).mean(),
+        "observation_tokens": (traj["trajectory_mask"].float().sum(-1) - policy).mean(),
     }

@@ -31,8 +31,8 @@ TRAJECTORY_KEYS = (
     "prompts",
     "prompt_mask",
     "responses",
-    "responses_mask",
     "mask",
+    "trajectory_mask",
     "rollout_logp",
     "rewards",
     "scores",
@@ -246,8 +246,8 @@ def multi_turn_rollout(
     Returns:
       A dict of tensors (:data:`TRAJECTORY_KEYS`): ``prompts`` / ``prompt_mask`` ``[B, P]``
       left-padded; ``responses`` ``[B, R]`` right-padded policy and observation ids,
-      ``responses_mask`` (1 on every real response token), ``mask`` (1 on policy tokens
-      only), ``rollout_logp`` (float32 log-probs of the policy tokens, 0 elsewhere),
+      ``mask`` (float32, 1.0 on policy tokens only: the recipes' mask),
+      ``trajectory_mask`` (float32, 1.0 on every real response token), ``rollout_logp`` (float32 log-probs of the policy tokens, 0 elsewhere),
       ``rewards`` (float32, each turn's reward on its last policy token); per
       trajectory ``[B]``: ``scores`` (sum of turn rewards), ``final_reward``,
       ``num_turns``, ``num_tool_calls``, ``num_tool_errors``, ``tool_latency`` (seconds),
@@ -413,8 +413,9 @@ def _collate(trajs: list[_Trajectory], pad_token_id: int, device: torch.device) 
     prompts, prompt_mask = left_pad([t.prompt for t in trajs], pad_token_id)
     batch, width = len(trajs), max((len(t.tokens) for t in trajs), default=0)
     responses = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    valid = torch.zeros((batch, width), dtype=torch.long)
-    mask = torch.zeros((batch, width), dtype=torch.long)
+    # The dtypes of rlcore.train.COLUMNS: the masks are float32 token weights.
+    valid = torch.zeros((batch, width), dtype=torch.float32)
+    mask = torch.zeros((batch, width), dtype=torch.float32)
     logp = torch.zeros((batch, width), dtype=torch.float32)
     rewards = torch.zeros((batch, width), dtype=torch.float32)
     for i, t in enumerate(trajs):
@@ -422,7 +423,7 @@ def _collate(trajs: list[_Trajectory], pad_token_id: int, device: torch.device) 
         if n:
             responses[i, :n] = torch.tensor(t.tokens)
             valid[i, :n] = 1
-            mask[i, :n] = torch.tensor(t.policy)
+            mask[i, :n] = torch.tensor(t.policy, dtype=torch.float32)
             logp[i, :n] = torch.tensor(t.logp)
             rewards[i, :n] = torch.tensor(t.rewards)
 
@@ -433,8 +434,8 @@ def _collate(trajs: list[_Trajectory], pad_token_id: int, device: torch.device) 
         "prompts": prompts,
         "prompt_mask": prompt_mask,
         "responses": responses,
-        "responses_mask": valid,
         "mask": mask,
+        "trajectory_mask": valid,
         "rollout_logp": logp,
         "rewards": rewards,
         "scores": per_traj("score", torch.float32),

@@ -16,12 +16,14 @@ from rlcore.seeding import Purpose, RowStream
 
 __all__ = ["STAGE_OUTPUTS", "multi_turn_stage", "trajectory_rows"]
 
-# Dock columns the stage writes: per-row token tensors (unpadded) and per-row scalars.
+# Dock columns the stage writes: per-row token tensors (unpadded) and per-row scalars; names and dtypes
+# as the trainer's schema (rlcore.train.COLUMNS) declares them.
 STAGE_OUTPUTS = (
     "responses",
-    "policy_mask",
+    "mask",
+    "trajectory_mask",
     "rollout_logp",
-    "token_rewards",
+    "rewards",
     "scores",
     "num_turns",
     "num_tool_calls",
@@ -35,30 +37,28 @@ STAGE_OUTPUTS = (
 def trajectory_rows(traj: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Trajectories (from :func:`rlcore.agent.multi_turn_rollout`) as dock columns: unpadded rows per token column.
 
-    ``responses`` (ids), ``policy_mask`` (1 on policy tokens), ``rollout_logp`` and
-    ``token_rewards`` become lists of 1-D tensors cut to each row's length (the dock
-    pads them again on read, with ``<column>_mask``); the per-trajectory counts stay
-    ``[B]`` tensors.
+    ``responses`` (ids), ``mask`` (1.0 on policy tokens), ``trajectory_mask`` (1.0 on
+    every response token), ``rollout_logp`` and ``rewards`` (each turn's reward on its
+    last token) become lists of 1-D tensors cut to each row's length (the dock pads
+    them again on read, with ``<column>_mask``); the per-trajectory counts stay ``[B]``
+    tensors.
 
-    >>> rows = trajectory_rows({"responses": torch.tensor([[5, 6], [7, 0]]), "responses_mask": torch.tensor([[1, 1], [1, 0]]),
-    ...     "mask": torch.tensor([[1, 0], [1, 0]]), "rollout_logp": torch.zeros(2, 2), "rewards": torch.zeros(2, 2),
+    >>> rows = trajectory_rows({"responses": torch.tensor([[5, 6], [7, 0]]), "trajectory_mask": torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+    ...     "mask": torch.tensor([[1.0, 0.0], [1.0, 0.0]]), "rollout_logp": torch.zeros(2, 2), "rewards": torch.zeros(2, 2),
     ...     "scores": torch.ones(2), "num_turns": torch.ones(2), "num_tool_calls": torch.zeros(2),
     ...     "num_tool_errors": torch.zeros(2), "tool_latency": torch.zeros(2), "num_env_errors": torch.zeros(2),
     ...     "truncated": torch.zeros(2, dtype=torch.bool)})
-    >>> [r.tolist() for r in rows["responses"]], [r.tolist() for r in rows["policy_mask"]]
-    ([[5, 6], [7]], [[1, 0], [1]])
+    >>> [r.tolist() for r in rows["responses"]], [r.tolist() for r in rows["mask"]]
+    ([[5, 6], [7]], [[1.0, 0.0], [1.0]])
     """
-    lengths = traj["responses_mask"].sum(-1).tolist()
+    lengths = (traj["trajectory_mask"] != 0).sum(-1).tolist()
 
     def cut(x: torch.Tensor) -> list[torch.Tensor]:
         return [row[:n] for row, n in zip(x, lengths)]
 
     return {
-        "responses": cut(traj["responses"]),
-        "policy_mask": cut(traj["mask"]),
-        "rollout_logp": cut(traj["rollout_logp"]),
-        "token_rewards": cut(traj["rewards"]),
-        **{k: traj[k] for k in STAGE_OUTPUTS[4:]},
+        **{k: cut(traj[k]) for k in STAGE_OUTPUTS[:5]},
+        **{k: traj[k] for k in STAGE_OUTPUTS[5:]},
     }
 
 
@@ -105,8 +105,9 @@ def multi_turn_stage(
 ) -> Stage:
     """A ``role="rollout"`` stage running :func:`rlcore.agent.multi_turn_rollout` on the dock's prompts.
 
-    The stage reads ``inputs`` (the first is the prompt ids; the dock gives them padded
-    with ``prompts_mask``), builds one environment per row with ``make_env`` and
+    The stage reads ``inputs`` (the first is the prompt ids, whose mask is the
+    ``prompt_mask`` column when the stage reads it, else the dock's padding mask
+    ``<column>_mask`` of a ragged prompt column), builds one environment per row with ``make_env`` and
     ``env.reset(to_sample(batch, row))``, and writes :data:`STAGE_OUTPUTS` (see
     :func:`trajectory_rows`). The default ``to_sample`` gives, per input column, the
     row's decoded text for token columns (``tokenizer.decode``) and the row's tensor
@@ -135,7 +136,7 @@ def multi_turn_stage(
     >>> task = Multiplication()
     >>> s = multi_turn_stage(None, task.tokenizer, task.make_env)
     >>> s.role, s.inputs, s.outputs[:3]
-    ('rollout', ('prompts',), ('responses', 'policy_mask', 'rollout_logp'))
+    ('rollout', ('prompts',), ('responses', 'mask', 'trajectory_mask'))
     """
     cfg = cfg if cfg is not None else MultiTurnConfig()
     inputs = tuple(inputs)
@@ -159,7 +160,7 @@ def multi_turn_stage(
 
     def rollout(batch: dict[str, Any]) -> dict[str, Any]:
         ids = batch[inputs[0]]
-        mask = batch.get(f"{inputs[0]}_mask", torch.ones_like(ids))
+        mask = batch.get("prompt_mask", batch.get(f"{inputs[0]}_mask", torch.ones_like(ids)))
         prompts = _rows(ids, mask)
         step = batch.get("iteration", batch.get("policy_version"))
         step = int(step.reshape(-1)[0]) if isinstance(step, torch.Tensor) and step.numel() else 0

@@ -1,5 +1,6 @@
 """Data movement: sequence packing, the Transfer Dock, dispatch, resharding, weight sync, pipelines."""
 
+from rlcore.dataflow.columns import DTYPE_KINDS, SHAPES, Column, Schema
 from rlcore.dataflow.deploy import ProxyRollout, RolloutWorker, colocate, rollout_proxy_stage
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, deal_rows, shard_samples
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse, flatten_rows, unflatten_rows
@@ -43,11 +44,14 @@ from rlcore.dataflow.weight_sync import SyncRecord, WeightPacket, WeightSync, lo
 
 __all__: list[str] = [
     "BALANCE_MODES",
+    "DTYPE_KINDS",
     "MESH_DIMS",
     "PARTITION_METHODS",
     "PHASES",
     "ROLES",
+    "SHAPES",
     "Bucket",
+    "Column",
     "DockController",
     "DockHost",
     "Layout",
@@ -65,6 +69,7 @@ __all__: list[str] = [
     "RolloutWorker",
     "ScheduledCall",
     "SchedulerCore",
+    "Schema",
     "SimReport",
     "Stage",
     "StageGraph",

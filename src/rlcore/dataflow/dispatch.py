@@ -134,7 +134,7 @@ def balanced_partition(
 
 
 def _mask_lengths(batch: Any) -> torch.Tensor:
-    """Tokens per sample: the sum of every leaf whose key ends in ``mask`` (e.g. prompts_mask + responses_mask)."""
+    """Tokens per sample: the sum of every leaf whose key ends in ``mask`` (e.g. prompt_mask + mask)."""
     import optree
 
     paths, leaves, _ = optree.tree_flatten_with_path(batch, namespace=NAMESPACE)

@@ -914,11 +914,11 @@ class TransferDock:
     The dock keeps references to the tensors it is given: do not modify them in place
     after a put.
 
-    >>> dock = TransferDock(2, 2, columns=["prompts"], consumers=["rollout"])
-    >>> dock.put({"prompts": [torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([3])]}, [0, 1, 2, 3])
-    >>> batch, idx = dock.get("rollout", ["prompts"], 2, balance="fifo")
-    >>> idx.tolist(), batch["prompts"].tolist(), batch["prompts_mask"].tolist()
-    ([0, 1], [[1, 2], [1, 2]], [[True, True], [True, True]])
+    >>> dock = TransferDock(2, 2, columns=["answers"], consumers=["reward"])
+    >>> dock.put({"answers": [torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([3])]}, [0, 1, 2, 3])
+    >>> batch, idx = dock.get("reward", ["answers"], 4, balance="fifo")
+    >>> idx.tolist(), batch["answers"].tolist(), batch["answers_mask"].tolist()
+    ([0, 1, 2, 3], [[1, 2], [1, 2], [3, 0], [3, 0]], [[True, True], [True, True], [True, False], [True, False]])
     """
 
     def __init__(

@@ -249,6 +249,7 @@ class SchedulerCore:
         dock = TransferDock(
             self.num_prompts, self.n_samples, columns=self.columns, consumers=[*self.graph.names, _COLLECT]
         )
+        self.graph.check_put(None, columns)
         try:
             dock.put(dict(columns), range(self.capacity))
         except ValueError as err:
@@ -319,6 +320,7 @@ class SchedulerCore:
         columns = dict(out)
         if s.role == "rollout":
             columns["policy_version"] = torch.full((task.rows.numel(),), task.version, dtype=torch.int64)
+        self.graph.check_put(s.name, columns)
         try:
             self.docks[task.iteration].put(columns, task.rows)
         except ValueError as err:

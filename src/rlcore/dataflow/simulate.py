@@ -107,7 +107,13 @@ def simulate(
     (17.0, True, True)
     """
     fn = _cost_fn(cost, graph)
-    zeros = {c: torch.zeros(num_prompts * n_samples) for c in graph.sources}
+    schema = graph.schema
+
+    def placeholder(column: str, rows: int) -> torch.Tensor:
+        # Zeros of the schema's dtype, so that a graph with a schema passes its put checks.
+        return torch.zeros(rows) if schema is None else schema.placeholder(column, rows)
+
+    zeros = {c: placeholder(c, num_prompts * n_samples) for c in graph.sources}
     core = SchedulerCore(
         graph,
         lambda j: zeros,
@@ -140,7 +146,7 @@ def simulate(
         if not events:
             raise RuntimeError(f"simulation stalled: {core.stalled()}")
         now, _, task = heapq.heappop(events)
-        out = {c: torch.zeros(task.rows.numel()) for c in task.stage.outputs}
+        out = {c: placeholder(c, task.rows.numel()) for c in task.stage.outputs}
         last = core.complete(task, out)
         core.release(task, now, last)
         free[task.stage.resource] += 1

@@ -12,7 +12,10 @@ at construction:
 * every input column is produced by some stage or by the prompt loader (``sources``);
 * every column has one writer;
 * the stages form no cycle within an iteration (the only edge between iterations is
-  the policy version, which the scheduler handles).
+  the policy version, which the scheduler handles);
+* with a ``schema`` (:class:`rlcore.dataflow.Schema`), every column a stage or the
+  loader names is declared there; the pipeline then checks each put against its dtype
+  (:meth:`StageGraph.check_put`).
 
 The graph's :attr:`StageGraph.order` is a topological order: the synchronous loop runs
 the stages in it, and the pipeline scheduler breaks ties with it.
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from rlcore._checks import check_choice, check_positive
+from rlcore.dataflow.columns import Schema
 
 __all__ = ["PHASES", "ROLES", "Stage", "StageGraph", "stage"]
 
@@ -170,10 +174,12 @@ class StageGraph:
     Args:
       stages: the :class:`Stage` s (any order).
       sources: the columns the prompt loader puts at the start of an iteration.
+      schema: the :class:`rlcore.dataflow.Schema` the columns must be declared in, or
+        None (no check).
 
     Raises ``ValueError`` naming the stage and column for a duplicate stage name, a
     column with two writers (or written by a stage and the loader), an input nobody
-    produces, or a cycle.
+    produces, a cycle, or (with ``schema``) a column the schema does not declare.
 
     >>> roll = stage(lambda b: {"responses": b["prompts"]}, inputs=["prompts"], outputs=["responses"], name="rollout", role="rollout")
     >>> reward = stage(lambda b: {"scores": b["responses"].sum(1)}, inputs=["responses"], outputs=["scores"], name="reward")
@@ -181,11 +187,21 @@ class StageGraph:
     ['rollout', 'reward']
     """
 
-    def __init__(self, stages: Sequence[Stage], *, sources: Sequence[str] = ("prompts",)) -> None:
+    def __init__(
+        self, stages: Sequence[Stage], *, sources: Sequence[str] = ("prompts",), schema: Schema | None = None
+    ) -> None:
         stages = list(stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise ValueError(f"stages: got {stages!r}, expected a non-empty list of Stage (from rlcore.dataflow.stage)")
+        if schema is not None and not isinstance(schema, Schema):
+            raise ValueError(f"schema: got {type(schema).__name__}, expected a rlcore.dataflow.Schema or None")
         self.sources = _names("sources", sources)
+        self.schema = schema
+        if schema is not None:
+            schema.check_names("the prompt loader", self.sources, what="source column")
+            for s in stages:
+                schema.check_names(f"stage {s.name!r}", s.inputs, what="input column")
+                schema.check_names(f"stage {s.name!r}", s.outputs, what="output column")
         seen: dict[str, Stage] = {}
         for s in stages:
             if s.name in seen:
@@ -241,6 +257,16 @@ class StageGraph:
             edges = ", ".join(f"{u} -> {n}" for n in stuck for u in self.upstream[n] if u in stuck)
             raise ValueError(f"stages: got a cycle within an iteration among stages {stuck} ({edges}), expected a DAG")
         return tuple(order)
+
+    def check_put(self, writer: str | None, columns: Mapping[str, Any]) -> None:
+        """Refuse ``columns`` (a put of stage ``writer``, None for the prompt loader) that break the schema.
+
+        Raises ``ValueError`` naming the stage, the column, the dtype it got and the one
+        declared (:meth:`rlcore.dataflow.Schema.check_put`); a graph without a schema
+        checks nothing.
+        """
+        if self.schema is not None:
+            self.schema.check_put("the prompt loader" if writer is None else f"stage {writer!r}", columns)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -145,7 +145,7 @@ def load_causal_lm(
       vocab_size: the tokenizer's size: a dict config without ``vocab_size`` takes it,
         and a model with a smaller vocabulary is refused.
       value_head: a ``*ForTokenClassification`` model with one output per token (a
-        critic) in place of the LM head.
+        critic) in place of the LM head, without the classifier dropout.
       use_flash_attention: FlashAttention-2 where usable, else SDPA with a warning
         (:func:`attention_implementation`) on ``device``.
       device: where the model is put; ``None`` leaves it on the CPU.
@@ -196,4 +196,20 @@ def load_causal_lm(
         raise ValueError(
             f"{what}: the model's vocab_size {model.config.vocab_size} is smaller than the tokenizer's {vocab_size}"
         )
+    if value_head:
+        _no_dropout(model)
     return model if device is None else model.to(device)
+
+
+def _no_dropout(critic: nn.Module) -> None:
+    """Turn off a critic's dropout (transformers' token-classification head drops 10% by default).
+
+    Its values in the update must equal the rollout's ``old_values`` on the same weights
+    (PPO's value clip), and must not depend on the random stream, so that runs reproduce
+    at any world size. The config records it, so a saved critic loads the same.
+    """
+    config: Any = critic.config
+    config.classifier_dropout = 0.0
+    for module in critic.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0

@@ -20,6 +20,7 @@ from rlcore.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from rlcore.train.columns import COLUMNS
 from rlcore.train.config import ALGOS, Config, apply_overrides, check_launch, load_config, max_positions, parse_config
 from rlcore.train.context_parallel import (
     ContextParallelRecipe,
@@ -116,6 +117,7 @@ from rlcore.train.warmup import supervised_warmup
 __all__ = [
     "ALGOS",
     "CHECKPOINT_NAME",
+    "COLUMNS",
     "MESH_DIMS",
     "PAIR_TOKEN_COLUMNS",
     "ROLLOUT_COLUMNS",

@@ -30,6 +30,7 @@ import torch
 from rlcore import algos, seeding
 from rlcore.agent import build_env_factory, multi_turn_stage, parse_multi_turn, stop_token_ids, trajectory_metrics
 from rlcore.dataflow import Stage, stage
+from rlcore.train.columns import COLUMNS
 from rlcore.train.config import Config
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import advantages_stage
@@ -39,7 +40,7 @@ __all__ = ["ROLLOUT_COLUMNS", "MultiTurnRollout", "check_multi_turn", "multi_tur
 Batch = dict[str, Any]
 
 # Dock columns the trainer's multi-turn rollout stage writes.
-ROLLOUT_COLUMNS = (
+ROLLOUT_COLUMNS = COLUMNS.select(
     "responses",
     "mask",
     "trajectory_mask",
@@ -116,7 +117,7 @@ def multi_turn_rollout_stage(
     eval_samples = task.sample(mt.eval_size, eval_seed) if mt.eval_every else []
 
     def to_sample(b: Batch, row: int) -> dict[str, str]:
-        prompt = b["prompts"][row][b["prompts_mask"][row] != 0]
+        prompt = b["prompts"][row][b["prompt_mask"][row] != 0]
         answer = b["answers"][row][b["answers_mask"][row] != 0]
         return {"prompt": tok.decode(prompt.tolist()), "answer": tok.decode(answer.tolist())}
 
@@ -140,7 +141,7 @@ def multi_turn_rollout_stage(
         seed = cfg.trainer.seed
         inner = {
             "prompts": b["prompts"],
-            "prompts_mask": b["prompt_mask"],
+            "prompt_mask": b["prompt_mask"],
             "answers": b["answers"],
             "answers_mask": b["answers_mask"],
             "policy_version": b["policy_version"],
@@ -148,12 +149,11 @@ def multi_turn_rollout_stage(
             "row": b["row"],
         }
         rows = run(inner, rl.temperature, seed)
-        mask = _pad([m.float() for m in rows["policy_mask"]])
         traj = {
             "responses": _pad(rows["responses"], tok.pad_token_id),
-            "mask": mask,
-            "trajectory_mask": _pad([torch.ones(len(r)) for r in rows["responses"]]),
-            "rewards": _pad([r.float() for r in rows["token_rewards"]]),
+            "mask": _pad(rows["mask"]),
+            "trajectory_mask": _pad(rows["trajectory_mask"]),
+            "rewards": _pad([r.float() for r in rows["rewards"]]),
             "rollout_logp": _pad([r.float() for r in rows["rollout_logp"]]),
             "scores": rows["scores"].float(),
         }
@@ -163,8 +163,8 @@ def multi_turn_rollout_stage(
                 **counts,
                 "num_env_errors": rows["num_env_errors"],
                 "truncated": rows["truncated"],
-                "mask": mask,
-                "responses_mask": traj["trajectory_mask"],
+                "mask": traj["mask"],
+                "trajectory_mask": traj["trajectory_mask"],
             }
         )
         if mt.eval_every and (step % mt.eval_every == 0 or step == cfg.trainer.steps - 1):
@@ -173,7 +173,7 @@ def multi_turn_rollout_stage(
             greedy = run(
                 {
                     "prompts": ids,
-                    "prompts_mask": pmask,
+                    "prompt_mask": pmask,
                     "answers": _pad(answers),
                     "answers_mask": _pad([torch.ones(len(a)) for a in answers]),
                     "policy_version": b["policy_version"][:1].expand(len(eval_samples)),
@@ -209,7 +209,12 @@ def _attend_trajectory(fn: Callable[[Batch], Any]) -> Callable[[Batch], Any]:
 
 
 def multi_turn_graph(
-    stages: Sequence[Stage], forward: Callable[[Batch], Batch], inputs: Sequence[str], algo: algos.Algorithm
+    stages: Sequence[Stage],
+    forward: Callable[[Batch], Batch],
+    inputs: Sequence[str],
+    algo: algos.Algorithm,
+    *,
+    process_group: Any = None,
 ) -> tuple[list[Stage], Callable[[Batch], Batch], list[str]]:
     """The single-turn step's stages, forward and update inputs adapted to the rollout of :func:`multi_turn_rollout_stage`.
 
@@ -226,6 +231,8 @@ def multi_turn_graph(
       forward: the update's forward (:func:`rlcore.train.stages.rl_forward`).
       inputs: the update stage's input columns.
       algo: the recipe the advantages stage runs.
+      process_group: the data-parallel group its batch whitening spans (as in
+        :func:`rlcore.train.stages.advantages_stage`).
 
     Returns:
       ``(stages, forward, inputs)`` for the multi-turn step.
@@ -237,7 +244,15 @@ def multi_turn_graph(
         elif "scores" in s.outputs:
             continue
         elif "advantages" in s.outputs:
-            out.append(advantages_stage(algo, inputs=[*s.inputs, "rewards"], outputs=s.outputs, resource=s.resource))
+            out.append(
+                advantages_stage(
+                    algo,
+                    inputs=[*s.inputs, "rewards"],
+                    outputs=s.outputs,
+                    resource=s.resource,
+                    process_group=process_group,
+                )
+            )
         elif "responses" in s.inputs:
             out.append(dataclasses.replace(s, fn=_attend_trajectory(s.fn), inputs=(*s.inputs, "trajectory_mask")))
         else:

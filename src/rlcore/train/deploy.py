@@ -52,7 +52,7 @@ from rlcore.seeding import Purpose, RowStream
 from rlcore.train.agent_stages import MultiTurnRollout, multi_turn_rollout_stage
 from rlcore.train.config import Config, parse_config
 from rlcore.train.parallel import full_state_dict
-from rlcore.train.prompts import PreferencePrompts, source_tokenizer, task_options
+from rlcore.train.prompts import source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine
 from rlcore.train.stages import rollout_stage
 from rlcore.train.vllm_engine import VLLMEngine, parse_vllm_options
@@ -486,7 +486,7 @@ def make_deployment(
       models: the trainer's models (the ``policy`` is the one whose weights are published).
       opt: the trainer's optimisers (``opts[0]``, the policy's, is swapped out co-located).
       world: this process's place (``rank``; ``sharded``: the policy is split over ranks).
-      task: the prompt source (its tokenizer; a preference dataset has no rollout).
+      task: the prompt source (its tokenizer; ``task.sampled`` false: finished rows, no rollout).
       engine: a user's engine to sample with, or None.
       replica: an unsharded copy of the policy's architecture (eval mode, no grads) the
         in-process engines sample on.
@@ -495,7 +495,7 @@ def make_deployment(
     Returns:
       A :class:`Deployment`; version 0 of the weights is already published.
     """
-    if isinstance(task, PreferencePrompts):
+    if not task.sampled:  # a dataset's finished rows (offline preference pairs)
         return NoRollout()
     policy = models.policy
     timeout = cfg.deploy.rollout_timeout or None

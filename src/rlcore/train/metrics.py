@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "headline", "plot_curves", "plot_timeline", "read_metrics"]
+__all__ = ["MetricsLog", "headline", "plot_curves", "plot_run", "plot_timeline", "read_metrics"]
 
 _BAR_KEYS = {
     "reward": "reward",
@@ -229,3 +229,17 @@ def plot_timeline(tasks: Sequence[Any], path: str | os.PathLike, *, last: int = 
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_run(out: str | os.PathLike, tasks: Sequence[Any] | None, *, last: int = 4, offset: int = 0) -> None:
+    """A run's plots in ``out``: ``curves.png`` from its ``metrics.jsonl``, ``timeline.png`` from its stage ``tasks``.
+
+    Args:
+      out: the run directory.
+      tasks: the pipeline's scheduled calls (:func:`rlcore.dataflow.run_pipeline`), or None (no step ran).
+      last, offset: as in :func:`plot_timeline`.
+    """
+    out = Path(out)
+    plot_curves(read_metrics(out / "metrics.jsonl"), out / "curves.png")
+    if tasks is not None:
+        plot_timeline(tasks, out / "timeline.png", last=last, offset=offset)

@@ -30,6 +30,12 @@ class Models(NamedTuple):
     reference: torch.nn.Module
     critic: torch.nn.Module | None
 
+    def train(self) -> None:
+        """Training mode for the models that train (the policy and the critic); the reference keeps its own."""
+        self.policy.train()
+        if self.critic is not None:
+            self.critic.train()
+
 
 def adamw(params: Sequence[Any], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """``torch.optim.AdamW``, its fused kernel where it runs (one call for all tensors, not ~10 per tensor).

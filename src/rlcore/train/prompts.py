@@ -34,6 +34,7 @@ from rlcore.data import PromptSet, load_preferences, load_prompts, sample_indice
 from rlcore.dataflow import Stage, stage
 from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
+from rlcore.train.columns import COLUMNS
 from rlcore.train.config import Config, max_positions
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import PAIR_TOKEN_COLUMNS, reward_stage
@@ -142,7 +143,7 @@ def _config_reward(cfg: Config, default: Any) -> Any:
 
 
 # What a prompt loader gives each row: the left-padded prompt, its reference answer, its group and step.
-PROMPT_COLUMNS = ("prompts", "prompt_mask", "answers", "group", "iteration", "row")
+PROMPT_COLUMNS = COLUMNS.select("prompts", "prompt_mask", "answers", "group", "iteration", "row")
 
 
 class TaskPrompts:
@@ -159,6 +160,8 @@ class TaskPrompts:
     hf_tokenizer: Any = None
     # The loader's columns (the trainer's prompt loader serves a built-in task).
     columns = PROMPT_COLUMNS
+    # Prompts: the rollout samples their responses and the rewards score them.
+    sampled = True
 
     def __init__(self, cfg: Config, options: dict[str, Any], world_size: int = 1):
         self.seed, self.batch_size, self.world_size = cfg.trainer.seed, cfg.rl.batch_size, world_size
@@ -212,6 +215,9 @@ class _SeededDataset:
     and the seeded, resumable order in which rank ``r`` of step ``s`` takes the rows at
     positions ``(s * world_size + r) * batch_size ...`` (:func:`rlcore.data.sample_indices`)."""
 
+    # Prompts (a preference dataset's pairs come finished: False there).
+    sampled = True
+
     def __init__(self, cfg: Config, world_size: int):
         d = cfg.data
         assert d.path is not None
@@ -251,7 +257,7 @@ class DatasetPrompts(_SeededDataset):
         positions ``(s * world_size + r) * batch_size ...`` of the seeded order.
     """
 
-    columns = (*PROMPT_COLUMNS, "index")
+    columns = (*PROMPT_COLUMNS, *COLUMNS.select("index"))
 
     def __init__(self, cfg: Config, world_size: int = 1):
         super().__init__(cfg, world_size)
@@ -349,7 +355,9 @@ class PreferencePrompts(_SeededDataset):
         positions ``(s * world_size + r) * batch_size ...`` of the seeded order.
     """
 
-    columns = (*PAIR_TOKEN_COLUMNS, "prompt_mask", "iteration", "index")
+    columns = (*PAIR_TOKEN_COLUMNS, *COLUMNS.select("prompt_mask", "iteration", "index"))
+    # The rows come finished (pairs): nothing is sampled or scored during training.
+    sampled = False
 
     def __init__(self, cfg: Config, world_size: int = 1):
         super().__init__(cfg, world_size)

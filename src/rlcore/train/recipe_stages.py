@@ -27,6 +27,7 @@ import torch
 
 from rlcore import algos
 from rlcore.dataflow import Stage
+from rlcore.train.columns import COLUMNS
 from rlcore.train.context_parallel import ContextParallelRecipe, cp_rl_forward
 from rlcore.train.scoring import ScoringPlan
 from rlcore.train.stages import (
@@ -54,7 +55,7 @@ __all__ = [
 
 Batch = dict[str, torch.Tensor]
 # What the reference's forward over the pairs writes (preference_logps_stage).
-REF_PAIR_LOGPS = ("ref_chosen_logps", "ref_rejected_logps")
+REF_PAIR_LOGPS = COLUMNS.select("ref_chosen_logps", "ref_rejected_logps")
 
 
 class StepParts(NamedTuple):
@@ -192,7 +193,7 @@ class PolicyGradientStages:
             stages.append(values_stage(critic))
             scored.append("old_values")
             produced.append("returns")
-        stages.append(advantages_stage(self.recipe, inputs=scored, outputs=produced))
+        stages.append(advantages_stage(self.recipe, inputs=scored, outputs=produced, process_group=parts.dp_group))
         outputs = rl_outputs(parts.policy, critic=critic, temperature=parts.temperature)
         if plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update's forward runs it on its steps
             outputs = with_logged_reference(
@@ -249,9 +250,8 @@ class PreferenceStages:
                 raise ValueError("parts.seed, parts.tokenizer: got None, expected both for pairs of sampled rows")
             stages.insert(0, pairs_stage(parts.tokenizer, parts.seed))
         inputs = [*PAIR_TOKEN_COLUMNS, *REF_PAIR_LOGPS, *parts.logged]
-        # A dataset's pairs get one pass per step: rl.epochs applies to the sampled pairs only.
-        epochs = parts.epochs if parts.sampled else 1
-        return RecipeGraph(stages, preference_forward(parts.policy), inputs, self.recipe, epochs)
+        # rl.epochs passes over each step's pairs, sampled or a dataset's.
+        return RecipeGraph(stages, preference_forward(parts.policy), inputs, self.recipe, parts.epochs)
 
 
 @functools.singledispatch

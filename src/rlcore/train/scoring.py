@@ -1,13 +1,44 @@
-"""Which scoring forwards an RL step runs: the old policy's and the reference's, only where something reads them."""
+"""How a run scores: its reward pool and validator, and which scoring forwards a step runs (only those read)."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 from rlcore import algos
+from rlcore.rewards import RewardPool
 from rlcore.train.config import Config
+from rlcore.train.validation import Validator
 
-__all__ = ["ScoringPlan", "scoring_plan"]
+__all__ = ["ScoringPlan", "scorers", "scoring_plan"]
+
+# Rows of a step written to samples.jsonl (trainer.log_samples), spread over the leader's batch.
+_SAMPLE_ROWS = 4
+
+
+def scorers(cfg: Config, task: Any, reward: Any, world: Any) -> tuple[RewardPool, Validator | None]:
+    """The run's reward pool and, with ``trainer.eval_every`` and a validation set, its validator.
+
+    Args:
+      cfg: the run's config (``trainer.reward_workers``, ``reward_timeout``, ``log_samples``, ``eval_every``).
+      task: the prompt source: its rule reward, its validation set; a dataset of finished
+        rows (``task.sampled`` false: offline pairs) scores nothing, so no worker starts.
+      reward: a user's reward in place of the task's, or None.
+      world: this process's place (the validator splits the validation set over the data-parallel ranks).
+    """
+    tr = cfg.trainer
+    scorer = reward if reward is not None else task.reward
+    rewards = RewardPool(
+        scorer,
+        num_workers=tr.reward_workers if task.sampled else 0,
+        timeout=tr.reward_timeout,
+        samples=_SAMPLE_ROWS * bool(tr.log_samples),
+    )
+    validator = None
+    if tr.eval_every and task.val is not None:
+        validator = Validator(
+            cfg, task.val, task.tokenizer, scorer, rank=world.dp_rank, world_size=world.dp_size, group=world.group
+        )
+    return rewards, validator
 
 
 class ScoringPlan(NamedTuple):

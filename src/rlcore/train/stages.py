@@ -45,6 +45,7 @@ from rlcore import algos, seeding
 from rlcore.dataflow import Stage, deal_rows, stage
 from rlcore.models import from_hf, preference_logps, shared_prefix_logprobs, shares_prompts, token_logprobs
 from rlcore.seeding import Purpose, RowStream
+from rlcore.train.columns import COLUMNS
 from rlcore.train.tagged_metrics import maximum
 
 __all__ = [
@@ -303,6 +304,7 @@ def advantages_stage(
     inputs: Sequence[str] = ("scores", "mask", "group", "old_logp", "ref_logp"),
     outputs: Sequence[str] = ("advantages", "loss_mask"),
     resource: str = "device",
+    process_group: Any = None,
 ) -> Stage:
     """The recipe's shaping and advantage estimator over whole groups, adapted to the dock.
 
@@ -316,6 +318,9 @@ def advantages_stage(
       inputs: dock columns the recipe reads (``group`` becomes ``group_ids``).
       outputs: a subset of ``advantages``, ``loss_mask``, ``returns``.
       resource: as in :func:`rlcore.dataflow.stage`.
+      process_group: the data-parallel group: batch whitening (GAE's) takes its moments
+        over every rank's rows, so the advantages do not depend on the world size. The
+        stage takes the whole local batch once per iteration on every rank.
 
     >>> s = advantages_stage(algos.grpo(), inputs=("scores", "mask", "group"))
     >>> out = s.fn({"scores": torch.tensor([1.0, 0.0, 1.0, 1.0]), "mask": torch.ones(4, 2),
@@ -332,7 +337,7 @@ def advantages_stage(
         batch = {c: b[c] for c in inputs if c != "group"}
         if "group" in inputs:
             batch["group_ids"] = torch.unique(b["group"], return_inverse=True)[1]
-        out = algo.advantages(batch)
+        out = algo.advantages(batch, process_group=process_group)
         return {c: out[known[c]] for c in outputs}
 
     return stage(advantages, inputs=inputs, outputs=outputs, by_group=True, resource=resource)
@@ -607,7 +612,9 @@ _PREF_SIDES = ("chosen", "rejected")
 
 
 def _pair_columns() -> list[str]:
-    return [f"{side}_{k}" for side in _PREF_SIDES for k in ("input_ids", "attention_mask", "mask")]
+    return list(
+        COLUMNS.select(*(f"{side}_{k}" for side in _PREF_SIDES for k in ("input_ids", "attention_mask", "mask")))
+    )
 
 
 def response_sequences(

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from rlcore.train.config import Config
+from rlcore.device import get_device
+from rlcore.train.config import Config, check_launch
+from rlcore.train.lora import check_lora_launch
 from rlcore.train.parallel import device_mesh
 from rlcore.train.tagged_metrics import Metric, all_reduce_metrics
 
-__all__ = ["World", "shard_critic"]
+__all__ = ["World", "check_run", "local_device", "shard_critic"]
 
 
 class World:
@@ -26,6 +30,7 @@ class World:
 
     def __init__(self, cfg: Config, device: torch.device):
         par = cfg.parallel
+        self.device = device
         self.owns_group = not dist.is_initialized()
         self.mesh = device_mesh(
             par.data_parallel,
@@ -67,6 +72,39 @@ class World:
     def reduce(self, metrics: dict[str, Metric]) -> dict[str, Metric]:
         """One step's metrics merged over the data-parallel ranks, each as it declares (:mod:`rlcore.train.tagged_metrics`)."""
         return all_reduce_metrics(metrics, self.group)
+
+
+def local_device() -> torch.device:
+    """This process's device: the accelerator of its ``LOCAL_RANK`` (torchrun), or the CPU."""
+    device = get_device()
+    if device.type != "cpu":
+        device = get_device(index=int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def check_run(cfg: Config, *, engine: bool = False) -> None:
+    """Refuse, before any process group starts, a run this launch cannot serve.
+
+    The world size (torchrun's, or 1) against the parallel sizes (:func:`rlcore.train.config.check_launch`),
+    asynchronous rollout beyond one rank, a user's engine with multi-turn rollouts, LoRA's limits.
+
+    Args:
+      cfg: the run's config.
+      engine: a user's :class:`rlcore.train.InferenceEngine` samples (the rollout is then in-process).
+    """
+    launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    check_launch(cfg if not engine else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), launched)
+    if cfg.deploy.async_infer and launched > 1:
+        raise ValueError(
+            "config key 'deploy.async_infer': got true at world size "
+            f"{launched}, expected false (the sharded models' collectives need every rank to run the stages in one "
+            "order, which the blocking pipeline guarantees; asynchronous rollout runs at world size 1)"
+        )
+    if engine and cfg.rl.multi_turn is not None:
+        raise ValueError(
+            "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
+        )
+    check_lora_launch(cfg, launched)
 
 
 def shard_critic(critic: torch.nn.Module, world: World) -> None:

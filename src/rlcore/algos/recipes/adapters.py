@@ -8,13 +8,14 @@ documented keys and are meant to be bound with ``functools.partial``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from rlcore.algos.advantages import batch_normalize, gae
 from rlcore.algos.filters import dynamic_sampling_mask
 from rlcore.algos.kl import kl_in_reward, kl_penalty
-from rlcore.algos.recipes.algorithm import Batch, batch_entry
+from rlcore.algos.recipes.algorithm import Batch, batch_entry, with_group
 from rlcore.algos.shaping import overlong_penalty, scores_to_token_rewards
 from rlcore.ops import masked_sum
 
@@ -30,10 +31,12 @@ __all__ = [
 ]
 
 
-def outcome_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor]) -> Batch:
+def outcome_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor], process_group: Any = None) -> Batch:
     """Run an outcome estimator on ``scores`` and ``group_ids`` and spread its ``[B]`` result over the tokens.
 
     ``estimator(scores, group_ids) -> [B]``, e.g. ``partial(grpo_advantages, scale="group")``.
+    ``process_group`` (data parallel) reaches an estimator that takes it (GRPO's
+    ``scale="batch"`` std over every rank); groups never straddle ranks.
 
     >>> from functools import partial
     >>> from rlcore.algos import rloo_advantages
@@ -43,27 +46,32 @@ def outcome_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor]) 
     tensor([[ 1.,  1.],
             [-1.,  0.]])
     """
-    adv = estimator(batch_entry(batch, "scores", "sequence scores [B]"), batch_entry(batch, "group_ids", "groups [B]"))
+    scores = batch_entry(batch, "scores", "sequence scores [B]")
+    groups = batch_entry(batch, "group_ids", "groups [B]")
+    adv = with_group(estimator, process_group)(scores, groups)
     mask = batch_entry(batch, "mask", "the token mask")
     return {"advantages": torch.where(mask != 0, adv[:, None], torch.zeros((), dtype=adv.dtype, device=adv.device))}
 
 
-def token_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor]) -> Batch:
+def token_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor], process_group: Any = None) -> Batch:
     """Run a token-level estimator ``estimator(rewards, mask) -> [B, T]`` on ``rewards`` and ``mask``.
 
-    E.g. ``partial(reinforce_pp_advantages, gamma=1.0)``.
+    E.g. ``partial(reinforce_pp_advantages, gamma=1.0)``; ``process_group`` (data
+    parallel) reaches an estimator that takes it, to whiten over every rank's tokens.
     """
-    return {
-        "advantages": estimator(
-            batch_entry(batch, "rewards", "token rewards [B, T]"), batch_entry(batch, "mask", "the token mask")
-        )
-    }
+    rewards = batch_entry(batch, "rewards", "token rewards [B, T]")
+    mask = batch_entry(batch, "mask", "the token mask")
+    return {"advantages": with_group(estimator, process_group)(rewards, mask)}
 
 
-def gae_advantages(batch: Batch, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True) -> Batch:
+def gae_advantages(
+    batch: Batch, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, process_group: Any = None
+) -> Batch:
     """GAE on ``rewards`` and the rollout critic's ``old_values``; advantages whitened over the batch.
 
     Returns ``{"advantages", "returns"}``; the returns (value targets) are not whitened.
+    With ``process_group`` (data parallel) the whitening's moments are those of every
+    rank's tokens (:func:`rlcore.algos.batch_normalize`), as one process would take them.
     """
     mask = batch_entry(batch, "mask", "the token mask")
     adv, returns = gae(
@@ -74,7 +82,7 @@ def gae_advantages(batch: Batch, *, gamma: float = 1.0, lam: float = 0.95, white
         lam=lam,
     )
     if whiten:
-        adv = batch_normalize(adv, mask)
+        adv = batch_normalize(adv, mask, process_group=process_group)
     return {"advantages": adv, "returns": returns}
 
 

@@ -7,7 +7,9 @@ shaping) and its coefficients. ``algo._replace(policy_loss=...)`` makes a new on
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +31,24 @@ def batch_entry(batch: Batch, key: str, why: str) -> torch.Tensor:
     if key not in batch:
         raise ValueError(f"batch: got keys {sorted(batch)}, expected a {key!r} entry ({why})")
     return batch[key]
+
+
+def takes_group(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` takes a ``process_group`` keyword (or any keyword).
+
+    >>> takes_group(lambda b: b), takes_group(lambda b, *, process_group=None: b)
+    (False, True)
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return "process_group" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def with_group(fn: Callable[..., Any], process_group: Any) -> Callable[..., Any]:
+    """``fn`` with ``process_group`` bound when a group is given and ``fn`` takes that keyword, else ``fn``."""
+    return fn if process_group is None or not takes_group(fn) else partial(fn, process_group=process_group)
 
 
 def chain(*steps: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
@@ -93,16 +113,23 @@ class Algorithm(NamedTuple):
     value_loss: Callable[..., tuple[torch.Tensor, Metrics]] | None = None
     vf_coef: float = 1.0
 
-    def advantages(self, batch: Batch) -> Batch:
+    def advantages(self, batch: Batch, *, process_group: Any = None) -> Batch:
         """The batch after shaping, with ``"advantages"`` (and the estimator's other leaves) added.
 
         Call it once on the whole batch, before splitting it into micro-batches: group
         baselines and batch whitening need every sample. Take the counts for
         :meth:`loss` (:func:`rlcore.algos.global_counts`) from the mask it returns.
+
+        Under data parallelism each rank holds whole groups but only its share of the
+        batch: pass the data-parallel ``process_group`` and an estimator that whitens
+        over the batch (GAE's, REINFORCE++'s, GRPO's ``scale="batch"``) takes its
+        moments over every rank, so the advantages do not depend on the world size. It
+        reaches estimators that take a ``process_group`` keyword (the built-in adapters
+        do); group-local estimators need none.
         """
         if self.shaping is not None:
             batch = self.shaping(batch)
-        return {**batch, **self.advantage_estimator(batch)}
+        return {**batch, **with_group(self.advantage_estimator, process_group)(batch)}
 
     def global_counts(self, batch: Batch, *, process_group: Any = None) -> dict[str, torch.Tensor]:
         """``{"num_tokens", "num_seqs"}`` of ``batch["mask"]``, summed over ``process_group`` when given.

@@ -1,0 +1,132 @@
+"""One RL step's stage graph: rollout and reward, the scoring forwards, the recipe's stages, the update.
+
+The stages between the scoring and the update are the recipe's, found by its type
+(:func:`rlcore.train.stages_for`); the deployment gives the rollout stage. This module
+only places them: under context parallelism the rollout and the reward run once per
+group and the forwards split each sequence; under data parallelism each update's rows
+are dealt to the ranks by their tokens and the metrics are the whole batch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
+
+from rlcore import algos
+from rlcore.dataflow import Stage, StageGraph
+from rlcore.rewards import RewardPool
+from rlcore.train.agent_stages import multi_turn_graph
+from rlcore.train.columns import COLUMNS
+from rlcore.train.config import Config
+from rlcore.train.context_parallel import DataParallelRecipe, cp_logprob_stage, replica_groups, replicate_stage
+from rlcore.train.optim import Models, Optimiser
+from rlcore.train.recipe_stages import StepParts, stages_for
+from rlcore.train.scoring import ScoringPlan
+from rlcore.train.stages import balanced_rows, logprob_stage, update_stage
+from rlcore.train.step_metrics import StepMetrics
+from rlcore.train.world import World
+
+__all__ = ["step_graph"]
+
+
+def _sampling_stages(
+    cfg: Config, models: Models, rollout: Stage | None, rewards: RewardPool, task: Any, world: World, plan: ScoringPlan
+) -> tuple[list[Stage], list[Stage], list[str]]:
+    """Rollout and reward, the plan's scoring forwards, and the columns the update reads to log them.
+
+    Without a rollout a dataset gives the rows whole (offline preference pairs): no stage.
+    """
+    if rollout is None:
+        return [], [], ["prompt_mask", "iteration"]
+    rl = cfg.rl
+    score: Any = logprob_stage
+    reward = task.reward_stage(rewards)
+    if world.cp is not None:  # sequences split over the cp ranks; rollout and reward once per cp group
+        score = partial(cp_logprob_stage, group=world.cp[0], mode=world.cp[1])
+        rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
+    scoring: list[Stage] = []
+    logged = ["scores", "mask", "prompt_mask", "iteration", "version"]
+    if plan.old_logp:
+        scoring.append(score(models.policy, temperature=rl.temperature))
+        logged += ["old_logp", "entropy"]
+    if plan.ref_every and plan.ref_stage:
+        scoring.append(score(models.reference, outputs=("ref_logp",), temperature=rl.temperature))
+        logged.append("ref_logp")
+    return [rollout, reward], scoring, logged
+
+
+def step_graph(
+    cfg: Config,
+    models: Models,
+    recipe: algos.Recipe,
+    opt: Optimiser,
+    steps: StepMetrics,
+    rollout: Stage | None,
+    rewards: RewardPool,
+    task: Any,
+    world: World,
+    on_step_end: Callable[[int], Any],
+    plan: ScoringPlan,
+) -> StageGraph:
+    """The step's stages: rollout, reward and scoring forwards (when rows are sampled), the recipe's, the update.
+
+    The graph checks every column against the trainer's schema (:data:`rlcore.train.COLUMNS`).
+
+    Args:
+      cfg: the run's config.
+      models: the policy, the reference and the critic (or None).
+      recipe: the recipe whose stages and loss the step runs.
+      opt: the optimisers the update steps.
+      steps: the step metrics every stage is timed into and the update reports to.
+      rollout: the deployment's rollout stage, or None (a dataset's pairs).
+      rewards: the reward pool the reward stage submits to.
+      task: the prompt source (its tokenizer, reward stage and loader columns).
+      world: this process's place in the mesh.
+      on_step_end: called with each finished iteration (checkpoint, logs, weight sync).
+      plan: the scoring forwards to run (:func:`rlcore.train.scoring_plan`).
+    """
+    rl = cfg.rl
+    sampling, scoring, logged = _sampling_stages(cfg, models, rollout, rewards, task, world, plan)
+    part = stages_for(recipe).graph(
+        StepParts(
+            models.policy,
+            models.reference,
+            models.critic,
+            plan,
+            temperature=rl.temperature,
+            sampled=rollout is not None,
+            logged=logged,
+            epochs=rl.epochs,
+            tokenizer=task.tokenizer,
+            seed=cfg.trainer.seed,
+            context_parallel=world.cp,
+            dp_group=world.group,
+            # Data parallel: each update's rows dealt to the ranks by their tokens.
+            dispatch=balanced_rows(world.group) if world.group is not None else None,
+        )
+    )
+    stages = [*sampling, *part.ahead, *scoring, *part.stages]
+    forward, inputs, loss = part.forward, part.inputs, part.recipe
+    if rl.multi_turn is not None:  # the environments score; the forwards attend the observation tokens
+        # The config takes multi-turn rollouts with the policy-gradient recipes only.
+        stages, forward, inputs = multi_turn_graph(
+            stages, forward, inputs, cast(algos.Algorithm, recipe), process_group=world.group
+        )
+    if world.cp is None and world.group is not None:  # the metrics of the whole batch on every rank
+        loss = DataParallelRecipe(loss, world.group)
+    stages.append(
+        update_stage(
+            forward,
+            loss,
+            opt,
+            inputs=list(dict.fromkeys(inputs)),
+            micro_batch=rl.mini_batch_size * rl.n_samples,
+            process_group=world.group,
+            on_metrics=steps.on_metrics,
+            on_iteration_end=on_step_end,
+            epochs=part.epochs,
+            dispatch=part.dispatch,
+        )
+    )
+    return StageGraph([steps.timed(s) for s in stages], sources=task.columns, schema=COLUMNS)
