@@ -262,6 +262,9 @@ def test_deploy_vllm_keys_are_validated_naming_the_key():
         VLLMOptions(kv_cache_memory_bytes=32 << 20, max_num_seqs=64),
     )
     assert parse_vllm_options({"gpu_memory_utilization": 0.5}).kv_cache_memory_bytes is None
+    # In the rollout worker's process the engine runs asynchronously too.
+    worker = parse_config({**CONFIG, "deploy": {**CONFIG["deploy"], "mode": "disaggregated", "async_infer": True}})
+    assert (worker.deploy.mode, worker.deploy.async_infer) == ("disaggregated", True)
     bad = [
         ({"deploy": {"vllm": {"max_num_seqs": 8}}}, "'deploy.vllm': got a section with deploy.engine 'torch'"),
         ({"deploy": {"engine": "vllm", "vllm": {"max_seqs": 8}}}, "'deploy.vllm.max_seqs': unknown"),
@@ -270,7 +273,6 @@ def test_deploy_vllm_keys_are_validated_naming_the_key():
             {"deploy": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 1 << 20}}},
             "expected exactly one of the two set",
         ),
-        ({"deploy": {"engine": "vllm", "mode": "disaggregated"}}, "'deploy.mode': got 'disaggregated' with deploy"),
         ({"deploy": {"engine": "vllm", "async_infer": True}}, "'deploy.async_infer': got True with deploy.engine"),
         ({"deploy": {"engine": "vllm"}, "rl": {"temperature": 2.5}}, r"'rl.temperature': got 2.5 .*at most 2"),
         ({"deploy": {"engine": "sglang"}}, "'deploy.engine': got str 'sglang', expected one of 'torch', 'vllm'"),

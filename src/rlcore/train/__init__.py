@@ -38,6 +38,7 @@ from rlcore.train.deploy import (
     NoRollout,
     RayDeployment,
     ReplicaDeployment,
+    RolloutServer,
     VLLMDeployment,
     WorkerDeployment,
     in_place_rollout,
@@ -111,7 +112,7 @@ from rlcore.train.stages import (
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import Run, train
 from rlcore.train.validation import Validator, validation_keys
-from rlcore.train.vllm_engine import VLLMEngine, VLLMOptions, import_vllm, parse_vllm_options
+from rlcore.train.vllm_engine import VLLMEngine, VLLMOptions, import_vllm, parse_vllm_options, require_vllm
 from rlcore.train.warmup import supervised_warmup
 
 __all__ = [
@@ -172,6 +173,7 @@ __all__ = [
     "preference_forward",
     "preference_logps_stage",
     "read_metrics",
+    "require_vllm",
     "response_logprobs",
     "response_sequences",
     "response_values",
@@ -233,6 +235,7 @@ __all__ += [
     "NoRollout",
     "RayDeployment",
     "ReplicaDeployment",
+    "RolloutServer",
     "WorkerDeployment",
     "in_place_rollout",
     "make_deployment",

@@ -68,7 +68,7 @@ def _library_bars_off() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlcore`` script; returns the exit status.
 
-    Config errors and a stopped run (a non-finite loss) print one line naming the
+    Config errors, a missing optional dependency and a stopped run (a non-finite loss) print one line naming the
     cause and exit with status 2 and 3; Ctrl-C exits with 130, leaving the last
     checkpoint loadable (SIGTERM is treated as Ctrl-C).
     """
@@ -99,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the run directory: unwritable, a full disk, a file in the way
+        print(f"rlcore: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # an optional dependency the config needs (deploy.engine vllm: vLLM)
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
     except FloatingPointError as err:

