@@ -73,10 +73,14 @@ def test_kl_shaping_at_coefficient_zero_reads_no_log_probs(shaping):
         ([*ONE_UPDATE, "rl.old_logp=forward"], ScoringPlan(True, 0, ref_stage=False)),
         ([], ScoringPlan(True, 0, ref_stage=False)),  # two mini-batches: the second update's policy is not the sampler
         ([*ONE_UPDATE, "rl.epochs=2"], ScoringPlan(True, 0, ref_stage=False)),
+        # Async: rows may come from an older policy. The decoupled objective (auto) anchors the ratio at the
+        # update's start and weighs by the sampler's log-probs: no forward, but not run ahead of an update.
+        ([*ONE_UPDATE, "deploy.async_infer=true"], ScoringPlan(False, 0, ref_stage=False, ahead=False)),
         (
-            [*ONE_UPDATE, "deploy.async_infer=true"],
-            ScoringPlan(True, 0, ref_stage=False),
-        ),  # rows may come from an older policy
+            [*ONE_UPDATE, "deploy.async_infer=true", "rl.behaviour_weights=none"],
+            ScoringPlan(True, 0, ref_stage=False, ahead=False),
+        ),
+        ([*ONE_UPDATE, "rl.behaviour_weights=mask"], ScoringPlan(False, 0, ref_stage=False)),
         ([*ONE_UPDATE, "rl.beta=0.1"], ScoringPlan(False, 1)),  # the KL term reads the reference every step
         ([*ONE_UPDATE, "rl.algo=ppo"], ScoringPlan(False, 0, ref_stage=False)),
         ([*ONE_UPDATE, "rl.algo=ppo", "rl.beta=0.1"], ScoringPlan(True, 1)),  # KL in the reward: before the update
@@ -90,6 +94,30 @@ def test_scoring_plan(overrides, plan):
     assert scoring_plan(cfg, build_algorithm(cfg)) == plan
 
 
+@pytest.mark.parametrize(
+    ("overrides", "mode"),
+    [
+        ([], None),
+        (["deploy.async_infer=true"], "truncate"),
+        (["rl.behaviour_weights=mask", "rl.behaviour_cap=3"], "mask"),
+    ],
+)
+def test_behaviour_weights_resolve_into_the_recipe(overrides, mode):
+    from rlcore.train.build import build_algorithm
+
+    algo = build_algorithm(_cfg(*overrides))
+    if mode is None:
+        assert algo.behaviour_weights is None
+    else:
+        assert algo.behaviour_weights.keywords["mode"] == mode
+        assert algo.behaviour_weights.keywords["cap"] == (3.0 if mode == "mask" else 2.0)
+
+
+def test_dpo_takes_no_behaviour_weights():
+    with pytest.raises(ValueError, match="rl.behaviour_weights.*dpo"):
+        load_config(ROOT / "configs" / "dpo_tiny.yaml", [*TINY, "rl.num_rollouts=1", "rl.behaviour_weights=truncate"])
+
+
 def test_dpo_and_context_parallel_keep_both_forwards():
     from rlcore.train.build import build_algorithm
 
@@ -99,7 +127,9 @@ def test_dpo_and_context_parallel_keep_both_forwards():
     assert scoring_plan(dpo, build_algorithm(dpo)) == ScoringPlan(True, 1)
 
 
-@pytest.mark.parametrize("key", ["rl.old_logp=sometimes", "trainer.log_ref_kl_every=-1"])
+@pytest.mark.parametrize(
+    "key", ["rl.old_logp=sometimes", "trainer.log_ref_kl_every=-1", "rl.behaviour_weights=clip", "rl.behaviour_cap=0"]
+)
 def test_bad_plan_keys_are_refused_by_name(key):
     with pytest.raises(ValueError, match=key.split("=")[0].replace(".", r"\.")):
         _cfg(key)

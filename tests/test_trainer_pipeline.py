@@ -37,6 +37,9 @@ def test_blocking_pipeline_reproduces_the_hand_written_loop(name, tmp_path):
     for record, losses in zip(run.records, loop.losses):
         assert record["loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-6)
         assert record["policy_lag_max"] == 0
+        # The sampler's log-probs (KV cache, one row at a time) against the trainer's packed forward, same weights.
+        assert 0 <= record["mismatch/logp_abs_mean"] <= record["mismatch/logp_abs_max"] < 1e-4
+        assert abs(record["mismatch/kl"]) < 1e-8
     assert any(abs(r["loss"]) > 1e-4 for r in run.records)  # the comparison is not between zeros
     # The trainer's forwards run each group's prompt once (rlcore.models.shared_prefix); the loop packs
     # every row whole: the same maths in another summation order, 2e-6 apart after 5 AdamW steps.
@@ -50,11 +53,15 @@ def test_blocking_pipeline_reproduces_the_hand_written_loop(name, tmp_path):
 @pytest.mark.parametrize("mode", ["co-located", "disaggregated"])
 def test_async_rollout_never_exceeds_the_staleness_bound(mode, tmp_path):
     cfg = tiny("grpo_tiny", tmp_path, "trainer.steps=4", "deploy.async_infer=true", f"deploy.mode={mode}")
-    run = train(cfg)
+    run = train(cfg, reward=by_length)  # advantages from the first step: the weights move
     lags = [r["policy_lag_max"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert len(lags) == 4 and max(lags) <= 1 and min(lags) >= 0
     assert [r["step"] for r in run.records] == [0, 1, 2, 3]
     assert all(r["sync_bytes"] > 0 and r["sync_s"] >= 0 for r in run.records)
+    # rl.behaviour_weights auto: the decoupled objective weighs each token by pi_old / pi_rollout (capped at 2).
+    assert all(0 < r["behaviour_weight"] <= 2.0 and r["mismatch/logp_abs_max"] >= 0 for r in run.records)
+    lagged = [r for r in run.records if r["policy_lag"] > 0]
+    assert lagged and all(r["mismatch/logp_abs_max"] > 1e-3 and r["behaviour_weight"] != 1.0 for r in lagged)
     assert any(k.startswith("bubble/") for k in run.records[-1]) and any(
         k.startswith("busy_s/") for k in run.records[-1]
     )

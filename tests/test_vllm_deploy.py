@@ -95,7 +95,8 @@ def worker(request, tmp_path_factory):
     replica = build_model(cfg, task.tokenizer.vocab_size).eval()
     dep = kind(cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, build_model=build_model)
     call = dep.worker.stage(
-        inputs=["prompts", "prompt_mask", "iteration", "row"], outputs=["responses", "mask", "weights", "head"]
+        inputs=["prompts", "prompt_mask", "iteration", "row"],
+        outputs=["responses", "mask", "rollout_logp", "weights", "head"],
     ).fn
     yield SimpleNamespace(dep=dep, policy=policy, call=call, kind=request.param)
     dep.close()
@@ -127,6 +128,11 @@ def test_worker_engine_weights_equal_the_trainers_after_every_sync(worker):
     out = worker.call(_batch(current))
     assert torch.equal(out["weights"][0], _flat(policy)) and bool(out["head"].all())
     assert out["responses"].shape[0] == 2 and out["mask"].dtype == torch.float32
+    # The rollout_logp column: vLLM's log-probs of the sampled tokens, 0 off the mask.
+    on = out["mask"] != 0
+    assert out["rollout_logp"].dtype == torch.float32 and bool(on.any())
+    assert bool((out["rollout_logp"][on] <= 0).all()) and bool((out["rollout_logp"][on] < 0).any())
+    assert bool((out["rollout_logp"][~on] == 0).all())
     for version in (current + 1, current + 2):
         with torch.no_grad():
             for p in policy.parameters():
@@ -171,6 +177,10 @@ def test_disaggregated_vllm_blocking_run_equals_the_colocated_one(tmp_path):
     b = train(vllm_cfg(tmp_path / "b", "trainer.steps=2", "rl.temperature=1.0", "deploy.mode=disaggregated"))
     assert [r["loss"] for r in a.records] == [r["loss"] for r in b.records]
     assert [r["reward"] for r in a.records] == [r["reward"] for r in b.records]
+    # vLLM's log-probs against the trainer's recomputation (float32 on both sides: rounding apart).
+    assert all(r["mismatch/logp_abs_max"] < 1e-3 for r in a.records + b.records), [
+        r["mismatch/logp_abs_max"] for r in a.records + b.records
+    ]
     for (k, x), y in zip(a.policy.state_dict().items(), b.policy.state_dict().values()):
         assert torch.equal(x, y), k
 

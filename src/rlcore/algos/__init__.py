@@ -32,6 +32,7 @@ from rlcore.algos.kl import (
 )
 from rlcore.algos.kto import kto_loss
 from rlcore.algos.metric_reduction import METRIC_REDUCTIONS, RL_METRIC_REDUCTIONS, reduce_metrics
+from rlcore.algos.off_policy import BEHAVIOUR_MODES, behaviour_weights, decoupled, interpolated_prox_logp
 from rlcore.algos.policy_losses import (
     cispo_loss,
     gmpo_loss,
@@ -82,6 +83,7 @@ from rlcore.algos.value_loss import value_loss
 
 __all__: list[str] = [
     "AGGREGATION_MODES",
+    "BEHAVIOUR_MODES",
     "DIVERGENCES",
     "DPO",
     "DPO_LOSS_TYPES",
@@ -100,11 +102,13 @@ __all__: list[str] = [
     "aggregate",
     "batch_moments",
     "batch_normalize",
+    "behaviour_weights",
     "chain",
     "cispo_loss",
     "clip_rewards",
     "cpo_loss",
     "dapo",
+    "decoupled",
     "dpo",
     "dpo_loss",
     "dr_grpo",
@@ -123,6 +127,7 @@ __all__: list[str] = [
     "grpo_advantages",
     "gspo",
     "gspo_loss",
+    "interpolated_prox_logp",
     "kl_in_reward",
     "kl_penalty",
     "kl_reward_shaping",

@@ -37,21 +37,36 @@ def build_model(cfg: Config, vocab_size: int, *, critic: bool = False) -> torch.
     )
 
 
+def behaviour_mode(cfg: Config) -> str:
+    """``rl.behaviour_weights`` resolved: ``auto`` is ``truncate`` with ``deploy.async_infer``, else ``none``."""
+    mode = cfg.rl.behaviour_weights
+    if mode != "auto":
+        return mode
+    return "truncate" if cfg.deploy.async_infer else "none"
+
+
 def build_algorithm(cfg: Config) -> algos.Recipe:
-    """The rlcore recipe named by ``rl.algo``, with ``rl.beta`` as its KL coefficient when set."""
+    """The rlcore recipe named by ``rl.algo``, with ``rl.beta`` as its KL coefficient when set.
+
+    A policy-gradient recipe takes the decoupled objective (:func:`rlcore.algos.decoupled`)
+    as :func:`behaviour_mode` says.
+    """
     rl, beta = cfg.rl, cfg.rl.beta
     if rl.algo == "dpo":
         return algos.dpo() if beta is None else algos.dpo(beta=beta)
     if rl.algo in ("grpo", "ppo", "rloo", "reinforce_pp"):
         recipe = getattr(algos, rl.algo)
-        return recipe() if beta is None else recipe(kl_coef=beta)
-    if rl.algo == "dapo":
-        # Soft overlong punishment over the last quarter of the generation budget.
-        algo = algos.dapo(max_length=rl.max_new_tokens, cache_length=max(1, rl.max_new_tokens // 4))
+        algo = recipe() if beta is None else recipe(kl_coef=beta)
     else:
-        algo = getattr(algos, rl.algo)()
-    # Recipes without a KL term get one by composition when beta is set.
-    return algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
+        if rl.algo == "dapo":
+            # Soft overlong punishment over the last quarter of the generation budget.
+            algo = algos.dapo(max_length=rl.max_new_tokens, cache_length=max(1, rl.max_new_tokens // 4))
+        else:
+            algo = getattr(algos, rl.algo)()
+        # Recipes without a KL term get one by composition when beta is set.
+        algo = algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
+    mode = behaviour_mode(cfg)
+    return algo if mode == "none" else algos.decoupled(algo, cap=rl.behaviour_cap, mode=mode)
 
 
 def build_models(

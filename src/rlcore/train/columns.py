@@ -50,7 +50,12 @@ COLUMNS = Schema(
         Column("trajectory_mask", _F, "token", "multi-turn: 1.0 on every response token, policy and observation"),
         Column("version", _I, "scalar", "the policy version the row was sampled with"),
         Column("policy_version", _I, "scalar", "the weights version of a rollout stage's call (the scheduler's)"),
-        Column("rollout_logp", _F, "token", "multi-turn: the sampler's log-prob of each policy token, 0 elsewhere"),
+        Column(
+            "rollout_logp",
+            _F,
+            "token",
+            "the sampler's log-prob of each policy token (the behaviour policy's), 0 elsewhere",
+        ),
         Column("rewards", _F, "token", "multi-turn: each turn's reward on its last policy token"),
         Column("num_turns", _I, "scalar", "multi-turn: the trajectory's turns"),
         Column("num_tool_calls", _I, "scalar", "multi-turn: the tool calls it made"),

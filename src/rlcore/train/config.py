@@ -54,11 +54,17 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.export                           every save also writes output_dir/hf (save_pretrained)
     trainer.log_samples                      every n steps, a few prompt / response / score rows to
                                              output_dir/samples.jsonl (0: none)
-    rl.old_logp                              auto: in the blocking pipeline with one optimiser update per batch
-                                             (mini_batch_size = batch_size, epochs 1) the update's own log-probs,
-                                             detached, are the old policy's (no separate forward); forward: always
+    rl.old_logp                              auto: with one optimiser update per batch (mini_batch_size =
+                                             batch_size, epochs 1), in the blocking pipeline or with behaviour
+                                             weights on, the update's own log-probs, detached, are the old
+                                             (proximal) policy's (no separate forward); forward: always
     trainer.log_ref_kl_every                 when nothing reads the reference (rl.beta 0), its forward runs only
                                              every n steps to log the KL (0: never; the kl metric is then absent)
+    rl.behaviour_weights                     the decoupled objective (AReaL): the policy loss weighted per token by
+                                             pi_old / pi_rollout (old_logp anchors the clip, the sampler's
+                                             rollout_logp is the behaviour), bounded by rl.behaviour_cap:
+                                             truncate (min(w, cap)), mask (0 above cap) or none; auto: truncate
+                                             with deploy.async_infer (rows one or more versions old), else none
 """
 
 from __future__ import annotations
@@ -114,6 +120,8 @@ class RLConfig:
     epochs: int = 1
     multi_turn: dict | None = None
     old_logp: Literal["auto", "forward"] = "auto"
+    behaviour_weights: Literal["auto", "none", "truncate", "mask"] = "auto"
+    behaviour_cap: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +351,12 @@ def _validate(cfg: Config) -> None:
     if rl.batch_size % rl.mini_batch_size:
         raise ValueError(
             f"config key 'rl.mini_batch_size': got {rl.mini_batch_size}, expected a divisor of rl.batch_size={rl.batch_size}"
+        )
+    _positive("rl.behaviour_cap", rl.behaviour_cap)
+    if rl.algo == "dpo" and rl.behaviour_weights not in ("auto", "none"):
+        raise ValueError(
+            f"config key 'rl.behaviour_weights': got {rl.behaviour_weights!r} with rl.algo 'dpo', expected auto or "
+            "none (DPO's loss has no policy ratio to weight)"
         )
     if rl.algo == "dpo" and rl.n_samples != 1:
         raise ValueError(f"config key 'rl.num_rollouts': got {rl.n_samples}, expected 1 for dpo (one pair per prompt)")
@@ -583,7 +597,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")

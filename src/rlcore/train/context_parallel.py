@@ -248,7 +248,7 @@ def cp_rl_forward(
     masked positions stay finite in every policy loss.
     """
     lm = from_hf(policy)
-    carried = ("old_logp", "ref_logp", "advantages", "returns", "old_values", "entropy")
+    carried = ("old_logp", "ref_logp", "rollout_logp", "advantages", "returns", "old_values", "entropy")
 
     def forward(b: Batch) -> Batch:
         batch = {k: b[k] for k in carried if k in b}

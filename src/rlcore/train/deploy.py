@@ -55,7 +55,7 @@ from rlcore.train.config import Config, parse_config
 from rlcore.train.parallel import full_state_dict
 from rlcore.train.prompts import source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine
-from rlcore.train.stages import rollout_stage
+from rlcore.train.stages import ROLLOUT_OUTPUTS, rollout_columns, rollout_stage
 from rlcore.train.vllm_engine import VLLMEngine, parse_vllm_options
 
 __all__ = [
@@ -215,7 +215,7 @@ class RolloutServer:
         # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
         stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
         r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
-        return {"responses": r.responses, "mask": r.mask.float(), "version": batch["policy_version"].clone()}
+        return rollout_columns(r, batch)
 
 
 @torch.no_grad()
@@ -395,7 +395,7 @@ class WorkerDeployment(_Synced):
         self.publish(0)
         self.rollout: Stage = self.worker.stage(
             inputs=["prompts", "prompt_mask", "iteration", "row"],
-            outputs=["responses", "mask", "version"],
+            outputs=list(ROLLOUT_OUTPUTS),
             resource="rollout",
             timeout=cfg.deploy.rollout_timeout or None,
         )

@@ -204,7 +204,9 @@ class PolicyGradientStages:
         forward: Callable[[Batch], Batch]
         if plan.old_logp:
             forward = update_forward(outputs)
-        elif parts.dispatch is not None:  # rows change ranks before the update: its forward runs on the dealt rows
+        elif parts.dispatch is not None or not plan.ahead:
+            # Rows change ranks before the update, or an update may come between the scoring and this
+            # one (async): the forward runs inside the update, on its rows and weights.
             forward = update_forward(old_policy_is_updated(outputs))
         else:  # the update's forward runs while the rows are scored; its logp, detached, is old_logp
             run_ahead, forward = forward_ahead(outputs)

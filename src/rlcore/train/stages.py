@@ -6,7 +6,7 @@ stage from the objects it needs (an engine, a reward pool, a model, a recipe), s
 notebook assembles its own pipeline and :mod:`rlcore.train.trainer` is nothing but
 that assembly::
 
-    rollout_stage(engine)                -> responses, mask, version
+    rollout_stage(engine)                -> responses, mask, rollout_logp, version
     reward_stage(pool, decode)           -> scores
     logprob_stage(policy)                -> old_logp, entropy     (eval mode, no grad)
     logprob_stage(reference, outputs=("ref_logp",))
@@ -50,6 +50,7 @@ from rlcore.train.tagged_metrics import maximum
 
 __all__ = [
     "PAIR_TOKEN_COLUMNS",
+    "ROLLOUT_OUTPUTS",
     "advantages_stage",
     "balanced_rows",
     "eval_mode",
@@ -66,6 +67,7 @@ __all__ = [
     "rl_batch",
     "rl_forward",
     "rl_outputs",
+    "rollout_columns",
     "rollout_stage",
     "update_forward",
     "update_stage",
@@ -148,6 +150,21 @@ def response_values(critic: torch.nn.Module, batch: Mapping[str, torch.Tensor]) 
     return out[:, batch["prompts"].shape[1] - 1 : -1, 0].float()
 
 
+ROLLOUT_OUTPUTS = ("responses", "mask", "rollout_logp", "version")
+
+
+def rollout_columns(r: Any, b: Batch) -> dict[str, torch.Tensor]:
+    """A :class:`rlcore.train.Rollout` of ``b``'s rows as the dock's columns (:data:`ROLLOUT_OUTPUTS`).
+
+    ``mask`` as float32; ``rollout_logp`` the sampler's log-probs (0 off the mask), which
+    the decoupled objective and the mismatch metrics read; ``version`` the policy
+    version of the call (the rows' ``policy_version``).
+    """
+    mask = r.mask.float()
+    logp = torch.where(mask != 0, r.logp.float(), 0.0)
+    return {"responses": r.responses, "mask": mask, "rollout_logp": logp, "version": b["policy_version"].clone()}
+
+
 def rollout_stage(
     engine: Any,
     *,
@@ -171,8 +188,8 @@ def rollout_stage(
       micro_batch, resource, timeout: as in :func:`rlcore.dataflow.stage`.
 
     Returns:
-      A rollout-role stage ``prompts, prompt_mask, iteration (, row) -> responses, mask, version``;
-      ``version`` is the policy version the rows were generated with.
+      A rollout-role stage ``prompts, prompt_mask, iteration (, row) -> responses, mask,
+      rollout_logp, version`` (:func:`rollout_columns`).
     """
     if seed is not None and generator is not None:
         raise ValueError("generator: got a generator and a seed, expected one source of randomness")
@@ -183,13 +200,12 @@ def rollout_stage(
         return generator(b) if generator is not None else None
 
     def rollout(b: Batch) -> dict[str, torch.Tensor]:
-        r = engine.generate(b["prompts"], b["prompt_mask"], n=1, generator=stream(b))
-        return {"responses": r.responses, "mask": r.mask.float(), "version": b["policy_version"].clone()}
+        return rollout_columns(engine.generate(b["prompts"], b["prompt_mask"], n=1, generator=stream(b)), b)
 
     return stage(
         rollout,
         inputs=["prompts", "prompt_mask", "iteration", *(["row"] if seed is not None else [])],
-        outputs=["responses", "mask", "version"],
+        outputs=list(ROLLOUT_OUTPUTS),
         micro_batch=micro_batch,
         resource=resource,
         role="rollout",
@@ -363,7 +379,7 @@ def rl_outputs(
     return outputs
 
 
-_CARRIED = ("old_logp", "ref_logp", "advantages", "returns", "old_values", "entropy")
+_CARRIED = ("old_logp", "ref_logp", "rollout_logp", "advantages", "returns", "old_values", "entropy")
 
 
 def rl_batch(b: Batch, outputs: Batch) -> Batch:

@@ -18,6 +18,26 @@ from rlcore.train.tagged_metrics import Metric, as_tensors, maximum, mean, merge
 __all__ = ["StepMetrics"]
 
 
+def _mismatch(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
+    """How far the sampler's log-probs are from the trainer's ``old_logp`` over the response tokens.
+
+    The engine's numerics (another kernel, batch or precision) and, with
+    ``deploy.async_infer``, the policy lag both show here: sums of ``|old - rollout|``
+    and of the k3 estimate of ``KL(pi_rollout || pi_old)`` (samples are the sampler's),
+    and the largest gap.
+    """
+    on = mask != 0
+    gap = torch.where(on, (old_logp.float() - rollout_logp.float()).abs(), 0.0)
+    kl = algos.kl_penalty(
+        torch.where(on, rollout_logp.float(), 0.0), torch.where(on, old_logp.float(), 0.0), estimator="k3"
+    )
+    return {
+        "mismatch_abs": total(gap.sum()),
+        "mismatch_max": maximum(gap.max() if gap.numel() else gap.new_zeros(())),
+        "mismatch_kl": total(masked_sum(kl, mask)),
+    }
+
+
 class StepMetrics:
     """Accumulates one step's metrics over its updates; at the step's end, the record (logged, checkpointed)."""
 
@@ -49,6 +69,8 @@ class StepMetrics:
             lag = (b["iteration"] - self.start - b["version"]).float()  # versions counted from this run's first step
             if self.ref_every and step % self.ref_every == 0:  # the steps the reference forward ran
                 counts["kl"] = total(masked_sum(algos.kl_penalty(b["old_logp"], b["ref_logp"], estimator="k3"), mask))
+            if "rollout_logp" in b:  # the sampler's log-probs against the trainer's
+                counts.update(_mismatch(b["rollout_logp"], b["old_logp"], mask))
             counts.update(
                 reward=total(b["scores"].float().sum()),
                 entropy=total(masked_sum(b["entropy"], mask)),
@@ -105,6 +127,14 @@ class StepMetrics:
             )
             if "kl" in c:  # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot
                 out["kl"] = c["kl"] / c["tokens"]
+            if "mismatch_abs" in c:
+                out.update(
+                    {
+                        "mismatch/logp_abs_mean": c["mismatch_abs"] / c["tokens"],
+                        "mismatch/logp_abs_max": c["mismatch_max"],
+                        "mismatch/kl": c["mismatch_kl"] / c["tokens"],
+                    }
+                )
         timing: dict[str, float] = {"step_time_s": window}
         busy: dict[str, float] = {}
         for name, resource, a, b in spans:

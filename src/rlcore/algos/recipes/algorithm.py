@@ -51,6 +51,10 @@ def with_group(fn: Callable[..., Any], process_group: Any) -> Callable[..., Any]
     return fn if process_group is None or not takes_group(fn) else partial(fn, process_group=process_group)
 
 
+def _masked_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return (torch.where(keep, x.float(), 0.0).sum() / keep.sum().clamp(min=1)).detach()
+
+
 def chain(*steps: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
     """Compose batch transforms (shaping, filters) left to right, like ``optax.chain``.
 
@@ -91,6 +95,10 @@ class Algorithm(NamedTuple):
       entropy_coef: weight of the entropy bonus (subtracted from the loss).
       value_loss: ``(values, old_values, returns, mask) -> (loss_t, metrics)``, or ``None``.
       vf_coef: weight of the value loss.
+      behaviour_weights: ``(old_logp, rollout_logp, mask) -> w_t``, the decoupled
+        objective's per-token weight of the proximal policy (``old_logp``) over the
+        behaviour policy that sampled (``rollout_logp``), multiplied into the policy
+        loss (:func:`rlcore.algos.decoupled`), or ``None``.
 
     Batch keys (all token leaves ``[B, T]``, sequence leaves ``[B]``): ``mask``, ``logp``
     (current policy, with gradient), ``old_logp`` (rollout policy); ``advantages``, or
@@ -99,7 +107,7 @@ class Algorithm(NamedTuple):
     ``rlcore.ops.logprobs_from_logits(..., with_entropy=True)``); ``values``,
     ``old_values``, ``returns`` for a value loss; optional ``is_weights`` (detached
     per-token weights, e.g. :func:`rlcore.algos.truncated_is_weights`, multiplied into
-    the policy loss).
+    the policy loss); ``rollout_logp`` (the sampler's log-probs) with ``behaviour_weights``.
     """
 
     advantage_estimator: Callable[[Batch], Batch]
@@ -112,6 +120,7 @@ class Algorithm(NamedTuple):
     entropy_coef: float = 0.0
     value_loss: Callable[..., tuple[torch.Tensor, Metrics]] | None = None
     vf_coef: float = 1.0
+    behaviour_weights: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def advantages(self, batch: Batch, *, process_group: Any = None) -> Batch:
         """The batch after shaping, with ``"advantages"`` (and the estimator's other leaves) added.
@@ -214,6 +223,11 @@ class Algorithm(NamedTuple):
         pg_t, metrics = self.policy_loss(logp, old_logp, advantages, mask)
         if "is_weights" in batch:
             pg_t = pg_t * torch.where(keep, batch["is_weights"].detach(), 0.0).to(pg_t.dtype)
+        if self.behaviour_weights is not None:
+            behav = batch_entry(batch, "rollout_logp", "the sampler's log-probs, for behaviour_weights")
+            w = torch.where(keep, self.behaviour_weights(old_logp, behav, mask).detach(), 0.0)
+            pg_t = pg_t * w.to(pg_t.dtype)
+            metrics = {**metrics, "behaviour_weight": _masked_mean(w, keep)}
         # aggregate is linear in loss_t, so each term is aggregated on its own: the
         # total is the aggregate of the summed per-token loss, and each part is a metric.
         loss = agg(pg_t)

@@ -33,6 +33,7 @@ from rlcore.testing.reference.losses import (
     value_loss_ref,
 )
 from rlcore.testing.reference.metrics import merge_metrics_ref, pass_at_k_ref
+from rlcore.testing.reference.off_policy import behaviour_weights_ref, interpolated_prox_logp_ref
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -87,6 +88,7 @@ __all__ = [
     "aggregate_ref",
     "balanced_partition_ref",
     "batch_normalize_ref",
+    "behaviour_weights_ref",
     "cispo_loss_ref",
     "clip_rewards_ref",
     "cpo_loss_ref",
@@ -104,6 +106,7 @@ __all__ = [
     "greedy_ref",
     "grpo_advantages_ref",
     "gspo_loss_ref",
+    "interpolated_prox_logp_ref",
     "kl_in_reward_ref",
     "kl_penalty_ref",
     "kto_loss_ref",
