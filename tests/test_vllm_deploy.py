@@ -233,3 +233,18 @@ def test_deploy_engine_vllm_without_vllm_is_one_line_before_anything_starts(tmp_
         ), err
         assert _children() == before
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_model_vllm_cannot_serve_is_one_line_naming_the_head_dimension(tmp_path, capsys):
+    # The main job's model: four heads of 16 channels, which vLLM's CPU attention does not serve.
+    argv = ["train", "--config", str(ROOT / "configs" / "grpo_tiny.yaml"), *QUIET, "trainer.warmup_steps=0"]
+    argv += ["deploy.engine=vllm", "rl.temperature=1.0", f"trainer.output_dir={tmp_path / 'run'}"]
+    before = _children()
+    for mode in ("co-located", "disaggregated"):
+        assert main([*argv, f"deploy.mode={mode}"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        ours = [line for line in err.splitlines() if line.startswith("rlcore:")]
+        assert len(ours) == 1 and ours[0].startswith("rlcore: error: model: got head dimension 16"), err
+        assert "expected one of [32, 64" in ours[0]
+        assert _children() == before  # the worker that refused it is gone

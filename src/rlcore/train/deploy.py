@@ -390,9 +390,13 @@ class WorkerDeployment(_Synced):
     ):
         super().__init__(policy, replica)
         self.worker = self._start((cfg.to_dict(), vocab_size, build_model), max(1, cfg.trainer.threads))
-        self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
-        self.sync = WeightSync(self._full_weights())
-        self.publish(0)
+        try:  # a worker that fails to start (e.g. a model its engine cannot serve) is stopped, not left behind
+            self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
+            self.sync = WeightSync(self._full_weights())
+            self.publish(0)
+        except BaseException:
+            self.worker.close()
+            raise
         self.rollout: Stage = self.worker.stage(
             inputs=["prompts", "prompt_mask", "iteration", "row"],
             outputs=list(ROLLOUT_OUTPUTS),
