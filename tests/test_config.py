@@ -62,7 +62,21 @@ def test_seed_example_loads_with_a_local_model(tmp_path, tiny_model_dir):
     # One sample per prompt leaves GRPO without a group baseline: refused at launch, not at load.
     with pytest.raises(ValueError, match=r"'rl.num_rollouts': got 1, expected >= 2 for grpo"):
         check_launch(cfg, 8)
-    check_launch(load_config(_write(tmp_path, text), ["rl.num_rollouts=2"]), 8)
+    # Asynchronous rollout over 8 ranks keeps every collective in the update: the seed's co-located replica and its
+    # four updates per batch (an old-policy forward outside the update) are refused by name; disaggregated with one
+    # update per batch (the decoupled objective, on by default with async) launches.
+    two = load_config(_write(tmp_path, text), ["rl.num_rollouts=2"])
+    with pytest.raises(
+        ValueError, match=r"'deploy.async_infer': got true at world size 8 with deploy.mode 'co-located'"
+    ):
+        check_launch(two, 8)
+    apart = load_config(_write(tmp_path, text), ["rl.num_rollouts=2", "deploy.mode=disaggregated"])
+    with pytest.raises(ValueError, match=r"'deploy.async_infer'.*rl.mini_batch_size 2, rl.batch_size 8"):
+        check_launch(apart, 8)
+    check_launch(
+        load_config(_write(tmp_path, text), ["rl.num_rollouts=2", "deploy.mode=disaggregated", "rl.mini_batch_size=8"]),
+        8,
+    )
     with pytest.raises(ValueError, match=r"'parallel.data_parallel': got 8, expected the launched world size 1"):
         check_launch(cfg, 1)
 

@@ -174,6 +174,9 @@ def test_reprobe30_shipped_agent_config_learns(tmp_path):
         [
             "trainer.steps=6",
             "rl.multi_turn.eval_every=0",
+            # Learning, not wall-clock limits: on a loaded machine the shipped 1 s / 5 s cut trajectories short.
+            "rl.multi_turn.tool_timeout=30",
+            "rl.multi_turn.step_timeout=60",
             "trainer.progress=false",
             "trainer.plot=false",
             f"trainer.output_dir={tmp_path}",

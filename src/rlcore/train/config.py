@@ -768,10 +768,53 @@ def check_launch(cfg: Config, world_size: int) -> None:
     if cfg.deploy.engine == "vllm" and world_size > 1:
         raise ValueError(
             f"config key 'deploy.engine': got 'vllm' at world size {world_size}, expected 'torch' "
-            "(the in-process vLLM engine runs at world size 1)"
+            "(the vLLM engine, co-located or in the rollout worker, is tested at world size 1 only)"
         )
     if cfg.deploy.backend == "ray" and cfg.deploy.mode != "disaggregated":
         raise ValueError(
             f"config key 'deploy.backend': got 'ray' with deploy.mode {cfg.deploy.mode!r}, expected 'local' "
             "(Ray runs the rollout worker of deploy.mode 'disaggregated'; a co-located rollout has no worker)"
         )
+    if cfg.deploy.async_infer and world_size > 1:
+        _check_async_ranks(cfg, world_size)
+
+
+# Recipes whose advantages never leave a rank (group baselines, no whitening over the batch).
+_RANK_LOCAL_ADVANTAGES = ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
+
+
+def _check_async_ranks(cfg: Config, world_size: int) -> None:
+    """``deploy.async_infer`` beyond one rank: every collective must stay in the update, which runs iterations in order.
+
+    The sharded models' collectives (FSDP2's gathers, the global counts, the weight sync,
+    the metrics) then meet in one order on every rank however the rollouts overlap. So:
+    each rank's rollout in its own worker (``deploy.mode: disaggregated``; a co-located
+    replica would be rewritten under a running rollout), no forward before the update
+    (one optimiser update per batch with the decoupled objective, no KL in the reward:
+    the reference, when the loss reads it, runs inside the update), no critic, and
+    advantages that stay on the rank.
+    """
+    rl, why = cfg.rl, None
+    if cfg.deploy.mode != "disaggregated":
+        why = (
+            f"with deploy.mode {cfg.deploy.mode!r}, expected deploy.mode 'disaggregated' (each rank's rollout in its "
+            "own worker)"
+        )
+    elif rl.algo not in _RANK_LOCAL_ADVANTAGES or (rl.algo == "rloo" and rl.beta != 0):
+        why = (
+            f"with rl.algo {rl.algo!r}{'' if rl.beta is None else f' and rl.beta {rl.beta}'}, expected one of "
+            f"{', '.join(_RANK_LOCAL_ADVANTAGES)} (rloo with rl.beta 0): advantages that stay on the rank, no critic "
+            "and no KL in the reward"
+        )
+    elif rl.mini_batch_size != rl.batch_size or rl.epochs != 1 or rl.old_logp != "auto":
+        why = (
+            f"with rl.mini_batch_size {rl.mini_batch_size}, rl.batch_size {rl.batch_size}, rl.epochs {rl.epochs}, "
+            f"rl.old_logp {rl.old_logp!r}, expected one optimiser update per batch and rl.old_logp auto (the update's "
+            "own log-probs are the proximal policy's; a separate forward would run collectives outside the update)"
+        )
+    elif rl.behaviour_weights == "none":
+        why = "with rl.behaviour_weights 'none', expected the decoupled objective (auto, truncate or mask)"
+    elif cfg.parallel.context_parallel != 1:
+        why = f"with parallel.context_parallel {cfg.parallel.context_parallel}, expected 1"
+    if why is not None:
+        raise ValueError(f"config key 'deploy.async_infer': got true at world size {world_size} {why}")

@@ -185,7 +185,8 @@ class PolicyGradientStages:
             "mask",
             "group",
             *(["old_logp"] if needs.old_logp else []),
-            *(["ref_logp"] if needs.ref_logp else []),
+            # The reference's log-probs when a stage gives them (else the loss's come from the update's forward).
+            *(["ref_logp"] if needs.ref_logp and plan.ref_stage else []),
         ]
         produced = ["advantages", "loss_mask"]
         stages: list[Stage] = []

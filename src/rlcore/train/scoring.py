@@ -75,7 +75,9 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
       detached: equal to the forward's value, and the ratio is 1 with the same gradient.
     * The reference forward runs every step when the recipe reads ``ref_logp`` (a KL
       term: ``rl.beta`` not 0); otherwise only every ``trainer.log_ref_kl_every`` steps,
-      for the logged ``kl`` (0: never).
+      for the logged ``kl`` (0: never). With ``deploy.async_infer`` over data-parallel
+      ranks a KL term in the loss takes it from inside the update's forward (every
+      sharded forward's collectives then run in the update, in iteration order).
 
     Context parallelism (each rank's update holds its share of the tokens) keeps both
     forwards, and so does a recipe that is not an :class:`rlcore.algos.Algorithm`
@@ -89,6 +91,8 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
     one_update = rl.mini_batch_size == rl.batch_size and rl.epochs == 1
     anchored = blocking or getattr(algo, "behaviour_weights", None) is not None
     skip_old = rl.old_logp == "auto" and one_update and anchored and not needs.old_logp
-    if needs.ref_logp:
+    if needs.ref_logp and (needs.old_logp or blocking or cfg.parallel.data_parallel == 1):
         return ScoringPlan(not skip_old, 1, ahead=blocking)
+    if needs.ref_logp:  # async over ranks: the loss's reference runs inside the update, where the collectives meet
+        return ScoringPlan(not skip_old, 1, ref_stage=False, ahead=False)
     return ScoringPlan(not skip_old, cfg.trainer.log_ref_kl_every, ref_stage=False, ahead=blocking)

@@ -86,8 +86,8 @@ def local_device() -> torch.device:
 def check_run(cfg: Config, *, engine: bool = False) -> None:
     """Refuse, before any process group starts, a run this launch cannot serve.
 
-    The world size (torchrun's, or 1) against the parallel sizes (:func:`rlcore.train.config.check_launch`),
-    asynchronous rollout beyond one rank, a user's engine with multi-turn rollouts, LoRA's limits,
+    The world size (torchrun's, or 1) against the parallel sizes and what asynchronous rollout needs beyond one
+    rank (:func:`rlcore.train.config.check_launch`), a user's engine with multi-turn rollouts, LoRA's limits,
     ``deploy.engine: vllm`` without vLLM installed (``ImportError`` naming the install).
 
     Args:
@@ -98,12 +98,6 @@ def check_run(cfg: Config, *, engine: bool = False) -> None:
     check_launch(cfg if not engine else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), launched)
     if cfg.deploy.engine == "vllm" and not engine:
         require_vllm()
-    if cfg.deploy.async_infer and launched > 1:
-        raise ValueError(
-            "config key 'deploy.async_infer': got true at world size "
-            f"{launched}, expected false (the sharded models' collectives need every rank to run the stages in one "
-            "order, which the blocking pipeline guarantees; asynchronous rollout runs at world size 1)"
-        )
     if engine and cfg.rl.multi_turn is not None:
         raise ValueError(
             "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
