@@ -38,6 +38,10 @@ ASYNC_RANKS = [
 ]
 
 
+# Two optimiser updates per batch on each rank: the old-policy forward runs in the update stage.
+MINI_BATCHES = ["rl.batch_size=2", "rl.mini_batch_size=1"]
+
+
 def _cfg(out: Path, *extra: str):
     return load_config(ROOT / "configs" / "grpo_tiny.yaml", [*ASYNC_RANKS, f"trainer.output_dir={out}", *extra])
 
@@ -52,6 +56,8 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     run = train(_cfg(Path(tmp) / "run"), reward=length_reward)
     torch.save(run.records, Path(tmp) / f"records{rank}.pt")
+    run = train(_cfg(Path(tmp) / "mini", *MINI_BATCHES), reward=length_reward)
+    torch.save(run.records, Path(tmp) / f"mini{rank}.pt")
     leave()
 
 
@@ -66,6 +72,14 @@ def test_async_rollout_at_two_ranks(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) and r["kl"] >= 0 for r in a)
     assert "busy_s/ref_logp" not in a[-1]  # no reference stage: its forward is the update's
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == STEPS
+    # Two updates per batch: the old-policy forward ran in the update (no stage of its own), ranks agree.
+    c, d = (torch.load(tmp_path / f"mini{r}.pt", weights_only=False) for r in (0, 1))
+    assert [r["step"] for r in c] == list(range(STEPS)) == [r["step"] for r in d]
+    assert "busy_s/old_logp" not in c[-1] and "busy_s/old_logp" not in d[-1]
+    for x, y in zip(c, d):
+        for key in ("loss", "reward", "kl", "ratio_max", "policy_lag"):
+            assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-7), (x["step"], key)
+    assert max(r["policy_lag_max"] for r in c) <= 1
 
 
 @pytest.mark.parametrize(
@@ -75,9 +89,6 @@ def test_async_rollout_at_two_ranks(tmp_path):
         (["rl.algo=ppo"], "rl.algo 'ppo'"),
         (["rl.algo=reinforce_pp"], "rl.algo 'reinforce_pp'"),
         (["rl.algo=rloo"], "rl.algo 'rloo' and rl.beta 0.1"),
-        (["rl.batch_size=4"], "one optimiser update per batch"),
-        (["rl.old_logp=forward"], "rl.old_logp 'forward'"),
-        (["rl.behaviour_weights=none"], "expected the decoupled objective"),
     ],
 )
 def test_async_ranks_refuse_what_would_run_collectives_outside_the_update(tmp_path, extra, says):
@@ -87,3 +98,5 @@ def test_async_ranks_refuse_what_would_run_collectives_outside_the_update(tmp_pa
     assert says in str(err.value)
     check_launch(_cfg(tmp_path), 2)  # the run above
     check_launch(_cfg(tmp_path, "rl.algo=rloo", "rl.beta=0"), 2)
+    # Several updates per batch: the old-policy forward runs inside the update, before its first step.
+    check_launch(_cfg(tmp_path, *MINI_BATCHES, "rl.old_logp=forward", "rl.behaviour_weights=none"), 2)

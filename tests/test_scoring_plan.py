@@ -78,8 +78,10 @@ def test_kl_shaping_at_coefficient_zero_reads_no_log_probs(shaping):
         ([*ONE_UPDATE, "deploy.async_infer=true"], ScoringPlan(False, 0, ref_stage=False, ahead=False)),
         (
             [*ONE_UPDATE, "deploy.async_infer=true", "rl.behaviour_weights=none"],
-            ScoringPlan(True, 0, ref_stage=False, ahead=False),
+            ScoringPlan(True, 0, ref_stage=False, ahead=False, old_in_update=True),
         ),
+        # Async with two updates per batch: the proximal forward runs in the update, before its first step.
+        (["deploy.async_infer=true"], ScoringPlan(True, 0, ref_stage=False, ahead=False, old_in_update=True)),
         ([*ONE_UPDATE, "rl.behaviour_weights=mask"], ScoringPlan(False, 0, ref_stage=False)),
         ([*ONE_UPDATE, "rl.beta=0.1"], ScoringPlan(False, 1)),  # the KL term reads the reference every step
         ([*ONE_UPDATE, "rl.algo=ppo"], ScoringPlan(False, 0, ref_stage=False)),
@@ -264,6 +266,32 @@ def test_update_stage_epochs_pass_over_the_mini_batches_in_order():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="epochs"):
             update_stage(forward, Recipe(), lambda loss, rows: None, inputs=["x"], micro_batch=2, epochs=bad)
+
+
+def test_update_stage_prepare_runs_once_per_iteration_before_its_first_step():
+    """The old-policy forward inside the update: once over the whole iteration, with the weights before any step."""
+    weight = torch.zeros(())
+    events = []
+
+    def prepare(b):
+        events.append(("prepare", float(weight), b["x"].tolist()))
+        return {"old": b["x"].float() + weight}
+
+    class Recipe:
+        def global_counts(self, batch, *, process_group=None):
+            return {}
+
+        def loss(self, batch):
+            events.append(("update", batch["x"].tolist(), batch["old"].tolist()))
+            return batch["x"].float().sum(), {}
+
+    def step(loss, rows):
+        weight.add_(1.0)
+
+    s = update_stage(lambda b: dict(b), Recipe(), step, inputs=["x"], micro_batch=2, prepare=prepare)
+    assert s.micro_batch is None  # the whole iteration per call
+    s.fn({"x": torch.arange(4)})
+    assert events == [("prepare", 0.0, [0, 1, 2, 3]), ("update", [0, 1], [0.0, 1.0]), ("update", [2, 3], [2.0, 3.0])]
 
 
 def test_config_epochs_make_that_many_passes(tmp_path, monkeypatch):

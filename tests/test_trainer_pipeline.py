@@ -67,6 +67,24 @@ def test_async_rollout_never_exceeds_the_staleness_bound(mode, tmp_path):
     )
 
 
+@pytest.mark.parametrize("mode", ["co-located", "disaggregated"])
+def test_async_at_staleness_zero_reproduces_the_blocking_pipeline(mode, tmp_path):
+    """Staleness 0: the async scheduler, the decoupled objective (weights exp(old - rollout) = 1 up to the engine's
+    rounding) and the old-policy forward inside the update give the blocking pipeline's losses and parameters."""
+    run = ["trainer.steps=3", f"deploy.mode={mode}"]
+    blocking = train(tiny("grpo_tiny", tmp_path / "b", *run), reward=by_length)
+    overlapped = train(
+        tiny("grpo_tiny", tmp_path / "a", *run, "deploy.async_infer=true", "deploy.staleness=0"), reward=by_length
+    )
+    assert all(r["policy_lag_max"] == 0 for r in overlapped.records)
+    assert all(abs(r["behaviour_weight"] - 1) < 1e-5 for r in overlapped.records)
+    for a, b in zip(blocking.records, overlapped.records):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert any(abs(r["loss"]) > 1e-4 for r in blocking.records)
+    for (k, x), y in zip(blocking.policy.state_dict().items(), overlapped.policy.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=k)
+
+
 def test_disaggregated_blocking_run_equals_the_colocated_one(tmp_path):
     a = train(tiny("grpo_tiny", tmp_path / "a", "trainer.steps=2"))
     b = train(tiny("grpo_tiny", tmp_path / "b", "trainer.steps=2", "deploy.mode=disaggregated"))

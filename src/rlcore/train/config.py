@@ -789,10 +789,10 @@ def _check_async_ranks(cfg: Config, world_size: int) -> None:
     The sharded models' collectives (FSDP2's gathers, the global counts, the weight sync,
     the metrics) then meet in one order on every rank however the rollouts overlap. So:
     each rank's rollout in its own worker (``deploy.mode: disaggregated``; a co-located
-    replica would be rewritten under a running rollout), no forward before the update
-    (one optimiser update per batch with the decoupled objective, no KL in the reward:
-    the reference, when the loss reads it, runs inside the update), no critic, and
-    advantages that stay on the rank.
+    replica would be rewritten under a running rollout), no forward of the sharded
+    models outside the update (no KL in the reward; the old-policy forward and the
+    loss's reference run inside the update, :func:`rlcore.train.scoring_plan`), no
+    critic, and advantages that stay on the rank.
     """
     rl, why = cfg.rl, None
     if cfg.deploy.mode != "disaggregated":
@@ -806,14 +806,6 @@ def _check_async_ranks(cfg: Config, world_size: int) -> None:
             f"{', '.join(_RANK_LOCAL_ADVANTAGES)} (rloo with rl.beta 0): advantages that stay on the rank, no critic "
             "and no KL in the reward"
         )
-    elif rl.mini_batch_size != rl.batch_size or rl.epochs != 1 or rl.old_logp != "auto":
-        why = (
-            f"with rl.mini_batch_size {rl.mini_batch_size}, rl.batch_size {rl.batch_size}, rl.epochs {rl.epochs}, "
-            f"rl.old_logp {rl.old_logp!r}, expected one optimiser update per batch and rl.old_logp auto (the update's "
-            "own log-probs are the proximal policy's; a separate forward would run collectives outside the update)"
-        )
-    elif rl.behaviour_weights == "none":
-        why = "with rl.behaviour_weights 'none', expected the decoupled objective (auto, truncate or mask)"
     elif cfg.parallel.context_parallel != 1:
         why = f"with parallel.context_parallel {cfg.parallel.context_parallel}, expected 1"
     if why is not None:

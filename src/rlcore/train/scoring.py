@@ -53,12 +53,18 @@ class ScoringPlan(NamedTuple):
       ahead: without the old-policy forward, the update's forward may run as a stage of
         its own while the host scores the rows (the blocking pipeline: no update can
         come between them); with ``deploy.async_infer`` it runs inside the update.
+      old_in_update: the old-policy forward runs inside the update stage, once over each
+        iteration's rows before its first optimiser update (``deploy.async_infer``,
+        where a stage of its own could run between the updates of an earlier
+        iteration): the proximal policy is then exactly the weights those updates start
+        from, and its collectives stay in the update.
     """
 
     old_logp: bool
     ref_every: int
     ref_stage: bool = True
     ahead: bool = True
+    old_in_update: bool = False
 
 
 def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> ScoringPlan:
@@ -91,8 +97,12 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
     one_update = rl.mini_batch_size == rl.batch_size and rl.epochs == 1
     anchored = blocking or getattr(algo, "behaviour_weights", None) is not None
     skip_old = rl.old_logp == "auto" and one_update and anchored and not needs.old_logp
+    # Async: the old-policy forward (when the advantages do not read it) runs in the update, before its first step.
+    in_update = not blocking and not skip_old and not needs.old_logp
     if needs.ref_logp and (needs.old_logp or blocking or cfg.parallel.data_parallel == 1):
-        return ScoringPlan(not skip_old, 1, ahead=blocking)
+        return ScoringPlan(not skip_old, 1, ahead=blocking, old_in_update=in_update)
     if needs.ref_logp:  # async over ranks: the loss's reference runs inside the update, where the collectives meet
-        return ScoringPlan(not skip_old, 1, ref_stage=False, ahead=False)
-    return ScoringPlan(not skip_old, cfg.trainer.log_ref_kl_every, ref_stage=False, ahead=blocking)
+        return ScoringPlan(not skip_old, 1, ref_stage=False, ahead=False, old_in_update=in_update)
+    return ScoringPlan(
+        not skip_old, cfg.trainer.log_ref_kl_every, ref_stage=False, ahead=blocking, old_in_update=in_update
+    )

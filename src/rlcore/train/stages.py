@@ -527,6 +527,7 @@ def update_stage(
     resource: str = "device",
     epochs: int = 1,
     dispatch: Callable[[Batch], tuple[Batch, dict[str, Any]]] | None = None,
+    prepare: Callable[[Batch], Batch] | None = None,
 ) -> Stage:
     """The one update shape for every recipe: forward -> ``loss, metrics = recipe.loss(batch, **counts)`` -> step.
 
@@ -551,6 +552,10 @@ def update_stage(
       dispatch: ``dispatch(rows) -> (rows, metrics)`` before each update's forward: the
         rows this rank trains on (:func:`balanced_rows`: a token-balanced deal over the
         data-parallel ranks) and metrics of the deal, passed to ``on_metrics``.
+      prepare: ``prepare(rows) -> columns`` run once over each whole iteration before its
+        first update, its columns added to the rows (the old-policy forward of
+        :func:`logprob_stage` with the weights the updates start from); the stage then
+        takes whole iterations and makes one update per ``micro_batch`` rows.
 
     Returns:
       An update-role stage writing the per-row ``loss`` (the update's scalar loss).
@@ -576,10 +581,14 @@ def update_stage(
             on_metrics(seen, loss.detach(), {**metrics, **dealt})
         return loss.detach().float()
 
+    whole = epochs > 1 or prepare is not None  # each call takes an iteration and loops over its mini-batches
+
     def update(b: Batch) -> dict[str, torch.Tensor]:
         rows = next(iter(b.values())).shape[0]
+        if prepare is not None:
+            b = {**b, **prepare(b)}
         # One update on the rows the scheduler gave; PPO's epochs: each pass visits the mini-batches in row order.
-        size = rows if epochs == 1 or micro_batch is None else micro_batch
+        size = rows if not whole or micro_batch is None else micro_batch
         out = torch.zeros(rows)
         for _ in range(epochs):
             for start in range(0, rows, size):
@@ -592,7 +601,7 @@ def update_stage(
         inputs=inputs,
         outputs=["loss"],
         name=name,
-        micro_batch=micro_batch if epochs == 1 else None,
+        micro_batch=None if whole else micro_batch,
         resource=resource,
         role="update",
         on_iteration_end=on_iteration_end,

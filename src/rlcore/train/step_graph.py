@@ -32,13 +32,14 @@ __all__ = ["step_graph"]
 
 def _sampling_stages(
     cfg: Config, models: Models, rollout: Stage | None, rewards: RewardPool, task: Any, world: World, plan: ScoringPlan
-) -> tuple[list[Stage], list[Stage], list[str]]:
-    """Rollout and reward, the plan's scoring forwards, and the columns the update reads to log them.
+) -> tuple[list[Stage], list[Stage], list[str], Callable[[dict], dict] | None]:
+    """Rollout and reward, the plan's scoring forwards, the columns the update reads to log them, its ``prepare``.
 
     Without a rollout a dataset gives the rows whole (offline preference pairs): no stage.
+    With ``plan.old_in_update`` the old-policy forward is the update's ``prepare``.
     """
     if rollout is None:
-        return [], [], ["prompt_mask", "iteration"]
+        return [], [], ["prompt_mask", "iteration"], None
     rl = cfg.rl
     score: Any = logprob_stage
     reward = task.reward_stage(rewards)
@@ -47,13 +48,18 @@ def _sampling_stages(
         rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
     scoring: list[Stage] = []
     logged = ["scores", "mask", "prompt_mask", "iteration", "version", "rollout_logp"]
+    prepare = None
     if plan.old_logp:
-        scoring.append(score(models.policy, temperature=rl.temperature))
-        logged += ["old_logp", "entropy"]
+        old = score(models.policy, temperature=rl.temperature)
+        if plan.old_in_update:
+            prepare = old.fn
+        else:
+            scoring.append(old)
+            logged += ["old_logp", "entropy"]
     if plan.ref_every and plan.ref_stage:
         scoring.append(score(models.reference, outputs=("ref_logp",), temperature=rl.temperature))
         logged.append("ref_logp")
-    return [rollout, reward], scoring, logged
+    return [rollout, reward], scoring, logged, prepare
 
 
 def step_graph(
@@ -87,7 +93,7 @@ def step_graph(
       plan: the scoring forwards to run (:func:`rlcore.train.scoring_plan`).
     """
     rl = cfg.rl
-    sampling, scoring, logged = _sampling_stages(cfg, models, rollout, rewards, task, world, plan)
+    sampling, scoring, logged, prepare = _sampling_stages(cfg, models, rollout, rewards, task, world, plan)
     part = stages_for(recipe).graph(
         StepParts(
             models.policy,
@@ -127,6 +133,7 @@ def step_graph(
             on_iteration_end=on_step_end,
             epochs=part.epochs,
             dispatch=part.dispatch,
+            prepare=prepare,
         )
     )
     return StageGraph([steps.timed(s) for s in stages], sources=task.columns, schema=COLUMNS)
