@@ -39,6 +39,8 @@ from rlcore.train.deploy import (
     NoRollout,
     RayDeployment,
     ReplicaDeployment,
+    RolloutServer,
+    VLLMDeployment,
     WorkerDeployment,
     in_place_rollout,
     make_deployment,
@@ -112,6 +114,7 @@ from rlcore.train.stages import (
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import Run, train
 from rlcore.train.validation import Validator, validation_keys
+from rlcore.train.vllm_engine import VLLMEngine, VLLMOptions, import_vllm, parse_vllm_options, require_vllm
 from rlcore.train.warmup import supervised_warmup
 
 __all__ = [
@@ -134,6 +137,9 @@ __all__ = [
     "Run",
     "ScoringPlan",
     "TorchEngine",
+    "VLLMDeployment",
+    "VLLMEngine",
+    "VLLMOptions",
     "advantages_stage",
     "apply_overrides",
     "balanced_rows",
@@ -150,6 +156,7 @@ __all__ = [
     "full_state_dict",
     "generate",
     "headline",
+    "import_vllm",
     "left_pad",
     "load_checkpoint",
     "load_config",
@@ -162,11 +169,13 @@ __all__ = [
     "pairs_stage",
     "parallelize",
     "parse_config",
+    "parse_vllm_options",
     "plot_curves",
     "plot_timeline",
     "preference_forward",
     "preference_logps_stage",
     "read_metrics",
+    "require_vllm",
     "response_logprobs",
     "response_sequences",
     "response_values",
@@ -228,6 +237,7 @@ __all__ += [
     "NoRollout",
     "RayDeployment",
     "ReplicaDeployment",
+    "RolloutServer",
     "WorkerDeployment",
     "in_place_rollout",
     "make_deployment",

