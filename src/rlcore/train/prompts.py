@@ -34,6 +34,7 @@ from rlcore.data import PromptSet, load_preferences, load_prompts, sample_indice
 from rlcore.dataflow import Stage, stage
 from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
+from rlcore.train.agent_stages import check_multi_turn
 from rlcore.train.columns import COLUMNS
 from rlcore.train.config import Config, max_positions
 from rlcore.train.rollout import left_pad
@@ -47,6 +48,7 @@ __all__ = [
     "PreferencePrompts",
     "TaskPrompts",
     "make_prompt_source",
+    "run_prompt_source",
     "source_tokenizer",
     "task_options",
 ]
@@ -448,6 +450,22 @@ def make_prompt_source(
     if cfg.data.path is not None:
         return PreferencePrompts(cfg, world_size) if cfg.rl.algo == "dpo" else DatasetPrompts(cfg, world_size)
     return TaskPrompts(cfg, task_options, world_size)
+
+
+def run_prompt_source(
+    cfg: Config, *, world_size: int = 1, leader: bool = True
+) -> TaskPrompts | DatasetPrompts | PreferencePrompts:
+    """The trainer's prompt source (:func:`make_prompt_source`), checked for the run before any model is built.
+
+    With ``rl.multi_turn`` its tools, environment and stop tokens are refused now, not after
+    the warm-up; a dataset's summary is printed by the ``leader`` rank.
+    """
+    task = make_prompt_source(cfg, task_options(cfg), world_size=world_size)
+    if cfg.rl.multi_turn is not None:
+        check_multi_turn(cfg, task)
+    if task.dataset is not None and leader:
+        print(task.summary(), flush=True)
+    return task
 
 
 def source_tokenizer(cfg: Config, task_options: dict[str, Any]) -> Any:

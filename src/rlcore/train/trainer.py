@@ -45,14 +45,13 @@ import torch
 
 from rlcore import algos
 from rlcore.dataflow import run_pipeline
-from rlcore.train.agent_stages import check_multi_turn
 from rlcore.train.build import build_algorithm, build_model, build_models, build_reference
 from rlcore.train.config import Config
 from rlcore.train.deploy import make_deployment
 from rlcore.train.metrics import plot_run
 from rlcore.train.optim import Models, Optimiser
-from rlcore.train.preemption import Preempted, StopRequest, stop_on_signals
-from rlcore.train.prompts import make_prompt_source, task_options
+from rlcore.train.preemption import StopRequest, stop_on_signals
+from rlcore.train.prompts import run_prompt_source
 from rlcore.train.recipe_stages import stages_for
 from rlcore.train.rollout import InferenceEngine
 from rlcore.train.run_state import check_resume, restore_run
@@ -103,34 +102,20 @@ def train(
       allow_config_change: resume with hyper-parameters that differ from the checkpoint's.
 
     Raises:
-      Preempted: a signal of ``trainer.stop_signals`` arrived (handled when ``train`` runs in
-        the main thread; the previous handlers are restored after): the step under way
-        finished, its checkpoint is committed and the workers are closed; ``resume=True``
-        continues with the next step. A second signal, or ``trainer.stop_timeout`` seconds
-        without the step finishing, abandons the step (``KeyboardInterrupt``).
+      Preempted: a signal of ``trainer.stop_signals`` arrived; the step under way finished and
+        is saved (``resume=True`` continues), :func:`rlcore.train.preemption.stop_on_signals`.
     """
     tr = cfg.trainer
     if tr.threads:
         torch.set_num_threads(tr.threads)
     check_run(cfg, engine=engine is not None)
-    with stop_on_signals(tr.stop_signals, timeout=tr.stop_timeout) as stop:
-        world = World(cfg, local_device())
-        ok = False
-        try:
-            prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
-            task = make_prompt_source(cfg, task_options(cfg), world_size=world.dp_size)
-            if cfg.rl.multi_turn is not None:  # tools, environment and stop tokens: refused before the warm-up
-                check_multi_turn(cfg, task)
-            if task.dataset is not None and world.rank == 0:
-                print(task.summary(), flush=True)
-            recipe = algo or build_algorithm(cfg)
-            run = _train(cfg, world, task, resume, engine, recipe, reward, allow_config_change, stop)
-            ok = True
-        except Preempted:
-            ok = True  # every rank stopped at the same step, its checkpoint committed
-            raise
-        finally:
-            world.close(ok=ok)
+    with (
+        stop_on_signals(tr.stop_signals, timeout=tr.stop_timeout) as stop,
+        World(cfg, local_device()).session() as world,
+    ):
+        prepare_run_dir(tr.output_dir, resume=resume, overwrite=overwrite, leader=world.rank == 0)
+        task = run_prompt_source(cfg, world_size=world.dp_size, leader=world.rank == 0)
+        run = _train(cfg, world, task, resume, engine, algo or build_algorithm(cfg), reward, allow_config_change, stop)
     if world.rank == 0 and tr.plot:
         plot_run(tr.output_dir, run.tasks, last=tr.timeline_iterations, offset=run.start)
     return Run(run.records, run.models.policy, run.models.critic)

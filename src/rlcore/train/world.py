@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -14,6 +16,7 @@ from rlcore.device import get_device
 from rlcore.train.config import Config, check_launch
 from rlcore.train.lora import check_lora_launch
 from rlcore.train.parallel import device_mesh
+from rlcore.train.preemption import Preempted
 from rlcore.train.tagged_metrics import Metric, all_reduce_metrics
 from rlcore.train.vllm_engine import require_vllm
 
@@ -63,6 +66,23 @@ class World:
                 dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[World]:
+        """The world for one run, closed at the end: cleanly when the run succeeded or stopped on a signal.
+
+        :class:`rlcore.train.preemption.Preempted` is a success here: every rank stopped at
+        the same step with its checkpoint committed, so the ranks meet at the barrier.
+        """
+        ok = False
+        try:
+            yield self
+            ok = True
+        except Preempted:
+            ok = True
+            raise
+        finally:
+            self.close(ok=ok)
 
     def any(self, flag: torch.Tensor) -> bool:
         """True on every rank when ``flag`` (a 0-d float) is non-zero on any rank."""
