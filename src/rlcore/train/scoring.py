@@ -99,10 +99,7 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
     skip_old = rl.old_logp == "auto" and one_update and anchored and not needs.old_logp
     # Async: the old-policy forward (when the advantages do not read it) runs in the update, before its first step.
     in_update = not blocking and not skip_old and not needs.old_logp
-    if needs.ref_logp and (needs.old_logp or blocking or cfg.parallel.data_parallel == 1):
-        return ScoringPlan(not skip_old, 1, ahead=blocking, old_in_update=in_update)
-    if needs.ref_logp:  # async over ranks: the loss's reference runs inside the update, where the collectives meet
-        return ScoringPlan(not skip_old, 1, ref_stage=False, ahead=False, old_in_update=in_update)
-    return ScoringPlan(
-        not skip_old, cfg.trainer.log_ref_kl_every, ref_stage=False, ahead=blocking, old_in_update=in_update
-    )
+    # Async over ranks: the loss's reference runs inside the update, where the collectives meet (no KL reward there).
+    ref_stage = needs.ref_logp and (needs.old_logp or blocking or cfg.parallel.data_parallel == 1)
+    every = 1 if needs.ref_logp else cfg.trainer.log_ref_kl_every
+    return ScoringPlan(not skip_old, every, ref_stage=ref_stage, ahead=blocking, old_in_update=in_update)

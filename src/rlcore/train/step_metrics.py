@@ -28,9 +28,7 @@ def _mismatch(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Te
     """
     on = mask != 0
     gap = torch.where(on, (old_logp.float() - rollout_logp.float()).abs(), 0.0)
-    kl = algos.kl_penalty(
-        torch.where(on, rollout_logp.float(), 0.0), torch.where(on, old_logp.float(), 0.0), estimator="k3"
-    )
+    kl = algos.kl_penalty(rollout_logp.float(), old_logp.float(), estimator="k3")  # masked_sum drops the padding
     return {
         "mismatch_abs": total(gap.sum()),
         "mismatch_max": maximum(gap.max() if gap.numel() else gap.new_zeros(())),

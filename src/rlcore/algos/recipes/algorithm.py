@@ -19,6 +19,7 @@ from rlcore.algos.aggregate import aggregate, global_counts
 from rlcore.algos.kl import KLController
 from rlcore.algos.metric_reduction import RL_METRIC_REDUCTIONS
 from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate
+from rlcore.ops import masked_mean
 
 __all__ = ["Algorithm", "Batch", "chain"]
 
@@ -49,10 +50,6 @@ def takes_group(fn: Callable[..., Any]) -> bool:
 def with_group(fn: Callable[..., Any], process_group: Any) -> Callable[..., Any]:
     """``fn`` with ``process_group`` bound when a group is given and ``fn`` takes that keyword, else ``fn``."""
     return fn if process_group is None or not takes_group(fn) else partial(fn, process_group=process_group)
-
-
-def _masked_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return (torch.where(keep, x.float(), 0.0).sum() / keep.sum().clamp(min=1)).detach()
 
 
 def chain(*steps: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
@@ -227,7 +224,7 @@ class Algorithm(NamedTuple):
             behav = batch_entry(batch, "rollout_logp", "the sampler's log-probs, for behaviour_weights")
             w = torch.where(keep, self.behaviour_weights(old_logp, behav, mask).detach(), 0.0)
             pg_t = pg_t * w.to(pg_t.dtype)
-            metrics = {**metrics, "behaviour_weight": _masked_mean(w, keep)}
+            metrics = {**metrics, "behaviour_weight": masked_mean(w.float(), keep).detach()}
         # aggregate is linear in loss_t, so each term is aggregated on its own: the
         # total is the aggregate of the summed per-token loss, and each part is a metric.
         loss = agg(pg_t)
