@@ -114,6 +114,56 @@ def test_seeded_generator_reproduces_and_top_k_1_is_greedy(model):
     assert torch.equal(greedy.responses, top1.responses)
 
 
+class RowEos(torch.nn.Module):
+    """Row ``r`` of the first forward ends (``<eos>``) at response position ``r % 4``; every forward's batch is recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[int] = []
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, past_key_values=None):
+        self.batches.append(input_ids.shape[0])
+        key = past_key_values
+        if key is None:  # prefill: a legacy one-layer cache whose entry for each row is the row's own number
+            number = torch.arange(input_ids.shape[0], dtype=torch.float32)[:, None]
+            key = ((number, number),)
+        row = key[0][0][:, 0].long()  # the rows still here: each row's number travels in its cache entry
+        step = attention_mask.shape[1] - 3  # the prompts are 3 wide: response position of the next token
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], VOCAB), -10.0)
+        logits[:, -1, 2] = 10.0
+        logits[row % 4 == step, -1, 2] = -10.0
+        logits[row % 4 == step, -1, EOS] = 10.0
+        return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits, past_key_values=key)
+
+
+def test_finished_rows_leave_the_batch_and_the_last_token_needs_no_forward():
+    m = RowEos()
+    ids, mask = left_pad([[3, 4, r] for r in range(2, 10)], PAD)  # 8 distinct prompts: 8 rows in the prefill
+    r = generate(m, ids, mask, eos_token_id=EOS, max_new_tokens=6, temperature=0)
+    lengths = r.mask.sum(1).tolist()
+    assert lengths == [1, 2, 3, 4] * 2  # row r ends at position r % 4, whatever batch it was decoded in
+    assert all(r.responses[i, lengths[i] - 1] == EOS for i in range(8))
+    assert r.responses[:, 0].tolist() == [EOS, 2, 2, 2] * 2
+    # 6 rows left after the first token (3/4 of 8: the batch shrinks to them), 4 after the second,
+    # 2 after the third, none after the fourth: no forward is run for a token nobody draws.
+    assert m.batches == [8, 6, 4, 2]
+    m.batches.clear()
+    generate(m, ids, mask, eos_token_id=EOS, max_new_tokens=2, temperature=0)
+    assert m.batches == [8, 6]  # two tokens: the prefill and one forward, none for a third
+
+
+def test_long_tail_rows_match_their_references(model):
+    """Rows ending at different times leave the batch; every row's tokens and log-probs still match its own forward."""
+    ids, mask = left_pad(PROMPTS, PAD)
+    r = generate(model, ids, mask, eos_token_id=EOS, max_new_tokens=24, n=6, generator=torch.Generator().manual_seed(4))
+    lengths = r.mask.sum(1)
+    assert int(lengths.min()) < 12 and int(lengths.max()) > 12  # some rows end early, others run on
+    for i in range(r.responses.shape[0]):
+        prompt, response = _unpadded(r, i)
+        expected = torch.tensor(response_logprobs_ref(model, prompt, response), dtype=torch.float32)
+        torch.testing.assert_close(r.logp[i][r.mask[i] == 1], expected, atol=1e-4, rtol=0)
+
+
 @settings(max_examples=30)
 @given(
     st.lists(st.lists(st.integers(-40, 40), min_size=5, max_size=5, unique=True), min_size=1, max_size=3),

@@ -56,6 +56,18 @@ class CachedDecoder:
         self._logits, self._cache = out.logits[:, -1], getattr(out, self.field)
         self.next_position = self.next_position + 1
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on with only ``rows`` (indices into the current batch, in order): finished rows leave the batch.
+
+        The cache entries, attention mask, positions and pending logits of the kept rows
+        are gathered (``Cache.reorder_cache``, beam search's row gather, which takes any
+        index list); later :meth:`feed` calls take one token per kept row.
+        """
+        self.attention = self.attention.index_select(0, rows)
+        self.next_position = self.next_position.index_select(0, rows)
+        self._logits = self._logits.index_select(0, rows)
+        self._cache = _gather_cache(self._cache, rows)
+
     def _prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The prompt forward: each distinct prompt once, its cache entries and last logits then given to its rows.
 
@@ -73,9 +85,13 @@ class CachedDecoder:
         out = self.model(
             input_ids=ids[first], attention_mask=self.attention[first], position_ids=positions[first], use_cache=True
         )
-        kv: Any = getattr(out, self.field, None)
-        if hasattr(kv, "reorder_cache"):
-            kv.reorder_cache(inverse)
-        elif isinstance(kv, (tuple, list)):  # a legacy per-layer (key, value) tuple
-            kv = tuple(tuple(t.index_select(0, inverse) for t in layer) for layer in kv)
-        return out.logits[:, -1].index_select(0, inverse), kv
+        return out.logits[:, -1].index_select(0, inverse), _gather_cache(getattr(out, self.field, None), inverse)
+
+
+def _gather_cache(kv: Any, rows: torch.Tensor) -> Any:
+    """The cache of batch rows ``rows`` (a transformers ``Cache`` in place, a legacy per-layer tuple copied)."""
+    if hasattr(kv, "reorder_cache"):
+        kv.reorder_cache(rows)
+    elif isinstance(kv, (tuple, list)):  # a legacy per-layer (key, value) tuple
+        kv = tuple(tuple(t.index_select(0, rows) for t in layer) for layer in kv)
+    return kv
