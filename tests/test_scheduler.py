@@ -331,10 +331,12 @@ def test_a_stall_is_an_error_not_a_hang(monkeypatch):
 
 def test_the_next_iterations_prompts_are_loaded_while_the_current_one_runs():
     """Prefetch: loader(j + 1) runs during iteration j, once per iteration, in order; its error surfaces at j + 1."""
-    calls, seen_at_update = [], []
+    calls, seen_at_update, threads = [], [], set()
 
     def loader(j):
         calls.append(j)
+        if j:  # iteration 0 is loaded where the pipeline starts; the rest on its loader thread
+            threads.add(threading.get_ident())
         return {"prompts": torch.arange(4) + j}
 
     def update(b):
@@ -356,6 +358,7 @@ def test_the_next_iterations_prompts_are_loaded_while_the_current_one_runs():
     )
     res = run_pipeline(graph, loader, num_prompts=4, num_iterations=3, blocking=True, collect=["loss"])
     assert calls == [0, 1, 2] and seen_at_update == [[0, 1], [0, 1, 2], [0, 1, 2]]
+    assert len(threads) == 1 and threading.get_ident() not in threads  # one loader thread for every prefetch
     assert [b["loss"].tolist() for b in res.batches] == [[float(i + j) for i in range(4)] for j in range(3)]
     assert _no_worker_threads()
 

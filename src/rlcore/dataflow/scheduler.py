@@ -29,6 +29,7 @@ The rules (shared by :func:`run_pipeline`, which runs stages on threads, and
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -112,27 +113,52 @@ def add_note(err: BaseException, where: str) -> BaseException:
 
 
 class _Ahead:
-    """``open(iteration)`` computed on a daemon thread; :meth:`result` joins it and returns or re-raises."""
+    """One iteration's ``open(iteration)`` on the loader thread; :meth:`result` waits for it and returns or re-raises."""
 
-    def __init__(self, open: Callable[[int], TransferDock], iteration: int) -> None:
+    def __init__(self, iteration: int) -> None:
         self.iteration = iteration
+        self.done = threading.Event()
         self._out: TransferDock | None = None
         self._err: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(open,), name="rlcore-pipeline-loader", daemon=True)
-        self.thread.start()
 
-    def _run(self, open: Callable[[int], TransferDock]) -> None:
+    def run(self, open: Callable[[int], TransferDock]) -> None:
         try:
             self._out = open(self.iteration)
         except BaseException as err:  # re-raised where the iteration is admitted
             self._err = err
+        finally:
+            self.done.set()
 
     def result(self) -> TransferDock:
-        self.thread.join()
+        self.done.wait()
         if self._err is not None:
             raise self._err
         assert self._out is not None
         return self._out
+
+
+class _LoaderThread:
+    """The one daemon thread that runs the prefetches, in order (a thread started per iteration
+    cost the stage that admits it the thread's start-up, on the device's critical path)."""
+
+    def __init__(self, open: Callable[[int], TransferDock]) -> None:
+        self._jobs: queue.SimpleQueue[_Ahead | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, args=(open,), name="rlcore-pipeline-loader", daemon=True)
+        self.thread.start()
+
+    def submit(self, iteration: int) -> _Ahead:
+        ahead = _Ahead(iteration)
+        self._jobs.put(ahead)
+        return ahead
+
+    def _loop(self, open: Callable[[int], TransferDock]) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.run(open)
+
+    def close(self, timeout: float | None) -> None:
+        """Let the prefetch in flight end (its result is dropped) and the thread exit; wait up to ``timeout`` s."""
+        self._jobs.put(None)
+        self.thread.join(timeout)
 
 
 class SchedulerCore:
@@ -215,6 +241,7 @@ class SchedulerCore:
         self.retired = 0
         self.prefetch = prefetch
         self._ahead: _Ahead | None = None
+        self._loader: _LoaderThread | None = None
         self.admit()
 
     @property
@@ -236,7 +263,9 @@ class SchedulerCore:
                 self.left[name, j] = self.capacity
             self.admitted += 1
         if self.prefetch and self._ahead is None and self.admitted < self.num_iterations:
-            self._ahead = _Ahead(self._open, self.admitted)
+            if self._loader is None:
+                self._loader = _LoaderThread(self._open)
+            self._ahead = self._loader.submit(self.admitted)
 
     def _open(self, j: int) -> TransferDock:
         """Iteration ``j``'s dock holding the loader's source columns."""
@@ -257,10 +286,11 @@ class SchedulerCore:
         return dock
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait up to ``timeout`` seconds for a prefetch in flight (its result is dropped)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.thread.join(timeout)
+        """Wait up to ``timeout`` seconds for a prefetch in flight (its result is dropped) and the loader thread."""
+        self._ahead = None
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.close(timeout)
 
     def pick(self, resource: str) -> ScheduledCall | None:
         """The next call for a free slot of ``resource``, its rows already taken from the dock; None if none."""
