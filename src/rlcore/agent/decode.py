@@ -91,13 +91,16 @@ def sample_turn(
     draws = uniform_table(generator, rows, at, device) if temperature > 0 else None
     width = steps
     for step in range(steps):
-        token, logp = sample_tokens(
+        active = decoder.active
+        sampled, sampled_logp = sample_tokens(
             decoder.logits,
-            draws[:, step] if draws is not None else None,
+            draws[active, step] if draws is not None else None,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
         )
+        token = torch.full((rows,), pad_token_id, dtype=sampled.dtype, device=device).index_copy_(0, active, sampled)
+        logp = torch.zeros(rows, dtype=sampled_logp.dtype, device=device).index_copy_(0, active, sampled_logp)
         alive = ~done
         token = torch.where(alive, token, pad_token_id)
         tokens[:, step] = token
@@ -113,5 +116,6 @@ def sample_turn(
         if all(stopped):
             width = step + 1
             break
+        decoder.drop(done)  # finished turns leave the batch: a long tail costs its own rows only
         decoder.feed(token)
     return Turn(tokens[:, :width], logps[:, :width], lengths)

@@ -11,6 +11,9 @@ from rlcore.models.shared_prefix import shares_prompts
 
 __all__ = ["CachedDecoder"]
 
+# :meth:`CachedDecoder.drop` shrinks the batch once at most this share of it is live.
+_DROP_AT = 0.75
+
 
 class CachedDecoder:
     """A batch of rows decoding with a KV cache: :attr:`logits` of the next token, :meth:`feed` one token per row.
@@ -35,14 +38,17 @@ class CachedDecoder:
         positions = (self.attention.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1:] + 1
         self._logits, self._cache = self._prefill(ids, positions)
+        self.active = torch.arange(ids.shape[0], device=ids.device)  # the starting rows still in the batch, in order
 
     @property
     def logits(self) -> torch.Tensor:
-        """``[B, V]`` float32 logits of each row's next token."""
+        """``[len(active), V]`` float32 logits of each active row's next token."""
         return self._logits.float()
 
     def feed(self, token: torch.Tensor) -> None:
-        """Append ``token`` (``[B]``, one per row) and run the cached forward for the next logits."""
+        """Append ``token`` (``[B]``, one per starting row; those of the :attr:`active` rows are read) and run
+        the cached forward for the next logits."""
+        token = token.index_select(0, self.active)
         rows = token.shape[0]
         ones = torch.ones(rows, 1, dtype=self.attention.dtype, device=self.attention.device)
         self.attention = torch.cat([self.attention, ones], dim=1)
@@ -56,13 +62,21 @@ class CachedDecoder:
         self._logits, self._cache = out.logits[:, -1], getattr(out, self.field)
         self.next_position = self.next_position + 1
 
-    def keep(self, rows: torch.Tensor) -> None:
-        """Go on with only ``rows`` (indices into the current batch, in order): finished rows leave the batch.
+    def drop(self, done: torch.Tensor) -> None:
+        """Let the finished rows leave the batch, once at most 3/4 of it is still live.
 
-        The cache entries, attention mask, positions and pending logits of the kept rows
-        are gathered (``Cache.reorder_cache``, beam search's row gather, which takes any
-        index list); later :meth:`feed` calls take one token per kept row.
+        ``done``: ``[B]`` bool over the rows the decoder started with. The kept rows' cache
+        entries, attention mask, positions and pending logits are gathered
+        (``Cache.reorder_cache``, beam search's row gather, which takes any index list);
+        :attr:`active` then names them. Each gather copies the cache, so a few finished rows
+        ride along until a quarter of the batch has ended; the later forwards run over the
+        live rows only, as continuous batching does with a long tail.
         """
+        live = ~done.index_select(0, self.active)
+        if int(live.sum()) > self.active.numel() * _DROP_AT:  # sync-ok: the decode loop sizes its batch on the host
+            return
+        rows = live.nonzero().squeeze(1)  # sync-ok: as above
+        self.active = self.active.index_select(0, rows)
         self.attention = self.attention.index_select(0, rows)
         self.next_position = self.next_position.index_select(0, rows)
         self._logits = self._logits.index_select(0, rows)

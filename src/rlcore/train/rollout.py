@@ -63,11 +63,6 @@ class InferenceEngine(Protocol):
     def load_weights(self, params: dict[str, torch.Tensor]) -> None: ...
 
 
-# A decode step drops its finished rows once at most this share of its batch is still live: each
-# gather copies the KV cache, so a few finished rows ride along until enough have ended.
-_COMPACT_AT = 0.75
-
-
 @torch.no_grad()
 def generate(
     model: Any,
@@ -90,7 +85,7 @@ def generate(
     :func:`rlcore.models.sampling.sample_tokens`. A row stops at ``<eos>`` (kept, masked
     in); the loop stops when every row has stopped or after ``max_new_tokens``. Once a
     quarter of the batch has stopped, the finished rows leave the decoder's batch
-    (:meth:`~rlcore.models.decoding.CachedDecoder.keep`), so a long tail of a few long
+    (:meth:`~rlcore.models.decoding.CachedDecoder.drop`), so a long tail of a few long
     responses costs the forwards of those rows only, as continuous batching does.
     ``temperature=0`` is greedy decoding.
 
@@ -130,9 +125,9 @@ def generate(
     decoder = CachedDecoder(model, ids, prompt_mask.repeat_interleave(n, 0))
     draws = uniform_table(generator, rows, torch.arange(max_new_tokens), device) if temperature > 0 else None
     done = torch.zeros(rows, dtype=torch.bool, device=device)
-    active = torch.arange(rows, device=device)  # the output rows still in the decoder's batch, in order
     tokens, logps, masks = [], [], []
     for position in range(max_new_tokens):
+        active = decoder.active
         sampled, sampled_logp = sample_tokens(
             decoder.logits,
             draws[active, position] if draws is not None else None,
@@ -150,15 +145,10 @@ def generate(
         done = done | (token == eos_token_id)
         if position + 1 == max_new_tokens:
             break  # the last token is drawn: no forward for a next one
-        left = int(rows - done.sum())  # sync-ok: the trainer's decode loop, not a library op; stops early
-        if left == 0:
+        if bool(done.all()):  # sync-ok: the trainer's decode loop, not a library op; stops early
             break
-        if left <= active.numel() * _COMPACT_AT:
-            # Finished rows leave the batch: the later steps' forwards run over the live rows only.
-            live = ~done.index_select(0, active)
-            decoder.keep(live.nonzero().squeeze(1))  # sync-ok: as above
-            active = active[live]
-        decoder.feed(token.index_select(0, active))
+        decoder.drop(done)
+        decoder.feed(token)
     return Rollout(
         ids, prompt_mask.repeat_interleave(n, 0), torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1)
     )
