@@ -1,42 +1,42 @@
-"""Chaos for fault-tolerance tests: SIGKILL a run's rollout worker every N steps and a reward worker once.
+"""Chaos for fault-tolerance tests: SIGKILL a run's rollout worker every N steps and its reward worker once.
 
-:class:`Chaos` watches a run's ``metrics.jsonl`` from a thread of the process that runs
-:func:`rlcore.train.train` and kills the workers that process started, by their process
-ids: the disaggregated rollout worker (a :class:`rlcore.dataflow.RolloutWorker` process,
-or a :class:`rlcore.dataflow.RayRolloutWorker` actor of a Ray instance this process
-started) and a :class:`rlcore.rewards.RewardPool` worker. Linux only (it reads ``/proc``).
+:class:`ChaosReward` wraps the run's reward and does the killing from inside the reward
+worker process (``trainer.reward_workers: 1``), at known points of the blocking
+pipeline: when step ``s`` is scored, its rows are already sampled and the rollout of
+step ``s + 1`` has not begun, so a rollout worker killed then is seen (and replaced) by
+the next step's rollout, and a reward worker that kills itself there is seen by the
+reward pool at once (its rows are scored again). Linux only (it reads ``/proc``).
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import hashlib
 import os
 import signal
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Chaos", "descendants"]
+__all__ = ["ChaosReward", "descendants"]
 
 
-def _parents() -> dict[int, int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if stat[0] != "Z":  # a zombie is dead already
-                parents[int(entry.name)] = int(stat[1])
-    return parents
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def descendants(pid: int) -> list[tuple[int, str]]:
     """Every living process below ``pid`` (children, their children, ...) with its command line, by pid."""
-    parents, found, frontier = _parents(), set(), {pid}
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        stat = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is not None and stat[0] != "Z":  # a zombie is dead already
+            parents[int(entry.name)] = int(stat[1])
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {p for p, parent in parents.items() if parent in frontier} - found
         found |= frontier
@@ -49,98 +49,83 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-class Chaos:
-    """SIGKILL the rollout worker after every ``every``-th step and a reward worker after step ``reward_at``.
-
-    A kill is made only while a later step is still to run (its rollout sees the death),
-    so with restarts the run's restart counts equal :attr:`rollout_kills` and
-    :attr:`reward_kills`. Use as a context manager around the run.
-
-    Args:
-      out: the run's ``trainer.output_dir`` (its ``metrics.jsonl`` counts the finished steps).
-      steps: the run's ``trainer.steps``.
-      every: kill the rollout worker when ``every``, ``2 * every``, ... steps have finished.
-      reward_at: kill one reward worker process when this many steps have finished (None: never).
-      ray: the rollout worker is a Ray actor (found by its process title) instead of a process.
-      poll: seconds between looks at the metrics.
-    """
-
-    def __init__(
-        self, out: str | os.PathLike, steps: int, *, every: int, reward_at: int | None = None, ray: bool = False,
-        poll: float = 0.02,
-    ):
-        if every < 1:
-            raise ValueError(f"every: got {every!r}, expected an int >= 1")
-        self.metrics = Path(out) / "metrics.jsonl"
-        self.steps, self.every, self.reward_at, self.ray, self.poll = steps, every, reward_at, ray, poll
-        self.rollout_kills = 0
-        self.reward_kills = 0
-        self.missed: list[str] = []  # kills due that found no process to kill
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="rlcore-chaos")
-
-    def __enter__(self) -> Chaos:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _done(self) -> int:
-        try:
-            with open(self.metrics) as f:
-                return sum(1 for _ in f)
-        except FileNotFoundError:
-            return 0
-
-    def _rollout_pids(self) -> list[int]:
-        if self.ray:
-            return [p for p, cmd in descendants(os.getpid()) if cmd.startswith("ray::RolloutActor")]
-        return _children("rlcore-rollout-worker")
-
-    def _run(self) -> None:
-        next_kill, reward_due = self.every, self.reward_at
-        while not self._stop.wait(self.poll):
-            done = self._done()
-            if done >= self.steps:
-                return
-            if done >= next_kill:
-                next_kill += self.every
-                if _kill(self._rollout_pids()):
-                    self.rollout_kills += 1
-                else:
-                    self.missed.append(f"rollout worker after step {done}")
-            if reward_due is not None and done >= reward_due:
-                reward_due = None
-                if _kill(_children("rlcore-reward-worker")[:1]):
-                    self.reward_kills += 1
-                else:
-                    self.missed.append(f"reward worker after step {done}")
-
-
-def _children(name: str) -> list[int]:
-    return [p.pid for p in multiprocessing.active_children() if p.name == name and p.pid is not None]
-
-
-def _kill(pids: Sequence[int]) -> bool:
-    killed = False
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed = True
-        except ProcessLookupError:
-            continue
-    # The kill is seen by the next call: wait until the process is gone, so it is never counted twice.
-    end = time.monotonic() + 10
-    while time.monotonic() < end and any(_alive(p) for p in pids):
-        time.sleep(0.01)
-    return killed
+def _parent(pid: int) -> int | None:
+    stat = _stat(pid)
+    return None if stat is None else int(stat[1])
 
 
 def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+class ChaosReward:
+    """``reward`` that SIGKILLs the rollout worker after every ``every``-th step's rollout and its own worker once.
+
+    Runs in the run's one reward worker process. Calls are told apart by their prompts
+    and responses (one call per step in the trainer), so a call scored again after its
+    worker was killed is recognised and neither counted nor killed again. Each kill is
+    a file in ``marker_dir`` (:meth:`kills` counts them).
+
+    Args:
+      reward: the reward to score with (picklable: it goes to the worker process).
+      marker_dir: an empty directory shared with the test.
+      every: kill the rollout worker while scoring calls ``every``, ``2 * every``, ... (1-based).
+      reward_at: kill this worker process while scoring call ``reward_at`` (None: never).
+      ray: the rollout worker is a Ray actor (found by its process title ``ray::RolloutActor``)
+        instead of a process started by the trainer.
+      last: the last call that may kill the rollout worker (so that a later rollout sees it).
+    """
+
+    name = "chaos"
+
+    def __init__(
+        self,
+        reward: Any,
+        marker_dir: str | os.PathLike,
+        *,
+        every: int,
+        reward_at: int | None = None,
+        ray: bool = False,
+        last: int | None = None,
+    ):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: got {every!r}, expected an int >= 1")
+        self.reward, self.dir = reward, str(marker_dir)
+        self.every, self.reward_at, self.ray, self.last = every, reward_at, ray, last
+
+    def kills(self) -> tuple[int, int]:
+        """(rollout worker kills, reward worker kills) so far."""
+        names = os.listdir(self.dir)
+        return sum(n.startswith("rollout-kill") for n in names), sum(n.startswith("reward-kill") for n in names)
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> Any:
+        key = hashlib.sha256("\0".join([*prompts, "\1", *responses]).encode()).hexdigest()
+        seen = Path(self.dir, f"call-{key}")
+        if not seen.exists():
+            n = sum(name.startswith("call-") for name in os.listdir(self.dir)) + 1
+            seen.write_text(str(n))
+            if n % self.every == 0 and (self.last is None or n <= self.last):
+                self._kill_rollout(n)
+            if n == self.reward_at:
+                Path(self.dir, f"reward-kill-{n}").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.reward(prompts, responses, **columns)
+
+    def _kill_rollout(self, n: int) -> None:
+        trainer = os.getppid()
+        if self.ray:
+            found = [p for p, cmd in descendants(trainer) if cmd.startswith("ray::RolloutActor")]
+        else:  # the trainer's other spawned child: this worker is the only reward worker
+            found = [
+                p
+                for p, cmd in descendants(trainer)
+                if "spawn_main" in cmd and p != os.getpid() and _parent(p) == trainer
+            ]
+        if len(found) != 1:
+            raise RuntimeError(f"chaos: expected one rollout worker to kill at call {n}, found {found}")
+        os.kill(found[0], signal.SIGKILL)
+        end = time.monotonic() + 30
+        while _alive(found[0]) and time.monotonic() < end:  # gone before the next rollout can start
+            time.sleep(0.01)
+        Path(self.dir, f"rollout-kill-{n}").touch()
