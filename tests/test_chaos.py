@@ -14,12 +14,12 @@ from rlcore.train.prompts import task_options
 from tiny_runs import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-# Rollout worker killed while steps 2 and 5 are scored (seen by the rollouts of steps 3 and 6), the reward worker
-# while step 3 is scored.
-STEPS, EVERY, REWARD_AT, BATCH, SAMPLES = 7, 3, 4, 4, 4
+# Rollout worker killed while steps 1 and 3 are scored (seen by the rollouts of steps 2 and 4), the reward worker
+# while step 2 is scored.
+STEPS, EVERY, REWARD_AT, BATCH, SAMPLES = 5, 2, 3, 4, 4
 
 
-def chaos_config(out, backend, *extra):
+def chaos_config(out, *extra):
     return load_config(
         ROOT / "configs" / "grpo_tiny.yaml",
         [
@@ -37,21 +37,39 @@ def chaos_config(out, backend, *extra):
             "trainer.threads=1",
             "trainer.reward_workers=1",
             "trainer.max_worker_restarts=5",
-            "deploy.mode=disaggregated",
-            f"deploy.backend={backend}",
             f"trainer.output_dir={out}",
             *extra,
         ],
     )
 
 
+@pytest.fixture
+def backend(request):
+    if request.param != "ray":
+        yield request.param
+        return
+    import ray  # the test extra installs Ray: a missing Ray is a failure, not a skip
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield "ray"
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """The same run co-located (no worker to kill; the blocking disaggregated run equals it, test_ray_rollout)."""
+    return train(chaos_config(tmp_path_factory.mktemp("undisturbed"), "trainer.reward_workers=0"))
+
+
 def task_reward(cfg):
     return make_task(cfg.data.task, **task_options(cfg)).reward
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
-def test_killed_workers_are_replaced_and_the_run_equals_the_undisturbed_one(tmp_path, backend):
-    cfg = chaos_config(tmp_path / "a", backend)
+@pytest.mark.parametrize("backend", ["local", "ray"], indirect=True)
+def test_killed_workers_are_replaced_and_the_run_equals_the_undisturbed_one(tmp_path, backend, undisturbed):
+    cfg = chaos_config(tmp_path / "a", "deploy.mode=disaggregated", f"deploy.backend={backend}")
     (tmp_path / "chaos").mkdir()
     chaos = ChaosReward(
         task_reward(cfg), tmp_path / "chaos", every=EVERY, reward_at=REWARD_AT, ray=backend == "ray", last=STEPS - 1
@@ -65,7 +83,6 @@ def test_killed_workers_are_replaced_and_the_run_equals_the_undisturbed_one(tmp_
         for j in range(STEPS):
             rows = torch.cat([t.rows for t in disturbed.tasks if t.stage == stage and t.iteration == j])
             assert sorted(rows.tolist()) == list(range(BATCH * SAMPLES)), (stage, j)
-    undisturbed = train(chaos_config(tmp_path / "b", backend))
     for a, b in zip(disturbed.records, undisturbed.records, strict=True):  # blocking: exactly the same run
         assert (a["reward"], a["loss"], a["entropy"]) == (b["reward"], b["loss"], b["entropy"]), a["step"]
     for (name, x), y in zip(disturbed.policy.state_dict().items(), undisturbed.policy.state_dict().values()):
