@@ -138,10 +138,11 @@ def test_actor_errors_name_the_stage_and_versions_are_checked(ray_session):
 
 
 def dying_factory(marker_dir, deaths, at):
-    """In the actor: responses = prompts * w + 0.5; the first ``deaths`` calls at version ``at`` kill the actor's process."""
+    """In the actor: responses = prompts * w + 0.5; the first ``deaths`` calls from version ``at`` on kill the actor."""
 
     def generate(batch, params):
-        if int(batch["policy_version"].max()) == at and len(os.listdir(marker_dir)) < deaths:
+        # From version `at` on: a call handed back may be taken again at a later version (the run goes on).
+        if int(batch["policy_version"].max()) >= at and len(os.listdir(marker_dir)) < deaths:
             Path(marker_dir, f"death{len(os.listdir(marker_dir))}").touch()
             os._exit(9)  # mid-call, as an OOM kill or a segfault would
         return {"responses": batch["prompts"].double() * params["w"] + 0.5}
