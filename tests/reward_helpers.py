@@ -116,3 +116,22 @@ def math_verify_verdict(gold, response) -> bool:  # type: ignore[no-untyped-def]
         return bool(verify(parse(text if "$" in text else f"${text}$"), parse(response)))
     finally:
         logging.disable(logging.NOTSET)
+
+
+class FailsFirst:
+    """The first ``times`` calls (counted by files in ``marker_dir``, over every worker) die, or hang with ``hang``;
+    later calls score each response by its length."""
+
+    name = "fails_first"
+
+    def __init__(self, marker_dir: str, times: int, *, hang: bool = False):
+        self.marker_dir, self.times, self.hang = marker_dir, times, hang
+
+    def __call__(self, prompts, responses, **columns):
+        done = len(os.listdir(self.marker_dir))
+        if done < self.times:
+            Path(self.marker_dir, f"fault{done}").touch()
+            if self.hang:
+                time.sleep(600)
+            os._exit(9)
+        return [float(len(r)) for r in responses]

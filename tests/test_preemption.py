@@ -91,6 +91,43 @@ def test_a_signal_stops_at_the_step_boundary_and_resume_is_exact(tmp_path, whole
     assert not partial.exists()  # the next save cleared it
 
 
+_KILLED_IN_SAVE = """
+import os, signal, sys
+from pathlib import Path
+import rlcore.train.checkpoint as checkpoint
+from rlcore.train import train
+from test_preemption import SignalsAt, _cfg
+
+commit, commits = checkpoint._commit, []
+
+def commit_or_die(path, *args):
+    commits.append(path)
+    if len(commits) == 3:  # step 2's background save: its shards written, not committed; step 3 trains meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+    commit(path, *args)
+
+checkpoint._commit = commit_or_die
+train(_cfg(Path(sys.argv[1]), "trainer.steps=4", "trainer.save_every=1"), reward=SignalsAt(call=0))
+"""
+
+
+def test_the_trainer_killed_during_a_background_save_resumes_exactly_from_the_previous_checkpoint(tmp_path, whole):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-c", _KILLED_IN_SAVE, str(tmp_path)], env=env)
+    try:
+        assert proc.wait(timeout=600) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert load_checkpoint(tmp_path)["step"] == 1  # the save in flight never counted; the previous one loads
+    cfg = _cfg(tmp_path, "trainer.steps=4", "trainer.save_every=1")
+    resumed = train(cfg, resume=True, reward=SignalsAt(call=0))
+    assert [r["step"] for r in resumed.records] == [2, 3]
+    assert _curve(read_metrics(tmp_path / "metrics.jsonl")) == whole[0]  # nothing lost, nothing twice
+    for k, v in resumed.policy.state_dict().items():
+        assert torch.equal(v, whole[1][k]), k
+
+
 def test_a_second_signal_abandons_the_step_and_keeps_the_last_checkpoint(tmp_path):
     cfg = _cfg(tmp_path, "trainer.steps=4", "trainer.save_every=1", "trainer.stop_signals=[SIGUSR1]")
     with pytest.raises(KeyboardInterrupt):

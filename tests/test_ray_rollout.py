@@ -137,6 +137,80 @@ def test_actor_errors_name_the_stage_and_versions_are_checked(ray_session):
         RayRolloutWorker(broken_factory, threads=0)
 
 
+def dying_factory(marker_dir, deaths, at):
+    """In the actor: responses = prompts * w + 0.5; the first ``deaths`` calls from version ``at`` on kill the actor."""
+
+    def generate(batch, params):
+        # From version `at` on: a call handed back may be taken again at a later version (the run goes on).
+        if int(batch["policy_version"].max()) >= at and len(os.listdir(marker_dir)) < deaths:
+            Path(marker_dir, f"death{len(os.listdir(marker_dir))}").touch()
+            os._exit(9)  # mid-call, as an OOM kill or a segfault would
+        return {"responses": batch["prompts"].double() * params["w"] + 0.5}
+
+    return generate
+
+
+def _restart_pipeline(worker):
+    w = torch.tensor(1.0, dtype=torch.float64)
+    worker.publish(0, {"w": w})
+
+    def step(j):
+        w.add_(1.0)
+        worker.publish(j + 1, {"w": w})
+
+    graph = StageGraph(
+        [
+            worker.stage(inputs=["prompts"], outputs=["responses"], micro_batch=2),
+            stage(
+                lambda b: {"loss": b["responses"] * 2},
+                inputs=["responses"],
+                outputs=["loss"],
+                name="update",
+                role="update",
+                micro_batch=2,
+                resource="train",
+                on_iteration_end=step,
+            ),
+        ]
+    )
+    return run_pipeline(
+        graph,
+        lambda j: {"prompts": torch.arange(6) + 10 * j},
+        num_prompts=6,
+        num_iterations=4,
+        staleness=1,
+        collect=["prompts", "responses"],
+        join_timeout=2.0,
+    )
+
+
+def test_a_dead_actor_is_replaced_and_its_rows_handed_back_and_redone_with_their_version(ray_session, tmp_path):
+    with (
+        RayRolloutWorker(dying_factory, args=(str(tmp_path), 2, 2), max_restarts=2) as worker,
+        pytest.warns(RuntimeWarning, match=r"stage 'rollout': the rollout worker actor died \(\w+\); restarting it"),
+    ):
+        res = _restart_pipeline(worker)
+        assert worker.restarts == 2 and len(set(worker.restart_causes)) == 1
+    calls = [t for t in res.tasks if t.stage == "rollout"]
+    for j, b in enumerate(res.batches):
+        assert b["prompts"].tolist() == [10 * j + i for i in range(6)]  # every row once, none lost
+        # version v means weights w = 1 + v: the replacement got exactly the versions the rows record
+        torch.testing.assert_close(b["responses"], b["prompts"].double() * (1 + b["policy_version"]) + 0.5)
+        rows = torch.cat([t.rows for t in calls if t.iteration == j])
+        assert sorted(rows.tolist()) == list(range(6))  # the dock delivered each row to one finished call
+
+
+def test_past_max_restarts_a_dead_actor_stops_the_run_with_the_named_error(ray_session, tmp_path):
+    with (
+        RayRolloutWorker(dying_factory, args=(str(tmp_path), 2, 1), max_restarts=1) as worker,
+        pytest.raises(RuntimeError, match=r"stage 'rollout': rollout worker actor died .*\(after 1 restart, the most"),
+        pytest.warns(RuntimeWarning, match=r"restarting it \(1 of at most 1\)"),
+    ):
+        _restart_pipeline(worker)
+    with pytest.raises(ValueError, match=r"max_restarts: got -1, expected an int >= 0"):
+        RayRolloutWorker(dying_factory, args=("", 0, 0), max_restarts=-1)
+
+
 def test_ray_disaggregated_blocking_run_equals_the_colocated_one(ray_session, tmp_path):
     a = train(tiny(tmp_path / "a", "trainer.steps=2"))
     b = train(tiny(tmp_path / "b", "trainer.steps=2", "deploy.mode=disaggregated", "deploy.backend=ray"))

@@ -1,5 +1,6 @@
 """The pipeline scheduler: exactly-once processing, the staleness bound, blocking = the synchronous loop, faults."""
 
+import dataclasses
 import threading
 import time
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from rlcore.dataflow import StageGraph, StageTimeout, run_pipeline, stage
+from rlcore.dataflow import HandBack, StageGraph, StageTimeout, run_pipeline, stage
 from rlcore.testing.pipeline_strategies import pipeline_specs, spec_stages
 from rlcore.testing.reference import synchronous_loop_ref
 
@@ -370,3 +371,61 @@ def test_the_next_iterations_prompts_are_loaded_while_the_current_one_runs():
     with pytest.raises(KeyError, match="no prompts for iteration 1"):
         run_pipeline(graph, failing, num_prompts=4, num_iterations=3, blocking=True)
     assert _no_worker_threads()
+
+
+def _losing_every(k, graph):
+    """``graph`` with every stage's calls numbered per stage: the first and each k-th after it lose their work (HandBack)."""
+    lock, calls, lost = threading.Lock(), {}, []
+
+    def losing(s):
+        def fn(batch):
+            with lock:
+                calls[s.name] = n = calls.get(s.name, 0) + 1
+            if n % k == 1:
+                lost.append(s.name)
+                raise HandBack(s.name, "its worker died")
+            return s.fn(batch)
+
+        return dataclasses.replace(s, fn=fn)
+
+    return StageGraph([losing(s) for s in graph.order]), lost
+
+
+@settings(max_examples=15)
+@given(pipeline_specs(max_staleness=0))
+def test_rows_handed_back_are_redone_once_blocking_equals_the_synchronous_loop(spec):
+    graph, lost = _losing_every(3, StageGraph(spec_stages(spec)))
+    res = run_pipeline(
+        graph,
+        _loader(spec),
+        num_prompts=spec["num_prompts"],
+        n_samples=spec["n_samples"],
+        num_iterations=spec["num_iterations"],
+        collect=[s["output"] for s in spec["stages"]],
+        blocking=True,
+    )
+    _assert_same(res.batches, _ref(spec), [s["output"] for s in spec["stages"]])
+    for name in graph.names:  # calls 1, 4, 7, ... of each stage lost, and redone by the next
+        calls = sum(t.stage == name for t in res.tasks) + lost.count(name)
+        assert lost.count(name) == (calls + 2) // 3, name
+
+
+@settings(max_examples=15)
+@given(pipeline_specs())
+def test_rows_handed_back_are_processed_exactly_once_under_staleness(spec):
+    graph, lost = _losing_every(2, StageGraph(spec_stages(spec)))
+    res = run_pipeline(
+        graph,
+        _loader(spec),
+        num_prompts=spec["num_prompts"],
+        n_samples=spec["n_samples"],
+        num_iterations=spec["num_iterations"],
+        staleness=spec["staleness"],
+        collect=[s["output"] for s in spec["stages"]],
+    )
+    cap = spec["num_prompts"] * spec["n_samples"]
+    for j in range(spec["num_iterations"]):
+        for name in graph.names:
+            rows = torch.cat([t.rows for t in res.tasks if t.stage == name and t.iteration == j])
+            assert sorted(rows.tolist()) == list(range(cap)), (name, j)
+    assert lost and _no_worker_threads()

@@ -30,6 +30,7 @@ from rlcore.dataflow.reshard import (
     reshard_bucket,
 )
 from rlcore.dataflow.scheduler import (
+    HandBack,
     PipelineResult,
     ScheduledCall,
     SchedulerCore,
@@ -54,6 +55,7 @@ __all__: list[str] = [
     "Column",
     "DockController",
     "DockHost",
+    "HandBack",
     "Layout",
     "LinearCost",
     "Move",

@@ -263,6 +263,7 @@ class RolloutWorker(ProxyRollout):
             target=_worker_main,
             args=(factory, args, threads, self._jobs, self._weights, self._results, deathsig),
             daemon=True,
+            name="rlcore-rollout-worker",
         )
         self.process.start()
         self._ready = False

@@ -8,7 +8,8 @@ the proxy rollout stage, :meth:`RayRolloutWorker.publish` takes the
 their version), which travels through Ray's object store instead of a shared-memory
 queue. The actor keeps every published version it has not used yet and applies exactly
 the version the scheduler stamped on a batch's rows. An actor that dies (a crash, a
-kill, its node lost) fails the waiting call with an error naming the stage.
+kill, its node lost) fails the waiting call with an error naming the stage, or, with
+``max_restarts``, is replaced and the call's rows are handed back to be redone.
 
 Needs the ``ray`` extra (``pip install rlcore[ray]``); Ray is imported when a worker is
 made, not with this module.
@@ -17,13 +18,14 @@ made, not with this module.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from rlcore.dataflow.deploy import ProxyRollout
-from rlcore.dataflow.scheduler import add_note
+from rlcore.dataflow.scheduler import HandBack, add_note
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
 __all__ = ["RayRolloutWorker", "RolloutActor"]
@@ -35,6 +37,14 @@ def _ray() -> Any:
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("RayRolloutWorker needs Ray: pip install 'rlcore[ray]'") from err
     return ray
+
+
+class _ActorDied(RuntimeError):
+    """The actor is gone (a crash, ``kill -9``, its node lost): the named error the run stops with."""
+
+    def __init__(self, name: str, kind: str) -> None:
+        super().__init__(f"stage {name!r}: rollout worker actor died ({kind})")
+        self.cause = f"the rollout worker actor died ({kind})"
 
 
 class RolloutActor:
@@ -97,10 +107,18 @@ class RayRolloutWorker(ProxyRollout):
       args: its arguments.
       threads: torch intra-op threads in the actor.
       actor_options: options of the actor (``ray.remote(...).options``); default one CPU,
-        no restarts.
+        no restarts by Ray (replacing the actor is this worker's job: ``max_restarts``).
+      max_restarts: how many times a dead actor is replaced (0: its death stops the run).
+        The replacement is a new actor; it receives the weights again (the object-store
+        packets from the version of the call under way on, kept for that) before the
+        call raises :class:`~rlcore.dataflow.HandBack`, so that :func:`~rlcore.dataflow.run_pipeline`
+        hands the call's rows back to the dock (``nack``) and redoes them on the
+        replacement. :attr:`restarts` counts the replacements and :attr:`restart_causes`
+        says why; each one is warned about. Past the bound the death raises as without restarts.
+      ready_timeout: seconds a replacement may take to build its generate function.
 
     Attributes:
-      actor: the Ray actor handle.
+      actor: the Ray actor handle (the replacement's, after a restart).
       pid: the actor's process id once :meth:`wait_ready` returned (else None).
       published: the last weights version published (-1 before the first).
 
@@ -120,21 +138,35 @@ class RayRolloutWorker(ProxyRollout):
         args: tuple = (),
         threads: int = 1,
         actor_options: Mapping[str, Any] | None = None,
+        max_restarts: int = 0,
+        ready_timeout: float = 120.0,
     ) -> None:
         if not callable(factory):
             raise ValueError(f"factory: got {type(factory).__name__}, expected a picklable callable")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ValueError(f"threads: got {threads!r}, expected a positive int")
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+            raise ValueError(f"max_restarts: got {max_restarts!r}, expected an int >= 0")
         ray = _ray()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-        options = {"num_cpus": 1, "max_restarts": 0, **(actor_options or {})}
-        self.actor = ray.remote(RolloutActor).options(**options).remote(factory, args, threads)
-        self._started = self.actor.start.remote()
-        self.pid: int | None = None
+        self._spec = (factory, args, threads, {"num_cpus": 1, "max_restarts": 0, **(actor_options or {})})
+        self.max_restarts, self.ready_timeout = max_restarts, ready_timeout
+        self.restarts = 0
+        self.restart_causes: list[str] = []
+        # The object-store packets a replacement may need: the version of the last call sent, and every later one.
+        self._packets: dict[int, Any] = {}
+        self._sent = -1
+        self._launch()
         self.published = -1
         self._closed = False
+
+    def _launch(self) -> None:
+        factory, args, threads, options = self._spec
+        self.actor = _ray().remote(RolloutActor).options(**options).remote(factory, args, threads)
+        self._started = self.actor.start.remote()
+        self.pid: int | None = None
 
     def publish(self, version: int, weights: WeightPacket | Mapping[str, torch.Tensor]) -> None:
         """Send weights ``version`` to the actor through Ray's object store; returns once the packet is stored.
@@ -151,8 +183,10 @@ class RayRolloutWorker(ProxyRollout):
             )
         if not isinstance(weights, WeightPacket):
             weights = WeightSync(weights).gather()
-        ray = _ray()
-        self.actor.publish.remote(ray.put(weights._replace(version=version)))
+        ref = _ray().put(weights._replace(version=version))
+        self.actor.publish.remote(ref)
+        if self.max_restarts:
+            self._packets[version] = ref
         self.published = version
 
     def _call(self, name: str, batch: dict[str, torch.Tensor]) -> Mapping[str, Any]:
@@ -161,7 +195,33 @@ class RayRolloutWorker(ProxyRollout):
             raise ValueError(
                 f"stage {name!r}: rows stamped with policy version {want}, but only up to {self.published} was published"
             )
-        return self._get(name, self.actor.generate.remote(batch, want), None)
+        if self.max_restarts:  # a replacement starts from this call's version: older packets are not needed again
+            self._sent = max(self._sent, want)
+            for v in [v for v in self._packets if v < self._sent]:
+                del self._packets[v]
+        try:
+            return self._get(name, self.actor.generate.remote(batch, want), None)
+        except _ActorDied as died:
+            if self.restarts >= self.max_restarts:
+                bound = f" (after {self.restarts} restart{'s' * (self.restarts != 1)}, the most allowed)"
+                raise RuntimeError(f"{died}{bound if self.max_restarts else ''}") from died.__cause__
+            self._restart(name, died.cause)
+            raise HandBack(name, died.cause) from None
+
+    def _restart(self, name: str, cause: str) -> None:
+        """Replace the dead actor: a new one, ready, with the weights from the last call's version on."""
+        self.restarts += 1
+        self.restart_causes.append(cause)
+        warnings.warn(
+            f"stage {name!r}: {cause}; restarting it ({self.restarts} of at most {self.max_restarts})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _ray().kill(self.actor, no_restart=True)
+        self._launch()
+        self.wait_ready(self.ready_timeout, name=name)
+        for version in sorted(self._packets):
+            self.actor.publish.remote(self._packets[version])
 
     def _get(self, name: str, ref: Any, timeout: float | None) -> Any:
         """The result of an actor call; raises the actor's error, its death or the timeout, naming the stage."""
@@ -171,7 +231,7 @@ class RayRolloutWorker(ProxyRollout):
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
         except ray.exceptions.RayActorError as err:
-            raise RuntimeError(f"stage {name!r}: rollout worker actor died ({type(err).__name__})") from err
+            raise _ActorDied(name, type(err).__name__) from err
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else RuntimeError(str(err))
             raise add_note(cause, f"raised in the rollout worker actor of stage {name!r}") from None

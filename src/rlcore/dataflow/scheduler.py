@@ -41,7 +41,16 @@ from rlcore._checks import check_positive
 from rlcore.dataflow.dock import TransferDock
 from rlcore.dataflow.stages import Stage, StageGraph
 
-__all__ = ["PipelineResult", "ScheduledCall", "SchedulerCore", "StageTimeout", "TaskRecord", "add_note", "run_pipeline"]
+__all__ = [
+    "HandBack",
+    "PipelineResult",
+    "ScheduledCall",
+    "SchedulerCore",
+    "StageTimeout",
+    "TaskRecord",
+    "add_note",
+    "run_pipeline",
+]
 
 _COLLECT = "__collect__"
 Loader = Callable[[int], Mapping[str, Any]]
@@ -55,6 +64,21 @@ class StageTimeout(TimeoutError):
         super().__init__(f"stage {stage!r} timed out after {seconds:g} s at iteration {iteration}")
         self.stage = stage
         self.iteration = iteration
+
+
+class HandBack(RuntimeError):
+    """A stage call gives its rows back undone: its work was lost (the worker serving it died and was replaced).
+
+    :func:`run_pipeline` hands the rows back to the iteration's dock
+    (:meth:`TransferDock.nack <rlcore.dataflow.TransferDock.nack>`) and a later call of the
+    stage takes exactly those rows again; nothing is written for them, so each row is
+    processed once. Whoever raises it bounds how often (e.g. ``max_restarts``).
+    """
+
+    def __init__(self, stage: str, cause: str) -> None:
+        super().__init__(f"stage {stage!r}: {cause}; its rows are handed back to be redone")
+        self.stage = stage
+        self.cause = cause
 
 
 class TaskRecord(NamedTuple):
@@ -231,6 +255,8 @@ class SchedulerCore:
         self.admitted = 0
         self.docks: dict[int, TransferDock] = {}
         self.taken: dict[tuple[str, int], int] = {}
+        self.returned: dict[tuple[str, int], list[torch.Tensor]] = {}  # rows handed back, in the order they came back
+        self.handed_back = 0
         self.left: dict[tuple[str, int], int] = {}
         self.finished: dict[int, set[str]] = {}
         self.running: dict[str, list[ScheduledCall]] = {r: [] for r in graph.resources}
@@ -324,7 +350,10 @@ class SchedulerCore:
         taken = self.taken[s.name, j]
         left = self.capacity - taken
         count = left if s.micro_batch is None else min(s.micro_batch, left)
-        if self.blocking:
+        back = self.returned.get((s.name, j))
+        if back:  # rows a lost call handed back: taken again as they were, before any new ones
+            batch, rows = dock.get(s.name, list(s.inputs), indexes=back.pop(0), by_group=False)
+        elif self.blocking:
             if any(u not in self.finished[j] for u in self.graph.upstream[s.name]):
                 return None
             batch, rows = dock.get(s.name, list(s.inputs), indexes=torch.arange(taken, taken + count), by_group=False)
@@ -340,6 +369,15 @@ class SchedulerCore:
         if s.role == "rollout":
             batch["policy_version"] = torch.full((rows.numel(),), self.version, dtype=torch.int64)
         return ScheduledCall(s, j, rows, batch, self.version, None)
+
+    def hand_back(self, task: ScheduledCall) -> None:
+        """Give a lost call's rows back to its iteration's dock (``nack``) and free its slot; they are taken again next."""
+        s, j = task.stage, task.iteration
+        self.docks[j].nack(s.name, task.rows)
+        self.taken[s.name, j] -= task.rows.numel()
+        self.returned.setdefault((s.name, j), []).append(task.rows)
+        self.running[s.resource].remove(task)
+        self.handed_back += 1
 
     def complete(self, task: ScheduledCall, out: Any) -> bool:
         """Put a call's outputs into its iteration's dock; True when the stage has now done every row."""
@@ -415,7 +453,8 @@ def run_pipeline(
 
     Each resource gets ``slots[resource]`` worker threads (default 1). A stage that
     raises stops the pipeline: the other workers finish their current call and exit,
-    and the error is re-raised here with a note naming the stage and iteration. A call
+    and the error is re-raised here with a note naming the stage and iteration, except
+    :class:`HandBack`: the call's rows go back to the dock and are taken again. A call
     longer than its stage's ``timeout`` stops it with :class:`StageTimeout` (a thread
     cannot be interrupted: the late call's daemon worker is left to finish and its
     result is dropped).
@@ -505,6 +544,19 @@ def run_pipeline(
                     last = core.complete(task, out)
                 if last and s.on_iteration_end is not None:
                     s.on_iteration_end(task.iteration)
+            except HandBack:  # the call's work was lost and its worker replaced: its rows are redone
+                with cond:
+                    if state["stop"]:
+                        return
+                    try:
+                        core.hand_back(task)
+                    except BaseException as err:
+                        fail(err)
+                        return
+                    state["epoch"] += 1
+                    state["idle"] = 0
+                    cond.notify_all()
+                continue
             except BaseException as err:
                 with cond:
                     fail(add_note(err, f"in stage {s.name!r} at iteration {task.iteration}"))

@@ -13,6 +13,7 @@ import pickle
 import signal
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
@@ -168,9 +169,19 @@ class _Dispatcher:
     signal is tied to it (see ``rlcore._lifetime.die_with_parent``).
     """
 
-    def __init__(self, payload: bytes, name: str, num_workers: int, timeout: float | None, counters: _Counters):
+    def __init__(
+        self,
+        payload: bytes,
+        name: str,
+        num_workers: int,
+        timeout: float | None,
+        counters: _Counters,
+        max_restarts: int = 0,
+    ):
         self._payload, self._name, self._num_workers, self._timeout = payload, name, num_workers, timeout
         self._counters = counters
+        self.max_restarts = max_restarts
+        self.restart_causes: list[str] = []  # appended by the dispatcher thread only
         self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
@@ -268,7 +279,8 @@ class _Dispatcher:
                 for w in workers:
                     while w.ready and w.job is None and self._queue:
                         job = self._queue.popleft()
-                        if job.future.set_running_or_notify_cancel():  # else cancelled while queued
+                        # A job handed back by a replaced worker is running already; else it may be cancelled.
+                        if job.future.running() or job.future.set_running_or_notify_cancel():
                             w.job = job
                             started.append(w)
             for w in started:
@@ -319,14 +331,41 @@ class _Dispatcher:
             else:
                 _settle(job.future, error=value)
 
+    def _restart(self, cause: str, job: _Job | None) -> bool:
+        """Count a replacement of a dead or stopped worker, if the bound allows; its job goes back first in the queue.
+
+        False past ``max_restarts`` (0: never): the caller fails the job as without restarts.
+        """
+        if len(self.restart_causes) >= self.max_restarts:
+            return False
+        self.restart_causes.append(cause)
+        warnings.warn(
+            f"reward {self._name!r}: {cause}; restarting it ({len(self.restart_causes)} of at most "
+            f"{self.max_restarts}){'; its rows are scored again' if job is not None else ''}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        if job is not None:
+            with self._lock:
+                self._queue.appendleft(job)
+        return True
+
+    def _bound(self) -> str:
+        n = len(self.restart_causes)
+        return f" (after {n} restart{'s' * (n != 1)}, the most allowed)" if self.max_restarts else ""
+
     def _died(self, w: _Worker) -> None:
         w.process.join(_GRACE)  # the sentinel can fire just before the exit status is ready
         code = w.process.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        if w.job is not None:
+        if w.ready and self._restart(f"its worker process died ({how})", w.job):
+            w.job = None
+        elif w.job is not None:
             _settle(
                 w.job.future,
-                error=RewardError(f"{w.job.where}: the reward's worker process died ({how}) while scoring it"),
+                error=RewardError(
+                    f"{w.job.where}: the reward's worker process died ({how}) while scoring it{self._bound()}"
+                ),
             )
             w.job = None
         elif not w.ready:
@@ -342,13 +381,14 @@ class _Dispatcher:
         w.job = None
         w.process.kill()
         w.process.join(_GRACE)
-        _settle(
-            job.future,
-            error=RewardError(
-                f"{job.where} did not finish within {self._timeout:g} s (the reward timeout); "
-                "its worker process was stopped"
-            ),
-        )
+        if not self._restart(f"its worker ran past the reward timeout ({self._timeout:g} s) and was stopped", job):
+            _settle(
+                job.future,
+                error=RewardError(
+                    f"{job.where} did not finish within {self._timeout:g} s (the reward timeout); "
+                    f"its worker process was stopped{self._bound()}"
+                ),
+            )
         w.conn.close()
 
 
@@ -380,6 +420,11 @@ class RewardPool:
         ``result()`` raises; ``None`` waits for ever.
       samples: rows of each scored batch kept for :meth:`pop_samples` (prompt,
         response, score and answer, spread over the batch); 0 keeps none.
+      max_restarts: how many times a worker process that died or ran past ``timeout`` is
+        replaced with its batch scored again by the replacement, instead of failing it
+        (0: its batch fails). Each replacement is warned about with its cause and counted
+        (:attr:`restarts`, :attr:`restart_causes`); past the bound the batch fails as without
+        restarts, its error saying so. A worker that dies while idle counts too.
 
     The reward's counters (``pop_metrics`` of its components, e.g. the verified-maths
     timeouts: :func:`rlcore.rewards.reward_metrics`) are collected after each call, in
@@ -395,9 +440,19 @@ class RewardPool:
     tensor([1., 0.])
     """
 
-    def __init__(self, reward: Any, *, num_workers: int = 1, timeout: float | None = None, samples: int = 0):
+    def __init__(
+        self,
+        reward: Any,
+        *,
+        num_workers: int = 1,
+        timeout: float | None = None,
+        samples: int = 0,
+        max_restarts: int = 0,
+    ):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers: got {num_workers!r}, expected an int >= 0")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts: got {max_restarts!r}, expected an int >= 0")
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples: got {samples!r}, expected an int >= 0 (rows kept per batch)")
         if timeout is not None and (
@@ -425,11 +480,21 @@ class RewardPool:
                     f"reward: {self._name!r} cannot be pickled for a worker process ({err}); "
                     "define it at module level, or use num_workers=0"
                 ) from err
-            self._dispatcher = _Dispatcher(payload, self._name, num_workers, timeout, self._counters)
+            self._dispatcher = _Dispatcher(payload, self._name, num_workers, timeout, self._counters, max_restarts)
             # Close at interpreter exit before multiprocessing joins its children, and when
             # the pool is garbage-collected without close().
             atexit.register(self._dispatcher.close)
             weakref.finalize(self, self._dispatcher.close).atexit = False
+
+    @property
+    def restart_causes(self) -> list[str]:
+        """Why each worker replacement within ``max_restarts`` happened, in order (empty without worker processes)."""
+        return list(self._dispatcher.restart_causes) if self._dispatcher is not None else []
+
+    @property
+    def restarts(self) -> int:
+        """Worker processes replaced so far within ``max_restarts``."""
+        return len(self.restart_causes)
 
     def _where(self, batch: Any, index: int) -> str:
         label = repr(batch) if batch is not None else f"#{index} (unnamed)"

@@ -460,6 +460,7 @@ def save_checkpoint_async(
     world = dist.get_world_size() if collective else 1
 
     def finish() -> None:
+        failed: CheckpointError | None = None
         try:
             if writes is not None:
                 # Rank 0 (DCP's coordinator) gets its result only once every rank's shards are written. An
@@ -475,12 +476,14 @@ def save_checkpoint_async(
                 shutil.rmtree(path, ignore_errors=True)
             failed = _fail(path, f"the background save failed, the previous version stays ({_cause(err)})")
             failed.__cause__ = err
+        finally:
+            # Released before the future completes: a save started as soon as it does must find the folder free.
+            if lock is not None:
+                os.close(lock)
+        if failed is not None:
             done.set_exception(failed)
         else:
             done.set_result(path)
-        finally:
-            if lock is not None:
-                os.close(lock)
 
     threading.Thread(target=finish, name="rlcore-checkpoint-commit", daemon=True).start()
     return done

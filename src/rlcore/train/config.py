@@ -43,8 +43,10 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              before it is abandoned (exit status 130; null: no limit; default 120)
     trainer.async_save                       checkpoints are written in the background (DCP async_save) while
                                              training goes on; committed only once complete (default true)
-    trainer.max_worker_restarts              times a dead disaggregated rollout worker process is replaced (its
-                                             weights re-sent, its call redone) before the run stops (default 0)
+    trainer.max_worker_restarts              times a dead disaggregated rollout worker (process or Ray actor) is
+                                             replaced (its weights re-sent, its rows redone), and, separately,
+                                             times a reward worker that died or ran past trainer.reward_timeout
+                                             is replaced (its rows scored again), before the run stops (default 0)
     trainer.warmup_steps, trainer.warmup_lr, trainer.warmup_batch_size   supervised warm-up first
     data.path, data.val_path                 a prompt dataset (JSONL / Parquet / save_to_disk) instead of the task,
                                              and a validation set; the tokenizer is the model directory's
@@ -354,11 +356,6 @@ def _validate(cfg: Config) -> None:
         )
     _check_output_dir(tr.output_dir)
     _check_stop_signals(tr.stop_signals)
-    if tr.max_worker_restarts and cfg.deploy.backend == "ray":
-        raise ValueError(
-            f"config key 'trainer.max_worker_restarts': got {tr.max_worker_restarts} with deploy.backend 'ray', "
-            "expected 0 (the local rollout worker process is replaced; a Ray actor is not yet)"
-        )
     for key, kind in (
         ("path", "a dataset path"),
         ("val_path", "a dataset path"),

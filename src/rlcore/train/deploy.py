@@ -425,10 +425,14 @@ class WorkerDeployment(_Synced):
 
 
 class RayDeployment(WorkerDeployment):
-    """``deploy.backend: ray``: the worker is a Ray actor; the weight packets travel through Ray's object store."""
+    """``deploy.backend: ray``: the worker is a Ray actor; the weight packets travel through Ray's object store.
+
+    A dead actor is replaced up to ``trainer.max_worker_restarts`` times; the rows of the
+    call it was serving go back to the dock (``nack``) and are redone by the replacement.
+    """
 
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RayRolloutWorker(self.server, args=args, threads=threads)
+        return RayRolloutWorker(self.server, args=args, threads=threads, max_restarts=self.max_restarts)
 
 
 class ColocatedDeployment(_Placed):

@@ -19,7 +19,8 @@ def scorers(cfg: Config, task: Any, reward: Any, world: Any) -> tuple[RewardPool
     """The run's reward pool and, with ``trainer.eval_every`` and a validation set, its validator.
 
     Args:
-      cfg: the run's config (``trainer.reward_workers``, ``reward_timeout``, ``log_samples``, ``eval_every``).
+      cfg: the run's config (``trainer.reward_workers``, ``reward_timeout``, ``log_samples``, ``eval_every``;
+        ``max_worker_restarts``: how often a reward worker that died or hung is replaced, its rows scored again).
       task: the prompt source: its rule reward, its validation set; a dataset of finished
         rows (``task.sampled`` false: offline pairs) scores nothing, so no worker starts.
       reward: a user's reward in place of the task's, or None.
@@ -32,6 +33,7 @@ def scorers(cfg: Config, task: Any, reward: Any, world: Any) -> tuple[RewardPool
         num_workers=tr.reward_workers if task.sampled else 0,
         timeout=tr.reward_timeout,
         samples=_SAMPLE_ROWS * bool(tr.log_samples),
+        max_restarts=tr.max_worker_restarts,
     )
     validator = None
     if tr.eval_every and task.val is not None:

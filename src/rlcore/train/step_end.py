@@ -89,6 +89,8 @@ class StepEnd:
         step, tr, world = self.start + i, self.cfg.trainer, self.world
         self.deployment.publish(i + 1)  # weights version i + 1 for the rows the scheduler stamps next
         record = {"step": step, **self._metrics(step), **self.deployment.step_metrics(), **self.task.step_metrics(step)}
+        if tr.max_worker_restarts and self.rewards.num_workers:  # reward worker processes replaced so far
+            record["reward_worker_restarts"] = float(self.rewards.restarts)
         if self.validator is not None and self.validator.due(step):
             record.update(self.validator(self.models.policy if world.size == 1 else self.replica, step))
         # Every rank reads the same answer (a signal may reach the ranks at different steps).

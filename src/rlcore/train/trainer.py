@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlcore import algos
-from rlcore.dataflow import run_pipeline
+from rlcore.dataflow import TaskRecord, run_pipeline
 from rlcore.train.build import build_algorithm, build_model, build_models, build_reference
 from rlcore.train.config import Config
 from rlcore.train.deploy import make_deployment
@@ -70,11 +70,17 @@ __all__ = [
 
 
 class Run(NamedTuple):
-    """What :func:`train` returns: the per-step metrics records and this rank's trained models."""
+    """What :func:`train` returns: the per-step metrics records, this rank's trained models, the pipeline's calls.
+
+    ``tasks`` are the stage calls of the steps this run made (:class:`rlcore.dataflow.TaskRecord`:
+    stage, iteration from the run's start, the dock's row ids, the policy version), or None when no
+    step ran: a call whose worker died and handed its rows back is not among them.
+    """
 
     records: list[dict[str, Any]]
     policy: torch.nn.Module
     critic: torch.nn.Module | None
+    tasks: list[TaskRecord] | None = None
 
 
 def train(
@@ -118,13 +124,13 @@ def train(
         run = _train(cfg, world, task, resume, engine, algo or build_algorithm(cfg), reward, allow_config_change, stop)
     if world.rank == 0 and tr.plot:
         plot_run(tr.output_dir, run.tasks, last=tr.timeline_iterations, offset=run.start)
-    return Run(run.records, run.models.policy, run.models.critic)
+    return Run(run.records, run.models.policy, run.models.critic, run.tasks)
 
 
 class _Trained(NamedTuple):
     records: list[dict[str, Any]]
     models: Models
-    tasks: Any
+    tasks: list[TaskRecord] | None
     start: int
 
 
