@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rlcore.dataflow.deploy import ProxyRollout
+from rlcore.dataflow.deploy import ProxyRollout, WorkerDied
 from rlcore.dataflow.scheduler import add_note
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
@@ -171,7 +171,10 @@ class RayRolloutWorker(ProxyRollout):
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
         except ray.exceptions.RayActorError as err:
-            raise RuntimeError(f"stage {name!r}: rollout worker actor died ({type(err).__name__})") from err
+            raise WorkerDied(
+                f"stage {name!r}: rollout worker actor died ({type(err).__name__})",
+                f"the actor died ({type(err).__name__})",
+            ) from err
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else RuntimeError(str(err))
             raise add_note(cause, f"raised in the rollout worker actor of stage {name!r}") from None
