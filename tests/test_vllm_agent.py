@@ -8,13 +8,18 @@ attention serves 32, 64, ...) and 32-token KV blocks, so the prefix cache finds 
 trajectory's earlier turns again.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
 
 from rlcore.agent import StepResult, TurnSampler, multi_turn_rollout
 from rlcore.seeding import Purpose, RowStream
-from rlcore.train import VLLMEngine, VLLMOptions
+from rlcore.train import VLLMEngine, VLLMOptions, load_config, read_metrics, train
+from rlcore.train.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EOS, PAD, VOCAB, STOP = 1, 0, 64, 2
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23], [24, 25, 26, 27, 28]]
@@ -148,3 +153,50 @@ def test_bad_turns_are_refused_naming_the_argument(engine, contexts, budgets, ma
     with pytest.raises(ValueError, match=match):
         engine.sample_turn(contexts, budgets, stop_token_ids=(EOS,))
     assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+# configs/agent_calc_tiny_vllm.yaml made small (test_trainer_agent's overrides; head_dim stays 32).
+TINY_AGENT = [
+    "model.model_name_or_path.intermediate_size=64",
+    "model.model_name_or_path.num_hidden_layers=1",
+    "rl.batch_size=4",
+    "rl.mini_batch_size=2",
+    "rl.num_rollouts=2",
+    "data.digits=2",
+    "rl.multi_turn.max_new_tokens=24",
+    "rl.multi_turn.max_total_tokens=40",
+    "rl.multi_turn.eval_every=1",
+    "rl.multi_turn.eval_size=4",
+    "deploy.vllm.kv_cache_memory_bytes=8388608",
+    "trainer.warmup_steps=10",
+    "trainer.warmup_batch_size=16",
+    "trainer.progress=false",
+    "trainer.plot=false",
+    "trainer.steps=2",
+]
+
+
+def test_the_agent_config_trains_on_vllm(tmp_path):
+    """The trainer's agent rollout on the co-located vLLM engine: turns, tools, and the engine's log-probs.
+
+    ``mismatch/*`` compares vLLM's log-probs of the policy tokens with the trainer's
+    recomputed ones (float32 on both sides: about 1e-5).
+    """
+    cfg = load_config(ROOT / "configs" / "agent_calc_tiny_vllm.yaml", [*TINY_AGENT, f"trainer.output_dir={tmp_path}"])
+    train(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        for key in ("turns", "tool_calls", "greedy_reward", "reward", "loss", "sync_s"):
+            assert torch.isfinite(torch.tensor(r[key])), (key, r)
+        assert 1 <= r["turns"] <= 3 and r["policy_tokens"] + r["observation_tokens"] <= 40
+        assert r["mismatch/logp_abs_max"] < 1e-3, r
+
+
+def test_the_shipped_agent_model_is_refused_by_vllm_in_one_line(tmp_path, capsys):
+    """configs/agent_calc_tiny.yaml's four heads of 16 channels: vLLM's CPU attention does not serve them."""
+    argv = ["train", "--config", str(ROOT / "configs" / "agent_calc_tiny.yaml"), "deploy.engine=vllm"]
+    argv += ["trainer.warmup_steps=0", "trainer.progress=false", f"trainer.output_dir={tmp_path}"]
+    assert main(argv) == 2
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlcore:")]
+    assert len(ours) == 1 and ours[0].startswith("rlcore: error: model: got head dimension 16"), ours

@@ -79,13 +79,12 @@ def check_multi_turn(cfg: Config, task: Any) -> None:
     stop_token_ids(mt, task.tokenizer)
 
 
-def multi_turn_rollout_stage(
-    cfg: Config, model: torch.nn.Module, task: Any, *, timeout: float | None = None
-) -> MultiTurnRollout:
+def multi_turn_rollout_stage(cfg: Config, model: Any, task: Any, *, timeout: float | None = None) -> MultiTurnRollout:
     """The trainer's rollout stage for ``rl.multi_turn``: :func:`rlcore.agent.multi_turn_stage` on the dock's prompts.
 
     ``model`` is the rollout's model (the co-located engine's, whose weights the
-    AllGather-Swap binds at each switch to the rollout phase). The environments come
+    AllGather-Swap binds at each switch to the rollout phase), or the vLLM engine
+    (:class:`rlcore.agent.TurnSampler`) with ``deploy.engine: vllm``. The environments come
     from ``rl.multi_turn`` (:func:`rlcore.agent.build_env_factory`, scored by
     ``task.reward``; relative ``file.py`` references are taken from the working
     directory); each gets ``{"prompt", "answer"}`` decoded from the dock's row. The
@@ -97,7 +96,7 @@ def multi_turn_rollout_stage(
 
     Args:
       cfg: the run's config (``rl.multi_turn`` set).
-      model: the policy the rollout samples from.
+      model: the policy the rollout samples from (a module or a turn-sampling engine).
       task: the task (``tokenizer``, ``reward``, ``sample``).
       timeout: seconds one call may take.
 

@@ -612,12 +612,6 @@ def _check_engine(cfg: Config) -> None:
             cfg.rl.temperature > 2,
             "at most 2 (vLLM samples at temperatures in [0, 2])",
         ),
-        (
-            "rl.multi_turn",
-            "a section",
-            cfg.rl.multi_turn is not None,
-            "null (agent rollouts sample with the torch engine)",
-        ),
         ("model.lora", "a section", cfg.model.lora is not None, "null (the vLLM engine takes full weights)"),
     ]
     for key, got, bad, expected in refused:

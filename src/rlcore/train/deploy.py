@@ -330,7 +330,9 @@ class VLLMDeployment(_Synced):
     :class:`rlcore.dataflow.WeightSync` into the engine's in-place reload, bucket by bucket
     (``sync_s``, ``sync_bytes``). vLLM's sleep mode (freeing the engine's memory while the
     trainer updates) is not used: the engine's weights and KV cache stay resident, and the
-    log says so once -- on the CPU platform, which has no sleep mode.
+    log says so once -- on the CPU platform, which has no sleep mode. With ``rl.multi_turn``
+    the agent rollout (:func:`rlcore.agent.multi_turn_rollout`) samples its turns on the
+    engine (:meth:`VLLMEngine.sample_turn <rlcore.train.VLLMEngine.sample_turn>`).
     """
 
     def __init__(self, cfg: Config, policy: torch.nn.Module, replica: torch.nn.Module, task: Any):
@@ -339,12 +341,18 @@ class VLLMDeployment(_Synced):
         _note_resident_engine()
         self.sync = WeightSync(self._full_weights())
         self.publish(0)
-        self.rollout: Stage = rollout_stage(
-            self.engine, seed=cfg.trainer.seed, timeout=cfg.deploy.rollout_timeout or None
-        )
+        timeout = cfg.deploy.rollout_timeout or None
+        self.rollout: Stage = rollout_stage(self.engine, seed=cfg.trainer.seed, timeout=timeout)
+        self.agent: MultiTurnRollout | None = None
+        if cfg.rl.multi_turn is not None:  # the engine continues each trajectory from its token ids
+            self.agent = multi_turn_rollout_stage(cfg, self.engine, task, timeout=timeout)
+            self.rollout = self.agent.stage
 
     def publish(self, version: int) -> None:
         self._send(version, self.engine.receiver())
+
+    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
+        return {} if self.agent is None else self.agent.pop_metrics(step)
 
     def close(self) -> None:
         self.engine.close()
