@@ -796,10 +796,11 @@ def check_launch(cfg: Config, world_size: int) -> None:
             f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt; override rl.num_rollouts=2 or more)"
         )
-    if cfg.deploy.engine == "vllm" and world_size > 1:
+    if cfg.deploy.engine == "vllm" and world_size > 1 and par.data_parallel != world_size:
         raise ValueError(
-            f"config key 'deploy.engine': got 'vllm' at world size {world_size}, expected 'torch' "
-            "(the vLLM engine, co-located or in the rollout worker, is tested at world size 1 only)"
+            f"config key 'deploy.engine': got 'vllm' with parallel.data_parallel {par.data_parallel} at world size "
+            f"{world_size}, expected 'torch' (beyond one rank each data-parallel rank runs its own vLLM engine: "
+            "tensor and context parallelism are not served by it)"
         )
     if cfg.deploy.backend == "ray" and cfg.deploy.mode != "disaggregated":
         raise ValueError(

@@ -226,6 +226,30 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _default_group_kept() -> Iterator[None]:
+    """Keep the trainer's default process group through vLLM's shutdown.
+
+    An in-process engine built on a rank of a data-parallel run finds ``torch.distributed``
+    initialised and builds its own (single-rank model-parallel) groups on the trainer's
+    default group; its shutdown then destroys the default group too, which the trainer's
+    later collectives and its own teardown still need. vLLM's groups are destroyed as usual.
+    """
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_not_default(group: Any = None) -> None:
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = destroy_not_default  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy  # type: ignore[assignment]
+
+
 def _check_sampling(*, max_new_tokens: Any, temperature: Any, top_p: Any, top_k: Any) -> None:
     for name, value, ok, want in [
         ("max_new_tokens", max_new_tokens, _is_int(max_new_tokens) and max_new_tokens >= 1, "an int >= 1"),
@@ -702,7 +726,7 @@ class VLLMEngine:
         """Shut the engine down and remove the temporary config directory of :meth:`from_module`."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _default_group_kept():
                 llm.llm_engine.engine_core.shutdown()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
