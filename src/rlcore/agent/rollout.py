@@ -340,7 +340,7 @@ def multi_turn_rollout(
                     futures[row].set_exception(err)
 
             stream = generator.select(active) if isinstance(generator, RowStream) else generator
-            positions = [len(trajs[i].tokens) for i in active]
+            starts = [len(trajs[i].tokens) for i in active]
             if isinstance(model, TurnSampler):  # an engine continues each trajectory from its ids
                 sampled = model.sample_turn(
                     contexts,
@@ -350,7 +350,7 @@ def multi_turn_rollout(
                     top_p=top_p,
                     top_k=top_k,
                     generator=stream,
-                    positions=positions,
+                    positions=starts,
                     on_stop=hand_over,
                 )
             else:
@@ -366,7 +366,7 @@ def multi_turn_rollout(
                     top_p=top_p,
                     top_k=top_k,
                     generator=stream,
-                    positions=torch.tensor(positions, device=device),
+                    positions=torch.tensor(starts, device=device),
                     on_stop=hand_over,
                 )
             lengths = sampled.lengths.tolist()
