@@ -1,10 +1,11 @@
-"""vLLM beyond one rank: each data-parallel rank of an FSDP2 run (2 gloo processes) runs its own co-located engine.
+"""vLLM beyond one rank: each data-parallel rank of an FSDP2 run (2 gloo processes) runs its own engine.
 
 After every sync each rank reads its engine's weights back (through the engine's own
 kernels) and compares them with the trainer's, gathered from the FSDP2 shards: equal bit
 for bit, the tied head's kernel copy included, on both ranks, at every version. The model
 is configs/grpo_tiny_vllm.yaml's with one layer (head_dim 32, the smallest vLLM's CPU
-attention serves).
+attention serves). The same run with each rank's engine in its own rollout worker gives the
+co-located run's losses and rewards.
 """
 
 from __future__ import annotations
@@ -73,7 +74,16 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
         [*TINY_ROLLOUT, *QUIET, *SMALL, f"trainer.output_dir={out}"],
     )
     records = train(cfg, reward=length_reward).records
-    torch.save({"checks": checks, "records": records}, Path(tmp) / f"rank{rank}.pt")
+    VLLMDeployment.publish = publish  # type: ignore[method-assign]
+    # Each rank's engine in its own rollout worker: the same row-keyed requests to the same engine.
+    worker = load_config(
+        ROOT / "configs" / "grpo_tiny_vllm.yaml",
+        [*TINY_ROLLOUT, *QUIET, *SMALL, f"trainer.output_dir={Path(tmp) / 'worker'}", "deploy.mode=disaggregated"],
+    )
+    run = train(worker, reward=length_reward)
+    weights = _digest(full_state_dict(run.policy))  # collective
+    out = {"checks": checks, "records": records, "worker": run.records, "worker_weights": weights}
+    torch.save(out, Path(tmp) / f"rank{rank}.pt")
     leave()
 
 
@@ -88,3 +98,8 @@ def test_each_rank_runs_its_engine_and_reads_back_the_trainers_weights_after_eve
         assert [r["step"] for r in got["records"]] == [0, 1, 2]
     assert [c["digest"] for c in ranks[0]["checks"]] == [c["digest"] for c in ranks[1]["checks"]]
     assert [r["reward"] for r in ranks[0]["records"]] == [r["reward"] for r in ranks[1]["records"]]
+    # Disaggregated, one worker per rank: the co-located run's losses, rewards and final weights.
+    for got in ranks:
+        for key in ("loss", "reward", "response_length"):
+            assert [r[key] for r in got["worker"]] == [r[key] for r in got["records"]], key
+    assert ranks[0]["worker_weights"] == ranks[1]["worker_weights"]
