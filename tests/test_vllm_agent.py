@@ -176,21 +176,35 @@ TINY_AGENT = [
 ]
 
 
-def test_the_agent_config_trains_on_vllm(tmp_path):
-    """The trainer's agent rollout on the co-located vLLM engine: turns, tools, and the engine's log-probs.
+def _agent_run(out, *extra):
+    cfg = load_config(
+        ROOT / "configs" / "agent_calc_tiny_vllm.yaml", [*TINY_AGENT, f"trainer.output_dir={out}", *extra]
+    )
+    train(cfg)
+    return read_metrics(out / "metrics.jsonl")
+
+
+def test_the_agent_config_trains_on_vllm_co_located_and_in_the_worker(tmp_path):
+    """The trainer's agent rollout on vLLM, in its process and in the rollout worker's (environments beside the engine).
 
     ``mismatch/*`` compares vLLM's log-probs of the policy tokens with the trainer's
-    recomputed ones (float32 on both sides: about 1e-5).
+    recomputed ones (float32 on both sides: about 1e-5). The blocking disaggregated run
+    sends the same row-keyed requests to the same engine: its records equal the co-located
+    run's, the trajectory metrics the worker sends back included.
     """
-    cfg = load_config(ROOT / "configs" / "agent_calc_tiny_vllm.yaml", [*TINY_AGENT, f"trainer.output_dir={tmp_path}"])
-    train(cfg)
-    records = read_metrics(tmp_path / "metrics.jsonl")
+    records = _agent_run(tmp_path / "co-located")
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         for key in ("turns", "tool_calls", "greedy_reward", "reward", "loss", "sync_s"):
             assert torch.isfinite(torch.tensor(r[key])), (key, r)
         assert 1 <= r["turns"] <= 3 and r["policy_tokens"] + r["observation_tokens"] <= 40
         assert r["mismatch/logp_abs_max"] < 1e-3, r
+    worker = _agent_run(tmp_path / "worker", "deploy.mode=disaggregated", "deploy.rollout_timeout=300")
+    timing = ("_s", "tokens_per_s", "bubble/")
+    for ours, theirs in zip(worker, records, strict=True):
+        same = {k: v for k, v in theirs.items() if not any(t in k for t in timing)}
+        assert "greedy_reward" in same and "tool_calls" in same
+        assert {k: ours.get(k) for k in same} == same
 
 
 def test_the_shipped_agent_model_is_refused_by_vllm_in_one_line(tmp_path, capsys):

@@ -35,7 +35,14 @@ from rlcore.train.config import Config
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import advantages_stage
 
-__all__ = ["ROLLOUT_COLUMNS", "MultiTurnRollout", "check_multi_turn", "multi_turn_graph", "multi_turn_rollout_stage"]
+__all__ = [
+    "ROLLOUT_COLUMNS",
+    "ROLLOUT_INPUTS",
+    "MultiTurnRollout",
+    "check_multi_turn",
+    "multi_turn_graph",
+    "multi_turn_rollout_stage",
+]
 
 Batch = dict[str, Any]
 
@@ -53,6 +60,10 @@ ROLLOUT_COLUMNS = COLUMNS.select(
     "num_tool_errors",
     "tool_latency",
 )
+
+
+# Dock columns it reads (with the dock's answers_mask and policy_version).
+ROLLOUT_INPUTS = ("prompts", "prompt_mask", "answers", "iteration", "row")
 
 
 class MultiTurnRollout(NamedTuple):
@@ -191,7 +202,7 @@ def multi_turn_rollout_stage(cfg: Config, model: Any, task: Any, *, timeout: flo
 
     s = stage(
         rollout,
-        inputs=["prompts", "prompt_mask", "answers", "iteration", "row"],
+        inputs=list(ROLLOUT_INPUTS),
         outputs=ROLLOUT_COLUMNS,
         name="rollout",
         role="rollout",

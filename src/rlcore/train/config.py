@@ -580,10 +580,11 @@ def _check_multi_turn(cfg: Config) -> None:
     parse_multi_turn(cfg.rl.multi_turn)
     if cfg.rl.algo == "dpo":
         raise ValueError("config key 'rl.multi_turn': got a section with rl.algo 'dpo', expected an RL recipe")
-    if cfg.deploy.mode != "co-located":
+    if cfg.deploy.mode != "co-located" and cfg.deploy.engine != "vllm":
         raise ValueError(
-            f"config key 'deploy.mode': got {cfg.deploy.mode!r} with rl.multi_turn, expected 'co-located' "
-            "(the multi-turn rollout runs its environments in the trainer's process)"
+            f"config key 'deploy.mode': got {cfg.deploy.mode!r} with rl.multi_turn and deploy.engine "
+            f"{cfg.deploy.engine!r}, expected 'co-located' (the torch engine's multi-turn rollout runs its "
+            "environments in the trainer's process; with deploy.engine 'vllm' they run in the rollout worker)"
         )
 
 
