@@ -188,7 +188,7 @@ class RolloutServer:
     into the engine's in-place reload (:meth:`VLLMEngine.load_weights
     <rlcore.train.VLLMEngine.load_weights>`), bucket by bucket, as co-located. With vLLM and
     ``rl.multi_turn`` the worker runs the agent rollout (its environments beside the
-    engine) and returns the step's trajectory metrics under :data:`AGENT_METRICS` with the rows.
+    engine) and returns the step's trajectory metrics with the rows (one extra key).
 
     Args:
       cfg_dict: the run's config (:meth:`Config.to_dict`).
@@ -221,9 +221,9 @@ class RolloutServer:
         if self._loaded is not weights:
             self._load(weights)
             self._loaded = weights
-        if self.agent is not None:  # trajectories, and their step's metrics under AGENT_METRICS
+        if self.agent is not None:  # trajectories, and their step's metrics under _AGENT_METRICS
             out = dict(self.agent.stage.fn(batch))
-            return {**out, AGENT_METRICS: self.agent.pop_metrics(int(batch["iteration"][0]))}
+            return {**out, _AGENT_METRICS: self.agent.pop_metrics(int(batch["iteration"][0]))}
         # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
         stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
         r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
@@ -231,7 +231,7 @@ class RolloutServer:
 
 
 # The key of a multi-turn worker's result that carries its step's trajectory metrics (not a dock column).
-AGENT_METRICS = "agent_metrics"
+_AGENT_METRICS = "agent_metrics"
 
 
 @torch.no_grad()
@@ -464,7 +464,7 @@ class WorkerDeployment(_Synced):
 def _keep_metrics(call: Callable[[Batch], Any], pending: dict[int, dict[str, torch.Tensor]], batch: Batch) -> Any:
     """The worker's trajectories as dock columns; their step's metrics kept for :meth:`WorkerDeployment.rollout_metrics`."""
     out = dict(call(batch))
-    pending[int(batch["iteration"][0])] = out.pop(AGENT_METRICS)
+    pending[int(batch["iteration"][0])] = out.pop(_AGENT_METRICS)
     return out
 
 
