@@ -227,16 +227,20 @@ def _env(**values: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _default_group_kept() -> Iterator[None]:
-    """Keep the trainer's default process group through vLLM's shutdown.
+def _default_group_kept(keep: bool) -> Iterator[None]:
+    """Keep the trainer's default process group through vLLM's shutdown (when ``keep``).
 
     An in-process engine built on a rank of a data-parallel run finds ``torch.distributed``
     initialised and builds its own (single-rank model-parallel) groups on the trainer's
     default group; its shutdown then destroys the default group too, which the trainer's
-    later collectives and its own teardown still need. vLLM's groups are destroyed as usual.
+    later collectives and its own teardown still need. vLLM's groups are destroyed as usual,
+    and so is a default group vLLM made itself (``keep`` false).
     """
     import torch.distributed as dist
 
+    if not keep:
+        yield
+        return
     destroy = dist.destroy_process_group
 
     def destroy_not_default(group: Any = None) -> None:
@@ -363,6 +367,8 @@ class VLLMEngine:
         # In-process engine core: the model object, and its load_weights, live in this process.
         # vLLM logs errors only unless VLLM_LOGGING_LEVEL says otherwise: its per-step notes (the
         # thread-count no-op, the tied head's reload) would drown the run's log.
+        # A default process group that exists now is the trainer's: vLLM's shutdown must leave it.
+        self._trainers_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         quiet = {} if "VLLM_LOGGING_LEVEL" in os.environ else {"VLLM_LOGGING_LEVEL": "ERROR"}
         with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **quiet), _host_state_kept():
             self.llm = vllm.LLM(
@@ -726,7 +732,7 @@ class VLLMEngine:
         """Shut the engine down and remove the temporary config directory of :meth:`from_module`."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception), _default_group_kept():
+            with contextlib.suppress(Exception), _default_group_kept(self._trainers_group):
                 llm.llm_engine.engine_core.shutdown()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
