@@ -1,6 +1,7 @@
 """Rollout throughput: VLLMEngine (vLLM, in-process) against TorchEngine (rlcore's KV-cached decode loop).
 
 Run: python benchmarks/bench_rollout.py [--sizes 32x32,128x64,256x128,512x128] [--dtype float32] [--repeats 3]
+(one size alone: ``--sizes 256x128``)
 
 Both engines sample the same random Qwen2 (4 layers, hidden 512, 8 heads of 64, MLP
 1536, vocabulary 2048, float32 by default) from the same left-padded prompts (8 to 24
@@ -31,6 +32,7 @@ from rlcore.train import TorchEngine, VLLMEngine, VLLMOptions, left_pad
 
 EOS, PAD, VOCAB, SAMPLES = 1, 0, 2048, 8
 LAYERS, HIDDEN, HEADS, HEAD_DIM = 4, 512, 8, 64
+BLOCK = 128  # KV-cache block (tokens): vLLM's CPU default, set so the cache is sized in whole blocks
 
 
 def model(dtype: torch.dtype) -> torch.nn.Module:
@@ -67,10 +69,14 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     policy = model(dtype)
     longest_rows = max(r for r, _ in sizes)
-    longest_seq = 24 + max(n for _, n in sizes)
+    # Every sequence of the largest size holds its blocks at once: vLLM never preempts a row
+    # (a resumed seeded request fails on the CPU build), whole blocks per sequence.
+    blocks = -(-(24 + max(n for _, n in sizes)) // BLOCK)
     kv_token_bytes = 2 * LAYERS * HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
     options = VLLMOptions(
-        kv_cache_memory_bytes=int(1.25 * longest_rows * longest_seq * kv_token_bytes), max_num_seqs=longest_rows
+        kv_cache_memory_bytes=int(1.25 * longest_rows * blocks * BLOCK * kv_token_bytes),
+        max_num_seqs=longest_rows,
+        block_size=BLOCK,
     )
     vllm_engine = VLLMEngine.from_module(policy, eos_token_id=EOS, pad_token_id=PAD, options=options)
     record = WeightSync(dict(policy.named_parameters())).sync(1, vllm_engine.receiver())

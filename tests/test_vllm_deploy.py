@@ -202,13 +202,20 @@ def killed_mid_rollout_server(cfg_dict, vocab_size, build):
     return generate
 
 
-def test_vllm_worker_killed_mid_rollout_stops_the_run_naming_the_cause(tmp_path, monkeypatch):
+def test_vllm_worker_killed_mid_rollout_is_one_line_of_rlcore_train(tmp_path, monkeypatch, capsys):
+    """``rlcore train``'s path: the cause in one line, exit status 1, no process left, the last checkpoint kept."""
     monkeypatch.setattr(WorkerDeployment, "server", staticmethod(killed_mid_rollout_server))
-    cfg = vllm_cfg(tmp_path, "trainer.steps=5", "trainer.save_every=1", "deploy.mode=disaggregated")
+    argv = ["train", "--config", str(ROOT / "configs" / "grpo_tiny_vllm.yaml"), *TINY_BATCH, *TINY_ROLLOUT, *QUIET]
+    argv += [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.steps=5", "trainer.save_every=1"]
     before = _children()
-    with pytest.raises(RuntimeError) as info:
-        train(cfg)
-    assert str(info.value) == "stage 'rollout': rollout worker process exited with code -9"
+    assert main([*argv, "deploy.mode=disaggregated"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    ours = [line for line in err.splitlines() if line.startswith("rlcore:")]
+    assert ours == [
+        "rlcore: stopped: stage 'rollout': rollout worker process exited with code -9; "
+        f"the last checkpoint in {tmp_path} is kept (--resume continues)"
+    ], err
     pids = json.loads((tmp_path / "worker_pids.json").read_text())
     assert _children() == before  # no orphan: neither the worker nor anything it started
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]

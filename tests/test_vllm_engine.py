@@ -281,5 +281,10 @@ def test_deploy_vllm_keys_are_validated_naming_the_key():
         raw = {"model": {"model_name_or_path": MODEL}, **change}
         with pytest.raises(ValueError, match=match):
             parse_config(raw)
-    with pytest.raises(ValueError, match="'deploy.engine': got 'vllm' at world size 2"):
-        check_launch(parse_config({**CONFIG, "parallel": {"data_parallel": 2}}), 2)
+    check_launch(parse_config({**CONFIG, "parallel": {"data_parallel": 2}}), 2)  # an engine per rank
+    with pytest.raises(ValueError, match="'deploy.engine': got 'vllm' with parallel.data_parallel 1 at world size 2"):
+        check_launch(parse_config({**CONFIG, "parallel": {"tensor_parallel": 2}}), 2)
+    # The block size is vLLM's to check against the platform; rlcore checks its type.
+    assert parse_vllm_options({"block_size": 32}).block_size == 32
+    with pytest.raises(ValueError, match="'deploy.vllm.block_size': got 0, expected an int >= 1"):
+        parse_vllm_options({"block_size": 0})

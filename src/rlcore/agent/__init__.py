@@ -22,7 +22,7 @@ from rlcore.agent.logprobs import trajectory_logprobs
 from rlcore.agent.metrics import trajectory_metrics
 from rlcore.agent.observation import observation_encoder
 from rlcore.agent.parsers import HermesParser, ParsedCalls, ToolCall, ToolCallParser
-from rlcore.agent.protocols import Environment, Observation, StepResult
+from rlcore.agent.protocols import Environment, Observation, StepResult, TurnSampler
 from rlcore.agent.rollout import TRAJECTORY_KEYS, multi_turn_rollout
 from rlcore.agent.runner import StepRunner
 from rlcore.agent.stage import STAGE_OUTPUTS, multi_turn_stage, trajectory_rows
@@ -49,6 +49,7 @@ __all__ = [
     "ToolEnv",
     "ToolError",
     "Turn",
+    "TurnSampler",
     "build_env_factory",
     "build_tools",
     "calculator",

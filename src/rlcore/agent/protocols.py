@@ -10,10 +10,15 @@ coroutine function (``async def``): the rollout awaits it on its own event loop.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["Environment", "Observation", "StepResult"]
+if TYPE_CHECKING:
+    import torch
+
+    from rlcore.agent.decode import Turn
+
+__all__ = ["Environment", "Observation", "StepResult", "TurnSampler"]
 
 # Text, or token ids the rollout appends verbatim.
 Observation = str | Sequence[int]
@@ -63,3 +68,33 @@ class Environment(Protocol):
         tuple[Observation, float, bool, Mapping[str, Any]]
         | Awaitable[tuple[Observation, float, bool, Mapping[str, Any]]]
     ): ...
+
+
+@runtime_checkable
+class TurnSampler(Protocol):
+    """An inference engine that samples one agent turn from token ids (e.g. :class:`rlcore.train.VLLMEngine`).
+
+    :func:`rlcore.agent.multi_turn_rollout` takes one in place of a ``transformers`` model:
+    each turn it hands the engine every unfinished trajectory's ids (prompt, policy and
+    observation tokens as they were produced) and appends what comes back, so the
+    engine continues from token ids and nothing is re-tokenised. ``sample_turn`` has the
+    contract of :func:`rlcore.agent.sample_turn` (``on_stop(row, tokens)`` as each row
+    stops, a :class:`rlcore.seeding.RowStream` keying each row, ``positions`` the response
+    position of each row's first token); ``config`` gives the vocabulary and positions.
+    """
+
+    config: Any
+
+    def sample_turn(
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        *,
+        stop_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+        positions: Sequence[int] | None = None,
+        on_stop: Callable[[int, list[int]], None] | None = None,
+    ) -> Turn: ...

@@ -20,7 +20,7 @@ import torch
 
 from rlcore.agent.decode import sample_turn
 from rlcore.agent.observation import observation_encoder
-from rlcore.agent.protocols import Environment
+from rlcore.agent.protocols import Environment, TurnSampler
 from rlcore.agent.runner import StepRunner
 from rlcore.models.sampling import left_pad
 from rlcore.seeding import RowStream
@@ -224,7 +224,9 @@ def multi_turn_rollout(
     trajectory stopped by a budget rather than by its environment is ``truncated``.
 
     Args:
-      model: a ``transformers`` causal LM (call it under ``model.eval()``).
+      model: a ``transformers`` causal LM (call it under ``model.eval()``), or an engine
+        (:class:`rlcore.agent.TurnSampler`, e.g. :class:`rlcore.train.VLLMEngine`) that
+        continues each trajectory from its token ids.
       prompts: ``B`` prompt id lists.
       envs: ``B`` environments (:class:`rlcore.agent.Environment`), one per trajectory.
       samples: ``B`` data samples for ``env.reset`` (default: ``{}`` each); a non-empty
@@ -279,7 +281,8 @@ def multi_turn_rollout(
             "tokenizer", tokenizer, callable(getattr(tokenizer, "encode", None)), "a tokenizer, or encode_observation="
         )
         encode_observation = observation_encoder(tokenizer)
-    device = next(model.parameters()).device
+    # An engine (TurnSampler) hands back host tensors; a model's own device otherwise.
+    device = torch.device("cpu") if isinstance(model, TurnSampler) else next(model.parameters()).device
     own_runner = runner is None
     run = runner if runner is not None else StepRunner(max_concurrency=max(1, min(batch, 64)), timeout=step_timeout)
     stops = (eos_token_id, *stop_token_ids)
@@ -321,7 +324,7 @@ def multi_turn_rollout(
             if not active:
                 break
             budgets = [min(max_new_tokens, max_total_tokens - len(trajs[i].tokens)) for i in active]
-            ids, attention = left_pad([trajs[i].prompt + trajs[i].tokens for i in active], pad_token_id)
+            contexts = [trajs[i].prompt + trajs[i].tokens for i in active]
             futures: dict[int, concurrent.futures.Future] = {}
 
             def hand_over(
@@ -336,20 +339,36 @@ def multi_turn_rollout(
                     futures[row] = concurrent.futures.Future()
                     futures[row].set_exception(err)
 
-            sampled = sample_turn(
-                model,
-                ids.to(device),
-                attention.to(device),
-                budgets,
-                stop_token_ids=stops,
-                pad_token_id=pad_token_id,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                generator=generator.select(active) if isinstance(generator, RowStream) else generator,
-                positions=torch.tensor([len(trajs[i].tokens) for i in active], device=device),
-                on_stop=hand_over,
-            )
+            stream = generator.select(active) if isinstance(generator, RowStream) else generator
+            starts = [len(trajs[i].tokens) for i in active]
+            if isinstance(model, TurnSampler):  # an engine continues each trajectory from its ids
+                sampled = model.sample_turn(
+                    contexts,
+                    budgets,
+                    stop_token_ids=stops,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    generator=stream,
+                    positions=starts,
+                    on_stop=hand_over,
+                )
+            else:
+                ids, attention = left_pad(contexts, pad_token_id)
+                sampled = sample_turn(
+                    model,
+                    ids.to(device),
+                    attention.to(device),
+                    budgets,
+                    stop_token_ids=stops,
+                    pad_token_id=pad_token_id,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    generator=stream,
+                    positions=torch.tensor(starts, device=device),
+                    on_stop=hand_over,
+                )
             lengths = sampled.lengths.tolist()
             tokens, logps = sampled.tokens.tolist(), sampled.logp.tolist()
             for row, i in enumerate(active):

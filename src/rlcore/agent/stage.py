@@ -119,7 +119,8 @@ def multi_turn_stage(
     other rows of its call.
 
     Args:
-      model: the policy (a ``transformers`` causal LM).
+      model: the policy (a ``transformers`` causal LM), or an engine that samples turns
+        from token ids (:class:`rlcore.agent.TurnSampler`, e.g. :class:`rlcore.train.VLLMEngine`).
       tokenizer: decodes actions, encodes observations, gives the special ids.
       make_env: builds a fresh environment (:func:`rlcore.agent.build_env_factory`).
       cfg: budgets and stop tokens (default :class:`MultiTurnConfig`).
@@ -170,8 +171,10 @@ def multi_turn_stage(
         drawn[0] += len(prompts)
         generator = RowStream(seed, Purpose.SAMPLING, step, rows.reshape(-1))
         samples = [sample_of(batch, row) for row in range(len(prompts))]
-        was_training = model.training
-        model.eval()
+        # A torch model samples under eval(); an engine (rlcore.agent.TurnSampler) has no mode.
+        was_training = getattr(model, "training", None)
+        if was_training is not None:
+            model.eval()
         # A runner per call: its threads end with the call, nothing outlives the pipeline.
         runner = StepRunner(max_concurrency=min(cfg.max_concurrency, max(1, len(prompts))), timeout=cfg.step_timeout)
         try:
@@ -193,7 +196,8 @@ def multi_turn_stage(
             )
         finally:
             runner.close()
-            model.train(was_training)
+            if was_training is not None:
+                model.train(was_training)
         return trajectory_rows(traj)
 
     rollout.__name__ = name

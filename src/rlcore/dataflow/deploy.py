@@ -36,7 +36,7 @@ from rlcore.dataflow.scheduler import add_note
 from rlcore.dataflow.stages import Stage, stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
-__all__ = ["ProxyRollout", "RolloutWorker", "colocate", "rollout_proxy_stage"]
+__all__ = ["ProxyRollout", "RolloutWorker", "WorkerDied", "colocate", "rollout_proxy_stage"]
 
 
 def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequence[str] = ("cpu",)) -> list[Stage]:
@@ -186,12 +186,22 @@ class ProxyRollout:
         )
 
 
-class _WorkerDied(RuntimeError):
-    """The worker process is gone (``kill -9``, an OOM kill, a segfault): the named error the run stops with."""
+class WorkerDied(RuntimeError):
+    """The rollout worker is gone (``kill -9``, an OOM kill, a segfault, a dead Ray actor): the error the run stops with.
 
-    def __init__(self, name: str, code: int | None) -> None:
-        super().__init__(f"stage {name!r}: rollout worker process exited with code {code}")
-        self.cause = f"the worker process exited with code {code}"
+    Its message names the stage and the cause in one line; ``cause`` is the cause alone.
+    """
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+    @classmethod
+    def exited(cls, name: str, code: int | None) -> WorkerDied:
+        return cls(
+            f"stage {name!r}: rollout worker process exited with code {code}",
+            f"the worker process exited with code {code}",
+        )
 
 
 class RolloutWorker(ProxyRollout):
@@ -312,10 +322,10 @@ class RolloutWorker(ProxyRollout):
             self._jobs.put((batch, want))
             try:
                 return self._receive(name, None)
-            except _WorkerDied as died:
+            except WorkerDied as died:
                 if self.restarts >= self.max_restarts:
                     bound = f" (after {self.restarts} restart{'s' * (self.restarts != 1)}, the most allowed)"
-                    raise RuntimeError(f"{died}{bound if self.max_restarts else ''}") from None
+                    raise WorkerDied(f"{died}{bound if self.max_restarts else ''}", died.cause) from None
                 self._restart(name, str(died.cause))
 
     def _restart(self, name: str, cause: str) -> None:
@@ -355,7 +365,7 @@ class RolloutWorker(ProxyRollout):
                 raw = self._results.get(timeout=0.1)
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise _WorkerDied(name, self.process.exitcode) from None
+                    raise WorkerDied.exited(name, self.process.exitcode) from None
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
                 continue

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlcore.dataflow.deploy import ProxyRollout
+from rlcore.dataflow.deploy import ProxyRollout, WorkerDied
 from rlcore.dataflow.scheduler import HandBack, add_note
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
@@ -37,14 +37,6 @@ def _ray() -> Any:
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("RayRolloutWorker needs Ray: pip install 'rlcore[ray]'") from err
     return ray
-
-
-class _ActorDied(RuntimeError):
-    """The actor is gone (a crash, ``kill -9``, its node lost): the named error the run stops with."""
-
-    def __init__(self, name: str, kind: str) -> None:
-        super().__init__(f"stage {name!r}: rollout worker actor died ({kind})")
-        self.cause = f"the rollout worker actor died ({kind})"
 
 
 class RolloutActor:
@@ -201,10 +193,10 @@ class RayRolloutWorker(ProxyRollout):
                 del self._packets[v]
         try:
             return self._get(name, self.actor.generate.remote(batch, want), None)
-        except _ActorDied as died:
+        except WorkerDied as died:
             if self.restarts >= self.max_restarts:
                 bound = f" (after {self.restarts} restart{'s' * (self.restarts != 1)}, the most allowed)"
-                raise RuntimeError(f"{died}{bound if self.max_restarts else ''}") from died.__cause__
+                raise WorkerDied(f"{died}{bound if self.max_restarts else ''}", died.cause) from died.__cause__
             self._restart(name, died.cause)
             raise HandBack(name, died.cause) from None
 
@@ -231,7 +223,10 @@ class RayRolloutWorker(ProxyRollout):
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"stage {name!r}: rollout worker not ready after {timeout:g} s") from None
         except ray.exceptions.RayActorError as err:
-            raise _ActorDied(name, type(err).__name__) from err
+            raise WorkerDied(
+                f"stage {name!r}: rollout worker actor died ({type(err).__name__})",
+                f"the rollout worker actor died ({type(err).__name__})",
+            ) from err
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else RuntimeError(str(err))
             raise add_note(cause, f"raised in the rollout worker actor of stage {name!r}") from None

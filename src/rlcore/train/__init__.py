@@ -6,6 +6,7 @@ from rlcore's primitives.
 
 from rlcore.train.agent_stages import (
     ROLLOUT_COLUMNS,
+    ROLLOUT_INPUTS,
     MultiTurnRollout,
     check_multi_turn,
     multi_turn_graph,
@@ -124,6 +125,7 @@ __all__ = [
     "MESH_DIMS",
     "PAIR_TOKEN_COLUMNS",
     "ROLLOUT_COLUMNS",
+    "ROLLOUT_INPUTS",
     "TASKS",
     "Addition",
     "CharTokenizer",

