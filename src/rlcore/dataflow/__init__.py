@@ -1,7 +1,7 @@
 """Data movement: sequence packing, the Transfer Dock, dispatch, resharding, weight sync, pipelines."""
 
 from rlcore.dataflow.columns import DTYPE_KINDS, SHAPES, Column, Schema
-from rlcore.dataflow.deploy import ProxyRollout, RolloutWorker, colocate, rollout_proxy_stage
+from rlcore.dataflow.deploy import LatestWeights, ProxyRollout, RolloutWorker, colocate, rollout_proxy_stage
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, deal_rows, shard_samples
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse, flatten_rows, unflatten_rows
 from rlcore.dataflow.layout import (
@@ -54,6 +54,7 @@ __all__: list[str] = [
     "Column",
     "DockController",
     "DockHost",
+    "LatestWeights",
     "Layout",
     "LinearCost",
     "Move",

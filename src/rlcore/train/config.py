@@ -21,6 +21,10 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              disaggregated (rollout in its own process, weights synced to it)
     deploy.async_infer                       the next iterations' rollout overlaps the current update
     deploy.staleness                         with async_infer: how many versions a rollout may lag (default 1)
+    deploy.partial_rollouts                  with async_infer, disaggregated, the torch engine: interruptible
+                                             rollouts (AReaL): a newer version reaching the worker mid-rollout
+                                             is taken between two tokens; each token records its version
+                                             (token_version); the row's oldest token stays within staleness
     deploy.backend                           the disaggregated rollout worker: local (torch.multiprocessing) or
                                              ray (a Ray actor; the ray extra)
     deploy.rollout_timeout                   seconds one rollout call may take before the run stops (0: none)
@@ -149,6 +153,7 @@ class DeployConfig:
     mode: Literal["co-located", "disaggregated"] = "co-located"
     async_infer: bool = False
     staleness: int = 1
+    partial_rollouts: bool = False
     backend: Literal["local", "ray"] = "local"
     rollout_timeout: float = 600.0
     engine: Literal["torch", "vllm"] = "torch"
@@ -387,6 +392,7 @@ def _validate(cfg: Config) -> None:
     if rl.multi_turn is not None:
         _check_multi_turn(cfg)
     _check_engine(cfg)
+    _check_partial_rollouts(cfg)
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
@@ -585,6 +591,22 @@ def _check_multi_turn(cfg: Config) -> None:
             f"config key 'deploy.mode': got {cfg.deploy.mode!r} with rl.multi_turn, expected 'co-located' "
             "(the multi-turn rollout runs its environments in the trainer's process)"
         )
+
+
+def _check_partial_rollouts(cfg: Config) -> None:
+    """``deploy.partial_rollouts``: only where a rollout can meet a newer version mid-way and take it (the local worker)."""
+    d = cfg.deploy
+    if not d.partial_rollouts:
+        return
+    refused = [
+        ("deploy.async_infer", d.async_infer, not d.async_infer, "true (without it no version arrives mid-rollout)"),
+        ("deploy.mode", d.mode, d.mode != "disaggregated", "'disaggregated' (the rollout worker takes new versions)"),
+        ("deploy.engine", d.engine, d.engine != "torch", "'torch' (vLLM's abort and resume are not wired yet)"),
+        ("deploy.backend", d.backend, d.backend != "local", "'local' (the Ray actor takes versions between calls)"),
+    ]
+    for key, got, bad, expected in refused:
+        if bad:
+            raise ValueError(f"config key {key!r}: got {got!r} with deploy.partial_rollouts true, expected {expected}")
 
 
 def _check_engine(cfg: Config) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.dataflow import (
+    LatestWeights,
     RayRolloutWorker,
     RolloutWorker,
     Stage,
@@ -208,14 +209,32 @@ class RolloutServer:
             self._load = partial(_copy_into, dict(model.named_parameters()))
         self._loaded: Any = None
 
-    def __call__(self, batch: Batch, weights: dict[str, torch.Tensor]) -> Batch:
+    def __call__(self, batch: Batch, weights: dict[str, torch.Tensor], latest: LatestWeights | None = None) -> Batch:
+        # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
+        stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
+        if latest is None:
+            self._take(weights)
+            r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
+            return rollout_columns(r, batch)
+
+        # deploy.partial_rollouts: start on the newest weights, and take each newer version between two tokens.
+        def refresh() -> int | None:
+            if not latest():
+                return None
+            self._take(latest.params)
+            return latest.version
+
+        refresh()
+        self._take(latest.params)
+        r = self.engine.generate(
+            batch["prompts"], batch["prompt_mask"], n=1, generator=stream, refresh=refresh, version=latest.version
+        )
+        return rollout_columns(r, batch)
+
+    def _take(self, weights: Any) -> None:
         if self._loaded is not weights:
             self._load(weights)
             self._loaded = weights
-        # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
-        stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
-        r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
-        return rollout_columns(r, batch)
 
 
 @torch.no_grad()
@@ -390,6 +409,7 @@ class WorkerDeployment(_Synced):
     ):
         super().__init__(policy, replica)
         self.max_restarts = cfg.trainer.max_worker_restarts
+        self.partial = cfg.deploy.partial_rollouts
         self.worker = self._start((cfg.to_dict(), vocab_size, build_model), max(1, cfg.trainer.threads))
         try:  # a worker that fails to start (e.g. a model its engine cannot serve) is stopped, not left behind
             self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
@@ -409,7 +429,14 @@ class WorkerDeployment(_Synced):
     server: Callable[..., Callable[[Batch, dict[str, torch.Tensor]], Batch]] = RolloutServer
 
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RolloutWorker(self.server, args=args, threads=threads, join_timeout=5.0, max_restarts=self.max_restarts)
+        return RolloutWorker(
+            self.server,
+            args=args,
+            threads=threads,
+            join_timeout=5.0,
+            max_restarts=self.max_restarts,
+            interruptible=self.partial,
+        )
 
     def publish(self, version: int) -> None:
         self._send(version, partial(self.worker.publish, version))

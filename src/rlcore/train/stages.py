@@ -150,19 +150,28 @@ def response_values(critic: torch.nn.Module, batch: Mapping[str, torch.Tensor]) 
     return out[:, batch["prompts"].shape[1] - 1 : -1, 0].float()
 
 
-ROLLOUT_OUTPUTS = ("responses", "mask", "rollout_logp", "version")
+ROLLOUT_OUTPUTS = ("responses", "mask", "rollout_logp", "version", "token_version")
 
 
 def rollout_columns(r: Any, b: Batch) -> dict[str, torch.Tensor]:
     """A :class:`rlcore.train.Rollout` of ``b``'s rows as the dock's columns (:data:`ROLLOUT_OUTPUTS`).
 
     ``mask`` as float32; ``rollout_logp`` the sampler's log-probs (0 off the mask), which
-    the decoupled objective and the mismatch metrics read; ``version`` the policy
-    version of the call (the rows' ``policy_version``).
+    the decoupled objective and the mismatch metrics read; ``token_version`` the weights
+    version that sampled each policy token (0 off the mask): ``Rollout.versions`` of an
+    interruptible rollout, else the call's version on every token; ``version`` the
+    row's oldest token's version (without interruptions, the rows' ``policy_version``).
     """
     mask = r.mask.float()
     logp = torch.where(mask != 0, r.logp.float(), 0.0)
-    return {"responses": r.responses, "mask": mask, "rollout_logp": logp, "version": b["policy_version"].clone()}
+    on = r.mask != 0
+    if getattr(r, "versions", None) is None:
+        version = b["policy_version"].clone()
+        tokens = torch.where(on, version[:, None], 0)
+    else:  # the first token is always sampled: the oldest version of the row
+        tokens = torch.where(on, r.versions.to(torch.int64), 0)
+        version = r.versions[:, 0].to(torch.int64).clone()
+    return {"responses": r.responses, "mask": mask, "rollout_logp": logp, "version": version, "token_version": tokens}
 
 
 def rollout_stage(

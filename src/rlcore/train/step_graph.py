@@ -47,7 +47,7 @@ def _sampling_stages(
         score = partial(cp_logprob_stage, group=world.cp[0], mode=world.cp[1])
         rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
     scoring: list[Stage] = []
-    logged = ["scores", "mask", "prompt_mask", "iteration", "version", "rollout_logp"]
+    logged = ["scores", "mask", "prompt_mask", "iteration", "version", "token_version", "rollout_logp"]
     prepare = None
     if plan.old_logp:
         old = score(models.policy, temperature=rl.temperature)

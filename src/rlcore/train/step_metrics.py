@@ -36,11 +36,30 @@ def _mismatch(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Te
     }
 
 
+def _token_lags(iteration: torch.Tensor, token_version: torch.Tensor, mask: torch.Tensor, top: int) -> dict[str, Metric]:
+    """Sums of each policy token's lag ``iteration - token_version``, its largest, and tokens per lag ``0..top``.
+
+    A partial rollout's row holds tokens of several versions: the row's lag is its oldest
+    token's, these are every token's (the histogram's last bin counts lags of ``top`` and more).
+    """
+    on = mask != 0
+    lag = torch.where(on, iteration[:, None] - token_version, 0)
+    out = {
+        "token_lag": total(lag.float().sum()),
+        "token_lag_max": maximum(lag.max().float() if lag.numel() else lag.new_zeros((), dtype=torch.float32)),
+    }
+    for k in range(top + 1):
+        hit = on & ((lag == k) if k < top else (lag >= k))
+        out[f"token_lag/{k}"] = total(hit.float().sum())
+    return out
+
+
 class StepMetrics:
     """Accumulates one step's metrics over its updates; at the step's end, the record (logged, checkpointed)."""
 
-    def __init__(self, updates: int, start: int, ref_every: int = 1):
-        self.updates, self.start, self.ref_every = updates, start, ref_every
+    def __init__(self, updates: int, start: int, ref_every: int = 1, token_lags: int = 0):
+        # token_lags > 0 (deploy.async_infer: its staleness): the per-token lag and its histogram are logged.
+        self.updates, self.start, self.ref_every, self.token_lags = updates, start, ref_every, token_lags
         self.lock = threading.Lock()
         # Per step: the logged metrics, and the counts the logged ratios are made of.
         self.sums: dict[int, tuple[dict[str, Metric], dict[str, Metric]]] = {}
@@ -77,6 +96,8 @@ class StepMetrics:
                 lag=total(lag.sum()),
                 lag_max=maximum(lag.max()),
             )
+            if self.token_lags:
+                counts.update(_token_lags(b["iteration"] - self.start, b["token_version"], mask, self.token_lags))
         with self.lock:
             acc = self.sums.setdefault(step, ({}, {}))
             merge_into(acc[0], stats)
@@ -123,6 +144,9 @@ class StepMetrics:
                 policy_lag=c["lag"] / rows,
                 policy_lag_max=c["lag_max"],
             )
+            if "token_lag" in c:  # each policy token's lag: mean, largest, and the share of tokens at each lag
+                out.update(token_lag=c["token_lag"] / c["tokens"], token_lag_max=c["token_lag_max"])
+                out.update({f"token_lag/{k}": c[f"token_lag/{k}"] / c["tokens"] for k in range(self.token_lags + 1)})
             if "kl" in c:  # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot
                 out["kl"] = c["kl"] / c["tokens"]
             if "mismatch_abs" in c:

@@ -84,7 +84,7 @@ from rlcore.testing.reference.resharding import (
 )
 from rlcore.testing.reference.reward_model import bradley_terry_loss_ref, process_reward_loss_ref
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
-from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
+from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, partial_greedy_ref, response_logprobs_ref
 from rlcore.testing.reference.seeding import row_uniform_ref, sample_token_ref
 from rlcore.testing.reference.shaping import (
     RunningNormalizerRef,
@@ -150,6 +150,7 @@ __all__ = [
     "pack_ref",
     "packed_attention_ref",
     "pair_logps_ref",
+    "partial_greedy_ref",
     "pass_at_k_ref",
     "passk_advantages_ref",
     "ppo_clip_loss_ref",
