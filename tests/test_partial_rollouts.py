@@ -233,6 +233,6 @@ def test_every_token_stays_within_the_staleness_bound(tmp_path):
     assert [r["step"] for r in run.records] == [0, 1, 2, 3]
     for r in run.records:
         assert 0 <= r["token_lag"] <= r["token_lag_max"] <= 2
-        assert r["token_lag"] <= r["policy_lag"] + 1e-6  # a row's lag is its oldest token's
+        assert r["token_lag_max"] <= r["policy_lag_max"]  # a row's lag is its oldest token's
         assert sum(r[f"token_lag/{k}"] for k in range(3)) == pytest.approx(1.0)
     assert any(r["token_lag_max"] > 0 for r in run.records)

@@ -25,6 +25,7 @@ numbers of forwards in its collectives): every sync sends
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -424,6 +425,10 @@ class WorkerDeployment(_Synced):
             resource="rollout",
             timeout=cfg.deploy.rollout_timeout or None,
         )
+        if cfg.deploy.stale_refills:
+            assert cfg.rl.stale_after is not None  # the config asks for it with deploy.stale_refills
+            refill = refilled(self.rollout.fn, self.worker, after=cfg.rl.stale_after, draws=cfg.deploy.stale_refills)
+            self.rollout = dataclasses.replace(self.rollout, fn=refill)
 
     # The worker's generate function: built in the worker from (config, vocabulary size, build_model).
     server: Callable[..., Callable[[Batch, dict[str, torch.Tensor]], Batch]] = RolloutServer
@@ -449,6 +454,42 @@ class WorkerDeployment(_Synced):
 
     def close(self) -> None:
         self.worker.close()
+
+
+def refilled(call: Callable[[Batch], Batch], worker: Any, *, after: int, draws: int) -> Callable[[Batch], Batch]:
+    """A rollout call whose stale rows are drawn again with the newest weights, at most ``draws`` times.
+
+    Filter-and-refill for staleness-aware data: when the call returns, a row whose oldest
+    token is more than ``after`` versions behind the newest version published to the
+    ``worker`` would be dropped (or discounted) by the update (``rl.stale_after``); it is
+    sampled again, stamped with that newest version, so the batch keeps its size with
+    fresh rows. A row is redrawn only while the worker holds a newer version than the
+    row's (each draw is bounded; rows still stale after ``draws`` go to the update as they are).
+    """
+
+    def run(b: Batch) -> Batch:
+        out = dict(call(b))
+        for _ in range(draws):
+            newest = int(worker.published)
+            stale = (newest - out["version"] > after).nonzero().flatten()
+            if stale.numel() == 0:
+                break
+            redo = call({**{k: v[stale] for k, v in b.items()}, "policy_version": torch.full_like(stale, newest)})
+            out = {k: _put_rows(out[k], stale, redo[k]) for k in out}
+        return out
+
+    return run
+
+
+def _put_rows(column: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``column`` with ``rows`` replaced by ``values``; a token column padded with 0 to the wider of the two."""
+    if column.dim() == 2 and column.shape[1] != values.shape[1]:
+        width = max(column.shape[1], values.shape[1])
+        column = torch.nn.functional.pad(column, (0, width - column.shape[1]))
+        values = torch.nn.functional.pad(values, (0, width - values.shape[1]))
+    column = column.clone()
+    column[rows] = values.to(column.dtype)
+    return column
 
 
 class RayDeployment(WorkerDeployment):

@@ -69,6 +69,7 @@ __all__ = [
     "rl_outputs",
     "rollout_columns",
     "rollout_stage",
+    "staleness_weighted",
     "update_forward",
     "update_stage",
     "values_stage",
@@ -422,6 +423,25 @@ def update_forward(outputs: Callable[[Batch], Batch]) -> Callable[[Batch], Batch
 
 def _update_forward(outputs: Callable[[Batch], Batch], b: Batch) -> Batch:
     return rl_batch(b, outputs(b))
+
+
+def staleness_weighted(
+    forward: Callable[[Batch], Batch], weigh: Callable[[torch.Tensor], torch.Tensor], *, start: int = 0
+) -> Callable[[Batch], Batch]:
+    """The update's ``forward`` with each row's loss mask scaled by ``weigh(lag)`` (staleness-aware data).
+
+    A row's lag is the version being trained (its iteration, counted from this run's
+    first step ``start``) minus its ``version`` (its oldest token's): ``weigh`` is
+    :func:`rlcore.algos.staleness_weights` bound to the run's ``rl.stale_*`` keys. A
+    dropped row weighs 0: it stays in the batch (the batch size holds) but trains nothing.
+    """
+
+    def run(b: Batch) -> Batch:
+        batch = forward(b)
+        w = weigh(b["iteration"] - start - b["version"]).to(batch["mask"].dtype)
+        return {**batch, "mask": batch["mask"] * w[:, None]}
+
+    return run
 
 
 def old_policy_is_updated(outputs: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:

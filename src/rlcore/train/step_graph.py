@@ -23,7 +23,7 @@ from rlcore.train.context_parallel import DataParallelRecipe, cp_logprob_stage, 
 from rlcore.train.optim import Models, Optimiser
 from rlcore.train.recipe_stages import StepParts, stages_for
 from rlcore.train.scoring import ScoringPlan
-from rlcore.train.stages import balanced_rows, logprob_stage, update_stage
+from rlcore.train.stages import balanced_rows, logprob_stage, staleness_weighted, update_stage
 from rlcore.train.step_metrics import StepMetrics
 from rlcore.train.world import World
 
@@ -119,6 +119,8 @@ def step_graph(
         stages, forward, inputs = multi_turn_graph(
             stages, forward, inputs, cast(algos.Algorithm, recipe), process_group=world.group
         )
+    if steps.stale is not None:  # rl.stale_after: old rows dropped or discounted in the loss
+        forward = staleness_weighted(forward, steps.stale, start=steps.start)
     if world.cp is None and world.group is not None:  # the metrics of the whole batch on every rank
         loss = DataParallelRecipe(loss, world.group)
     stages.append(

@@ -46,7 +46,11 @@ from rlcore.testing.reference.losses import (
     value_loss_ref,
 )
 from rlcore.testing.reference.metrics import merge_metrics_ref, pass_at_k_ref
-from rlcore.testing.reference.off_policy import behaviour_weights_ref, interpolated_prox_logp_ref
+from rlcore.testing.reference.off_policy import (
+    behaviour_weights_ref,
+    interpolated_prox_logp_ref,
+    staleness_weights_ref,
+)
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -174,6 +178,7 @@ __all__ = [
     "sequence_logps_ref",
     "shift_labels_ref",
     "simpo_loss_ref",
+    "staleness_weights_ref",
     "swap_roundtrip_ref",
     "synchronous_loop_ref",
     "train_loop_ref",
