@@ -34,7 +34,14 @@ from rlcore.algos.filters import truncated_is_weights
 from rlcore.algos.recipes.algorithm import Algorithm
 from rlcore.ops import acc_dtype
 
-__all__ = ["BEHAVIOUR_MODES", "STALE_MODES", "behaviour_weights", "decoupled", "interpolated_prox_logp", "staleness_weights"]
+__all__ = [
+    "BEHAVIOUR_MODES",
+    "STALE_MODES",
+    "behaviour_weights",
+    "decoupled",
+    "interpolated_prox_logp",
+    "staleness_weights",
+]
 
 BEHAVIOUR_MODES = ("truncate", "mask")
 STALE_MODES = ("drop", "weight")

@@ -102,7 +102,8 @@ class LatestWeights:
 
     def __init__(self, weights: Any) -> None:
         self._queue = weights
-        self.version, self.params = -1, None
+        self.version: int = -1
+        self.params: dict[str, torch.Tensor] | None = None
 
     def take(self, packet: WeightPacket) -> None:
         self.version, self.params = packet.version, unpack_weights(packet)

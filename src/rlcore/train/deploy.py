@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
@@ -227,6 +227,7 @@ class RolloutServer:
 
         refresh()
         self._take(latest.params)
+        assert isinstance(self.engine, TorchEngine)  # the config allows partial rollouts with the torch engine only
         r = self.engine.generate(
             batch["prompts"], batch["prompt_mask"], n=1, generator=stream, refresh=refresh, version=latest.version
         )
@@ -456,7 +457,9 @@ class WorkerDeployment(_Synced):
         self.worker.close()
 
 
-def refilled(call: Callable[[Batch], Batch], worker: Any, *, after: int, draws: int) -> Callable[[Batch], Batch]:
+def refilled(
+    call: Callable[[Batch], Mapping[str, Any]], worker: Any, *, after: int, draws: int
+) -> Callable[[Batch], Batch]:
     """A rollout call whose stale rows are drawn again with the newest weights, at most ``draws`` times.
 
     Filter-and-refill for staleness-aware data: when the call returns, a row whose oldest

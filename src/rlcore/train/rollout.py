@@ -141,7 +141,10 @@ def generate(
     decoder = CachedDecoder(model, ids, prompt_mask.repeat_interleave(n, 0))
     draws = uniform_table(generator, rows, torch.arange(max_new_tokens), device) if temperature > 0 else None
     done = torch.zeros(rows, dtype=torch.bool, device=device)
-    tokens, logps, masks, versions = [], [], [], []
+    tokens: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    versions: list[int] = []
     for position in range(max_new_tokens):
         if refresh is not None and position > 0:
             new = refresh()

@@ -46,7 +46,9 @@ def _mismatch(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Te
     }
 
 
-def _token_lags(iteration: torch.Tensor, token_version: torch.Tensor, mask: torch.Tensor, top: int) -> dict[str, Metric]:
+def _token_lags(
+    iteration: torch.Tensor, token_version: torch.Tensor, mask: torch.Tensor, top: int
+) -> dict[str, Metric]:
     """Sums of each policy token's lag ``iteration - token_version``, its largest, and tokens per lag ``0..top``.
 
     A partial rollout's row holds tokens of several versions: the row's lag is its oldest
