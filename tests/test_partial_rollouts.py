@@ -236,3 +236,53 @@ def test_every_token_stays_within_the_staleness_bound(tmp_path):
         assert r["token_lag_max"] <= r["policy_lag_max"]  # a row's lag is its oldest token's
         assert sum(r[f"token_lag/{k}"] for k in range(3)) == pytest.approx(1.0)
     assert any(r["token_lag_max"] > 0 for r in run.records)
+
+
+# --- rl.prox_logp interpolate: the proximal log-probs from each token's version -----------------------
+
+
+def test_interpolated_old_policy_follows_the_tokens_versions():
+    from rlcore.algos import interpolated_prox_logp
+    from rlcore.train import old_policy_interpolated
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]])
+    rollout = torch.tensor([[-2.0, -1.0, -0.5], [-0.9, -0.2, -1.4]])
+    b = {
+        "iteration": torch.tensor([12, 12]),
+        "token_version": torch.tensor([[0, 1, 2], [2, 2, 2]]),  # run started at step 10: step 12 is version 2
+        "rollout_logp": rollout,
+    }
+    forward = old_policy_interpolated(lambda rows: {"logp": logp.clone().requires_grad_()}, updates=4, start=10)
+    first, second = forward(b), forward(b)
+    # The first update trains the proximal weights: old_logp is its own logp wherever the token is older.
+    assert torch.equal(first["old_logp"][0, :2], logp[0, :2])
+    # A token of the step's own version is anchored at the sampler's log-prob.
+    assert torch.equal(first["old_logp"][1], rollout[1]) and torch.equal(second["old_logp"][1], rollout[1])
+    want = interpolated_prox_logp(rollout, logp, behav_version=b["token_version"], prox_version=2, version=2.25)
+    assert torch.equal(second["old_logp"], want) and not second["old_logp"].requires_grad
+    # A token 2 versions old after one of four updates: 2 / 2.25 of the way from the sampler to the current policy.
+    assert float(second["old_logp"][0, 0]) == pytest.approx(-2.0 + (2 / 2.25) * (-1.0 + 2.0))
+    # The next step starts at update 0 again: the proximal weights are the current ones.
+    third = forward({**b, "iteration": torch.tensor([13, 13])})
+    assert torch.equal(third["old_logp"], logp)
+
+
+def test_prox_interpolate_needs_async_with_behaviour_weights():
+    with pytest.raises(ValueError, match="config key 'rl.prox_logp'"):
+        parse_config({**BASE, "rl": {"prox_logp": "interpolate"}})
+    with pytest.raises(ValueError, match="config key 'rl.prox_logp'"):
+        parse_config(
+            {**BASE, "rl": {"prox_logp": "interpolate", "behaviour_weights": "none"}, "deploy": {"async_infer": True}}
+        )
+
+
+def test_a_run_with_interpolated_proximal_log_probs_runs_no_old_policy_forward(tmp_path):
+    from rlcore.train import build_algorithm, scoring_plan, train
+
+    extra = ["trainer.steps=3", *ASYNC, "rl.prox_logp=interpolate", "deploy.partial_rollouts=true"]
+    cfg = tiny(tmp_path, *extra)  # TINY: 2 updates per batch
+    plan = scoring_plan(cfg, build_algorithm(cfg))
+    assert not plan.old_logp and plan.interpolate == 2 and not plan.old_in_update
+    run = train(cfg, reward=by_length)
+    assert [r["step"] for r in run.records] == [0, 1, 2]
+    assert all(0 < r["behaviour_weight"] <= 2.0 for r in run.records)

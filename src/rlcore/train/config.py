@@ -81,6 +81,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              rollout_logp is the behaviour), bounded by rl.behaviour_cap:
                                              truncate (min(w, cap)), mask (0 above cap) or none; auto: truncate
                                              with deploy.async_infer (rows one or more versions old), else none
+    rl.prox_logp                             with the decoupled objective and several updates per batch: recompute
+                                             (the old-policy forward) or interpolate (AReaL's prox-approx from the
+                                             sampler's and the update's log-probs by each token's version: no forward)
     rl.stale_after                           with deploy.async_infer: rows more than k versions old (by their oldest
                                              token) are dropped from the loss (rl.stale_mode drop) or weighted
                                              rl.stale_decay ** (lag - k) (weight); stale/dropped, stale/weight logged
@@ -144,6 +147,7 @@ class RLConfig:
     old_logp: Literal["auto", "forward"] = "auto"
     behaviour_weights: Literal["auto", "none", "truncate", "mask"] = "auto"
     behaviour_cap: float = 2.0
+    prox_logp: Literal["recompute", "interpolate"] = "recompute"
     stale_after: int | None = None
     stale_mode: Literal["drop", "weight"] = "drop"
     stale_decay: float = 0.5
@@ -394,6 +398,11 @@ def _validate(cfg: Config) -> None:
         )
     _positive("rl.behaviour_cap", rl.behaviour_cap)
     _check_stale_rows(cfg)
+    if rl.prox_logp == "interpolate" and (not cfg.deploy.async_infer or _behaviour_off(cfg) or rl.algo == "dpo"):
+        raise ValueError(
+            "config key 'rl.prox_logp': got 'interpolate', expected 'recompute' unless deploy.async_infer is on with "
+            "the decoupled objective (rl.behaviour_weights not none) and a policy-gradient rl.algo"
+        )
     if rl.algo == "dpo" and rl.behaviour_weights not in ("auto", "none"):
         raise ValueError(
             f"config key 'rl.behaviour_weights': got {rl.behaviour_weights!r} with rl.algo 'dpo', expected auto or "
@@ -605,6 +614,12 @@ def _check_multi_turn(cfg: Config) -> None:
         )
 
 
+def _behaviour_off(cfg: Config) -> bool:
+    """``rl.behaviour_weights`` resolves to none (``auto`` is on with ``deploy.async_infer``)."""
+    mode = cfg.rl.behaviour_weights
+    return mode == "none" or (mode == "auto" and not cfg.deploy.async_infer)
+
+
 def _check_stale_rows(cfg: Config) -> None:
     """``rl.stale_after`` / ``rl.stale_decay``: a lag bound where rows can lag, a decay in (0, 1]."""
     rl = cfg.rl
@@ -695,7 +710,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, stale_after, stale_mode, stale_decay
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")

@@ -56,6 +56,7 @@ __all__ = [
     "eval_mode",
     "forward_ahead",
     "logprob_stage",
+    "old_policy_interpolated",
     "old_policy_is_updated",
     "pairs_stage",
     "preference_forward",
@@ -450,6 +451,44 @@ def old_policy_is_updated(outputs: Callable[[Batch], Batch]) -> Callable[[Batch]
     def run(b: Batch) -> Batch:
         out = outputs(b)
         return {**out, "old_logp": out["logp"].detach()}
+
+    return run
+
+
+def old_policy_interpolated(
+    outputs: Callable[[Batch], Batch], *, updates: int, start: int = 0
+) -> Callable[[Batch], Batch]:
+    """``outputs`` with ``old_logp`` interpolated between the sampler's and the update's log-probs (no forward).
+
+    AReaL's prox-approx (:func:`rlcore.algos.interpolated_prox_logp`) with per-token
+    versions: a token sampled by version ``v_b`` (``token_version``), the proximal policy
+    at the step's version ``j`` (its iteration, counted from this run's first step
+    ``start``) and the policy being trained after ``u`` of the step's ``updates``
+    optimiser updates at ``j + u / updates``. The first update trains the proximal
+    weights themselves (``old_logp`` = its ``logp``, detached); a token of the step's own
+    version is anchored at the sampler's log-prob.
+
+    The update stage runs an iteration's updates in order, one at a time: the count of
+    calls per iteration is the update's index.
+    """
+    done: dict[int, int] = {}
+
+    def run(b: Batch) -> Batch:
+        out = outputs(b)
+        step = int(b["iteration"][0])
+        u = done.pop(step, 0)
+        done[step] = u + 1
+        for earlier in [k for k in done if k < step]:
+            del done[earlier]
+        prox = (b["iteration"] - start)[:, None]
+        old = algos.interpolated_prox_logp(
+            b["rollout_logp"],
+            out["logp"],
+            behav_version=b["token_version"],
+            prox_version=prox,
+            version=prox + u / updates,
+        )
+        return {**out, "old_logp": old}
 
     return run
 

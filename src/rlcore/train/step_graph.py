@@ -110,6 +110,7 @@ def step_graph(
             dp_group=world.group,
             # Data parallel: each update's rows dealt to the ranks by their tokens.
             dispatch=balanced_rows(world.group) if world.group is not None else None,
+            start=steps.start,
         )
     )
     stages = [*sampling, *part.ahead, *scoring, *part.stages]
