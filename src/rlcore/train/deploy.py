@@ -397,7 +397,10 @@ class WorkerDeployment(_Synced):
     row-keyed streams (``build_model`` must pickle: a module-level function); each
     version's weight packet reaches it as shared-memory buckets. Start-up (spawn,
     imports, model build, the vLLM engine's start) happens here, before the first step,
-    not inside it.
+    not inside it. ``deploy.partial_rollouts``: the worker takes a version published
+    while it generates between two tokens (:class:`rlcore.dataflow.LatestWeights`);
+    ``deploy.stale_refills``: the rows the update would drop as stale are drawn again
+    (:func:`refilled`).
     """
 
     def __init__(
