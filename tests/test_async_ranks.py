@@ -38,8 +38,9 @@ ASYNC_RANKS = [
 ]
 
 
-# Two optimiser updates per batch on each rank: the old-policy forward runs in the update stage.
-MINI_BATCHES = ["rl.batch_size=2", "rl.mini_batch_size=1"]
+# Two optimiser updates per batch on each rank: the old-policy forward runs in the update stage; each rank's
+# rollout worker takes new versions mid-rollout (partial rollouts).
+MINI_BATCHES = ["rl.batch_size=2", "rl.mini_batch_size=1", "deploy.partial_rollouts=true"]
 
 
 def _cfg(out: Path, *extra: str):
@@ -77,9 +78,9 @@ def test_async_rollout_at_two_ranks(tmp_path):
     assert [r["step"] for r in c] == list(range(STEPS)) == [r["step"] for r in d]
     assert "busy_s/old_logp" not in c[-1] and "busy_s/old_logp" not in d[-1]
     for x, y in zip(c, d):
-        for key in ("loss", "reward", "kl", "ratio_max", "policy_lag"):
+        for key in ("loss", "reward", "kl", "ratio_max", "policy_lag", "token_lag", "token_lag/1"):
             assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-7), (x["step"], key)
-    assert max(r["policy_lag_max"] for r in c) <= 1
+    assert max(r["policy_lag_max"] for r in c) <= 1 and max(r["token_lag_max"] for r in c + d) <= 1
 
 
 @pytest.mark.parametrize(

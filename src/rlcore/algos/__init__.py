@@ -36,7 +36,14 @@ from rlcore.algos.kl import (
 )
 from rlcore.algos.kto import kto_loss
 from rlcore.algos.metric_reduction import METRIC_REDUCTIONS, RL_METRIC_REDUCTIONS, reduce_metrics
-from rlcore.algos.off_policy import BEHAVIOUR_MODES, behaviour_weights, decoupled, interpolated_prox_logp
+from rlcore.algos.off_policy import (
+    BEHAVIOUR_MODES,
+    STALE_MODES,
+    behaviour_weights,
+    decoupled,
+    interpolated_prox_logp,
+    staleness_weights,
+)
 from rlcore.algos.policy_losses import (
     cispo_loss,
     clip_cov_loss,
@@ -103,6 +110,7 @@ __all__: list[str] = [
     "METRIC_REDUCTIONS",
     "PAIR_LOGP_COLUMNS",
     "RL_METRIC_REDUCTIONS",
+    "STALE_MODES",
     "Algorithm",
     "EntropyController",
     "EntropyControllerState",
@@ -188,6 +196,7 @@ __all__: list[str] = [
     "sequence_sharded_aggregate",
     "sequence_sharded_counts",
     "simpo_loss",
+    "staleness_weights",
     "token_advantages",
     "token_rewards_shaping",
     "truncated_is_weights",

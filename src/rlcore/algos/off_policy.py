@@ -29,14 +29,22 @@ from functools import partial
 
 import torch
 
-from rlcore._checks import check_choice, check_positive, check_same_shape
+from rlcore._checks import check_choice, check_ndim, check_positive, check_same_shape
 from rlcore.algos.filters import truncated_is_weights
 from rlcore.algos.recipes.algorithm import Algorithm
 from rlcore.ops import acc_dtype
 
-__all__ = ["BEHAVIOUR_MODES", "behaviour_weights", "decoupled", "interpolated_prox_logp"]
+__all__ = [
+    "BEHAVIOUR_MODES",
+    "STALE_MODES",
+    "behaviour_weights",
+    "decoupled",
+    "interpolated_prox_logp",
+    "staleness_weights",
+]
 
 BEHAVIOUR_MODES = ("truncate", "mask")
+STALE_MODES = ("drop", "weight")
 
 
 def behaviour_weights(
@@ -83,6 +91,44 @@ def behaviour_weights(
     acc = acc_dtype(prox_logp.dtype)
     w = truncated_is_weights(prox_logp.to(acc), behav_logp.to(acc), mask, cap=math.inf)
     return torch.where(w <= cap, w, 0.0).to(prox_logp.dtype)
+
+
+def staleness_weights(lag: torch.Tensor, *, max_lag: int, mode: str = "drop", decay: float = 0.5) -> torch.Tensor:
+    """Per-row weights of asynchronous rows by their policy lag: 1 up to ``max_lag`` versions, then 0 or decaying.
+
+    Reference: the staleness control of asynchronous RL systems (AReaL, arXiv 2505.24298,
+    sec. 5: rows more than ``eta`` versions old are not trained on). ``drop`` is that
+    filter; ``weight`` keeps the old rows at a geometric discount instead::
+
+        drop:    w = 1 if lag <= k else 0
+        weight:  w = 1 if lag <= k else decay ** (lag - k)
+
+    Args:
+      lag: ``[B]`` each row's lag in versions (the trained version minus the row's oldest
+        token's version), integer or floating.
+      max_lag: ``k``, the largest lag kept whole (an int >= 0).
+      mode: ``"drop"`` or ``"weight"``.
+      decay: the discount per version beyond ``k``, in ``(0, 1]`` (``weight`` only).
+
+    Returns:
+      ``[B]`` weights in ``[0, 1]``: float32 for an integer ``lag``, else ``lag``'s dtype.
+
+    >>> staleness_weights(torch.tensor([0, 1, 2, 3]), max_lag=1)
+    tensor([1., 1., 0., 0.])
+    >>> staleness_weights(torch.tensor([0, 1, 2, 3]), max_lag=1, mode="weight")
+    tensor([1.0000, 1.0000, 0.5000, 0.2500])
+    """
+    check_ndim("lag", lag, 1)
+    if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 0:
+        raise ValueError(f"max_lag: got {max_lag!r}, expected an int >= 0")
+    check_choice("mode", mode, STALE_MODES)
+    if not 0 < decay <= 1:
+        raise ValueError(f"decay: got {decay!r}, expected a value in (0, 1]")
+    dtype = lag.dtype if lag.is_floating_point() else torch.float32
+    over = (lag.to(acc_dtype(dtype)) - max_lag).clamp(min=0)
+    if mode == "drop":
+        return (over <= 0).to(dtype)
+    return torch.pow(torch.full_like(over, decay), over).to(dtype)
 
 
 def interpolated_prox_logp(

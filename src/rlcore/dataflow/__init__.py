@@ -1,7 +1,14 @@
 """Data movement: sequence packing, the Transfer Dock, dispatch, resharding, weight sync, pipelines."""
 
 from rlcore.dataflow.columns import DTYPE_KINDS, SHAPES, Column, Schema
-from rlcore.dataflow.deploy import ProxyRollout, RolloutWorker, WorkerDied, colocate, rollout_proxy_stage
+from rlcore.dataflow.deploy import (
+    LatestWeights,
+    ProxyRollout,
+    RolloutWorker,
+    WorkerDied,
+    colocate,
+    rollout_proxy_stage,
+)
 from rlcore.dataflow.dispatch import PARTITION_METHODS, balanced_partition, deal_rows, shard_samples
 from rlcore.dataflow.dock import BALANCE_MODES, DockController, TransferDock, Warehouse, flatten_rows, unflatten_rows
 from rlcore.dataflow.layout import (
@@ -56,6 +63,7 @@ __all__: list[str] = [
     "DockController",
     "DockHost",
     "HandBack",
+    "LatestWeights",
     "Layout",
     "LinearCost",
     "Move",

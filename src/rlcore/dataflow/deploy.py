@@ -36,7 +36,7 @@ from rlcore.dataflow.scheduler import add_note
 from rlcore.dataflow.stages import Stage, stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
-__all__ = ["ProxyRollout", "RolloutWorker", "WorkerDied", "colocate", "rollout_proxy_stage"]
+__all__ = ["LatestWeights", "ProxyRollout", "RolloutWorker", "WorkerDied", "colocate", "rollout_proxy_stage"]
 
 
 def colocate(stages: Iterable[Stage], *, resource: str = "device", keep: Sequence[str] = ("cpu",)) -> list[Stage]:
@@ -63,6 +63,7 @@ def _worker_main(
     weights: Any,
     results: Any,
     deathsig: bool = False,
+    interruptible: bool = False,
 ) -> None:
     """The rollout process: build the generate function, then serve jobs with the requested weights version."""
     die_with_parent("rlcore-rollout-parent-watch", deathsig=deathsig)
@@ -75,21 +76,47 @@ def _worker_main(
         _send(results, "error", _picklable(err))
         return
     _send(results, "ready", None)
-    version, params = -1, None
+    current = LatestWeights(weights)
     while True:
         job = jobs.get()
         if job is None:
             return
         batch, want = job
         try:
-            while version < want:  # weights of `want` were published before the scheduler could stamp it
-                packet = weights.get()
-                version, params = packet.version, unpack_weights(packet)
-            out = fn(batch, params)
+            while current.version < want:  # weights of `want` were published before the scheduler could stamp it
+                current.take(weights.get())
+            out = fn(batch, current.params, current) if interruptible else fn(batch, current.params)
         except BaseException as err:
             _send(results, "error", _picklable(err))
         else:
             _send(results, "ok", out)
+
+
+class LatestWeights:
+    """The rollout worker's weights: the version it holds and, called, a look for newer ones without waiting.
+
+    An interruptible worker's generate function gets it as its third argument and
+    calls it at token boundaries (:func:`rlcore.train.generate`'s ``refresh``): True
+    when a newer version was published since (it is then :attr:`version` / :attr:`params`).
+    """
+
+    def __init__(self, weights: Any) -> None:
+        self._queue = weights
+        self.version: int = -1
+        self.params: dict[str, torch.Tensor] | None = None
+
+    def take(self, packet: WeightPacket) -> None:
+        self.version, self.params = packet.version, unpack_weights(packet)
+
+    def __call__(self) -> bool:
+        newer = False
+        while True:
+            try:
+                packet = self._queue.get_nowait()
+            except queue.Empty:
+                return newer
+            self.take(packet)
+            newer = True
 
 
 def _send(results: Any, status: str, value: Any) -> None:
@@ -234,6 +261,10 @@ class RolloutWorker(ProxyRollout):
         replacements and :attr:`restart_causes` says why, and each one is warned about.
         Past the bound the death raises as without restarts.
       ready_timeout: seconds a replacement may take to build its generate function.
+      interruptible: partial rollouts (AReaL, arXiv:2505.24298): ``generate(batch, params,
+        latest)`` also gets the worker's :class:`LatestWeights`, and may take versions
+        published after the one the rows are stamped with while it generates (each token
+        then records its own version; the stamp stays a lower bound).
     """
 
     def __init__(
@@ -246,6 +277,7 @@ class RolloutWorker(ProxyRollout):
         join_timeout: float = 10.0,
         max_restarts: int = 0,
         ready_timeout: float = 120.0,
+        interruptible: bool = False,
     ) -> None:
         if not callable(factory):
             raise ValueError(f"factory: got {type(factory).__name__}, expected a module-level callable")
@@ -253,6 +285,7 @@ class RolloutWorker(ProxyRollout):
             raise ValueError(f"max_restarts: got {max_restarts!r}, expected an int >= 0")
         self._ctx = mp.get_context(start_method)
         self._spec = (factory, args, threads)
+        self.interruptible = interruptible
         self.join_timeout = join_timeout
         self.max_restarts, self.ready_timeout = max_restarts, ready_timeout
         self.restarts = 0
@@ -271,7 +304,7 @@ class RolloutWorker(ProxyRollout):
         deathsig = threading.current_thread() is threading.main_thread()
         self.process = ctx.Process(  # type: ignore[attr-defined]  # get_context() returns a concrete context
             target=_worker_main,
-            args=(factory, args, threads, self._jobs, self._weights, self._results, deathsig),
+            args=(factory, args, threads, self._jobs, self._weights, self._results, deathsig, self.interruptible),
             daemon=True,
             name="rlcore-rollout-worker",
         )

@@ -29,16 +29,19 @@ class CachedDecoder:
       model: ``model(input_ids=, attention_mask=, position_ids=, <cache>=, use_cache=True)``
         returning ``.logits`` and the cache (any ``transformers`` causal LM).
       ids: ``[B, L]`` left-padded ids; attention: ``[B, L]`` (1 on real tokens).
+      active: which rows of a larger starting batch ``ids`` holds (the :attr:`active` of a
+        decoder this one replaces), default all.
     """
 
-    def __init__(self, model: Any, ids: torch.Tensor, attention: torch.Tensor):
+    def __init__(self, model: Any, ids: torch.Tensor, attention: torch.Tensor, *, active: torch.Tensor | None = None):
         self.model = model
         self.field = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.attention = attention.to(torch.long)
         positions = (self.attention.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1:] + 1
         self._logits, self._cache = self._prefill(ids, positions)
-        self.active = torch.arange(ids.shape[0], device=ids.device)  # the starting rows still in the batch, in order
+        # The starting rows still in the batch, in order (a decoder rebuilt for rows that are left names them).
+        self.active = torch.arange(ids.shape[0], device=ids.device) if active is None else active
 
     @property
     def logits(self) -> torch.Tensor:

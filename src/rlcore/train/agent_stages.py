@@ -55,6 +55,7 @@ ROLLOUT_COLUMNS = COLUMNS.select(
     "scores",
     "rollout_logp",
     "version",
+    "token_version",
     "num_turns",
     "num_tool_calls",
     "num_tool_errors",
@@ -194,7 +195,9 @@ def multi_turn_rollout_stage(cfg: Config, model: Any, task: Any, *, timeout: flo
             metrics["greedy_reward"] = greedy["scores"].float().mean()
         with lock:
             pending[step] = metrics
-        return {**traj, **counts, "version": b["policy_version"].clone()}
+        version = b["policy_version"].clone()
+        tokens = torch.where(traj["mask"] != 0, version[:, None], 0)  # one version per trajectory: no interruption
+        return {**traj, **counts, "version": version, "token_version": tokens}
 
     def pop_metrics(step: int) -> dict[str, torch.Tensor]:
         with lock:

@@ -49,6 +49,12 @@ COLUMNS = Schema(
         Column("mask", _F, "token", "the policy-token mask: 1.0 on the tokens the policy sampled (to <eos>), else 0.0"),
         Column("trajectory_mask", _F, "token", "multi-turn: 1.0 on every response token, policy and observation"),
         Column("version", _I, "scalar", "the policy version the row was sampled with"),
+        Column(
+            "token_version",
+            _I,
+            "token",
+            "the policy version that sampled each policy token (an interrupted rollout's change mid-row), 0 elsewhere",
+        ),
         Column("policy_version", _I, "scalar", "the weights version of a rollout stage's call (the scheduler's)"),
         Column(
             "rollout_logp",

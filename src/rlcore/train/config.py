@@ -21,6 +21,13 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              disaggregated (rollout in its own process, weights synced to it)
     deploy.async_infer                       the next iterations' rollout overlaps the current update
     deploy.staleness                         with async_infer: how many versions a rollout may lag (default 1)
+    deploy.partial_rollouts                  with async_infer, disaggregated, the torch engine: interruptible
+                                             rollouts (AReaL): a newer version reaching the worker mid-rollout
+                                             is taken between two tokens; each token records its version
+                                             (token_version); the row's oldest token stays within staleness
+    deploy.stale_refills                     with rl.stale_after, disaggregated: a row the update would drop as
+                                             stale is sampled again with the newest weights, at most n times
+                                             (filter-and-refill: the batch keeps its size; default 0)
     deploy.backend                           the disaggregated rollout worker: local (torch.multiprocessing) or
                                              ray (a Ray actor; the ray extra)
     deploy.rollout_timeout                   seconds one rollout call may take before the run stops (0: none)
@@ -76,6 +83,13 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              rollout_logp is the behaviour), bounded by rl.behaviour_cap:
                                              truncate (min(w, cap)), mask (0 above cap) or none; auto: truncate
                                              with deploy.async_infer (rows one or more versions old), else none
+    rl.prox_logp                             with the decoupled objective and several updates per batch: recompute
+                                             (the old-policy forward) or interpolate (AReaL's prox-approx from the
+                                             sampler's and the update's log-probs by each token's version: no forward)
+    rl.stale_after                           with deploy.async_infer: rows more than k versions old (by their oldest
+                                             token) are dropped from the loss (rl.stale_mode drop) or weighted
+                                             rl.stale_decay ** (lag - k) (weight); stale/dropped, stale/weight logged
+                                             (null: off)
 """
 
 from __future__ import annotations
@@ -135,6 +149,10 @@ class RLConfig:
     old_logp: Literal["auto", "forward"] = "auto"
     behaviour_weights: Literal["auto", "none", "truncate", "mask"] = "auto"
     behaviour_cap: float = 2.0
+    prox_logp: Literal["recompute", "interpolate"] = "recompute"
+    stale_after: int | None = None
+    stale_mode: Literal["drop", "weight"] = "drop"
+    stale_decay: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +169,8 @@ class DeployConfig:
     mode: Literal["co-located", "disaggregated"] = "co-located"
     async_infer: bool = False
     staleness: int = 1
+    partial_rollouts: bool = False
+    stale_refills: int = 0
     backend: Literal["local", "ray"] = "local"
     rollout_timeout: float = 600.0
     engine: Literal["torch", "vllm"] = "torch"
@@ -374,6 +394,12 @@ def _validate(cfg: Config) -> None:
             f"config key 'rl.mini_batch_size': got {rl.mini_batch_size}, expected a divisor of rl.batch_size={rl.batch_size}"
         )
     _positive("rl.behaviour_cap", rl.behaviour_cap)
+    _check_stale_rows(cfg)
+    if rl.prox_logp == "interpolate" and (not cfg.deploy.async_infer or _behaviour_off(cfg) or rl.algo == "dpo"):
+        raise ValueError(
+            "config key 'rl.prox_logp': got 'interpolate', expected 'recompute' unless deploy.async_infer is on with "
+            "the decoupled objective (rl.behaviour_weights not none) and a policy-gradient rl.algo"
+        )
     if rl.algo == "dpo" and rl.behaviour_weights not in ("auto", "none"):
         raise ValueError(
             f"config key 'rl.behaviour_weights': got {rl.behaviour_weights!r} with rl.algo 'dpo', expected auto or "
@@ -384,6 +410,7 @@ def _validate(cfg: Config) -> None:
     if rl.multi_turn is not None:
         _check_multi_turn(cfg)
     _check_engine(cfg)
+    _check_partial_rollouts(cfg)
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
@@ -585,6 +612,55 @@ def _check_multi_turn(cfg: Config) -> None:
         )
 
 
+def _behaviour_off(cfg: Config) -> bool:
+    """``rl.behaviour_weights`` resolves to none (``auto`` is on with ``deploy.async_infer``)."""
+    mode = cfg.rl.behaviour_weights
+    return mode == "none" or (mode == "auto" and not cfg.deploy.async_infer)
+
+
+def _check_stale_rows(cfg: Config) -> None:
+    """``rl.stale_after`` / ``rl.stale_decay``: a lag bound where rows can lag, a decay in (0, 1]."""
+    rl = cfg.rl
+    if not 0 < rl.stale_decay <= 1:
+        raise ValueError(f"config key 'rl.stale_decay': got {rl.stale_decay!r}, expected a value in (0, 1]")
+    _positive("deploy.stale_refills", cfg.deploy.stale_refills, strict=False)
+    if rl.stale_after is None:
+        if cfg.deploy.stale_refills:
+            raise ValueError(
+                f"config key 'deploy.stale_refills': got {cfg.deploy.stale_refills} with rl.stale_after null, "
+                "expected 0 (a refill redraws the rows rl.stale_after would drop)"
+            )
+        return
+    _positive("rl.stale_after", rl.stale_after, strict=False)
+    if cfg.deploy.stale_refills and (cfg.deploy.mode != "disaggregated" or cfg.deploy.backend != "local"):
+        raise ValueError(
+            f"config key 'deploy.stale_refills': got {cfg.deploy.stale_refills} with deploy.mode "
+            f"{cfg.deploy.mode!r} / backend {cfg.deploy.backend!r}, expected 0 (only the local disaggregated worker "
+            "takes rows stamped with a newer version)"
+        )
+    if not cfg.deploy.async_infer or rl.algo == "dpo":
+        why = "rl.algo 'dpo'" if rl.algo == "dpo" else "deploy.async_infer false"
+        raise ValueError(
+            f"config key 'rl.stale_after': got {rl.stale_after} with {why}, expected null (every row is on-policy)"
+        )
+
+
+def _check_partial_rollouts(cfg: Config) -> None:
+    """``deploy.partial_rollouts``: only where a rollout can meet a newer version mid-way and take it (the local worker)."""
+    d = cfg.deploy
+    if not d.partial_rollouts:
+        return
+    refused = [
+        ("deploy.async_infer", d.async_infer, not d.async_infer, "true (without it no version arrives mid-rollout)"),
+        ("deploy.mode", d.mode, d.mode != "disaggregated", "'disaggregated' (the rollout worker takes new versions)"),
+        ("deploy.engine", d.engine, d.engine != "torch", "'torch' (vLLM's abort and resume are not wired yet)"),
+        ("deploy.backend", d.backend, d.backend != "local", "'local' (the Ray actor takes versions between calls)"),
+    ]
+    for key, got, bad, expected in refused:
+        if bad:
+            raise ValueError(f"config key {key!r}: got {got!r} with deploy.partial_rollouts true, expected {expected}")
+
+
 def _check_engine(cfg: Config) -> None:
     """``deploy.engine`` and ``deploy.vllm``: a valid section, and a setup the vLLM engine runs in."""
     d = cfg.deploy
@@ -626,7 +702,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")

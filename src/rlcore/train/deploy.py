@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.dataflow import (
+    LatestWeights,
     RayRolloutWorker,
     RolloutWorker,
     Stage,
@@ -217,17 +218,36 @@ class RolloutServer:
             self._load = partial(_copy_into, dict(model.named_parameters()))
         self._loaded: Any = None
 
-    def __call__(self, batch: Batch, weights: dict[str, torch.Tensor]) -> Batch:
+    def __call__(self, batch: Batch, weights: dict[str, torch.Tensor], latest: LatestWeights | None = None) -> Batch:
+        # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
+        stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
+        if latest is None:
+            self._take(weights)
+            if self.agent is not None:  # trajectories, and their step's metrics under _AGENT_METRICS
+                out = dict(self.agent.stage.fn(batch))
+                return {**out, _AGENT_METRICS: self.agent.pop_metrics(int(batch["iteration"][0]))}
+            r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
+            return rollout_columns(r, batch)
+
+        # deploy.partial_rollouts: start on the newest weights, and take each newer version between two tokens.
+        def refresh() -> int | None:
+            if not latest():
+                return None
+            self._take(latest.params)
+            return latest.version
+
+        refresh()
+        self._take(latest.params)
+        assert isinstance(self.engine, TorchEngine)  # the config allows partial rollouts with the torch engine only
+        r = self.engine.generate(
+            batch["prompts"], batch["prompt_mask"], n=1, generator=stream, refresh=refresh, version=latest.version
+        )
+        return rollout_columns(r, batch)
+
+    def _take(self, weights: Any) -> None:
         if self._loaded is not weights:
             self._load(weights)
             self._loaded = weights
-        if self.agent is not None:  # trajectories, and their step's metrics under _AGENT_METRICS
-            out = dict(self.agent.stage.fn(batch))
-            return {**out, _AGENT_METRICS: self.agent.pop_metrics(int(batch["iteration"][0]))}
-        # The row-keyed streams of rlcore.seeding: the same responses as any in-process rollout.
-        stream = RowStream(self.seed, Purpose.SAMPLING, int(batch["iteration"][0]), batch["row"])
-        r = self.engine.generate(batch["prompts"], batch["prompt_mask"], n=1, generator=stream)
-        return rollout_columns(r, batch)
 
 
 # The key of a multi-turn worker's result that carries its step's trajectory metrics (not a dock column).
@@ -401,7 +421,10 @@ class WorkerDeployment(_Synced):
     version's weight packet reaches it as shared-memory buckets; with ``rl.multi_turn`` (vLLM)
     its rows are trajectories and their metrics come back to :meth:`rollout_metrics`. Start-up (spawn,
     imports, model build, the vLLM engine's start) happens here, before the first step,
-    not inside it.
+    not inside it. ``deploy.partial_rollouts``: the worker takes a version published
+    while it generates between two tokens (:class:`rlcore.dataflow.LatestWeights`);
+    ``deploy.stale_refills``: the rows the update would drop as stale are drawn again
+    (:func:`refilled`).
     """
 
     def __init__(
@@ -415,6 +438,7 @@ class WorkerDeployment(_Synced):
     ):
         super().__init__(policy, replica)
         self.max_restarts = cfg.trainer.max_worker_restarts
+        self.partial = cfg.deploy.partial_rollouts
         self.worker = self._start((cfg.to_dict(), vocab_size, build_model), max(1, cfg.trainer.threads))
         try:  # a worker that fails to start (e.g. a model its engine cannot serve) is stopped, not left behind
             self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
@@ -438,12 +462,23 @@ class WorkerDeployment(_Synced):
             )
             self._agent_metrics = {}
             self.rollout = dataclasses.replace(proxy, fn=partial(_keep_metrics, proxy.fn, self._agent_metrics))
+        if cfg.deploy.stale_refills:
+            assert cfg.rl.stale_after is not None  # the config asks for it with deploy.stale_refills
+            refill = refilled(self.rollout.fn, self.worker, after=cfg.rl.stale_after, draws=cfg.deploy.stale_refills)
+            self.rollout = dataclasses.replace(self.rollout, fn=refill)
 
     # The worker's generate function: built in the worker from (config, vocabulary size, build_model).
     server: Callable[..., Callable[[Batch, dict[str, torch.Tensor]], Batch]] = RolloutServer
 
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RolloutWorker(self.server, args=args, threads=threads, join_timeout=5.0, max_restarts=self.max_restarts)
+        return RolloutWorker(
+            self.server,
+            args=args,
+            threads=threads,
+            join_timeout=5.0,
+            max_restarts=self.max_restarts,
+            interruptible=self.partial,
+        )
 
     def publish(self, version: int) -> None:
         self._send(version, partial(self.worker.publish, version))
@@ -466,6 +501,44 @@ def _keep_metrics(call: Callable[[Batch], Any], pending: dict[int, dict[str, tor
     out = dict(call(batch))
     pending[int(batch["iteration"][0])] = out.pop(_AGENT_METRICS)
     return out
+
+
+def refilled(
+    call: Callable[[Batch], Mapping[str, Any]], worker: Any, *, after: int, draws: int
+) -> Callable[[Batch], Batch]:
+    """A rollout call whose stale rows are drawn again with the newest weights, at most ``draws`` times.
+
+    Filter-and-refill for staleness-aware data: when the call returns, a row whose oldest
+    token is more than ``after`` versions behind the newest version published to the
+    ``worker`` would be dropped (or discounted) by the update (``rl.stale_after``); it is
+    sampled again, stamped with that newest version, so the batch keeps its size with
+    fresh rows. A row is redrawn only while the worker holds a newer version than the
+    row's (each draw is bounded; rows still stale after ``draws`` go to the update as they are).
+    """
+
+    def run(b: Batch) -> Batch:
+        out = dict(call(b))
+        for _ in range(draws):
+            newest = int(worker.published)
+            stale = (newest - out["version"] > after).nonzero().flatten()
+            if stale.numel() == 0:
+                break
+            redo = call({**{k: v[stale] for k, v in b.items()}, "policy_version": torch.full_like(stale, newest)})
+            out = {k: _put_rows(out[k], stale, redo[k]) for k in out}
+        return out
+
+    return run
+
+
+def _put_rows(column: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``column`` with ``rows`` replaced by ``values``; a token column padded with 0 to the wider of the two."""
+    if column.dim() == 2 and column.shape[1] != values.shape[1]:
+        width = max(column.shape[1], values.shape[1])
+        column = torch.nn.functional.pad(column, (0, width - column.shape[1]))
+        values = torch.nn.functional.pad(values, (0, width - values.shape[1]))
+    column = column.clone()
+    column[rows] = values.to(column.dtype)
+    return column
 
 
 class RayDeployment(WorkerDeployment):

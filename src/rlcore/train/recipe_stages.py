@@ -34,6 +34,7 @@ from rlcore.train.stages import (
     PAIR_TOKEN_COLUMNS,
     advantages_stage,
     forward_ahead,
+    old_policy_interpolated,
     old_policy_is_updated,
     pairs_stage,
     preference_forward,
@@ -83,6 +84,7 @@ class StepParts(NamedTuple):
       dispatch: deals each update's rows over the data-parallel ranks by their tokens
         (:func:`rlcore.train.stages.balanced_rows`), or None; a recipe whose rows may move
         passes it on in its :class:`RecipeGraph`.
+      start: the run's first step (policy versions count from it; a resumed run's is its checkpoint's).
     """
 
     policy: torch.nn.Module
@@ -98,6 +100,7 @@ class StepParts(NamedTuple):
     context_parallel: tuple[Any, str] | None = None
     dp_group: Any = None
     dispatch: Callable[[Batch], tuple[Batch, dict[str, Any]]] | None = None
+    start: int = 0
 
 
 class RecipeGraph(NamedTuple):
@@ -205,6 +208,8 @@ class PolicyGradientStages:
         forward: Callable[[Batch], Batch]
         if plan.old_logp:
             forward = update_forward(outputs)
+        elif plan.interpolate:  # rl.prox_logp interpolate: old_logp from the versions, no forward
+            forward = update_forward(old_policy_interpolated(outputs, updates=plan.interpolate, start=parts.start))
         elif parts.dispatch is not None or not plan.ahead:
             # Rows change ranks before the update, or an update may come between the scoring and this
             # one (async): the forward runs inside the update, on its rows and weights.

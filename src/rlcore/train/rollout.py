@@ -10,6 +10,7 @@ vllm-ascend -- plugs into the trainer.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -31,6 +32,9 @@ class Rollout(NamedTuple):
       logp: ``[N, R]`` float32 log-probs of the sampled tokens under the
         temperature-scaled policy (before top-k / top-p truncation).
       mask: ``[N, R]``, 1 on response tokens up to and including ``<eos>``.
+      versions: ``[N, R]`` int64, the weights version that sampled each response token
+        (an interruptible rollout's, see :func:`generate`'s ``refresh``), or None: every
+        token was sampled by the version the call was made with.
     """
 
     prompts: torch.Tensor
@@ -38,6 +42,7 @@ class Rollout(NamedTuple):
     responses: torch.Tensor
     logp: torch.Tensor
     mask: torch.Tensor
+    versions: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -77,6 +82,8 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    refresh: Callable[[], int | None] | None = None,
+    version: int = 0,
 ) -> Rollout:
     """Sample ``n`` responses per prompt from a Hugging Face causal LM, reusing its KV cache.
 
@@ -89,6 +96,15 @@ def generate(
     responses costs the forwards of those rows only, as continuous batching does.
     ``temperature=0`` is greedy decoding.
 
+    Interruptible (partial) rollouts (AReaL, Fu et al., 2025, arXiv:2505.24298): with
+    ``refresh``, the loop asks ``refresh()`` at every token boundary whether new weights
+    were loaded into ``model``. When it returns a version (not None), the rows in flight
+    stop there, the KV cache of the old weights is dropped, and the prompt plus the
+    tokens sampled so far go through the new weights once (a prefill): the next tokens
+    continue from the same token ids under the new version. The random draws are keyed
+    by row and position, so a row's later tokens are drawn with the same numbers as
+    without the interruption. :attr:`Rollout.versions` records each token's version.
+
     Args:
       model: ``model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True)``
         returning ``.logits`` and ``.past_key_values`` (any ``transformers`` causal LM; the
@@ -100,9 +116,12 @@ def generate(
         output row ``i`` at response position ``t`` from the hash of its key, its global
         row index and ``t``: the response is the same in any batch. A plain
         ``torch.Generator`` (or None: torch's default) is drawn from in order.
+      refresh: ``refresh() -> new version or None``, asked before each token after the
+        first; it loads the new weights into ``model`` itself (None: never interrupted).
+      version: the weights version the call starts with (``Rollout.versions``' first value).
 
     Returns:
-      a :class:`Rollout` with ``B * n`` rows.
+      a :class:`Rollout` with ``B * n`` rows (``versions`` set when ``refresh`` is given).
     """
     check_ndim("prompts", prompts, 2)
     check_integer("prompts", prompts)
@@ -125,8 +144,17 @@ def generate(
     decoder = CachedDecoder(model, ids, prompt_mask.repeat_interleave(n, 0))
     draws = uniform_table(generator, rows, torch.arange(max_new_tokens), device) if temperature > 0 else None
     done = torch.zeros(rows, dtype=torch.bool, device=device)
-    tokens, logps, masks = [], [], []
+    tokens: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    versions: list[int] = []
     for position in range(max_new_tokens):
+        if refresh is not None and position > 0:
+            new = refresh()
+            if new is not None:  # new weights: the live rows continue from the same token ids, re-encoded by them
+                version = new
+                seen = torch.cat([ids, *(t[:, None] for t in tokens)], 1).index_select(0, decoder.active)
+                decoder = CachedDecoder(model, seen, decoder.attention, active=decoder.active)
         active = decoder.active
         sampled, sampled_logp = sample_tokens(
             decoder.logits,
@@ -142,6 +170,7 @@ def generate(
         tokens.append(token)
         logps.append(torch.where(alive, logp, 0.0))
         masks.append(alive.to(torch.long))
+        versions.append(version)
         done = done | (token == eos_token_id)
         if position + 1 == max_new_tokens:
             break  # the last token is drawn: no forward for a next one
@@ -149,8 +178,12 @@ def generate(
             break
         decoder.drop(done)
         decoder.feed(token)
+    mask = torch.stack(masks, 1)
+    per_token = None
+    if refresh is not None:
+        per_token = torch.tensor(versions, dtype=torch.int64, device=device).expand(rows, -1) * mask
     return Rollout(
-        ids, prompt_mask.repeat_interleave(n, 0), torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(masks, 1)
+        ids, prompt_mask.repeat_interleave(n, 0), torch.stack(tokens, 1), torch.stack(logps, 1), mask, per_token
     )
 
 
@@ -199,13 +232,29 @@ class TorchEngine:
         self.model, self.sampling = model, sampling
 
     def generate(
-        self, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, n: int, generator: torch.Generator | None
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        n: int,
+        generator: torch.Generator | None,
+        refresh: Callable[[], int | None] | None = None,
+        version: int = 0,
     ) -> Rollout:
-        """:func:`generate` under ``eval()`` (restored after); ``generator`` as there (a ``RowStream`` keys each row)."""
+        """:func:`generate` under ``eval()`` (restored after); ``generator``, ``refresh`` and ``version`` as there."""
         was_training = self.model.training
         self.model.eval()
         try:
-            return generate(self.model, prompts, prompt_mask, n=n, generator=generator, **self.sampling)
+            return generate(
+                self.model,
+                prompts,
+                prompt_mask,
+                n=n,
+                generator=generator,
+                refresh=refresh,
+                version=version,
+                **self.sampling,
+            )
         finally:
             self.model.train(was_training)
 

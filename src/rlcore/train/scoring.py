@@ -60,6 +60,10 @@ class ScoringPlan(NamedTuple):
         where a stage of its own could run between the updates of an earlier
         iteration): the proximal policy is then exactly the weights those updates start
         from, and its collectives stay in the update.
+      interpolate: ``rl.prox_logp: interpolate``: no old-policy forward; the update's
+        forward approximates ``old_logp`` from the sampler's and its own log-probs by
+        version (:func:`rlcore.train.old_policy_interpolated`) over this many optimiser
+        updates per step (0: off).
     """
 
     old_logp: bool
@@ -67,6 +71,7 @@ class ScoringPlan(NamedTuple):
     ref_stage: bool = True
     ahead: bool = True
     old_in_update: bool = False
+    interpolate: int = 0
 
 
 def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> ScoringPlan:
@@ -99,6 +104,14 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
     one_update = rl.mini_batch_size == rl.batch_size and rl.epochs == 1
     anchored = blocking or getattr(algo, "behaviour_weights", None) is not None
     skip_old = rl.old_logp == "auto" and one_update and anchored and not needs.old_logp
+    # rl.prox_logp interpolate (async, behaviour weights on): AReaL's prox-approx instead of the forward.
+    weighted = getattr(algo, "behaviour_weights", None) is not None
+    interpolate = not blocking and weighted and not needs.old_logp and rl.prox_logp == "interpolate"
+    if interpolate and not skip_old:
+        updates = rl.batch_size // rl.mini_batch_size * rl.epochs
+        every = 1 if needs.ref_logp else cfg.trainer.log_ref_kl_every
+        ref_stage = needs.ref_logp and cfg.parallel.data_parallel == 1
+        return ScoringPlan(False, every, ref_stage=ref_stage, ahead=False, interpolate=updates)
     # Async: the old-policy forward (when the advantages do not read it) runs in the update, before its first step.
     in_update = not blocking and not skip_old and not needs.old_logp
     # Async over ranks: the loss's reference runs inside the update, where the collectives meet (no KL reward there).

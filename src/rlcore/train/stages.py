@@ -56,6 +56,7 @@ __all__ = [
     "eval_mode",
     "forward_ahead",
     "logprob_stage",
+    "old_policy_interpolated",
     "old_policy_is_updated",
     "pairs_stage",
     "preference_forward",
@@ -69,6 +70,7 @@ __all__ = [
     "rl_outputs",
     "rollout_columns",
     "rollout_stage",
+    "staleness_weighted",
     "update_forward",
     "update_stage",
     "values_stage",
@@ -150,19 +152,28 @@ def response_values(critic: torch.nn.Module, batch: Mapping[str, torch.Tensor]) 
     return out[:, batch["prompts"].shape[1] - 1 : -1, 0].float()
 
 
-ROLLOUT_OUTPUTS = ("responses", "mask", "rollout_logp", "version")
+ROLLOUT_OUTPUTS = ("responses", "mask", "rollout_logp", "version", "token_version")
 
 
 def rollout_columns(r: Any, b: Batch) -> dict[str, torch.Tensor]:
     """A :class:`rlcore.train.Rollout` of ``b``'s rows as the dock's columns (:data:`ROLLOUT_OUTPUTS`).
 
     ``mask`` as float32; ``rollout_logp`` the sampler's log-probs (0 off the mask), which
-    the decoupled objective and the mismatch metrics read; ``version`` the policy
-    version of the call (the rows' ``policy_version``).
+    the decoupled objective and the mismatch metrics read; ``token_version`` the weights
+    version that sampled each policy token (0 off the mask): ``Rollout.versions`` of an
+    interruptible rollout, else the call's version on every token; ``version`` the
+    row's oldest token's version (without interruptions, the rows' ``policy_version``).
     """
     mask = r.mask.float()
     logp = torch.where(mask != 0, r.logp.float(), 0.0)
-    return {"responses": r.responses, "mask": mask, "rollout_logp": logp, "version": b["policy_version"].clone()}
+    on = r.mask != 0
+    if getattr(r, "versions", None) is None:
+        version = b["policy_version"].clone()
+        tokens = torch.where(on, version[:, None], 0)
+    else:  # the first token is always sampled: the oldest version of the row
+        tokens = torch.where(on, r.versions.to(torch.int64), 0)
+        version = r.versions[:, 0].to(torch.int64).clone()
+    return {"responses": r.responses, "mask": mask, "rollout_logp": logp, "version": version, "token_version": tokens}
 
 
 def rollout_stage(
@@ -415,12 +426,69 @@ def _update_forward(outputs: Callable[[Batch], Batch], b: Batch) -> Batch:
     return rl_batch(b, outputs(b))
 
 
+def staleness_weighted(
+    forward: Callable[[Batch], Batch], weigh: Callable[[torch.Tensor], torch.Tensor], *, start: int = 0
+) -> Callable[[Batch], Batch]:
+    """The update's ``forward`` with each row's loss mask scaled by ``weigh(lag)`` (staleness-aware data).
+
+    A row's lag is the version being trained (its iteration, counted from this run's
+    first step ``start``) minus its ``version`` (its oldest token's): ``weigh`` is
+    :func:`rlcore.algos.staleness_weights` bound to the run's ``rl.stale_*`` keys. A
+    dropped row weighs 0: it stays in the batch (the batch size holds) but trains nothing.
+    """
+
+    def run(b: Batch) -> Batch:
+        batch = forward(b)
+        w = weigh(b["iteration"] - start - b["version"]).to(batch["mask"].dtype)
+        return {**batch, "mask": batch["mask"] * w[:, None]}
+
+    return run
+
+
 def old_policy_is_updated(outputs: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
     """``outputs`` with ``old_logp``: its own ``logp``, detached (one optimiser update per batch, on-policy)."""
 
     def run(b: Batch) -> Batch:
         out = outputs(b)
         return {**out, "old_logp": out["logp"].detach()}
+
+    return run
+
+
+def old_policy_interpolated(
+    outputs: Callable[[Batch], Batch], *, updates: int, start: int = 0
+) -> Callable[[Batch], Batch]:
+    """``outputs`` with ``old_logp`` interpolated between the sampler's and the update's log-probs (no forward).
+
+    AReaL's prox-approx (:func:`rlcore.algos.interpolated_prox_logp`) with per-token
+    versions: a token sampled by version ``v_b`` (``token_version``), the proximal policy
+    at the step's version ``j`` (its iteration, counted from this run's first step
+    ``start``) and the policy being trained after ``u`` of the step's ``updates``
+    optimiser updates at ``j + u / updates``. The first update trains the proximal
+    weights themselves (``old_logp`` = its ``logp``, detached); a token of the step's own
+    version is anchored at the sampler's log-prob.
+
+    The update stage runs an iteration's updates in order, one at a time: the count of
+    calls per iteration is the update's index.
+    """
+    done: dict[int, int] = {}
+
+    def run(b: Batch) -> Batch:
+        out = outputs(b)
+        step = int(b["iteration"][0])
+        u = done.pop(step, 0)
+        done[step] = u + 1
+        for earlier in [k for k in done if k < step]:
+            del done[earlier]
+        prox = (b["iteration"] - start)[:, None]
+        old = algos.interpolated_prox_logp(
+            b["rollout_logp"],
+            out["logp"],
+            behav_version=b["token_version"],
+            prox_version=prox,
+            version=prox + u / updates,
+        )
+        return {**out, "old_logp": old}
 
     return run
 

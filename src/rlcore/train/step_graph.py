@@ -23,7 +23,7 @@ from rlcore.train.context_parallel import DataParallelRecipe, cp_logprob_stage, 
 from rlcore.train.optim import Models, Optimiser
 from rlcore.train.recipe_stages import StepParts, stages_for
 from rlcore.train.scoring import ScoringPlan
-from rlcore.train.stages import balanced_rows, logprob_stage, update_stage
+from rlcore.train.stages import balanced_rows, logprob_stage, staleness_weighted, update_stage
 from rlcore.train.step_metrics import StepMetrics
 from rlcore.train.world import World
 
@@ -47,7 +47,7 @@ def _sampling_stages(
         score = partial(cp_logprob_stage, group=world.cp[0], mode=world.cp[1])
         rollout, reward = (replicate_stage(s, replica_groups(world.mesh)) for s in (rollout, reward))
     scoring: list[Stage] = []
-    logged = ["scores", "mask", "prompt_mask", "iteration", "version", "rollout_logp"]
+    logged = ["scores", "mask", "prompt_mask", "iteration", "version", "token_version", "rollout_logp"]
     prepare = None
     if plan.old_logp:
         old = score(models.policy, temperature=rl.temperature)
@@ -110,6 +110,7 @@ def step_graph(
             dp_group=world.group,
             # Data parallel: each update's rows dealt to the ranks by their tokens.
             dispatch=balanced_rows(world.group) if world.group is not None else None,
+            start=steps.start,
         )
     )
     stages = [*sampling, *part.ahead, *scoring, *part.stages]
@@ -119,6 +120,8 @@ def step_graph(
         stages, forward, inputs = multi_turn_graph(
             stages, forward, inputs, cast(algos.Algorithm, recipe), process_group=world.group
         )
+    if steps.stale is not None:  # rl.stale_after: old rows dropped or discounted in the loss
+        forward = staleness_weighted(forward, steps.stale, start=steps.start)
     if world.cp is None and world.group is not None:  # the metrics of the whole batch on every rank
         loss = DataParallelRecipe(loss, world.group)
     stages.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -13,9 +14,18 @@ import torch
 from rlcore import algos
 from rlcore.dataflow import Stage
 from rlcore.ops import masked_sum
+from rlcore.train.config import Config
 from rlcore.train.tagged_metrics import Metric, as_tensors, maximum, mean, merge_into, total
 
-__all__ = ["StepMetrics"]
+__all__ = ["StepMetrics", "stale_weigher"]
+
+
+def stale_weigher(cfg: Config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``rl.stale_after`` / ``rl.stale_mode`` / ``rl.stale_decay`` as a lag -> row weight function (None: off)."""
+    rl = cfg.rl
+    if rl.stale_after is None:
+        return None
+    return functools.partial(algos.staleness_weights, max_lag=rl.stale_after, mode=rl.stale_mode, decay=rl.stale_decay)
 
 
 def _mismatch(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
@@ -36,16 +46,58 @@ def _mismatch(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Te
     }
 
 
+def _token_lags(
+    iteration: torch.Tensor, token_version: torch.Tensor, mask: torch.Tensor, top: int
+) -> dict[str, Metric]:
+    """Sums of each policy token's lag ``iteration - token_version``, its largest, and tokens per lag ``0..top``.
+
+    A partial rollout's row holds tokens of several versions: the row's lag is its oldest
+    token's, these are every token's (the histogram's last bin counts lags of ``top`` and more).
+    """
+    on = mask != 0
+    lag = torch.where(on, iteration[:, None] - token_version, 0)
+    out = {
+        "token_lag": total(lag.float().sum()),
+        "token_lag_max": maximum(lag.max().float() if lag.numel() else lag.new_zeros((), dtype=torch.float32)),
+    }
+    for k in range(top + 1):
+        hit = on & ((lag == k) if k < top else (lag >= k))
+        out[f"token_lag/{k}"] = total(hit.float().sum())
+    return out
+
+
 class StepMetrics:
     """Accumulates one step's metrics over its updates; at the step's end, the record (logged, checkpointed)."""
 
-    def __init__(self, updates: int, start: int, ref_every: int = 1):
-        self.updates, self.start, self.ref_every = updates, start, ref_every
+    def __init__(
+        self,
+        updates: int,
+        start: int,
+        ref_every: int = 1,
+        token_lags: int = 0,
+        stale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        # token_lags > 0 (deploy.async_infer: its staleness): the per-token lag and its histogram are logged;
+        # stale (rl.stale_after): the rows' staleness weights, whose drops and mean are logged.
+        self.updates, self.start, self.ref_every, self.token_lags = updates, start, ref_every, token_lags
+        self.stale = stale
         self.lock = threading.Lock()
         # Per step: the logged metrics, and the counts the logged ratios are made of.
         self.sums: dict[int, tuple[dict[str, Metric], dict[str, Metric]]] = {}
         self.spans: list[tuple[str, str, float, float]] = []
         self.last_end = time.perf_counter()
+
+    @classmethod
+    def of_run(cls, cfg: Config, *, start: int, ref_every: int) -> StepMetrics:
+        """The step metrics of a run of ``cfg`` starting at step ``start``."""
+        rl, d = cfg.rl, cfg.deploy
+        return cls(
+            updates=rl.batch_size // rl.mini_batch_size * rl.epochs,
+            start=start,
+            ref_every=ref_every,
+            token_lags=d.staleness if d.async_infer else 0,
+            stale=stale_weigher(cfg),
+        )
 
     def on_metrics(self, b: dict[str, torch.Tensor], loss: torch.Tensor, metrics: dict[str, Any]) -> None:
         step = int(b["iteration"][0])
@@ -77,6 +129,11 @@ class StepMetrics:
                 lag=total(lag.sum()),
                 lag_max=maximum(lag.max()),
             )
+            if self.stale is not None:  # rl.stale_after: rows dropped, and the mean row weight
+                w = self.stale(b["iteration"] - self.start - b["version"]).float()
+                counts.update(stale_dropped=total((w == 0).float().sum()), stale_weight=total(w.sum()))
+            if self.token_lags:
+                counts.update(_token_lags(b["iteration"] - self.start, b["token_version"], mask, self.token_lags))
         with self.lock:
             acc = self.sums.setdefault(step, ({}, {}))
             merge_into(acc[0], stats)
@@ -123,6 +180,11 @@ class StepMetrics:
                 policy_lag=c["lag"] / rows,
                 policy_lag_max=c["lag_max"],
             )
+            if "stale_weight" in c:
+                out.update({"stale/dropped": c["stale_dropped"] / rows, "stale/weight": c["stale_weight"] / rows})
+            if "token_lag" in c:  # each policy token's lag: mean, largest, and the share of tokens at each lag
+                out.update(token_lag=c["token_lag"] / c["tokens"], token_lag_max=c["token_lag_max"])
+                out.update({f"token_lag/{k}": c[f"token_lag/{k}"] / c["tokens"] for k in range(self.token_lags + 1)})
             if "kl" in c:  # k3 estimate of KL(rollout policy || reference) per token: the curve in the plot
                 out["kl"] = c["kl"] / c["tokens"]
             if "mismatch_abs" in c:

@@ -167,7 +167,7 @@ def _train(
     opt = Optimiser(models, cfg, world)
     start = restore_run(out, models, opt, cfg) if resume else 0
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
-    steps = StepMetrics(updates=rl.batch_size // rl.mini_batch_size * rl.epochs, start=start, ref_every=plan.ref_every)
+    steps = StepMetrics.of_run(cfg, start=start, ref_every=plan.ref_every)
     rewards, validator = scorers(cfg, task, reward, world)
     result = None
     # Errors, Preempted (a stop signal) and KeyboardInterrupt (Ctrl-C) unwind the stack: workers and writers stop.

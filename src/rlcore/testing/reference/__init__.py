@@ -46,7 +46,11 @@ from rlcore.testing.reference.losses import (
     value_loss_ref,
 )
 from rlcore.testing.reference.metrics import merge_metrics_ref, pass_at_k_ref
-from rlcore.testing.reference.off_policy import behaviour_weights_ref, interpolated_prox_logp_ref
+from rlcore.testing.reference.off_policy import (
+    behaviour_weights_ref,
+    interpolated_prox_logp_ref,
+    staleness_weights_ref,
+)
 from rlcore.testing.reference.ops import (
     discounted_cumsum_ref,
     masked_mean_ref,
@@ -84,7 +88,7 @@ from rlcore.testing.reference.resharding import (
 )
 from rlcore.testing.reference.reward_model import bradley_terry_loss_ref, process_reward_loss_ref
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
-from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, response_logprobs_ref
+from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, partial_greedy_ref, response_logprobs_ref
 from rlcore.testing.reference.seeding import row_uniform_ref, sample_token_ref
 from rlcore.testing.reference.shaping import (
     RunningNormalizerRef,
@@ -150,6 +154,7 @@ __all__ = [
     "pack_ref",
     "packed_attention_ref",
     "pair_logps_ref",
+    "partial_greedy_ref",
     "pass_at_k_ref",
     "passk_advantages_ref",
     "ppo_clip_loss_ref",
@@ -173,6 +178,7 @@ __all__ = [
     "sequence_logps_ref",
     "shift_labels_ref",
     "simpo_loss_ref",
+    "staleness_weights_ref",
     "swap_roundtrip_ref",
     "synchronous_loop_ref",
     "train_loop_ref",

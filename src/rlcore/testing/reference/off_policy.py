@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["behaviour_weights_ref", "interpolated_prox_logp_ref"]
+__all__ = ["behaviour_weights_ref", "interpolated_prox_logp_ref", "staleness_weights_ref"]
 
 
 def behaviour_weights_ref(
@@ -40,3 +40,14 @@ def interpolated_prox_logp_ref(
             row.append(b + alpha * (lp - b))
         out.append(row)
     return torch.tensor(out, dtype=torch.float64).reshape(logp.shape)
+
+
+def staleness_weights_ref(lag: torch.Tensor, *, max_lag: int, mode: str = "drop", decay: float = 0.5) -> torch.Tensor:
+    """Row by row: 1 when ``lag <= max_lag``, else 0 (drop) or ``decay ** (lag - max_lag)`` (weight)."""
+    out = []
+    for value in lag.double().tolist():
+        if value <= max_lag:
+            out.append(1.0)
+        else:
+            out.append(0.0 if mode == "drop" else decay ** (value - max_lag))
+    return torch.tensor(out, dtype=torch.float64)

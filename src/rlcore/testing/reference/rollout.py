@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["filter_logits_ref", "greedy_ref", "response_logprobs_ref"]
+__all__ = ["filter_logits_ref", "greedy_ref", "partial_greedy_ref", "response_logprobs_ref"]
 
 
 def filter_logits_ref(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -53,6 +53,36 @@ def greedy_ref(
                 break
         responses.append(out)
     return responses
+
+
+@torch.no_grad()
+def partial_greedy_ref(
+    models: Sequence[Callable[..., Any]],
+    switches: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    *,
+    eos_token_id: int,
+    max_new_tokens: int,
+) -> list[tuple[list[int], list[int]]]:
+    """Greedy decoding of each prompt alone where response position ``t`` is taken by ``models[v]``.
+
+    ``v`` counts the ``switches`` (response positions, increasing) at or before ``t``:
+    an interruptible rollout whose weights change to the next version at each switch.
+    Returns, per prompt, the response and each token's version.
+    """
+    out = []
+    for prompt in prompts:
+        ids, tokens, versions = list(prompt), [], []
+        for t in range(max_new_tokens):
+            v = sum(1 for s in switches if s <= t)
+            token = int(models[v](input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            tokens.append(token)
+            versions.append(v)
+            ids.append(token)
+            if token == eos_token_id:
+                break
+        out.append((tokens, versions))
+    return out
 
 
 @torch.no_grad()

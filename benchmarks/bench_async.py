@@ -1,0 +1,311 @@
+"""Asynchronous RL on heavy-tailed response lengths: the synchronous trainer against async and partial rollouts.
+
+Run: python benchmarks/bench_async.py [--steps 120] [--warmup-steps 150] [--median 8] [--sigma 1.0] [--cap 20]
+     python benchmarks/bench_async.py --sim-only      (the simulated schedule at AReaL's scale alone)
+
+1. Real, on this machine. The main job's task and model (``configs/grpo_tiny.yaml``,
+   trained by :func:`rlcore.train.train`), with a long tail of response lengths: the
+   rollout engine keeps decoding each row past its end (the tokens are masked out: not
+   scored, not trained) to a length drawn per row from a lognormal with median
+   ``--median`` tokens and shape ``--sigma``, capped at ``--cap`` times the median --
+   so a few rows of every batch are 10-20x the median and a batch's decode lasts until
+   its longest row, as in a static-batch engine. The draw is keyed by (step, row), so
+   every variant decodes the same lengths. Variants, same samples each:
+
+   * synchronous: the blocking, staleness-0 pipeline, rollout and update in one
+     process on both cores (``trainer.threads=2``);
+   * async at staleness 1, 2 and 4: ``deploy.mode=disaggregated``,
+     ``deploy.async_infer=true``, one rollout worker process (1 thread) beside the
+     trainer (1 thread);
+   * async with partial rollouts (``deploy.partial_rollouts=true``) at
+     ``--partial-staleness``: a version reaching the worker mid-rollout is taken
+     between two tokens (the tail included).
+
+   Samples per second over the RL steps (the sum of the steps' wall times; warm-up and
+   worker start-up excluded), each variant's ratio to the synchronous one, the final
+   reward (mean of the last 10% of steps) and its difference from the synchronous one,
+   and the mean row and token lags.
+
+2. Simulated at AReaL's scale (:func:`rlcore.dataflow.simulate`, the pipeline's own
+   scheduling rules on a virtual clock). AReaL (Fu et al., 2025, arXiv:2505.24298)
+   reports 2.77x over a synchronous system with the same GPUs. The layout here: 16
+   nodes of 8 devices (AReaL's 1.5B runs), ``--sim-prompts`` prompts x
+   ``--sim-samples`` answers per step, lengths lognormal as above at ``--sim-median``
+   tokens capped at ``--cap`` x. The cost model, in decode steps of one instance (the
+   step latency is the unit):
+
+   * synchronous: every device generates, then every device trains; the step's
+     generation lasts until the longest row of the batch (a batch waits for its tail);
+   * async: some nodes generate (one instance per device, a call of ``rows /
+     instances`` rows lasting until its longest row), the others train, at staleness
+     ``--sim-staleness`` (AReaL's eta = 8 for math); the split by whole nodes that
+     finishes first is reported (AReaL balances generation against training);
+   * async with partial rollouts: a call costs its rows' tokens over the instance's
+     concurrency (an interrupted row carries on into the next call: no call waits for
+     its tail).
+
+   Training takes ``--sim-train-share`` of the synchronous step on all devices, and
+   proportionally longer on fewer. These costs are assumptions to calibrate against
+   AReaL's measured generation and training times, not figures taken from its paper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+
+from rlcore.dataflow import StageGraph, simulate, stage
+from rlcore.models.decoding import CachedDecoder
+from rlcore.seeding import mix
+from rlcore.train import TorchEngine, build_model, load_config, source_tokenizer, task_options, train
+from rlcore.train.deploy import RolloutServer, WorkerDeployment
+
+ROOT = Path(__file__).resolve().parents[1]
+# The tail's shape, read by the rollout worker process too (it re-imports this module).
+TAIL = "RLCORE_BENCH_TAIL"
+AREAL_SPEEDUP = 2.77
+
+
+def tail_lengths(rows: torch.Tensor, step: int, median: float, sigma: float, cap: float) -> torch.Tensor:
+    """Each row's decode length: ``median * exp(sigma * z)`` capped at ``cap * median``, ``z`` keyed by (step, row)."""
+    out = []
+    for row in rows.tolist():
+        g = torch.Generator().manual_seed(mix(7919, step, row))
+        z = float(torch.randn((), generator=g))
+        out.append(min(cap * median, median * math.exp(sigma * z)))
+    return torch.tensor(out).round().clamp(min=1).to(torch.int64)
+
+
+class TailEngine(TorchEngine):
+    """A :class:`rlcore.train.TorchEngine` whose calls decode on past each row's end to its tail length.
+
+    The response is the engine's; the extra decode steps only cost time (a static batch
+    runs to its longest row). With ``refresh`` (partial rollouts) new weights are taken
+    in the tail too: the cache is rebuilt on the new weights, as in :func:`rlcore.train.generate`.
+    """
+
+    def __init__(self, model: Any, **sampling: Any):
+        super().__init__(model, **sampling)
+        median, sigma, cap = (float(x) for x in os.environ.get(TAIL, "8,1.0,20").split(","))
+        self.tail = (median, sigma, cap)
+
+    def generate(self, prompts, prompt_mask, *, n, generator, refresh=None, version=0):  # type: ignore[no-untyped-def]
+        extra = {} if refresh is None else {"refresh": refresh, "version": version}
+        r = super().generate(prompts, prompt_mask, n=n, generator=generator, **extra)
+        rows = getattr(generator, "rows", None)
+        rows = torch.arange(r.responses.shape[0]) if rows is None else rows
+        lengths = tail_lengths(rows, getattr(generator, "step", 0), *self.tail)
+        steps = int(lengths.max()) - r.responses.shape[1]
+        if steps > 0:  # a static batch: finished rows are fed padding, attended, until the longest row ends
+            attention = torch.cat([r.prompt_mask, torch.ones_like(r.mask)], 1)
+            self._decode(torch.cat([r.prompts, r.responses], 1), attention, steps, refresh)
+        return r
+
+    @torch.no_grad()
+    def _decode(self, ids: torch.Tensor, attention: torch.Tensor, steps: int, refresh: Any) -> None:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            decoder = CachedDecoder(self.model, ids, attention)
+            pad = torch.zeros(ids.shape[0], dtype=torch.int64)
+            for _ in range(steps):
+                if refresh is not None and refresh() is not None:  # new weights: re-encode what was decoded
+                    decoder = CachedDecoder(self.model, ids, decoder.attention)
+                decoder.feed(pad)
+                ids = torch.cat([ids, pad[:, None]], 1)
+        finally:
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def load_weights(self, params: dict[str, torch.Tensor]) -> None:
+        """The trainer's weights into this engine's own model (the synchronous run's in-process engine)."""
+        for name, p in self.model.named_parameters():
+            p.copy_(params[name])
+
+
+class TailServer(RolloutServer):
+    """The rollout worker's server with the tail engine (built in the worker process)."""
+
+    def __init__(self, cfg_dict: dict[str, Any], vocab_size: int, build: Any):
+        super().__init__(cfg_dict, vocab_size, build)
+        inner = self.engine
+        assert isinstance(inner, TorchEngine)
+        self.engine = TailEngine(inner.model, **inner.sampling)
+
+
+def _config(out: str, overrides: list[str]) -> Any:
+    return load_config(ROOT / "configs" / "grpo_tiny.yaml", [f"trainer.output_dir={out}", *overrides])
+
+
+def run(out: str, overrides: list[str]) -> dict[str, float]:
+    """samples/s over the RL steps, final reward (last 10% of steps), mean row and token lags."""
+    cfg = _config(out, overrides)
+    if cfg.deploy.mode == "disaggregated":
+        records = train(cfg).records
+    else:  # the synchronous run: the tail engine in the trainer's process, fed each version
+        tok = source_tokenizer(cfg, task_options(cfg))
+        rl = cfg.rl
+        engine = TailEngine(
+            build_model(cfg, tok.vocab_size).eval(),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            max_new_tokens=rl.max_new_tokens,
+            temperature=rl.temperature,
+            top_p=rl.top_p,
+            top_k=rl.top_k,
+        )
+        records = train(cfg, engine=engine).records
+    samples = len(records) * cfg.rl.batch_size * cfg.rl.n_samples
+    k = max(1, len(records) // 10)
+    return {
+        "rate": samples / sum(r["step_time_s"] for r in records),
+        "reward": sum(r["reward"] for r in records[-k:]) / k,
+        "lag": statistics.mean(r["policy_lag"] for r in records),
+        "token_lag": statistics.mean(r.get("token_lag", r["policy_lag"]) for r in records),
+    }
+
+
+def real(args: argparse.Namespace) -> None:
+    os.environ[TAIL] = f"{args.median},{args.sigma},{args.cap}"
+    longest = int(args.median * args.cap) + 16
+    common = [
+        f"trainer.steps={args.steps}",
+        f"trainer.warmup_steps={args.warmup_steps}",
+        f"model.model_name_or_path.max_position_embeddings={max(64, longest)}",
+        "trainer.progress=false",
+        "trainer.plot=false",
+        "trainer.save_every=0",
+    ]
+    disagg = ["trainer.threads=1", "deploy.mode=disaggregated", "deploy.async_infer=true"]
+    variants = {
+        "synchronous (blocking, 2 threads)": ["trainer.threads=2"],
+        **{f"async, staleness {s} (1+1 threads)": [*disagg, f"deploy.staleness={s}"] for s in (1, 2, 4)},
+        f"async + partial rollouts, staleness {args.partial_staleness}": [
+            *disagg,
+            f"deploy.staleness={args.partial_staleness}",
+            "deploy.partial_rollouts=true",
+        ],
+    }
+    WorkerDeployment.server = TailServer  # the worker builds the tail engine
+    try:
+        results = {}
+        with tempfile.TemporaryDirectory() as out:
+            for i, (name, overrides) in enumerate(variants.items()):
+                results[name] = run(f"{out}/{i}", [*common, *overrides])
+                r = results[name]
+                print(f"{name:<46} {r['rate']:8.1f} samples/s   final reward {r['reward']:.3f}", flush=True)
+    finally:
+        WorkerDeployment.server = RolloutServer
+    base = results["synchronous (blocking, 2 threads)"]
+    print(
+        f"\nload average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.steps} RL steps; tail: median "
+        f"{args.median} tokens, sigma {args.sigma}, cap {args.cap}x"
+    )
+    for name, r in results.items():
+        print(
+            f"{name:<46} {r['rate']:8.1f} samples/s  ratio {r['rate'] / base['rate']:5.2f}x  final reward "
+            f"{r['reward']:.3f} (diff {r['reward'] - base['reward']:+.3f})  lag row {r['lag']:.2f} token "
+            f"{r['token_lag']:.2f}"
+        )
+
+
+def _graph(rollout_batch: int) -> StageGraph:
+    def noop(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {}
+
+    roll = stage(
+        noop,
+        inputs=["prompts"],
+        outputs=["responses"],
+        name="rollout",
+        role="rollout",
+        micro_batch=rollout_batch,
+        resource="gen",
+    )
+    update = stage(noop, inputs=["responses"], outputs=["loss"], name="update", role="update", resource="train")
+    return StageGraph([roll, update])
+
+
+def simulated(args: argparse.Namespace) -> None:
+    devices = args.sim_nodes * 8
+    rows = args.sim_prompts * args.sim_samples
+    concurrency = rows / devices  # rows each device decodes at once in the synchronous step
+    g = torch.Generator().manual_seed(0)
+
+    def lengths(n: int) -> torch.Tensor:
+        z = torch.randn(n, generator=g, dtype=torch.float64)
+        return (args.sim_median * torch.exp(args.sigma * z)).clamp(max=args.cap * args.sim_median)
+
+    # Synchronous: generation on every device until the batch's longest row, then training on every device,
+    # which takes --sim-train-share of the step (on average).
+    gen = [float(lengths(rows).max()) for _ in range(args.sim_iterations)]
+    train_all = statistics.mean(gen) * args.sim_train_share / (1 - args.sim_train_share)
+    sync = sum(gen) + train_all * args.sim_iterations
+
+    def schedule(partial: bool, gen_nodes: int) -> float:
+        gen_devices = gen_nodes * 8
+        train = train_all * devices / (devices - gen_devices)  # the same work on fewer devices
+
+        def cost(s: Any, n: int) -> float:
+            if s.name == "update":
+                return train
+            lens = lengths(n)
+            return float(lens.sum()) / concurrency if partial else float(lens.max())
+
+        return simulate(
+            _graph(math.ceil(rows / gen_devices)),
+            cost,
+            num_prompts=rows,
+            num_iterations=args.sim_iterations,
+            staleness=args.sim_staleness,
+            slots={"gen": gen_devices, "train": 1},
+        ).makespan
+
+    print(
+        f"\nsimulated at AReaL's scale: {args.sim_nodes} nodes x 8 devices, {args.sim_prompts} prompts x "
+        f"{args.sim_samples} answers, lengths median {args.sim_median:g} tokens (sigma {args.sigma}, cap {args.cap}x), "
+        f"staleness {args.sim_staleness}; assumed: training is {args.sim_train_share:.0%} of the synchronous step"
+    )
+    print(f"{'synchronous':<46} {sync:14.0f} decode steps")
+    for name, partial in (("async", False), ("async + partial rollouts", True)):
+        # AReaL balances generation and training devices: the best split by whole nodes.
+        makespan, nodes = min((schedule(partial, n), n) for n in range(1, args.sim_nodes))
+        print(
+            f"{name + f' ({nodes} of {args.sim_nodes} nodes generate)':<46} {makespan:14.0f} decode steps  "
+            f"ratio {sync / makespan:5.2f}x  (AReaL reports {AREAL_SPEEDUP}x)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup-steps", type=int, default=150)
+    parser.add_argument("--median", type=float, default=8.0)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--cap", type=float, default=20.0)
+    parser.add_argument("--partial-staleness", type=int, default=2)
+    parser.add_argument("--sim-only", action="store_true")
+    parser.add_argument("--sim-nodes", type=int, default=16)
+    parser.add_argument("--sim-prompts", type=int, default=512)
+    parser.add_argument("--sim-samples", type=int, default=16)
+    parser.add_argument("--sim-median", type=float, default=2000.0)
+    parser.add_argument("--sim-train-share", type=float, default=0.3)
+    parser.add_argument("--sim-staleness", type=int, default=8)
+    parser.add_argument("--sim-iterations", type=int, default=20)
+    args = parser.parse_args()
+    if not args.sim_only:
+        real(args)
+    simulated(args)
+
+
+if __name__ == "__main__":
+    main()
