@@ -10,6 +10,7 @@ import torch
 from ray import cloudpickle
 
 import rlcore.train.deploy
+from restart_helpers import restart_pipeline
 from rlcore.dataflow import RayRolloutWorker, StageGraph, WeightSync, run_pipeline, stage
 from rlcore.train import build_model, load_checkpoint, load_config, make_task, train
 from tiny_runs import TINY
@@ -150,46 +151,12 @@ def dying_factory(marker_dir, deaths, at):
     return generate
 
 
-def _restart_pipeline(worker):
-    w = torch.tensor(1.0, dtype=torch.float64)
-    worker.publish(0, {"w": w})
-
-    def step(j):
-        w.add_(1.0)
-        worker.publish(j + 1, {"w": w})
-
-    graph = StageGraph(
-        [
-            worker.stage(inputs=["prompts"], outputs=["responses"], micro_batch=2),
-            stage(
-                lambda b: {"loss": b["responses"] * 2},
-                inputs=["responses"],
-                outputs=["loss"],
-                name="update",
-                role="update",
-                micro_batch=2,
-                resource="train",
-                on_iteration_end=step,
-            ),
-        ]
-    )
-    return run_pipeline(
-        graph,
-        lambda j: {"prompts": torch.arange(6) + 10 * j},
-        num_prompts=6,
-        num_iterations=4,
-        staleness=1,
-        collect=["prompts", "responses"],
-        join_timeout=2.0,
-    )
-
-
 def test_a_dead_actor_is_replaced_and_its_rows_handed_back_and_redone_with_their_version(ray_session, tmp_path):
     with (
         RayRolloutWorker(dying_factory, args=(str(tmp_path), 2, 2), max_restarts=2) as worker,
         pytest.warns(RuntimeWarning, match=r"stage 'rollout': the rollout worker actor died \(\w+\); restarting it"),
     ):
-        res = _restart_pipeline(worker)
+        res = restart_pipeline(worker)
         assert worker.restarts == 2 and len(set(worker.restart_causes)) == 1
     calls = [t for t in res.tasks if t.stage == "rollout"]
     for j, b in enumerate(res.batches):
@@ -206,7 +173,7 @@ def test_past_max_restarts_a_dead_actor_stops_the_run_with_the_named_error(ray_s
         pytest.raises(RuntimeError, match=r"stage 'rollout': rollout worker actor died .*\(after 1 restart, the most"),
         pytest.warns(RuntimeWarning, match=r"restarting it \(1 of at most 1\)"),
     ):
-        _restart_pipeline(worker)
+        restart_pipeline(worker)
     with pytest.raises(ValueError, match=r"max_restarts: got -1, expected an int >= 0"):
         RayRolloutWorker(dying_factory, args=("", 0, 0), max_restarts=-1)
 

@@ -37,7 +37,7 @@ def head_tail(records: list[dict], key: str, k: int) -> tuple[float, float]:
 
 
 def test_main_job_reward_rises(tmp_path, capsys):
-    # The full run (400 steps): 0.30 over the first 10% of steps, 0.95 over the last 10%; 10 steps in, about 0.23.
+    # The full run (400 steps): about 0.26-0.29 over the first 10% of steps, 0.92 over the last 10% (by machine).
     records = run_shipped("grpo_tiny", tmp_path, "trainer.steps=60")
     first, last = head_tail(records, "reward", 10)
     assert first < 0.35 and last > first + 0.1, (first, last)

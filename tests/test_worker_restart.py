@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcore.dataflow import RolloutWorker, StageGraph, run_pipeline, stage
+from restart_helpers import restart_pipeline
+from rlcore.dataflow import RolloutWorker
 from rlcore.train import load_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,46 +30,12 @@ def make_generate(marker_dir: str, deaths: int, at: int = 2):
     return generate
 
 
-def _pipeline(worker):
-    w = torch.tensor(1.0, dtype=torch.float64)
-    worker.publish(0, {"w": w})
-
-    def step(j):
-        w.add_(1.0)
-        worker.publish(j + 1, {"w": w})
-
-    graph = StageGraph(
-        [
-            worker.stage(inputs=["prompts"], outputs=["responses"], micro_batch=2),
-            stage(
-                lambda b: {"loss": b["responses"] * 2},
-                inputs=["responses"],
-                outputs=["loss"],
-                name="update",
-                role="update",
-                micro_batch=2,
-                resource="train",
-                on_iteration_end=step,
-            ),
-        ]
-    )
-    return run_pipeline(
-        graph,
-        lambda j: {"prompts": torch.arange(6) + 10 * j},
-        num_prompts=6,
-        num_iterations=4,
-        staleness=1,
-        collect=["prompts", "responses"],
-        join_timeout=2.0,
-    )
-
-
 def test_a_worker_killed_mid_call_is_replaced_and_its_rows_redone_with_their_version(tmp_path):
     with (
         RolloutWorker(make_generate, args=(str(tmp_path), 2), start_method="fork", max_restarts=2) as worker,
         pytest.warns(RuntimeWarning, match=r"stage 'rollout': the worker process exited with code 9; restarting it"),
     ):
-        res = _pipeline(worker)
+        res = restart_pipeline(worker)
         assert worker.restarts == 2 and worker.restart_causes[0] == "the worker process exited with code 9"
     assert multiprocessing.active_children() == []
     for j, b in enumerate(res.batches):
@@ -99,7 +66,7 @@ def test_past_max_restarts_the_run_stops_with_the_named_error(tmp_path):
         pytest.raises(RuntimeError, match=r"rollout worker process exited with code 9 \(after 1 restart"),
         pytest.warns(RuntimeWarning, match=r"restarting it \(1 of at most 1\)"),
     ):
-        _pipeline(worker)
+        restart_pipeline(worker)
     assert worker.restarts == 1 and multiprocessing.active_children() == []
 
 
