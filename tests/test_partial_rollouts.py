@@ -5,30 +5,19 @@ import time
 
 import pytest
 import torch
-import transformers
 
 from rlcore.dataflow import RolloutWorker
 from rlcore.testing.reference import partial_greedy_ref, response_logprobs_ref
 from rlcore.train import generate, left_pad, parse_config
 from rlcore.train.stages import rollout_columns
+from tiny_runs import tiny_lm
 
 EOS, PAD, VOCAB = 1, 0, 12
 PROMPTS = [[2, 3, 4, 5], [6, 7], [8, 9, 10]]
 
 
 def tiny_model(seed, dtype=torch.float32):
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(
-        "qwen2",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return tiny_lm(dtype, seed, VOCAB)
 
 
 def scripted(engine_model, versions, switches):

@@ -8,23 +8,13 @@ from hypothesis import strategies as st
 
 from rlcore.testing.reference import filter_logits_ref, greedy_ref, response_logprobs_ref
 from rlcore.train import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
+from tiny_runs import tiny_lm
 
 EOS, PAD, VOCAB = 1, 0, 12
 
 
 def tiny_model(dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(
-        "qwen2",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return tiny_lm(dtype, seed, VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import transformers
 
 TINY_MODEL = [
     "model.model_name_or_path.hidden_size=32",
@@ -48,3 +49,19 @@ def tiny_qwen2(vocab_size: int) -> dict:
         "num_key_value_heads": 2,
         "max_position_embeddings": 64,
     }
+
+
+def tiny_lm(dtype=torch.float32, seed=0, vocab=12):
+    """A random 2-layer Qwen2 causal LM (hidden 32, 4 heads over 2 KV heads) in eval mode."""
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(
+        "qwen2",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

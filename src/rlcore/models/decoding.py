@@ -65,25 +65,28 @@ class CachedDecoder:
         self._logits, self._cache = out.logits[:, -1], getattr(out, self.field)
         self.next_position = self.next_position + 1
 
-    def drop(self, done: torch.Tensor) -> None:
-        """Let the finished rows leave the batch, once at most 3/4 of it is still live.
+    def drop(self, done: torch.Tensor) -> int:
+        """Let the finished rows leave the batch, once at most 3/4 of it is still live; the number still live.
 
         ``done``: ``[B]`` bool over the rows the decoder started with. The kept rows' cache
         entries, attention mask, positions and pending logits are gathered
         (``Cache.reorder_cache``, beam search's row gather, which takes any index list);
         :attr:`active` then names them. Each gather copies the cache, so a few finished rows
         ride along until a quarter of the batch has ended; the later forwards run over the
-        live rows only, as continuous batching does with a long tail.
+        live rows only, as continuous batching does with a long tail. With none live the
+        batch is left as it is (the caller stops).
         """
         live = ~done.index_select(0, self.active)
-        if int(live.sum()) > self.active.numel() * _DROP_AT:  # sync-ok: the decode loop sizes its batch on the host
-            return
+        left = int(live.sum())  # sync-ok: the decode loop sizes its batch on the host
+        if left == 0 or left > self.active.numel() * _DROP_AT:
+            return left
         rows = live.nonzero().squeeze(1)  # sync-ok: as above
         self.active = self.active.index_select(0, rows)
         self.attention = self.attention.index_select(0, rows)
         self.next_position = self.next_position.index_select(0, rows)
         self._logits = self._logits.index_select(0, rows)
         self._cache = _gather_cache(self._cache, rows)
+        return left
 
     def _prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The prompt forward: each distinct prompt once, its cache entries and last logits then given to its rows.

@@ -174,9 +174,8 @@ def generate(
         done = done | (token == eos_token_id)
         if position + 1 == max_new_tokens:
             break  # the last token is drawn: no forward for a next one
-        if bool(done.all()):  # sync-ok: the trainer's decode loop, not a library op; stops early
+        if decoder.drop(done) == 0:  # every row has stopped: stop early
             break
-        decoder.drop(done)
         decoder.feed(token)
     mask = torch.stack(masks, 1)
     per_token = None
