@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from rlcore.dataflow import HandBack, StageGraph, StageTimeout, run_pipeline, stage
+from rlcore.dataflow import HandBack, SchedulerCore, StageGraph, StageTimeout, run_pipeline, stage
 from rlcore.testing.pipeline_strategies import pipeline_specs, spec_stages
 from rlcore.testing.reference import synchronous_loop_ref
 
@@ -371,6 +371,49 @@ def test_the_next_iterations_prompts_are_loaded_while_the_current_one_runs():
     with pytest.raises(KeyError, match="no prompts for iteration 1"):
         run_pipeline(graph, failing, num_prompts=4, num_iterations=3, blocking=True)
     assert _no_worker_threads()
+
+
+def test_the_prefetch_starts_beside_a_stage_call_not_at_admission():
+    """The loader (Python, competing for the GIL) is handed the next iteration when a stage call starts."""
+    calls = []
+    graph = StageGraph(
+        [
+            stage(
+                lambda b: {"responses": b["prompts"] * 1.0},
+                inputs=["prompts"],
+                outputs=["responses"],
+                name="rollout",
+                role="rollout",
+            ),
+            stage(
+                lambda b: {"loss": b["responses"]}, inputs=["responses"], outputs=["loss"], name="update", role="update"
+            ),
+        ]
+    )
+    core = SchedulerCore(
+        graph,
+        lambda j: calls.append(j) or {"prompts": torch.arange(4) + j},
+        num_prompts=4,
+        n_samples=1,
+        num_iterations=3,
+        staleness=0,
+        blocking=True,
+        slots=None,
+        collect=["loss"],
+        prefetch=True,
+    )
+    try:
+        time.sleep(0.2)  # a prefetch started at admission would have run by now
+        assert calls == [0]
+        task = core.pick("device")
+        assert task is not None and task.stage.name == "rollout"
+        core.started()
+        deadline = time.monotonic() + 30
+        while calls != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls == [0, 1]
+    finally:
+        core.close(30)
 
 
 def _losing_every(k, graph):

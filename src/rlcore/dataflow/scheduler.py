@@ -139,15 +139,16 @@ def add_note(err: BaseException, where: str) -> BaseException:
 class _Ahead:
     """One iteration's ``open(iteration)`` on the loader thread; :meth:`result` waits for it and returns or re-raises."""
 
-    def __init__(self, iteration: int) -> None:
+    def __init__(self, iteration: int, open: Callable[[int], TransferDock]) -> None:
         self.iteration = iteration
         self.done = threading.Event()
+        self._open = open
         self._out: TransferDock | None = None
         self._err: BaseException | None = None
 
-    def run(self, open: Callable[[int], TransferDock]) -> None:
+    def __call__(self) -> None:
         try:
-            self._out = open(self.iteration)
+            self._out = self._open(self.iteration)
         except BaseException as err:  # re-raised where the iteration is admitted
             self._err = err
         finally:
@@ -162,25 +163,29 @@ class _Ahead:
 
 
 class _LoaderThread:
-    """The one daemon thread that runs the prefetches, in order (a thread started per iteration
-    cost the stage that admits it the thread's start-up, on the device's critical path)."""
+    """The one daemon thread that runs the scheduler's side jobs (prefetches, retired iterations' collects), in order.
 
-    def __init__(self, open: Callable[[int], TransferDock]) -> None:
-        self._jobs: queue.SimpleQueue[_Ahead | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, args=(open,), name="rlcore-pipeline-loader", daemon=True)
+    A thread started per iteration cost the stage that admits it the thread's start-up, on the device's critical path.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self.errors: list[BaseException] = []  # a job's error, raised by the scheduler's result()
+        self.thread = threading.Thread(target=self._loop, name="rlcore-pipeline-loader", daemon=True)
         self.thread.start()
 
-    def submit(self, iteration: int) -> _Ahead:
-        ahead = _Ahead(iteration)
-        self._jobs.put(ahead)
-        return ahead
+    def submit(self, job: Callable[[], Any]) -> None:
+        self._jobs.put(job)
 
-    def _loop(self, open: Callable[[int], TransferDock]) -> None:
+    def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job.run(open)
+            try:
+                job()
+            except BaseException as err:
+                self.errors.append(err)
 
     def close(self, timeout: float | None) -> None:
-        """Let the prefetch in flight end (its result is dropped) and the thread exit; wait up to ``timeout`` s."""
+        """Let the jobs queued end (a prefetch's result is dropped) and the thread exit; wait up to ``timeout`` s."""
         self._jobs.put(None)
         self.thread.join(timeout)
 
@@ -268,6 +273,9 @@ class SchedulerCore:
         self.prefetch = prefetch
         self._ahead: _Ahead | None = None
         self._loader: _LoaderThread | None = None
+        self._prefetch_due = False
+        self._due: list[Callable[[], Any]] = []  # side jobs for the loader thread at the next started()
+        self._errors: list[BaseException] = []
         self.admit()
 
     @property
@@ -289,9 +297,28 @@ class SchedulerCore:
                 self.left[name, j] = self.capacity
             self.admitted += 1
         if self.prefetch and self._ahead is None and self.admitted < self.num_iterations:
-            if self._loader is None:
-                self._loader = _LoaderThread(self._open)
-            self._ahead = self._loader.submit(self.admitted)
+            self._prefetch_due = True
+
+    def started(self) -> None:
+        """A stage call is about to run: hand the side jobs that became due to the loader thread.
+
+        The prefetch admission made due and the collects of retired iterations are Python
+        (they fill or read a dock) and compete for the GIL with whichever thread runs Python
+        beside them. Started with a stage call rather than when they became due, they run
+        beside the call's kernels instead of the scheduler's own bookkeeping (the rows the
+        next call takes), which would otherwise wait for the GIL on the device's path.
+        """
+        jobs, self._due = self._due, []
+        if self._prefetch_due:
+            self._prefetch_due = False
+            if self._ahead is None and self.admitted < self.num_iterations:
+                self._ahead = _Ahead(self.admitted, self._open)
+                jobs.append(self._ahead)
+        if jobs and self._loader is None:
+            self._loader = _LoaderThread()
+        for job in jobs:
+            assert self._loader is not None
+            self._loader.submit(job)
 
     def _open(self, j: int) -> TransferDock:
         """Iteration ``j``'s dock holding the loader's source columns."""
@@ -312,11 +339,19 @@ class SchedulerCore:
         return dock
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait up to ``timeout`` seconds for a prefetch in flight (its result is dropped) and the loader thread."""
+        """Run the collects still due, then wait up to ``timeout`` s for the loader thread (a prefetch's result is dropped)."""
         self._ahead = None
+        self._prefetch_due = False
+        due, self._due = self._due, []
         loader, self._loader = self._loader, None
-        if loader is not None:
-            loader.close(timeout)
+        if loader is None:
+            for job in due:
+                job()
+            return
+        for job in due:
+            loader.submit(job)
+        loader.close(timeout)
+        self._errors.extend(loader.errors)
 
     def pick(self, resource: str) -> ScheduledCall | None:
         """The next call for a free slot of ``resource``, its rows already taken from the dock; None if none."""
@@ -418,7 +453,16 @@ class SchedulerCore:
     def _retire(self, j: int) -> None:
         dock = self.docks.pop(j)
         if self.collect:
-            self.batches[j], _ = dock.get(_COLLECT, self.collect, indexes=torch.arange(self.capacity), by_group=False)
+
+            def collect() -> None:
+                self.batches[j], _ = dock.get(
+                    _COLLECT, self.collect, indexes=torch.arange(self.capacity), by_group=False
+                )
+
+            if self.prefetch:  # read on the loader thread, beside the next stage call (close() waits for it)
+                self._due.append(collect)
+            else:
+                collect()
         self.retired += 1
 
     def stalled(self) -> str:
@@ -427,6 +471,8 @@ class SchedulerCore:
         return f"no stage can take rows and none is running; stages with rows left: {waiting}"
 
     def result(self, makespan: float) -> PipelineResult:
+        if self._errors:  # a retired iteration's collect failed on the loader thread
+            raise self._errors[0]
         return PipelineResult(self.records, self.batches, self.switches, makespan)
 
 
@@ -525,6 +571,7 @@ def run_pipeline(
                         return
                     if task is not None:
                         task.start = time.perf_counter() - t0
+                        core.started()
                         break
                     if seen != state["epoch"]:
                         seen = state["epoch"]

@@ -45,6 +45,7 @@ import torch
 
 from rlcore import algos
 from rlcore.dataflow import TaskRecord, run_pipeline
+from rlcore.memory import retain_host_memory
 from rlcore.train.build import build_algorithm, build_model, build_models, build_reference
 from rlcore.train.config import Config
 from rlcore.train.deploy import make_deployment
@@ -114,6 +115,8 @@ def train(
     tr = cfg.trainer
     if tr.threads:
         torch.set_num_threads(tr.threads)
+    if tr.retain_host_memory:
+        retain_host_memory()
     check_run(cfg, engine=engine is not None)
     with (
         stop_on_signals(tr.stop_signals, timeout=tr.stop_timeout) as stop,
