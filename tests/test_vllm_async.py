@@ -63,8 +63,13 @@ def test_colocated_vllm_async_at_staleness_zero_equals_blocking_and_staleness_on
     lags = [r["policy_lag_max"] for r in read_metrics(tmp_path / "o" / "metrics.jsonl")]
     assert len(lags) == 4 and min(lags) >= 0 and max(lags) <= 1
     assert max(lags) == 1  # a rollout ran on the version before the update's: it overlapped
-    # Each row sampled by the version it records: vLLM's log-probs equal the old policy's where the lag is 0.
+    # Each row sampled by the version it records: vLLM's log-probs are the old policy's where the lag is 0,
+    # and a step's rows sampled a version behind are off by the update between them.
     assert all(r["mismatch/logp_abs_max"] < 1e-3 for r in one.records if r["policy_lag_max"] == 0)
+    lagged = [r for r in one.records if r["policy_lag"] > 0]
+    assert lagged and all(r["mismatch/logp_abs_max"] > 1e-3 for r in lagged), [
+        (r["policy_lag"], r["mismatch/logp_abs_max"]) for r in one.records
+    ]
     assert all(r["sync_bytes"] > 0 for r in one.records)
     assert all(0 < r["behaviour_weight"] <= 2.0 for r in one.records)  # rl.behaviour_weights auto: on
 
