@@ -155,8 +155,9 @@ def test_bad_turns_are_refused_naming_the_argument(engine, contexts, budgets, ma
     assert not engine.llm.llm_engine.has_unfinished_requests()
 
 
-# configs/agent_calc_tiny_vllm.yaml made small (test_trainer_agent's overrides; head_dim stays 32).
+# configs/agent_calc_tiny.yaml on vLLM, made small (test_trainer_agent's overrides; head_dim stays 32).
 TINY_AGENT = [
+    "deploy.engine=vllm",
     "model.model_name_or_path.intermediate_size=64",
     "model.model_name_or_path.num_hidden_layers=1",
     "rl.batch_size=4",
@@ -168,6 +169,7 @@ TINY_AGENT = [
     "rl.multi_turn.eval_every=1",
     "rl.multi_turn.eval_size=4",
     "deploy.vllm.kv_cache_memory_bytes=8388608",
+    "deploy.vllm.block_size=32",
     "trainer.warmup_steps=10",
     "trainer.warmup_batch_size=16",
     "trainer.progress=false",
@@ -177,9 +179,7 @@ TINY_AGENT = [
 
 
 def _agent_run(out, *extra):
-    cfg = load_config(
-        ROOT / "configs" / "agent_calc_tiny_vllm.yaml", [*TINY_AGENT, f"trainer.output_dir={out}", *extra]
-    )
+    cfg = load_config(ROOT / "configs" / "agent_calc_tiny.yaml", [*TINY_AGENT, f"trainer.output_dir={out}", *extra])
     train(cfg)
     return read_metrics(out / "metrics.jsonl")
 
@@ -207,9 +207,10 @@ def test_the_agent_config_trains_on_vllm_co_located_and_in_the_worker(tmp_path):
         assert {k: ours.get(k) for k in same} == same
 
 
-def test_the_shipped_agent_model_is_refused_by_vllm_in_one_line(tmp_path, capsys):
-    """configs/agent_calc_tiny.yaml's four heads of 16 channels: vLLM's CPU attention does not serve them."""
+def test_an_agent_model_vllm_cannot_serve_is_refused_in_one_line(tmp_path, capsys):
+    """configs/agent_calc_tiny.yaml with four heads of 16 channels: vLLM's CPU attention does not serve them."""
     argv = ["train", "--config", str(ROOT / "configs" / "agent_calc_tiny.yaml"), "deploy.engine=vllm"]
+    argv += ["model.model_name_or_path.num_attention_heads=4"]
     argv += ["trainer.warmup_steps=0", "trainer.progress=false", f"trainer.output_dir={tmp_path}"]
     assert main(argv) == 2
     ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlcore:")]

