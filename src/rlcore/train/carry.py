@@ -115,24 +115,24 @@ class ContinuousRollout:
 
     @torch.no_grad()
     def __call__(self, batch: Mapping[str, torch.Tensor], refresh: Callable[[], int | None], version: int) -> Batch:
-        """Admit ``batch``'s rows, decode until as many groups have finished (and every due one), return them.
+        """Admit ``batch``'s rows, decode until ``want`` groups have finished (and every due one), return them.
 
         Args:
-          batch: ``prompts``, ``prompt_mask`` ``[N, P]``; ``iteration`` (the prompts' step), ``row``,
-            ``group`` ``[N]``; ``floor`` ``[N]``: the oldest version a returned token may have.
+          batch: ``prompts``, ``prompt_mask`` ``[N, P]``; ``iteration`` (each prompt's step), ``row``,
+            ``group`` ``[N]`` (N may be 0); ``floor`` ``[1]``: the oldest version a returned token may
+            have; ``want`` ``[1]``: the groups to return.
           refresh: asked between two decode steps: a newer version loaded into the model, or None.
           version: the version the model holds now.
 
         Returns:
-          :data:`CARRY_OUTPUTS` of ``N`` rows, whole groups one after the other.
+          :data:`CARRY_OUTPUTS` of ``want`` whole groups, one after the other.
         """
-        floor = int(batch["floor"][0])
-        step = int(batch["iteration"][0])
-        self._admit(batch, step)
+        floor, want = int(batch["floor"][0]), int(batch["want"][0])
+        if batch["row"].numel():
+            self._admit(batch)
         for r in self.rows:  # cannot be returned any more (a call was skipped): drawn again
             if r.versions and r.versions[0] < floor:
                 self._restart(r)
-        want = len({(step, int(g)) for g in batch["group"].tolist()})
         was_training = self.model.training
         self.model.eval()
         try:
@@ -141,20 +141,23 @@ class ContinuousRollout:
             self.model.train(was_training)
         return self._hand_over(want, floor)
 
-    def _admit(self, batch: Mapping[str, torch.Tensor], step: int) -> None:
-        rows = batch["row"]
-        n = rows.numel()
-        draws = None
-        if self.sampling["temperature"] > 0:
-            stream = RowStream(self.seed, Purpose.SAMPLING, step, rows)
-            draws = uniform_table(stream, n, torch.arange(self.max_new), batch["prompts"].device)
-        holds = self.hold(step, rows)
-        for i, (ids, on, row, group) in enumerate(
-            zip(batch["prompts"].tolist(), batch["prompt_mask"].tolist(), rows.tolist(), batch["group"].tolist())
-        ):
-            prompt = [t for t, m in zip(ids, on) if m]
-            hold = 0 if holds is None else int(holds[i])
-            self.rows.append(_Row((step, row), (step, group), prompt, None if draws is None else draws[i], hold=hold))
+    def _admit(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """Each row of ``batch`` joins the rows in flight, with the draws of its (step, row) stream."""
+        steps = batch["iteration"]
+        for step in dict.fromkeys(steps.tolist()):
+            at = (steps == step).nonzero().flatten()
+            rows = batch["row"][at]
+            draws = None
+            if self.sampling["temperature"] > 0:
+                stream = RowStream(self.seed, Purpose.SAMPLING, step, rows)
+                draws = uniform_table(stream, rows.numel(), torch.arange(self.max_new), batch["prompts"].device)
+            holds = self.hold(step, rows)
+            ids, on, groups = batch["prompts"][at].tolist(), batch["prompt_mask"][at].tolist(), batch["group"][at]
+            for i, (row, group) in enumerate(zip(rows.tolist(), groups.tolist())):
+                prompt = [t for t, m in zip(ids[i], on[i]) if m]
+                hold = 0 if holds is None else int(holds[i])
+                d = None if draws is None else draws[i]
+                self.rows.append(_Row((step, row), (step, group), prompt, d, hold=hold))
 
     def _restart(self, r: _Row) -> None:
         r.restart()
@@ -284,8 +287,13 @@ class CarriedPrompts:
         return slots
 
 
+def _real(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's real tokens (its left padding dropped)."""
+    return [[t for t, m in zip(row, on) if m] for row, on in zip(ids.tolist(), mask.tolist())]
+
+
 def carried(
-    rollout: Stage, task: Any, *, rank: int, start: int, n: int, staleness: int
+    rollout: Stage, task: Any, *, rank: int, start: int, n: int, staleness: int, ahead: int | None = None
 ) -> tuple[Stage, CarriedPrompts]:
     """The pipeline's rollout stage and prompt source with carry-over: each call trains whichever groups finished.
 
@@ -296,33 +304,55 @@ def carried(
       rank, start, n: as the loader takes them.
       staleness: ``deploy.staleness``: the call of iteration ``i`` returns no token older
         than version ``i - staleness``.
+      ahead: how many later steps' prompts are in flight beside the current one's (default
+        ``staleness``): the call of iteration ``i`` sends the prompts up to step ``i + ahead``,
+        so the worker decodes more groups than a batch and hands over those that finish first.
 
     Returns:
       ``(stage, source)``: the stage reads ``iteration`` (the slots' step) and writes the
       source's columns (but ``iteration``), ``prompt_step`` and the rollout's columns;
       the source's loader gives the slots (:class:`CarriedPrompts`).
     """
+    ahead = staleness if ahead is None else ahead
     load = task.loader(rank, start, n)
     kept = [c for c in task.columns if c not in ("iteration", "row", "prompts", "prompt_mask")]
     pending: dict[tuple[int, int], dict[str, Any]] = {}
+    sent = [0]  # the next pipeline iteration whose prompts go to the worker
+    ragged = {}  # the kept columns the loader gives as lists of rows
 
-    def call(b: Batch) -> dict[str, Any]:
-        i = int(b["iteration"][0]) - start
+    def admit(i: int) -> dict[str, torch.Tensor]:
         src = load(i)
+        for c in kept:
+            ragged[c] = not isinstance(src[c], torch.Tensor)
         steps, rows = src["iteration"].tolist(), src["row"].tolist()
         for k, (s, r) in enumerate(zip(steps, rows)):
             prompt = [t for t, m in zip(src["prompts"][k].tolist(), src["prompt_mask"][k].tolist()) if m]
             pending[s, r] = {"prompt": prompt, **{c: src[c][k] for c in kept}}
-        send = {c: src[c] for c in ("prompts", "prompt_mask", "iteration", "row", "group")}
-        send["floor"] = torch.full_like(src["row"], i - staleness)
+        return {c: src[c] for c in ("prompts", "prompt_mask", "iteration", "row", "group")}
+
+    def call(b: Batch) -> dict[str, Any]:
+        i = int(b["iteration"][0]) - start
+        new = [admit(k) for k in range(sent[0], i + ahead + 1)]
+        sent[0] = max(sent[0], i + ahead + 1)
+        pad = task.tokenizer.pad_token_id
+        if new:
+            prompts, prompt_mask = left_pad([p for x in new for p in _real(x["prompts"], x["prompt_mask"])], pad)
+            send = {c: torch.cat([x[c] for x in new]) for c in ("iteration", "row", "group")}
+            send.update(prompts=prompts, prompt_mask=prompt_mask)
+        else:
+            empty = torch.zeros(0, dtype=torch.int64)
+            send = {"prompts": empty[:, None], "prompt_mask": empty[:, None], "iteration": empty, "row": empty}
+            send["group"] = empty
+        send["floor"] = torch.tensor([i - staleness])
+        send["want"] = torch.tensor([b["iteration"].numel() // n])
         send["policy_version"] = b["policy_version"]
         out = dict(rollout.fn(send))
         back = [pending.pop((s, r)) for s, r in zip(out["prompt_step"].tolist(), out["row"].tolist())]
-        prompts, prompt_mask = left_pad([p["prompt"] for p in back], task.tokenizer.pad_token_id)
+        prompts, prompt_mask = left_pad([p["prompt"] for p in back], pad)
         columns: dict[str, Any] = {"prompts": prompts, "prompt_mask": prompt_mask}
         for c in kept:
             values = [p[c] for p in back]
-            columns[c] = torch.stack(values) if isinstance(src[c], torch.Tensor) else values
+            columns[c] = values if ragged[c] else torch.stack(values)
         if "group" in columns:  # groups numbered in the order they came back (n rows each)
             columns["group"] = torch.arange(len(back) // n).repeat_interleave(n)
         return {**columns, **out}
