@@ -167,7 +167,7 @@ def test_carried_pipeline_trains_every_row_once_within_the_bound():
         return pool(b, lambda: None, current)
 
     proxy = stage(worker, inputs=["prompts"], outputs=["x"], name="rollout", role="rollout", resource="gen")
-    roll, source = carried(proxy, Source(), rank=0, start=0, n=N, staleness=2)
+    roll, source = carried(proxy, Source(), rank=0, start=0, n=N, staleness=2, ahead=2)
 
     def update(b):
         version.v += 1

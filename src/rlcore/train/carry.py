@@ -6,7 +6,7 @@ unfinished ones stay in flight (taking new weights at token boundaries) and fini
 later batches. A step then waits for ``B`` finished rows, not for its longest row.
 
 ``deploy.carry_over`` (with ``deploy.partial_rollouts``) does this in the disaggregated
-torch-engine worker:
+torch-engine worker (at ``deploy.staleness`` 1 nothing can be carried: use 2 or more):
 
 * :class:`ContinuousRollout` (in the worker) holds every row in flight. Each call admits
   one step's prompts, decodes all live rows together (the prompt and the tokens so far
@@ -305,15 +305,17 @@ def carried(
       staleness: ``deploy.staleness``: the call of iteration ``i`` returns no token older
         than version ``i - staleness``.
       ahead: how many later steps' prompts are in flight beside the current one's (default
-        ``staleness``): the call of iteration ``i`` sends the prompts up to step ``i + ahead``,
+        ``staleness - 1``): the call of iteration ``i`` sends the prompts up to step ``i + ahead``,
         so the worker decodes more groups than a batch and hands over those that finish first.
+        A row starts at once, at about version ``i - 1``, so it is due by iteration
+        ``i - 1 + staleness``: more ahead than that would only draw rows again.
 
     Returns:
       ``(stage, source)``: the stage reads ``iteration`` (the slots' step) and writes the
       source's columns (but ``iteration``), ``prompt_step`` and the rollout's columns;
       the source's loader gives the slots (:class:`CarriedPrompts`).
     """
-    ahead = staleness if ahead is None else ahead
+    ahead = max(0, staleness - 1) if ahead is None else ahead
     load = task.loader(rank, start, n)
     kept = [c for c in task.columns if c not in ("iteration", "row", "prompts", "prompt_mask")]
     pending: dict[tuple[int, int], dict[str, Any]] = {}
