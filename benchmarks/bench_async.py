@@ -219,7 +219,10 @@ def real(args: argparse.Namespace) -> None:
         "sync": ("synchronous (blocking, 2 threads)", ["trainer.threads=2"]),
         **{f"async{s}": (f"async, staleness {s} (1+1 threads)", [*disagg, f"deploy.staleness={s}"]) for s in (1, 2, 4)},
         "partial": (f"async + partial rollouts, staleness {args.partial_staleness}", partial),
-        "carry": (f"async + partial + carry-over, staleness {args.partial_staleness}", [*partial, "deploy.carry_over=true"]),
+        "carry": (
+            f"async + partial + carry-over, staleness {args.partial_staleness}",
+            [*partial, "deploy.carry_over=true"],
+        ),
     }
     chosen = args.variants.split(",")
     if "sync" not in chosen or any(v not in every for v in chosen):

@@ -158,7 +158,10 @@ def test_carried_pipeline_trains_every_row_once_within_the_bound():
             def load(i):
                 b = step_batch(start + i, prompts[start + i], n)
                 answers = [torch.tensor([start + i, g]) for g in b["group"].tolist()]
-                return {**{c: b[c] for c in ("prompts", "prompt_mask", "iteration", "row", "group")}, "answers": answers}
+                return {
+                    **{c: b[c] for c in ("prompts", "prompt_mask", "iteration", "row", "group")},
+                    "answers": answers,
+                }
 
             return load
 
@@ -202,7 +205,10 @@ PARTIAL = {"partial_rollouts": True, "async_infer": True, "mode": "disaggregated
     "extra, key",
     [
         ({"deploy": {"carry_over": True}}, "deploy.carry_over"),
-        ({"deploy": {**PARTIAL, "carry_over": True}, "trainer": {"max_worker_restarts": 1}}, "trainer.max_worker_restarts"),
+        (
+            {"deploy": {**PARTIAL, "carry_over": True}, "trainer": {"max_worker_restarts": 1}},
+            "trainer.max_worker_restarts",
+        ),
     ],
 )
 def test_carry_over_needs_partial_rollouts_without_worker_restarts(extra, key):

@@ -97,7 +97,7 @@ class ContinuousRollout:
     ):
         self.model, self.seed = model, seed
         self.eos, self.pad, self.max_new = eos_token_id, pad_token_id, max_new_tokens
-        self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        self.sampling: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
         self.rows: list[_Row] = []
         self.restarts = 0
 

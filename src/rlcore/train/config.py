@@ -670,12 +670,16 @@ def _check_partial_rollouts(cfg: Config) -> None:
             raise ValueError(f"config key {key!r}: got {got!r} with deploy.partial_rollouts true, expected {expected}")
     if not d.carry_over:
         return
-    refused = [
-        ("trainer.max_worker_restarts", cfg.trainer.max_worker_restarts, "0 (a replaced worker loses the rows in flight)"),
+    carried: list[tuple[str, Any, str]] = [
+        (
+            "trainer.max_worker_restarts",
+            cfg.trainer.max_worker_restarts,
+            "0 (a replaced worker loses the rows in flight)",
+        ),
         ("deploy.stale_refills", d.stale_refills, "0 (carried rows are never trained past the staleness bound)"),
         ("rl.multi_turn", cfg.rl.multi_turn, "null (agent trajectories are not carried)"),
     ]
-    for key, got, expected in refused:
+    for key, got, expected in carried:
         if got:
             raise ValueError(f"config key {key!r}: got {got!r} with deploy.carry_over true, expected {expected}")
 

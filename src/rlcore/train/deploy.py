@@ -226,8 +226,17 @@ class RolloutServer:
             self._load = partial(_copy_into, dict(model.named_parameters()))
         self.carry: ContinuousRollout | None = None
         if cfg.deploy.carry_over:
-            sampling = {k: v for k, v in self.engine.sampling.items() if k != "max_new_tokens"}  # type: ignore[attr-defined]
-            self.carry = self.continuous(model, seed=self.seed, max_new_tokens=cfg.rl.max_new_tokens, **sampling)
+            rl = cfg.rl
+            self.carry = self.continuous(
+                model,
+                seed=self.seed,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                max_new_tokens=rl.max_new_tokens,
+                temperature=rl.temperature,
+                top_p=rl.top_p,
+                top_k=rl.top_k,
+            )
         self._loaded: Any = None
 
     def __call__(self, batch: Batch, weights: dict[str, torch.Tensor], latest: LatestWeights | None = None) -> Batch:
