@@ -1,16 +1,20 @@
 """Asynchronous RL on heavy-tailed response lengths: the synchronous trainer against async and partial rollouts.
 
 Run: python benchmarks/bench_async.py [--steps 120] [--warmup-steps 150] [--median 8] [--sigma 1.0] [--cap 20]
+     [--variants sync,async1,async2,async4,partial,carry]
      python benchmarks/bench_async.py --sim-only      (the simulated schedule at AReaL's scale alone)
 
 1. Real, on this machine. The main job's task and model (``configs/grpo_tiny.yaml``,
-   trained by :func:`rlcore.train.train`), with a long tail of response lengths: the
-   rollout engine keeps decoding each row past its end (the tokens are masked out: not
-   scored, not trained) to a length drawn per row from a lognormal with median
-   ``--median`` tokens and shape ``--sigma``, capped at ``--cap`` times the median --
-   so a few rows of every batch are 10-20x the median and a batch's decode lasts until
-   its longest row, as in a static-batch engine. The draw is keyed by (step, row), so
-   every variant decodes the same lengths. Variants, same samples each:
+   trained by :func:`rlcore.train.train`), with a long tail of response lengths: each
+   row stays in the decode batch past its end (fed padding; those tokens are masked
+   out: not scored, not trained) until it has decoded a length drawn per row: a
+   lognormal, ``median * exp(sigma * z)`` with ``z`` standard normal keyed by the row's
+   (prompt step, row), median ``--median`` tokens and shape ``--sigma``, capped at
+   ``--cap`` times the median -- so a few rows of every batch are 10-20x the median.
+   Every variant decodes the same lengths for the same rows, and every variant's
+   decoder lets a row leave the batch once it has decoded its length (as
+   :class:`rlcore.models.decoding.CachedDecoder.drop` does at ``<eos>``: continuous
+   batching, not a static batch padded to its longest row). Variants, same samples each:
 
    * synchronous: the blocking, staleness-0 pipeline, rollout and update in one
      process on both cores (``trainer.threads=2``);
@@ -19,7 +23,11 @@ Run: python benchmarks/bench_async.py [--steps 120] [--warmup-steps 150] [--medi
      trainer (1 thread);
    * async with partial rollouts (``deploy.partial_rollouts=true``) at
      ``--partial-staleness``: a version reaching the worker mid-rollout is taken
-     between two tokens (the tail included).
+     between two tokens (the tail included);
+   * async with partial rollouts and carry-over (``deploy.carry_over=true``) at
+     ``--partial-staleness``: the worker keeps that many later steps' prompts in
+     flight and a step trains the first ``rl.batch_size`` groups that finished; the
+     long rows finish into later steps (no token older than the staleness bound).
 
    Samples per second over the RL steps (the sum of the steps' wall times; warm-up and
    worker start-up excluded), each variant's ratio to the synchronous one, the final
@@ -67,6 +75,7 @@ from rlcore.dataflow import StageGraph, simulate, stage
 from rlcore.models.decoding import CachedDecoder
 from rlcore.seeding import mix
 from rlcore.train import TorchEngine, build_model, load_config, source_tokenizer, task_options, train
+from rlcore.train.carry import ContinuousRollout
 from rlcore.train.deploy import RolloutServer, WorkerDeployment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,18 +94,25 @@ def tail_lengths(rows: torch.Tensor, step: int, median: float, sigma: float, cap
     return torch.tensor(out).round().clamp(min=1).to(torch.int64)
 
 
-class TailEngine(TorchEngine):
-    """A :class:`rlcore.train.TorchEngine` whose calls decode on past each row's end to its tail length.
+def _tail_shape() -> tuple[float, float, float]:
+    median, sigma, cap = (float(x) for x in os.environ.get(TAIL, "8,1.0,20").split(","))
+    return median, sigma, cap
 
-    The response is the engine's; the extra decode steps only cost time (a static batch
-    runs to its longest row). With ``refresh`` (partial rollouts) new weights are taken
-    in the tail too: the cache is rebuilt on the new weights, as in :func:`rlcore.train.generate`.
+
+class TailEngine(TorchEngine):
+    """A :class:`rlcore.train.TorchEngine` whose rows stay in the decode batch past their end to their tail length.
+
+    The response is the engine's; the extra decode steps only cost time. A row leaves the
+    batch once it has decoded its length (the rule of :meth:`CachedDecoder.drop
+    <rlcore.models.decoding.CachedDecoder.drop>`), so a call lasts until its longest row
+    and costs the forwards of the rows still in it. With ``refresh`` (partial rollouts)
+    new weights are taken in the tail too: the cache is rebuilt on the new weights, as in
+    :func:`rlcore.train.generate`.
     """
 
     def __init__(self, model: Any, **sampling: Any):
         super().__init__(model, **sampling)
-        median, sigma, cap = (float(x) for x in os.environ.get(TAIL, "8,1.0,20").split(","))
-        self.tail = (median, sigma, cap)
+        self.tail = _tail_shape()
 
     def generate(self, prompts, prompt_mask, *, n, generator, refresh=None, version=0):  # type: ignore[no-untyped-def]
         extra = {} if refresh is None else {"refresh": refresh, "version": version}
@@ -104,22 +120,25 @@ class TailEngine(TorchEngine):
         rows = getattr(generator, "rows", None)
         rows = torch.arange(r.responses.shape[0]) if rows is None else rows
         lengths = tail_lengths(rows, getattr(generator, "step", 0), *self.tail)
-        steps = int(lengths.max()) - r.responses.shape[1]
-        if steps > 0:  # a static batch: finished rows are fed padding, attended, until the longest row ends
+        if int(lengths.max()) > r.responses.shape[1]:
             attention = torch.cat([r.prompt_mask, torch.ones_like(r.mask)], 1)
-            self._decode(torch.cat([r.prompts, r.responses], 1), attention, steps, refresh)
+            self._decode(torch.cat([r.prompts, r.responses], 1), attention, lengths - r.responses.shape[1], refresh)
         return r
 
     @torch.no_grad()
-    def _decode(self, ids: torch.Tensor, attention: torch.Tensor, steps: int, refresh: Any) -> None:
+    def _decode(self, ids: torch.Tensor, attention: torch.Tensor, left: torch.Tensor, refresh: Any) -> None:
+        """Feed padding to each row for ``left`` more steps; a row leaves the batch once its steps are done."""
         was_training = self.model.training
         self.model.eval()
         try:
             decoder = CachedDecoder(self.model, ids, attention)
             pad = torch.zeros(ids.shape[0], dtype=torch.int64)
-            for _ in range(steps):
-                if refresh is not None and refresh() is not None:  # new weights: re-encode what was decoded
-                    decoder = CachedDecoder(self.model, ids, decoder.attention)
+            for t in range(int(left.max())):
+                if refresh is not None and refresh() is not None:  # new weights: re-encode the rows still in
+                    active = decoder.active
+                    decoder = CachedDecoder(self.model, ids[active], decoder.attention, active=active)
+                if decoder.drop(left <= t) == 0:
+                    break
                 decoder.feed(pad)
                 ids = torch.cat([ids, pad[:, None]], 1)
         finally:
@@ -132,8 +151,17 @@ class TailEngine(TorchEngine):
             p.copy_(params[name])
 
 
+class TailRows(ContinuousRollout):
+    """Carry-over's rows in flight with the same tail: each row stays in the batch to its drawn length."""
+
+    def hold(self, step: int, rows: torch.Tensor) -> torch.Tensor:
+        return tail_lengths(rows, step, *_tail_shape())
+
+
 class TailServer(RolloutServer):
     """The rollout worker's server with the tail engine (built in the worker process)."""
+
+    continuous = TailRows
 
     def __init__(self, cfg_dict: dict[str, Any], vocab_size: int, build: Any):
         super().__init__(cfg_dict, vocab_size, build)
@@ -186,15 +214,20 @@ def real(args: argparse.Namespace) -> None:
         "trainer.save_every=0",
     ]
     disagg = ["trainer.threads=1", "deploy.mode=disaggregated", "deploy.async_infer=true"]
-    variants = {
-        "synchronous (blocking, 2 threads)": ["trainer.threads=2"],
-        **{f"async, staleness {s} (1+1 threads)": [*disagg, f"deploy.staleness={s}"] for s in (1, 2, 4)},
-        f"async + partial rollouts, staleness {args.partial_staleness}": [
-            *disagg,
-            f"deploy.staleness={args.partial_staleness}",
-            "deploy.partial_rollouts=true",
-        ],
+    partial = [*disagg, f"deploy.staleness={args.partial_staleness}", "deploy.partial_rollouts=true"]
+    every = {
+        "sync": ("synchronous (blocking, 2 threads)", ["trainer.threads=2"]),
+        **{f"async{s}": (f"async, staleness {s} (1+1 threads)", [*disagg, f"deploy.staleness={s}"]) for s in (1, 2, 4)},
+        "partial": (f"async + partial rollouts, staleness {args.partial_staleness}", partial),
+        "carry": (
+            f"async + partial + carry-over, staleness {args.partial_staleness}",
+            [*partial, "deploy.carry_over=true"],
+        ),
     }
+    chosen = args.variants.split(",")
+    if "sync" not in chosen or any(v not in every for v in chosen):
+        raise SystemExit(f"--variants: got {args.variants!r}, expected 'sync' and some of {list(every)}")
+    variants = dict(every[v] for v in chosen)
     WorkerDeployment.server = TailServer  # the worker builds the tail engine
     try:
         results = {}
@@ -293,6 +326,7 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--cap", type=float, default=20.0)
     parser.add_argument("--partial-staleness", type=int, default=2)
+    parser.add_argument("--variants", default="sync,async1,async2,async4,partial,carry")
     parser.add_argument("--sim-only", action="store_true")
     parser.add_argument("--sim-nodes", type=int, default=16)
     parser.add_argument("--sim-prompts", type=int, default=512)

@@ -43,6 +43,7 @@ COLUMNS = Schema(
         Column("group", _I, "scalar", "the prompt's index in the step: the rows of one prompt form a group"),
         Column("iteration", _I, "scalar", "the training step the row belongs to"),
         Column("row", _I, "scalar", "the row's index in the step's global batch (keys its random streams)"),
+        Column("prompt_step", _I, "scalar", "deploy.carry_over: the step whose prompts the row answers (its key)"),
         Column("index", _I, "scalar", "the dataset row of the prompt or pair (prompt and preference datasets)"),
         # The rollout.
         Column("responses", _I, "token", "response token ids, right-padded (multi-turn: policy and observation ids)"),

@@ -25,6 +25,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              rollouts (AReaL): a newer version reaching the worker mid-rollout
                                              is taken between two tokens; each token records its version
                                              (token_version); the row's oldest token stays within staleness
+    deploy.carry_over                        with partial_rollouts: unfinished rows stay in flight across steps
+                                             (AReaL); a batch is the first rl.batch_size groups whose n samples
+                                             all finished, no token older than staleness (default false)
     deploy.stale_refills                     with rl.stale_after, disaggregated: a row the update would drop as
                                              stale is sampled again with the newest weights, at most n times
                                              (filter-and-refill: the batch keeps its size; default 0)
@@ -174,6 +177,7 @@ class DeployConfig:
     async_infer: bool = False
     staleness: int = 1
     partial_rollouts: bool = False
+    carry_over: bool = False
     stale_refills: int = 0
     backend: Literal["local", "ray"] = "local"
     rollout_timeout: float = 600.0
@@ -653,6 +657,11 @@ def _check_stale_rows(cfg: Config) -> None:
 def _check_partial_rollouts(cfg: Config) -> None:
     """``deploy.partial_rollouts``: only where a rollout can meet a newer version mid-way and take it (the local worker)."""
     d = cfg.deploy
+    if d.carry_over and not d.partial_rollouts:
+        raise ValueError(
+            "config key 'deploy.carry_over': got True with deploy.partial_rollouts false, expected partial rollouts "
+            "(carried rows take new weights between two tokens)"
+        )
     if not d.partial_rollouts:
         return
     refused = [
@@ -664,6 +673,20 @@ def _check_partial_rollouts(cfg: Config) -> None:
     for key, got, bad, expected in refused:
         if bad:
             raise ValueError(f"config key {key!r}: got {got!r} with deploy.partial_rollouts true, expected {expected}")
+    if not d.carry_over:
+        return
+    carried: list[tuple[str, Any, str]] = [
+        (
+            "trainer.max_worker_restarts",
+            cfg.trainer.max_worker_restarts,
+            "0 (a replaced worker loses the rows in flight)",
+        ),
+        ("deploy.stale_refills", d.stale_refills, "0 (carried rows are never trained past the staleness bound)"),
+        ("rl.multi_turn", cfg.rl.multi_turn, "null (agent trajectories are not carried)"),
+    ]
+    for key, got, expected in carried:
+        if got:
+            raise ValueError(f"config key {key!r}: got {got!r} with deploy.carry_over true, expected {expected}")
 
 
 def _check_engine(cfg: Config) -> None:

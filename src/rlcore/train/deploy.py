@@ -56,6 +56,7 @@ from rlcore.seeding import Purpose, RowStream
 from rlcore.train.agent_stages import ROLLOUT_COLUMNS as AGENT_COLUMNS
 from rlcore.train.agent_stages import ROLLOUT_INPUTS as AGENT_INPUTS
 from rlcore.train.agent_stages import MultiTurnRollout, multi_turn_rollout_stage
+from rlcore.train.carry import ContinuousRollout
 from rlcore.train.config import Config, parse_config
 from rlcore.train.parallel import full_state_dict
 from rlcore.train.prompts import make_prompt_source, source_tokenizer, task_options
@@ -199,9 +200,16 @@ class RolloutServer:
       vocab_size: the task tokenizer's vocabulary.
       build_model: ``(config, vocab_size) -> model`` (picklable).
 
+    With ``deploy.carry_over`` the torch engine's rows stay in flight across calls
+    (:class:`rlcore.train.carry.ContinuousRollout`): each call returns finished groups.
+
     Attributes:
       engine: the worker's :class:`~rlcore.train.InferenceEngine`.
+      carry: the rows in flight with ``deploy.carry_over``, else None.
     """
+
+    # The rows-in-flight class of deploy.carry_over (a benchmark may model a tail with a subclass).
+    continuous: type[ContinuousRollout] = ContinuousRollout
 
     def __init__(self, cfg_dict: dict[str, Any], vocab_size: int, build_model: ModelBuilder):
         cfg = parse_config(cfg_dict)
@@ -219,6 +227,19 @@ class RolloutServer:
         else:
             self.engine = _torch_engine(cfg, model, tok)
             self._load = partial(_copy_into, dict(model.named_parameters()))
+        self.carry: ContinuousRollout | None = None
+        if cfg.deploy.carry_over:
+            rl = cfg.rl
+            self.carry = self.continuous(
+                model,
+                seed=self.seed,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                max_new_tokens=rl.max_new_tokens,
+                temperature=rl.temperature,
+                top_p=rl.top_p,
+                top_k=rl.top_k,
+            )
         self._loaded: Any = None
 
     def __call__(self, batch: Batch, weights: dict[str, torch.Tensor], latest: LatestWeights | None = None) -> Batch:
@@ -241,6 +262,8 @@ class RolloutServer:
 
         refresh()
         self._take(latest.params)
+        if self.carry is not None:  # deploy.carry_over: the rows in flight, and finished groups back
+            return self.carry(batch, refresh, latest.version)
         assert isinstance(self.engine, TorchEngine)  # the config allows partial rollouts with the torch engine only
         r = self.engine.generate(
             batch["prompts"], batch["prompt_mask"], n=1, generator=stream, refresh=refresh, version=latest.version

@@ -47,6 +47,7 @@ from rlcore import algos
 from rlcore.dataflow import TaskRecord, run_pipeline
 from rlcore.memory import retain_host_memory
 from rlcore.train.build import build_algorithm, build_model, build_models, build_reference
+from rlcore.train.carry import carried
 from rlcore.train.config import Config
 from rlcore.train.deploy import make_deployment
 from rlcore.train.metrics import plot_run
@@ -195,13 +196,18 @@ def _train(
             stop=stop,
         )
         stack.callback(end.close)
-        graph = step_graph(cfg, models, recipe, opt, steps, deployment.rollout, rewards, task, world, end, plan)
+        rollout, source = deployment.rollout, task
+        if cfg.deploy.carry_over:  # the rollout writes the prompts of the groups that finished (rlcore.train.carry)
+            assert rollout is not None
+            n, dp = rl.n_samples, world.dp_rank
+            rollout, source = carried(rollout, task, rank=dp, start=start, n=n, staleness=cfg.deploy.staleness)
+        graph = step_graph(cfg, models, recipe, opt, steps, rollout, rewards, source, world, end, plan)
         models.train()
         steps.last_end = time.perf_counter()
         if tr.steps > start:
             result = run_pipeline(
                 graph,
-                task.loader(world.dp_rank, start, rl.n_samples),
+                source.loader(world.dp_rank, start, rl.n_samples),
                 num_prompts=rl.batch_size,
                 n_samples=rl.n_samples,
                 num_iterations=tr.steps - start,
