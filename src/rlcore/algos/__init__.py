@@ -24,7 +24,15 @@ from rlcore.algos.collectives import group_sum, resolve_process_group
 from rlcore.algos.distillation import generalized_jsd_loss, reverse_kl_distill_loss
 from rlcore.algos.entropy import EntropyController, EntropyControllerState, adaptive_entropy_controller
 from rlcore.algos.evaluation import pass_at_k
-from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
+from rlcore.algos.filters import (
+    RefillPick,
+    dynamic_sampling_indices,
+    dynamic_sampling_mask,
+    informative_groups,
+    refill_groups,
+    rejection_mask,
+    truncated_is_weights,
+)
 from rlcore.algos.kl import (
     KL_ESTIMATORS,
     KLController,
@@ -117,6 +125,7 @@ __all__: list[str] = [
     "KLController",
     "KLControllerState",
     "Recipe",
+    "RefillPick",
     "RewardNormalizer",
     "RunningMomentsState",
     "ScoringNeeds",
@@ -158,6 +167,7 @@ __all__: list[str] = [
     "grpo_advantages",
     "gspo",
     "gspo_loss",
+    "informative_groups",
     "interpolated_prox_logp",
     "kl_cov_loss",
     "kl_in_reward",
@@ -178,6 +188,7 @@ __all__: list[str] = [
     "ppo_clip_loss",
     "process_reward_loss",
     "reduce_metrics",
+    "refill_groups",
     "reinforce_loss",
     "reinforce_pp",
     "reinforce_pp_advantages",

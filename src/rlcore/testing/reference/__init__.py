@@ -22,7 +22,12 @@ from rlcore.testing.reference.advantages import (
 from rlcore.testing.reference.attention import packed_attention_ref
 from rlcore.testing.reference.distillation import generalized_jsd_loss_ref, reverse_kl_distill_loss_ref
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
-from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
+from rlcore.testing.reference.filters import (
+    dynamic_sampling_mask_ref,
+    refill_groups_ref,
+    rejection_mask_ref,
+    truncated_is_weights_ref,
+)
 from rlcore.testing.reference.kl import (
     adaptive_entropy_coefs_ref,
     adaptive_kl_coefs_ref,
@@ -159,6 +164,7 @@ __all__ = [
     "passk_advantages_ref",
     "ppo_clip_loss_ref",
     "process_reward_loss_ref",
+    "refill_groups_ref",
     "reinforce_loss_ref",
     "reinforce_pp_advantages_ref",
     "reinforce_pp_baseline_advantages_ref",
