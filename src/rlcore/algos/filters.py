@@ -74,9 +74,7 @@ def _informative(scores: torch.Tensor, group_ids: torch.Tensor, n: int) -> torch
     return (hi != lo) & ~spoiled
 
 
-def informative_groups(
-    scores: torch.Tensor, group_ids: torch.Tensor, *, num_groups: int | None = None
-) -> torch.Tensor:
+def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor, *, num_groups: int | None = None) -> torch.Tensor:
     """Per group, whether DAPO's dynamic sampling keeps it: its scores are finite and not all equal.
 
     The group-level form of :func:`dynamic_sampling_mask` (``mask = informative_groups(...)[group_ids]``);

@@ -90,6 +90,10 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              token) are dropped from the loss (rl.stale_mode drop) or weighted
                                              rl.stale_decay ** (lag - k) (weight); stale/dropped, stale/weight logged
                                              (null: off)
+    rl.max_refill_draws                      filter-and-refill (DAPO's dynamic sampling): while fewer than
+                                             rl.batch_size groups of a step have scores that are not all equal,
+                                             draw as many new prompts as are missing, at most n more times; the
+                                             shortfall is logged as refill/shortfall (0: off; rlcore.train.refill)
 """
 
 from __future__ import annotations
@@ -153,6 +157,7 @@ class RLConfig:
     stale_after: int | None = None
     stale_mode: Literal["drop", "weight"] = "drop"
     stale_decay: float = 0.5
+    max_refill_draws: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +400,7 @@ def _validate(cfg: Config) -> None:
         )
     _positive("rl.behaviour_cap", rl.behaviour_cap)
     _check_stale_rows(cfg)
+    _check_refill(cfg)
     if rl.prox_logp == "interpolate" and (not cfg.deploy.async_infer or _behaviour_off(cfg) or rl.algo == "dpo"):
         raise ValueError(
             "config key 'rl.prox_logp': got 'interpolate', expected 'recompute' unless deploy.async_infer is on with "
@@ -423,6 +429,25 @@ def _validate(cfg: Config) -> None:
             "config mapping (rlcore downloads nothing; save the model locally and override model.model_name_or_path=DIR)"
         )
     _check_model(cfg)
+
+
+def _check_refill(cfg: Config) -> None:
+    """``rl.max_refill_draws``: >= 0; refills are drawn for a policy-gradient recipe's single-turn rollouts."""
+    draws = cfg.rl.max_refill_draws
+    _positive("rl.max_refill_draws", draws, strict=False)
+    if not draws:
+        return
+    for bad, why in (
+        (cfg.rl.algo == "dpo", "rl.algo 'dpo'"),
+        (cfg.rl.multi_turn is not None, "rl.multi_turn set"),
+        (cfg.parallel.context_parallel > 1, "parallel.context_parallel > 1"),
+        (cfg.rl.n_samples < 2, "rl.num_rollouts 1 (a group of one sample is never informative)"),
+    ):
+        if bad:
+            raise ValueError(
+                f"config key 'rl.max_refill_draws': got {draws} with {why}, expected 0 (refills are drawn for a "
+                "policy-gradient recipe's single-turn groups of several samples, one sequence per rank)"
+            )
 
 
 def _check_stop_signals(names: list) -> None:

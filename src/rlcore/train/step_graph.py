@@ -59,7 +59,8 @@ def _sampling_stages(
     if plan.ref_every and plan.ref_stage:
         scoring.append(score(models.reference, outputs=("ref_logp",), temperature=rl.temperature))
         logged.append("ref_logp")
-    return [rollout, reward], scoring, logged, prepare
+    # The source's sampling: the rollout then the reward, or one stage over both (filter-and-refill).
+    return task.sampling(rollout, reward), scoring, logged, prepare
 
 
 def step_graph(

@@ -18,9 +18,7 @@ def dynamic_sampling_mask_ref(scores: torch.Tensor, group_ids: torch.Tensor) -> 
     return torch.tensor([len(distinct[g]) > 1 for g in ids], dtype=torch.bool)
 
 
-def refill_groups_ref(
-    scores: torch.Tensor, group_ids: torch.Tensor, *, wanted: int
-) -> tuple[list[int], int]:
+def refill_groups_ref(scores: torch.Tensor, group_ids: torch.Tensor, *, wanted: int) -> tuple[list[int], int]:
     """Loop reference of :func:`rlcore.algos.refill_groups`: walk the groups in draw order, keep the informative.
 
     Returns the picked group ids (at most ``wanted``) and the shortfall.
