@@ -96,6 +96,7 @@ from rlcore.algos.recipes import (
     token_advantages,
     token_rewards_shaping,
 )
+from rlcore.algos.replay import ReplayState, replay_init, replay_insert, replay_serve
 from rlcore.algos.reward_model import bradley_terry_loss, process_reward_loss
 from rlcore.algos.shaping import (
     RewardNormalizer,
@@ -126,6 +127,7 @@ __all__: list[str] = [
     "KLControllerState",
     "Recipe",
     "RefillPick",
+    "ReplayState",
     "RewardNormalizer",
     "RunningMomentsState",
     "ScoringNeeds",
@@ -195,6 +197,9 @@ __all__: list[str] = [
     "reinforce_pp_baseline_advantages",
     "rejection_mask",
     "remax_advantages",
+    "replay_init",
+    "replay_insert",
+    "replay_serve",
     "resolve_process_group",
     "reverse_kl_distill_loss",
     "rloo",

@@ -85,6 +85,7 @@ from rlcore.testing.reference.preference import (
     sequence_logps_ref,
     simpo_loss_ref,
 )
+from rlcore.testing.reference.replay import ReplayBufferRef
 from rlcore.testing.reference.resharding import (
     local_shard_ref,
     swap_roundtrip_ref,
@@ -105,6 +106,7 @@ from rlcore.testing.reference.trainer_loop import LoopRun, train_loop_ref
 
 __all__ = [
     "LoopRun",
+    "ReplayBufferRef",
     "RunningNormalizerRef",
     "TransferDockRef",
     "adaptive_entropy_coefs_ref",
