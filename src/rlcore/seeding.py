@@ -55,7 +55,6 @@ class Purpose(enum.IntEnum):
     EPOCH_ORDER = 6  # a prompt set's permutation of one epoch
     REFILL = 7  # filter-and-refill's redrawn prompts (rl.max_refill_draws)
     CURRICULUM = 8  # the pass-rate curriculum's prompts of a step (data.curriculum)
-    REPLAY = 9  # the replay buffer's served rows (rl.replay)
 
 
 def _word(name: str, value: Any) -> int:

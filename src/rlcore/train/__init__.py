@@ -78,6 +78,7 @@ from rlcore.train.recipe_stages import (
     stages_for,
 )
 from rlcore.train.refill import RefillPrompts, refill_stage
+from rlcore.train.replay import Replay, ReplayBuffer, ReplayConfig, parse_replay
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
 from rlcore.train.rundir import (
     FREE_KEYS,
@@ -253,4 +254,4 @@ __all__ += [
 __all__ += ["LORA_KEYS", "adapter_modules", "attach_lora", "check_lora_launch", "lora_options"]
 # Stopping on a signal at a step boundary (preemption), and resuming.
 __all__ += ["EXIT_PREEMPTED", "STOP_SIGNALS", "Preempted", "StopRequest", "save_checkpoint_async", "stop_on_signals"]
-__all__ += ["RefillPrompts", "refill_stage"]
+__all__ += ["RefillPrompts", "Replay", "ReplayBuffer", "ReplayConfig", "parse_replay", "refill_stage"]

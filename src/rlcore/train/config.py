@@ -94,6 +94,11 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              rl.batch_size groups of a step have scores that are not all equal,
                                              draw as many new prompts as are missing, at most n more times; the
                                              shortfall is logged as refill/shortfall (0: off; rlcore.train.refill)
+    rl.replay                                a replay buffer at the update: {capacity, fraction, max_reuse,
+                                             min_advantage, cap, level}: rows with a sequence advantage above
+                                             min_advantage are stored, fraction x the update's rows are served
+                                             back (each at most max_reuse times), weighted by min(pi / pi_sampled,
+                                             cap); replay/served, replay/stored logged (null: off; rlcore.train.replay)
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ from rlcore.agent import parse_multi_turn
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
 from rlcore.train.preemption import STOP_SIGNALS
+from rlcore.train.replay import parse_replay
 from rlcore.train.vllm_engine import parse_vllm_options
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
@@ -158,6 +164,7 @@ class RLConfig:
     stale_mode: Literal["drop", "weight"] = "drop"
     stale_decay: float = 0.5
     max_refill_draws: int = 0
+    replay: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +408,7 @@ def _validate(cfg: Config) -> None:
     _positive("rl.behaviour_cap", rl.behaviour_cap)
     _check_stale_rows(cfg)
     _check_refill(cfg)
+    _check_replay(cfg)
     if rl.prox_logp == "interpolate" and (not cfg.deploy.async_infer or _behaviour_off(cfg) or rl.algo == "dpo"):
         raise ValueError(
             "config key 'rl.prox_logp': got 'interpolate', expected 'recompute' unless deploy.async_infer is on with "
@@ -447,6 +455,26 @@ def _check_refill(cfg: Config) -> None:
             raise ValueError(
                 f"config key 'rl.max_refill_draws': got {draws} with {why}, expected 0 (refills are drawn for a "
                 "policy-gradient recipe's single-turn groups of several samples, one sequence per rank)"
+            )
+
+
+def _check_replay(cfg: Config) -> None:
+    """``rl.replay``: a valid section, in a setup whose update sees each fresh row once, on one rank."""
+    if cfg.rl.replay is None:
+        return
+    parse_replay(cfg.rl.replay)
+    for bad, why in (
+        (cfg.rl.algo == "dpo", "rl.algo 'dpo'"),
+        (cfg.rl.multi_turn is not None, "rl.multi_turn set"),
+        (cfg.deploy.async_infer, "deploy.async_infer true"),
+        (cfg.parallel.data_parallel > 1 or cfg.parallel.context_parallel > 1, "more than one data or context rank"),
+        (cfg.rl.stale_after is not None, "rl.stale_after set"),
+        (cfg.rl.epochs > 1, "rl.epochs > 1 (each epoch would store the rows again)"),
+    ):
+        if bad:
+            raise ValueError(
+                f"config key 'rl.replay': got a section with {why}, expected null (the replay buffer mixes rows "
+                "into a policy-gradient recipe's blocking single-rank update, one pass over each row)"
             )
 
 
