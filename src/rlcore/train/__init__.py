@@ -34,6 +34,7 @@ from rlcore.train.context_parallel import (
     replica_groups,
     replicate_stage,
 )
+from rlcore.train.curriculum import CurriculumPrompts
 from rlcore.train.deploy import (
     ColocatedDeployment,
     Deployment,
@@ -254,4 +255,12 @@ __all__ += [
 __all__ += ["LORA_KEYS", "adapter_modules", "attach_lora", "check_lora_launch", "lora_options"]
 # Stopping on a signal at a step boundary (preemption), and resuming.
 __all__ += ["EXIT_PREEMPTED", "STOP_SIGNALS", "Preempted", "StopRequest", "save_checkpoint_async", "stop_on_signals"]
-__all__ += ["RefillPrompts", "Replay", "ReplayBuffer", "ReplayConfig", "parse_replay", "refill_stage"]
+__all__ += [
+    "CurriculumPrompts",
+    "RefillPrompts",
+    "Replay",
+    "ReplayBuffer",
+    "ReplayConfig",
+    "parse_replay",
+    "refill_stage",
+]

@@ -99,6 +99,10 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              min_advantage are stored, fraction x the update's rows are served
                                              back (each at most max_reuse times), weighted by min(pi / pi_sampled,
                                              cap); replay/served, replay/stored logged (null: off; rlcore.train.replay)
+    data.curriculum                          with data.path: a pass-rate curriculum {edges, weights, decay, initial,
+                                             threshold}: each prompt's running pass rate puts it in a difficulty band
+                                             (cut at edges, hardest first), steps draw bands by weight, prompts
+                                             uniformly within one; curriculum/band_<i> logged (null: off)
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ from typing import Any, Literal
 import yaml
 
 from rlcore.agent import parse_multi_turn
+from rlcore.data.curriculum import parse_curriculum
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
 from rlcore.train.preemption import STOP_SIGNALS
@@ -209,6 +214,7 @@ class DataConfig:
     rejected_key: str = "rejected"
     max_response_length: int | None = None
     tokenizer: str | None = None
+    curriculum: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +415,13 @@ def _validate(cfg: Config) -> None:
     _check_stale_rows(cfg)
     _check_refill(cfg)
     _check_replay(cfg)
+    if cfg.data.curriculum is not None:
+        parse_curriculum(cfg.data.curriculum)
+        if cfg.data.path is None or rl.algo == "dpo":
+            raise ValueError(
+                "config key 'data.curriculum': got a section without data.path or with rl.algo 'dpo', expected a "
+                "prompt dataset (data.path) that a policy-gradient recipe samples"
+            )
     if rl.prox_logp == "interpolate" and (not cfg.deploy.async_infer or _behaviour_off(cfg) or rl.algo == "dpo"):
         raise ValueError(
             "config key 'rl.prox_logp': got 'interpolate', expected 'recompute' unless deploy.async_infer is on with "

@@ -30,13 +30,14 @@ import torch
 
 from rlcore import seeding
 from rlcore.agent import parse_multi_turn
-from rlcore.data import PromptSet, load_preferences, load_prompts, sample_indices
+from rlcore.data import PromptSet, load_preferences, load_prompts, parse_curriculum, sample_indices
 from rlcore.dataflow import Stage, stage
 from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
 from rlcore.train.agent_stages import check_multi_turn
 from rlcore.train.columns import COLUMNS
 from rlcore.train.config import Config, max_positions
+from rlcore.train.curriculum import CurriculumPrompts
 from rlcore.train.refill import RefillPrompts
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import PAIR_TOKEN_COLUMNS, reward_stage
@@ -508,6 +509,7 @@ def run_prompt_source(cfg: Config, *, world_size: int = 1, leader: bool = True) 
 
     With ``rl.multi_turn`` its tools, environment and stop tokens are refused now, not after
     the warm-up; a dataset's summary is printed by the ``leader`` rank. With
+    ``data.curriculum`` it is drawn by :class:`rlcore.train.curriculum.CurriculumPrompts`; with
     ``rl.max_refill_draws`` it is wrapped in :class:`rlcore.train.refill.RefillPrompts`.
     """
     task: Any = make_prompt_source(cfg, task_options(cfg), world_size=world_size)
@@ -515,6 +517,9 @@ def run_prompt_source(cfg: Config, *, world_size: int = 1, leader: bool = True) 
         check_multi_turn(cfg, task)
     if task.dataset is not None and leader:
         print(task.summary(), flush=True)
+    if cfg.data.curriculum is not None:  # the steps' prompts drawn by pass-rate band (the loader runs up to lag ahead)
+        lag = 2 + (cfg.deploy.staleness if cfg.deploy.async_infer else 0)
+        task = CurriculumPrompts(task, parse_curriculum(cfg.data.curriculum), lag=lag)
     if cfg.rl.max_refill_draws:  # filter-and-refill: one sampling stage fills the slots with informative groups
         task = RefillPrompts(task, max_draws=cfg.rl.max_refill_draws, n_samples=cfg.rl.n_samples)
     return task

@@ -20,6 +20,7 @@ from rlcore.testing.reference.advantages import (
     rloo_advantages_ref,
 )
 from rlcore.testing.reference.attention import packed_attention_ref
+from rlcore.testing.reference.curriculum import curriculum_probs_ref, pass_rate_update_ref
 from rlcore.testing.reference.distillation import generalized_jsd_loss_ref, reverse_kl_distill_loss_ref
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
 from rlcore.testing.reference.filters import (
@@ -120,6 +121,7 @@ __all__ = [
     "clip_cov_loss_ref",
     "clip_rewards_ref",
     "cpo_loss_ref",
+    "curriculum_probs_ref",
     "discounted_cumsum_ref",
     "dpo_loss_ref",
     "dpo_step_ref",
@@ -163,6 +165,7 @@ __all__ = [
     "pair_logps_ref",
     "partial_greedy_ref",
     "pass_at_k_ref",
+    "pass_rate_update_ref",
     "passk_advantages_ref",
     "ppo_clip_loss_ref",
     "process_reward_loss_ref",
