@@ -59,6 +59,18 @@ def test_pass_rate_update_matches_reference_and_stays_in_the_unit_interval(data,
     assert torch.equal(got[untouched], rates[untouched])  # a prompt not drawn keeps its rate
 
 
+@given(
+    rates=st.lists(st.sampled_from([0.0, 0.1, 0.2, 0.5, 0.8, 0.9, 1.0]), min_size=1, max_size=10),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_difficulty_bands_match_reference(rates, dtype):
+    r = torch.tensor(rates, dtype=dtype)
+    got = difficulty_bands(r, (0.2, 0.8))
+    assert got.tolist() == ref.difficulty_bands_ref(
+        r.tolist(), [float(torch.tensor(e, dtype=dtype)) for e in (0.2, 0.8)]
+    )
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     bands=st.lists(st.integers(0, 2), min_size=1, max_size=12),

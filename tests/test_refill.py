@@ -32,6 +32,8 @@ def test_refill_groups_matches_reference(dtype, scores_ids, wanted):
     assert pick.groups[pick.valid].tolist() == picked
     assert int(pick.shortfall) == shortfall
     assert bool((pick.groups[~pick.valid] == -1).all())
+    per_sample = ref.dynamic_sampling_mask_ref(scores, ids)
+    assert torch.equal(informative_groups(scores, ids)[ids], per_sample)
 
 
 @given(

@@ -20,7 +20,7 @@ from rlcore.testing.reference.advantages import (
     rloo_advantages_ref,
 )
 from rlcore.testing.reference.attention import packed_attention_ref
-from rlcore.testing.reference.curriculum import curriculum_probs_ref, pass_rate_update_ref
+from rlcore.testing.reference.curriculum import curriculum_probs_ref, difficulty_bands_ref, pass_rate_update_ref
 from rlcore.testing.reference.distillation import generalized_jsd_loss_ref, reverse_kl_distill_loss_ref
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
 from rlcore.testing.reference.filters import (
@@ -122,6 +122,7 @@ __all__ = [
     "clip_rewards_ref",
     "cpo_loss_ref",
     "curriculum_probs_ref",
+    "difficulty_bands_ref",
     "discounted_cumsum_ref",
     "dpo_loss_ref",
     "dpo_step_ref",

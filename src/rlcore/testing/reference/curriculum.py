@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["curriculum_probs_ref", "pass_rate_update_ref"]
+__all__ = ["curriculum_probs_ref", "difficulty_bands_ref", "pass_rate_update_ref"]
 
 
 def pass_rate_update_ref(
@@ -34,3 +34,8 @@ def curriculum_probs_ref(bands: list[int], weights: list[float]) -> list[float]:
         for i in ids:
             probs[i] = weights[b] / total / len(ids) if total > 0 else 1.0 / len(bands)
     return probs
+
+
+def difficulty_bands_ref(rates: list[float], edges: list[float]) -> list[int]:
+    """A prompt's band: how many edges its rate has reached."""
+    return [sum(1 for e in edges if r >= e) for r in rates]
