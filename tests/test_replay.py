@@ -144,7 +144,9 @@ def test_replay_config_is_checked():
 def test_grpo_trains_with_replay(tmp_path):
     overrides = [*TINY, f"trainer.output_dir={tmp_path}", "trainer.steps=3", "rl.mini_batch_size=4"]
     cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", [*overrides, "trainer.warmup_steps=0"])
-    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, replay={"capacity": 8, "fraction": 0.5, "min_advantage": -1.0}))
+    cfg = dataclasses.replace(
+        cfg, rl=dataclasses.replace(cfg.rl, replay={"capacity": 8, "fraction": 0.5, "min_advantage": -1.0})
+    )
     run = train(cfg)
     assert [r["replay/stored"] > 0 for r in run.records][1:] == [True, True]
     assert run.records[0]["replay/served"] == 0 and run.records[2]["replay/served"] > 0
