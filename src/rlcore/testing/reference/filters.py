@@ -26,7 +26,7 @@ def refill_groups_ref(scores: torch.Tensor, group_ids: torch.Tensor, *, wanted: 
     values: dict[int, list[float]] = {}
     for v, g in zip(scores.double().tolist(), group_ids.tolist()):
         values.setdefault(g, []).append(v)
-    picked = []
+    picked: list[int] = []
     for g in sorted(values):
         vs = values[g]
         if all(math.isfinite(v) for v in vs) and max(vs) != min(vs) and len(picked) < wanted:
