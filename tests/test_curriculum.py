@@ -122,7 +122,7 @@ def test_curriculum_config_and_bad_input():
         pass_rate_update(torch.zeros(2), torch.zeros(2), torch.zeros(2))
 
 
-def test_grpo_trains_on_a_dataset_with_the_curriculum(tmp_path):
+def test_grpo_trains_on_a_dataset_with_the_curriculum_and_refills(tmp_path):
     # The reversal prompts of the shipped preference set, their chosen answers as the reference answers.
     rows = [json.loads(line) for line in (CONFIGS / "data" / "reversal_prefs.jsonl").read_text().splitlines()[:12]]
     data = tmp_path / "prompts.jsonl"
@@ -148,6 +148,7 @@ def test_grpo_trains_on_a_dataset_with_the_curriculum(tmp_path):
             "data.curriculum.edges=[0.3]",
             "data.curriculum.weights=[1.0, 1.0]",
             "data.curriculum.decay=0.0",
+            "rl.max_refill_draws=1",  # composed: the refills are drawn from the dataset by the curriculum's source
         ],
     )
     run = train(parse_config(raw))
@@ -155,3 +156,4 @@ def test_grpo_trains_on_a_dataset_with_the_curriculum(tmp_path):
     last = run.records[-1]
     # The prompts drawn in steps 0 and 1 scored 0 (a random model): step 3's draw sees them in the hard band.
     assert last["curriculum/band_0"] > 0 and math.isclose(last["curriculum/band_0"] + last["curriculum/band_1"], 1.0)
+    assert all(r["refill/draws"] in (0.0, 1.0) and 0 <= r["refill/shortfall"] <= 2 for r in run.records)
