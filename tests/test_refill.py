@@ -185,4 +185,4 @@ def test_dapo_trains_with_refills(tmp_path):
     assert len(run.records) == 2
     for r in run.records:
         assert 0 <= r["refill/draws"] <= 2 and r["refill/shortfall"] >= 0 and math.isfinite(r["loss"])
-        assert r["refill/sampled_groups"] >= 4
+        assert r["refill/sampled_groups"] >= 4 and 0 <= r["refill/first_draw_reward"] <= 1

@@ -17,7 +17,9 @@ rollout and the reward (``rl.max_refill_draws``, :class:`RefillPrompts`):
 A slot no informative group was left for (the shortfall) holds a zero-variance group of
 the draws: it trains nothing (its group advantage is 0; DAPO's filter masks it) and is
 counted in the ``refill/shortfall`` metric. ``refill/draws`` counts the extra draws of a
-step and ``refill/sampled_groups`` the groups sampled for it (both this rank's).
+step, ``refill/sampled_groups`` the groups sampled for it and ``refill/first_draw_reward``
+the mean score of its first draw (the batch without refills; the step's ``reward`` is
+the picked groups'), all this rank's.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def refill_stage(
       written: the source columns the stage writes with the picked groups (the prompt
         source's, but the iteration's slots ``group``, ``iteration`` and ``row``).
       on_metrics: ``on_metrics(step, metrics)`` once per call (``refill/draws``,
-        ``refill/shortfall``, ``refill/sampled_groups``).
+        ``refill/shortfall``, ``refill/sampled_groups``, ``refill/first_draw_reward``).
 
     Returns:
       A rollout-role stage reading ``group``, ``iteration``, ``row`` and writing
@@ -144,6 +146,9 @@ def refill_stage(
                     "refill/draws": float(len(draws) - 1),
                     "refill/shortfall": float(pick.shortfall),
                     "refill/sampled_groups": float(total),
+                    # The first draw's mean score: the reward of the batch without refills (the logged reward
+                    # is the picked groups').
+                    "refill/first_draw_reward": float(scores[0].mean()),
                 },
             )
         return result
