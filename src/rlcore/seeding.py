@@ -53,6 +53,8 @@ class Purpose(enum.IntEnum):
     VALIDATION = 4  # the validator's sampled responses
     EVAL_PROMPTS = 5  # the multi-turn greedy evaluation's fixed prompts
     EPOCH_ORDER = 6  # a prompt set's permutation of one epoch
+    REFILL = 7  # filter-and-refill's redrawn prompts (rl.max_refill_draws)
+    CURRICULUM = 8  # the pass-rate curriculum's prompts of a step (data.curriculum)
 
 
 def _word(name: str, value: Any) -> int:

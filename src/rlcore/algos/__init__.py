@@ -24,7 +24,15 @@ from rlcore.algos.collectives import group_sum, resolve_process_group
 from rlcore.algos.distillation import generalized_jsd_loss, reverse_kl_distill_loss
 from rlcore.algos.entropy import EntropyController, EntropyControllerState, adaptive_entropy_controller
 from rlcore.algos.evaluation import pass_at_k
-from rlcore.algos.filters import dynamic_sampling_indices, dynamic_sampling_mask, rejection_mask, truncated_is_weights
+from rlcore.algos.filters import (
+    RefillPick,
+    dynamic_sampling_indices,
+    dynamic_sampling_mask,
+    informative_groups,
+    refill_groups,
+    rejection_mask,
+    truncated_is_weights,
+)
 from rlcore.algos.kl import (
     KL_ESTIMATORS,
     KLController,
@@ -88,6 +96,7 @@ from rlcore.algos.recipes import (
     token_advantages,
     token_rewards_shaping,
 )
+from rlcore.algos.replay import ReplayState, replay_init, replay_insert, replay_serve
 from rlcore.algos.reward_model import bradley_terry_loss, process_reward_loss
 from rlcore.algos.shaping import (
     RewardNormalizer,
@@ -117,6 +126,8 @@ __all__: list[str] = [
     "KLController",
     "KLControllerState",
     "Recipe",
+    "RefillPick",
+    "ReplayState",
     "RewardNormalizer",
     "RunningMomentsState",
     "ScoringNeeds",
@@ -158,6 +169,7 @@ __all__: list[str] = [
     "grpo_advantages",
     "gspo",
     "gspo_loss",
+    "informative_groups",
     "interpolated_prox_logp",
     "kl_cov_loss",
     "kl_in_reward",
@@ -178,12 +190,16 @@ __all__: list[str] = [
     "ppo_clip_loss",
     "process_reward_loss",
     "reduce_metrics",
+    "refill_groups",
     "reinforce_loss",
     "reinforce_pp",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rejection_mask",
     "remax_advantages",
+    "replay_init",
+    "replay_insert",
+    "replay_serve",
     "resolve_process_group",
     "reverse_kl_distill_loss",
     "rloo",

@@ -8,6 +8,7 @@ size depends on the data (it reads one count back by design).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -15,7 +16,15 @@ from rlcore._checks import check_choice, check_floating, check_ndim, check_posit
 from rlcore.algos._groups import check_outcome
 from rlcore.ops import acc_dtype
 
-__all__ = ["dynamic_sampling_indices", "dynamic_sampling_mask", "rejection_mask", "truncated_is_weights"]
+__all__ = [
+    "RefillPick",
+    "dynamic_sampling_indices",
+    "dynamic_sampling_mask",
+    "informative_groups",
+    "refill_groups",
+    "rejection_mask",
+    "truncated_is_weights",
+]
 
 _IS_LEVELS = ("token", "sequence")
 _RS_LEVELS = ("token", "sequence", "geometric")
@@ -49,6 +58,11 @@ def dynamic_sampling_mask(
     tensor([ True,  True, False, False])
     """
     n = check_outcome(scores, group_ids, num_groups)
+    return _informative(scores, group_ids, n)[group_ids.long()]
+
+
+def _informative(scores: torch.Tensor, group_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` bool: group ``g`` has samples, all finite, not all equal (a group absent from the batch is False)."""
     s = scores.detach()
     idx = group_ids.long()
     bad = ~torch.isfinite(s)
@@ -57,7 +71,89 @@ def dynamic_sampling_mask(
     s = torch.where(bad, 0.0, s)
     hi = s.new_zeros(n).scatter_reduce(0, idx, s, "amax", include_self=False)
     lo = s.new_zeros(n).scatter_reduce(0, idx, s, "amin", include_self=False)
-    return ((hi != lo) & ~spoiled)[idx]
+    return (hi != lo) & ~spoiled
+
+
+def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor, *, num_groups: int | None = None) -> torch.Tensor:
+    """Per group, whether DAPO's dynamic sampling keeps it: its scores are finite and not all equal.
+
+    The group-level form of :func:`dynamic_sampling_mask` (``mask = informative_groups(...)[group_ids]``);
+    an id in ``[0, num_groups)`` that no sample carries is False.
+
+    Args:
+      scores: ``[B]`` sequence scores.
+      group_ids: ``[B]`` integer group of each sample.
+      num_groups: number of groups; ``None`` uses ``B`` (no host sync).
+
+    Returns:
+      ``[num_groups]`` bool.
+
+    >>> informative_groups(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]), num_groups=3)
+    tensor([ True, False, False])
+    """
+    n = check_outcome(scores, group_ids, num_groups)
+    return _informative(scores, group_ids, n)
+
+
+class RefillPick(NamedTuple):
+    """What :func:`refill_groups` picked.
+
+    Fields:
+      groups: ``[wanted]`` int64, the picked group ids in increasing order, then -1 in
+        each slot no informative group was left for.
+      valid: ``[wanted]`` bool, True where ``groups`` holds a group.
+      shortfall: ``[]`` int64, the slots left empty (``wanted - valid.sum()``).
+    """
+
+    groups: torch.Tensor
+    valid: torch.Tensor
+    shortfall: torch.Tensor
+
+
+def refill_groups(
+    scores: torch.Tensor, group_ids: torch.Tensor, *, wanted: int, num_groups: int | None = None
+) -> RefillPick:
+    """Filter-and-refill: the first ``wanted`` informative groups of the candidates drawn so far.
+
+    Reference: Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at
+    Scale", arXiv 2503.14476, dynamic sampling: prompts are drawn and sampled again
+    until the batch holds ``wanted`` groups with ``0 < #correct < G``, under a bound
+    on the draws (verl's ``max_num_gen_batches``).
+
+    The candidates are numbered in the order they were drawn (``group_ids``); the pick
+    is the ``wanted`` lowest ids among the informative groups (:func:`informative_groups`),
+    so a later draw only fills what the earlier ones left. A zero-variance or
+    non-finite group is never picked: when fewer than ``wanted`` are informative, the
+    rest of the slots are empty (-1) and counted in ``shortfall``. No host sync (the
+    output size is ``wanted``).
+
+    Args:
+      scores: ``[B]`` sequence scores of every candidate sample.
+      group_ids: ``[B]`` integer group of each sample, in draw order.
+      wanted: groups the batch needs (an int >= 0).
+      num_groups: number of candidate groups; ``None`` uses ``B``.
+
+    Returns:
+      :class:`RefillPick` ``(groups [wanted], valid [wanted], shortfall [])``.
+
+    >>> s = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    >>> refill_groups(s, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), wanted=3)
+    RefillPick(groups=tensor([ 1,  3, -1]), valid=tensor([ True,  True, False]), shortfall=tensor(1))
+    """
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 0:
+        raise ValueError(f"wanted: got {wanted!r}, expected an int >= 0 (groups the batch needs)")
+    n = check_outcome(scores, group_ids, num_groups)
+    ok = _informative(scores, group_ids, n)
+    device = scores.device
+    ids = torch.arange(n, device=device)
+    # Informative groups rank above the rest, earlier draws above later ones; topk's order is the pick's.
+    key = torch.where(ok, n - ids, 0)
+    k = min(wanted, n)
+    _, top = torch.topk(key, k, sorted=True)
+    valid = torch.cat([ok[top], torch.zeros(wanted - k, dtype=torch.bool, device=device)])
+    groups = torch.where(valid, torch.cat([top, torch.zeros(wanted - k, dtype=torch.long, device=device)]), -1)
+    shortfall = torch.clamp(wanted - ok.sum(), min=0).to(torch.int64)
+    return RefillPick(groups, valid, shortfall)
 
 
 def dynamic_sampling_indices(

@@ -34,6 +34,7 @@ from rlcore.train.context_parallel import (
     replica_groups,
     replicate_stage,
 )
+from rlcore.train.curriculum import CurriculumPrompts
 from rlcore.train.deploy import (
     ColocatedDeployment,
     Deployment,
@@ -78,6 +79,8 @@ from rlcore.train.recipe_stages import (
     StepParts,
     stages_for,
 )
+from rlcore.train.refill import RefillPrompts, refill_stage
+from rlcore.train.replay import Replay, ReplayBuffer, ReplayConfig, parse_replay
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
 from rlcore.train.rundir import (
     FREE_KEYS,
@@ -262,3 +265,12 @@ __all__ += [
 __all__ += ["LORA_KEYS", "adapter_modules", "attach_lora", "check_lora_launch", "lora_options"]
 # Stopping on a signal at a step boundary (preemption), and resuming.
 __all__ += ["EXIT_PREEMPTED", "STOP_SIGNALS", "Preempted", "StopRequest", "save_checkpoint_async", "stop_on_signals"]
+__all__ += [
+    "CurriculumPrompts",
+    "RefillPrompts",
+    "Replay",
+    "ReplayBuffer",
+    "ReplayConfig",
+    "parse_replay",
+    "refill_stage",
+]

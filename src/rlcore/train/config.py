@@ -97,6 +97,19 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              token) are dropped from the loss (rl.stale_mode drop) or weighted
                                              rl.stale_decay ** (lag - k) (weight); stale/dropped, stale/weight logged
                                              (null: off)
+    rl.max_refill_draws                      filter-and-refill (DAPO's dynamic sampling): while fewer than
+                                             rl.batch_size groups of a step have scores that are not all equal,
+                                             draw as many new prompts as are missing, at most n more times; the
+                                             shortfall is logged as refill/shortfall (0: off; rlcore.train.refill)
+    rl.replay                                a replay buffer at the update: {capacity, fraction, max_reuse,
+                                             min_advantage, cap, level}: rows with a sequence advantage above
+                                             min_advantage are stored, fraction x the update's rows are served
+                                             back (each at most max_reuse times), weighted by min(pi / pi_sampled,
+                                             cap); replay/served, replay/stored logged (null: off; rlcore.train.replay)
+    data.curriculum                          with data.path: a pass-rate curriculum {edges, weights, decay, initial,
+                                             threshold}: each prompt's running pass rate puts it in a difficulty band
+                                             (cut at edges, hardest first), steps draw bands by weight, prompts
+                                             uniformly within one; curriculum/band_<i> logged (null: off)
 """
 
 from __future__ import annotations
@@ -116,9 +129,11 @@ from typing import Any, Literal
 import yaml
 
 from rlcore.agent import parse_multi_turn
+from rlcore.data.curriculum import parse_curriculum
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
 from rlcore.train.preemption import STOP_SIGNALS
+from rlcore.train.replay import parse_replay
 from rlcore.train.vllm_engine import parse_vllm_options
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
@@ -160,6 +175,8 @@ class RLConfig:
     stale_after: int | None = None
     stale_mode: Literal["drop", "weight"] = "drop"
     stale_decay: float = 0.5
+    max_refill_draws: int = 0
+    replay: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +222,7 @@ class DataConfig:
     rejected_key: str = "rejected"
     max_response_length: int | None = None
     tokenizer: str | None = None
+    curriculum: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +422,15 @@ def _validate(cfg: Config) -> None:
         )
     _positive("rl.behaviour_cap", rl.behaviour_cap)
     _check_stale_rows(cfg)
+    _check_refill(cfg)
+    _check_replay(cfg)
+    if cfg.data.curriculum is not None:
+        parse_curriculum(cfg.data.curriculum)
+        if cfg.data.path is None or rl.algo == "dpo":
+            raise ValueError(
+                "config key 'data.curriculum': got a section without data.path or with rl.algo 'dpo', expected a "
+                "prompt dataset (data.path) that a policy-gradient recipe samples"
+            )
     if rl.prox_logp == "interpolate" and (not cfg.deploy.async_infer or _behaviour_off(cfg) or rl.algo == "dpo"):
         raise ValueError(
             "config key 'rl.prox_logp': got 'interpolate', expected 'recompute' unless deploy.async_infer is on with "
@@ -432,6 +459,45 @@ def _validate(cfg: Config) -> None:
             "config mapping (rlcore downloads nothing; save the model locally and override model.model_name_or_path=DIR)"
         )
     _check_model(cfg)
+
+
+def _check_refill(cfg: Config) -> None:
+    """``rl.max_refill_draws``: >= 0; refills are drawn for a policy-gradient recipe's single-turn rollouts."""
+    draws = cfg.rl.max_refill_draws
+    _positive("rl.max_refill_draws", draws, strict=False)
+    if not draws:
+        return
+    for bad, why in (
+        (cfg.rl.algo == "dpo", "rl.algo 'dpo'"),
+        (cfg.rl.multi_turn is not None, "rl.multi_turn set"),
+        (cfg.parallel.context_parallel > 1, "parallel.context_parallel > 1"),
+        (cfg.rl.n_samples < 2, "rl.num_rollouts 1 (a group of one sample is never informative)"),
+    ):
+        if bad:
+            raise ValueError(
+                f"config key 'rl.max_refill_draws': got {draws} with {why}, expected 0 (refills are drawn for a "
+                "policy-gradient recipe's single-turn groups of several samples, one sequence per rank)"
+            )
+
+
+def _check_replay(cfg: Config) -> None:
+    """``rl.replay``: a valid section, in a setup whose update sees each fresh row once, on one rank."""
+    if cfg.rl.replay is None:
+        return
+    parse_replay(cfg.rl.replay)
+    for bad, why in (
+        (cfg.rl.algo == "dpo", "rl.algo 'dpo'"),
+        (cfg.rl.multi_turn is not None, "rl.multi_turn set"),
+        (cfg.deploy.async_infer, "deploy.async_infer true"),
+        (cfg.parallel.data_parallel > 1 or cfg.parallel.context_parallel > 1, "more than one data or context rank"),
+        (cfg.rl.stale_after is not None, "rl.stale_after set"),
+        (cfg.rl.epochs > 1, "rl.epochs > 1 (each epoch would store the rows again)"),
+    ):
+        if bad:
+            raise ValueError(
+                f"config key 'rl.replay': got a section with {why}, expected null (the replay buffer mixes rows "
+                "into a policy-gradient recipe's blocking single-rank update, one pass over each row)"
+            )
 
 
 def _check_stop_signals(names: list) -> None:

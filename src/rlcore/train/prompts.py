@@ -30,13 +30,15 @@ import torch
 
 from rlcore import seeding
 from rlcore.agent import parse_multi_turn
-from rlcore.data import PromptSet, load_preferences, load_prompts, sample_indices
+from rlcore.data import PromptSet, load_preferences, load_prompts, parse_curriculum, sample_indices
 from rlcore.dataflow import Stage, stage
 from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
 from rlcore.train.agent_stages import check_multi_turn
 from rlcore.train.columns import COLUMNS
 from rlcore.train.config import Config, max_positions
+from rlcore.train.curriculum import CurriculumPrompts
+from rlcore.train.refill import RefillPrompts
 from rlcore.train.rollout import left_pad
 from rlcore.train.stages import PAIR_TOKEN_COLUMNS, reward_stage
 from rlcore.train.tasks import make_task
@@ -48,6 +50,7 @@ __all__ = [
     "PreferencePrompts",
     "TaskPrompts",
     "make_prompt_source",
+    "refill_rows",
     "run_prompt_source",
     "source_tokenizer",
     "task_options",
@@ -140,6 +143,19 @@ def _check_prompt_positions(cfg: Config, data: PromptSet, what: str) -> None:
         _check_positions(cfg, lengths, what, data.source, f"its prompt and {key}={extra}")
 
 
+def refill_rows(count: int, *, rank: int, attempt: int, world_size: int, rows: int) -> torch.Tensor:
+    """Global row indices of ``count`` rows of rank ``rank``'s draw ``attempt`` (each rank holds ``rows`` a step).
+
+    Attempt 0 is the step's batch: ``rank * rows + i``; attempt ``a`` of filter-and-refill
+    starts past every rank's rows of the attempts before it, so no two rows of a step share
+    a random stream (:mod:`rlcore.seeding`).
+
+    >>> refill_rows(2, rank=1, attempt=0, world_size=2, rows=4).tolist(), refill_rows(2, rank=0, attempt=1, world_size=2, rows=4).tolist()
+    ([4, 5], [8, 9])
+    """
+    return torch.arange(count) + (attempt * world_size + rank) * rows
+
+
 def _config_reward(cfg: Config, default: Any) -> Any:
     return default if cfg.rewards is None else build_reward(cfg.rewards, what="rewards")
 
@@ -186,24 +202,41 @@ class TaskPrompts:
         row's index in the global batch (``rank * rows + local row``), which keys its
         sampling stream.
         """
-        tok, size = self.tokenizer, self.batch_size
 
         def load(i: int) -> dict[str, Any]:
-            step = start + i
-            drawn = self.sample(size * self.world_size, seeding.generator(self.seed, seeding.Purpose.DATA, step))
-            samples = drawn[rank * size : (rank + 1) * size]
-            prompts, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
-            rows = len(samples) * n
-            return {
-                "prompts": prompts.repeat_interleave(n, 0),
-                "prompt_mask": pmask.repeat_interleave(n, 0),
-                "answers": [a for a in (torch.tensor(tok.encode(s["answer"])) for s in samples) for _ in range(n)],
-                "group": torch.arange(len(samples)).repeat_interleave(n),
-                "iteration": torch.full((rows,), step, dtype=torch.int64),
-                "row": torch.arange(rows) + rank * rows,
-            }
+            return self.draw(start + i, rank, self.batch_size, n)
 
         return load
+
+    def draw(self, step: int, rank: int, count: int, n: int, *, attempt: int = 0) -> dict[str, Any]:
+        """The source columns of ``count`` prompts of step ``step`` on rank ``rank``, each repeated ``n`` times.
+
+        Attempt 0 is the loader's batch (``count`` is ``rl.batch_size``); a later attempt
+        (filter-and-refill, :mod:`rlcore.train.refill`) draws ``count`` other prompts from
+        the stream ``(seed, Purpose.REFILL, step, rank, attempt)``, its rows keyed past
+        every earlier attempt's (:func:`refill_rows`).
+        """
+        if attempt == 0:
+            size = self.batch_size
+            drawn = self.sample(size * self.world_size, seeding.generator(self.seed, seeding.Purpose.DATA, step))
+            samples = drawn[rank * size : rank * size + count]
+        else:
+            samples = self.sample(count, seeding.generator(self.seed, seeding.Purpose.REFILL, step, rank, attempt))
+        tok = self.tokenizer
+        prompts, pmask = left_pad([tok.encode(s["prompt"]) for s in samples], tok.pad_token_id)
+        rows = len(samples) * n
+        return {
+            "prompts": prompts.repeat_interleave(n, 0),
+            "prompt_mask": pmask.repeat_interleave(n, 0),
+            "answers": [a for a in (torch.tensor(tok.encode(s["answer"])) for s in samples) for _ in range(n)],
+            "group": torch.arange(len(samples)).repeat_interleave(n),
+            "iteration": torch.full((rows,), step, dtype=torch.int64),
+            "row": refill_rows(rows, rank=rank, attempt=attempt, world_size=self.world_size, rows=self.batch_size * n),
+        }
+
+    def sampling(self, rollout: Stage, reward: Stage) -> list[Stage]:
+        """The stages that sample and score an iteration's rows: the rollout, then the reward."""
+        return [rollout, reward]
 
     def reward_stage(self, pool: Any) -> Stage:
         return reward_stage(pool, self.tokenizer.decode)
@@ -293,28 +326,47 @@ class DatasetPrompts(_SeededDataset):
 
     def loader(self, rank: int, start: int, n: int) -> Callable[[int], dict[str, Any]]:
         """Pipeline iteration ``i`` -> the source columns of step ``start + i``, each prompt repeated ``n`` times."""
+
+        def load(i: int) -> dict[str, Any]:
+            return self.draw(start + i, rank, self.batch_size, n)
+
+        return load
+
+    def pick(self, step: int, rank: int, count: int, *, attempt: int = 0) -> list[int]:
+        """The dataset rows of :meth:`draw`: the seeded order's at attempt 0, else uniform draws from
+        ``(seed, Purpose.REFILL, step, rank, attempt)``."""
+        if attempt == 0:
+            return self._draw(step, rank, len(self.dataset))[:count]
+        g = seeding.generator(self.seed, seeding.Purpose.REFILL, step, rank, attempt)
+        return torch.randint(0, len(self.dataset), (count,), generator=g).tolist()
+
+    def draw(self, step: int, rank: int, count: int, n: int, *, attempt: int = 0) -> dict[str, Any]:
+        """The source columns of ``count`` prompts of step ``step`` on rank ``rank`` (:meth:`pick`), each ``n`` times."""
+        return self.columns_of(self.pick(step, rank, count, attempt=attempt), step, rank, n, attempt=attempt)
+
+    def columns_of(self, draw: Sequence[int], step: int, rank: int, n: int, *, attempt: int = 0) -> dict[str, Any]:
+        """The source columns of the dataset rows ``draw``, each repeated ``n`` times, keyed as ``attempt``'s rows."""
         ids = self.dataset.prompt_ids
         assert ids is not None
         tok = self.tokenizer
+        prompts, pmask = left_pad([list(ids[j]) for j in draw], tok.pad_token_id)
+        rows = len(draw) * n
+        return {
+            "prompts": prompts.repeat_interleave(n, 0),
+            "prompt_mask": pmask.repeat_interleave(n, 0),
+            "answers": [
+                torch.tensor(tok.encode(self.answers[j]) or [tok.eos_token_id]) for j in draw for _ in range(n)
+            ],
+            "group": torch.arange(len(draw)).repeat_interleave(n),
+            "iteration": torch.full((rows,), step, dtype=torch.int64),
+            # The row's index in the step's global batch (past every earlier attempt's rows).
+            "row": refill_rows(rows, rank=rank, attempt=attempt, world_size=self.world_size, rows=self.batch_size * n),
+            "index": torch.tensor(list(draw), dtype=torch.int64).repeat_interleave(n),
+        }
 
-        def load(i: int) -> dict[str, Any]:
-            step = start + i
-            draw = self._draw(step, rank, len(self.dataset))
-            prompts, pmask = left_pad([list(ids[j]) for j in draw], tok.pad_token_id)
-            rows = len(draw) * n
-            return {
-                "prompts": prompts.repeat_interleave(n, 0),
-                "prompt_mask": pmask.repeat_interleave(n, 0),
-                "answers": [
-                    torch.tensor(tok.encode(self.answers[j]) or [tok.eos_token_id]) for j in draw for _ in range(n)
-                ],
-                "group": torch.arange(len(draw)).repeat_interleave(n),
-                "iteration": torch.full((rows,), step, dtype=torch.int64),
-                "row": torch.arange(rows) + rank * rows,  # the row's index in the step's global batch
-                "index": torch.tensor(draw).repeat_interleave(n),
-            }
-
-        return load
+    def sampling(self, rollout: Stage, reward: Stage) -> list[Stage]:
+        """The stages that sample and score an iteration's rows: the rollout, then the reward."""
+        return [rollout, reward]
 
     def reward_stage(self, pool: Any, *, resource: str = "cpu") -> Stage:
         """Score the decoded responses with the prompts as written and every keyword column of the dataset."""
@@ -452,19 +504,24 @@ def make_prompt_source(
     return TaskPrompts(cfg, task_options, world_size)
 
 
-def run_prompt_source(
-    cfg: Config, *, world_size: int = 1, leader: bool = True
-) -> TaskPrompts | DatasetPrompts | PreferencePrompts:
+def run_prompt_source(cfg: Config, *, world_size: int = 1, leader: bool = True) -> Any:
     """The trainer's prompt source (:func:`make_prompt_source`), checked for the run before any model is built.
 
     With ``rl.multi_turn`` its tools, environment and stop tokens are refused now, not after
-    the warm-up; a dataset's summary is printed by the ``leader`` rank.
+    the warm-up; a dataset's summary is printed by the ``leader`` rank. With
+    ``data.curriculum`` it is drawn by :class:`rlcore.train.curriculum.CurriculumPrompts`; with
+    ``rl.max_refill_draws`` it is wrapped in :class:`rlcore.train.refill.RefillPrompts`.
     """
-    task = make_prompt_source(cfg, task_options(cfg), world_size=world_size)
+    task: Any = make_prompt_source(cfg, task_options(cfg), world_size=world_size)
     if cfg.rl.multi_turn is not None:
         check_multi_turn(cfg, task)
     if task.dataset is not None and leader:
         print(task.summary(), flush=True)
+    if cfg.data.curriculum is not None:  # the steps' prompts drawn by pass-rate band (the loader runs up to lag ahead)
+        lag = 2 + (cfg.deploy.staleness if cfg.deploy.async_infer else 0)
+        task = CurriculumPrompts(task, parse_curriculum(cfg.data.curriculum), lag=lag)
+    if cfg.rl.max_refill_draws:  # filter-and-refill: one sampling stage fills the slots with informative groups
+        task = RefillPrompts(task, max_draws=cfg.rl.max_refill_draws, n_samples=cfg.rl.n_samples)
     return task
 
 

@@ -22,6 +22,7 @@ from rlcore.train.config import Config
 from rlcore.train.context_parallel import DataParallelRecipe, cp_logprob_stage, replica_groups, replicate_stage
 from rlcore.train.optim import Models, Optimiser
 from rlcore.train.recipe_stages import StepParts, stages_for
+from rlcore.train.replay import Replay, parse_replay
 from rlcore.train.scoring import ScoringPlan
 from rlcore.train.stages import balanced_rows, logprob_stage, staleness_weighted, update_stage
 from rlcore.train.step_metrics import StepMetrics
@@ -59,7 +60,8 @@ def _sampling_stages(
     if plan.ref_every and plan.ref_stage:
         scoring.append(score(models.reference, outputs=("ref_logp",), temperature=rl.temperature))
         logged.append("ref_logp")
-    return [rollout, reward], scoring, logged, prepare
+    # The source's sampling: the rollout then the reward, or one stage over both (filter-and-refill).
+    return task.sampling(rollout, reward), scoring, logged, prepare
 
 
 def step_graph(
@@ -94,6 +96,12 @@ def step_graph(
     """
     rl = cfg.rl
     sampling, scoring, logged, prepare = _sampling_stages(cfg, models, rollout, rewards, task, world, plan)
+    # rl.replay: stored rows join each update's (its dispatch), weighted in its forward; metrics of the fresh rows.
+    replay = Replay(parse_replay(rl.replay)) if rl.replay is not None else None
+    dispatch = balanced_rows(world.group) if world.group is not None else None
+    on_metrics: Callable[..., Any] = steps.on_metrics
+    if replay is not None:  # the config keeps it to one rank: no deal of the rows over ranks
+        dispatch, on_metrics = replay.dispatch, replay.on_metrics(on_metrics)
     part = stages_for(recipe).graph(
         StepParts(
             models.policy,
@@ -109,7 +117,7 @@ def step_graph(
             context_parallel=world.cp,
             dp_group=world.group,
             # Data parallel: each update's rows dealt to the ranks by their tokens.
-            dispatch=balanced_rows(world.group) if world.group is not None else None,
+            dispatch=dispatch,
             start=steps.start,
         )
     )
@@ -122,6 +130,8 @@ def step_graph(
         )
     if steps.stale is not None:  # rl.stale_after: old rows dropped or discounted in the loss
         forward = staleness_weighted(forward, steps.stale, start=steps.start)
+    if replay is not None:
+        forward = replay.forward(forward)
     if world.cp is None and world.group is not None:  # the metrics of the whole batch on every rank
         loss = DataParallelRecipe(loss, world.group)
     stages.append(
@@ -132,7 +142,7 @@ def step_graph(
             inputs=list(dict.fromkeys(inputs)),
             micro_batch=rl.mini_batch_size * rl.n_samples,
             process_group=world.group,
-            on_metrics=steps.on_metrics,
+            on_metrics=on_metrics,
             on_iteration_end=on_step_end,
             epochs=part.epochs,
             dispatch=part.dispatch,

@@ -20,9 +20,15 @@ from rlcore.testing.reference.advantages import (
     rloo_advantages_ref,
 )
 from rlcore.testing.reference.attention import packed_attention_ref
+from rlcore.testing.reference.curriculum import curriculum_probs_ref, difficulty_bands_ref, pass_rate_update_ref
 from rlcore.testing.reference.distillation import generalized_jsd_loss_ref, reverse_kl_distill_loss_ref
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
-from rlcore.testing.reference.filters import dynamic_sampling_mask_ref, rejection_mask_ref, truncated_is_weights_ref
+from rlcore.testing.reference.filters import (
+    dynamic_sampling_mask_ref,
+    refill_groups_ref,
+    rejection_mask_ref,
+    truncated_is_weights_ref,
+)
 from rlcore.testing.reference.kl import (
     adaptive_entropy_coefs_ref,
     adaptive_kl_coefs_ref,
@@ -80,6 +86,7 @@ from rlcore.testing.reference.preference import (
     sequence_logps_ref,
     simpo_loss_ref,
 )
+from rlcore.testing.reference.replay import ReplayBufferRef
 from rlcore.testing.reference.resharding import (
     local_shard_ref,
     swap_roundtrip_ref,
@@ -100,6 +107,7 @@ from rlcore.testing.reference.trainer_loop import LoopRun, train_loop_ref
 
 __all__ = [
     "LoopRun",
+    "ReplayBufferRef",
     "RunningNormalizerRef",
     "TransferDockRef",
     "adaptive_entropy_coefs_ref",
@@ -113,6 +121,8 @@ __all__ = [
     "clip_cov_loss_ref",
     "clip_rewards_ref",
     "cpo_loss_ref",
+    "curriculum_probs_ref",
+    "difficulty_bands_ref",
     "discounted_cumsum_ref",
     "dpo_loss_ref",
     "dpo_step_ref",
@@ -156,9 +166,11 @@ __all__ = [
     "pair_logps_ref",
     "partial_greedy_ref",
     "pass_at_k_ref",
+    "pass_rate_update_ref",
     "passk_advantages_ref",
     "ppo_clip_loss_ref",
     "process_reward_loss_ref",
+    "refill_groups_ref",
     "reinforce_loss_ref",
     "reinforce_pp_advantages_ref",
     "reinforce_pp_baseline_advantages_ref",

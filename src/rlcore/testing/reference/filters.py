@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["dynamic_sampling_mask_ref", "rejection_mask_ref", "truncated_is_weights_ref"]
+__all__ = ["dynamic_sampling_mask_ref", "refill_groups_ref", "rejection_mask_ref", "truncated_is_weights_ref"]
 
 
 def dynamic_sampling_mask_ref(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -16,6 +16,22 @@ def dynamic_sampling_mask_ref(scores: torch.Tensor, group_ids: torch.Tensor) -> 
     for v, g in zip(s, ids):
         distinct.setdefault(g, set()).add(v)
     return torch.tensor([len(distinct[g]) > 1 for g in ids], dtype=torch.bool)
+
+
+def refill_groups_ref(scores: torch.Tensor, group_ids: torch.Tensor, *, wanted: int) -> tuple[list[int], int]:
+    """Loop reference of :func:`rlcore.algos.refill_groups`: walk the groups in draw order, keep the informative.
+
+    Returns the picked group ids (at most ``wanted``) and the shortfall.
+    """
+    values: dict[int, list[float]] = {}
+    for v, g in zip(scores.double().tolist(), group_ids.tolist()):
+        values.setdefault(g, []).append(v)
+    picked: list[int] = []
+    for g in sorted(values):
+        vs = values[g]
+        if all(math.isfinite(v) for v in vs) and max(vs) != min(vs) and len(picked) < wanted:
+            picked.append(g)
+    return picked, wanted - len(picked)
 
 
 def _rows(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor):  # type: ignore[no-untyped-def]
