@@ -16,6 +16,7 @@ from rlcore.train.build import build_algorithm, build_model
 from rlcore.train.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
+    PendingSave,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -252,3 +253,5 @@ __all__ += [
 __all__ += ["LORA_KEYS", "adapter_modules", "attach_lora", "check_lora_launch", "lora_options"]
 # Stopping on a signal at a step boundary (preemption), and resuming.
 __all__ += ["EXIT_PREEMPTED", "STOP_SIGNALS", "Preempted", "StopRequest", "save_checkpoint_async", "stop_on_signals"]
+# Background saves whose copy of the state is taken while the next step starts.
+__all__ += ["PendingSave"]
