@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.fsdp import fully_shard
 
 import dist_helpers
+import rlcore.train.checkpoint as checkpoint_module
 from rlcore.train import CHECKPOINT_NAME, load_checkpoint, load_config, read_metrics, save_checkpoint, train
 from rlcore.train.checkpoint import save_checkpoint_async
 from tiny_runs import TINY
@@ -56,6 +59,76 @@ def test_the_staged_copy_is_saved_while_training_changes_the_model(tmp_path):
     load_checkpoint(tmp_path, {"policy": (fresh, fresh_opt), "step": None})
     for k, v in moments.items():
         assert torch.equal(fresh_opt.state[fresh[0].weight][k], v), k
+
+
+def _slow_staging(monkeypatch, seconds: float) -> None:
+    """The background copy starts ``seconds`` late: anything that changed the state meanwhile would be saved."""
+    stage = DefaultStager._stage
+
+    def late(self, state_dict, **kwargs):
+        time.sleep(seconds)
+        return stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", late)
+
+
+def test_a_copy_staged_in_the_background_holds_the_state_at_the_call(tmp_path, monkeypatch):
+    _slow_staging(monkeypatch, 0.3)
+    model, opt = _trained()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    pending = save_checkpoint_async(tmp_path, {"policy": (model, opt), "step": 7}, step=7, stage_in_background=True)
+    assert not pending.staged.done()  # the call returned before the copy
+    model(torch.randn(4, 8)).square().mean().backward()  # reading the state meanwhile is allowed
+    pending.staged.result(timeout=30)
+    opt.step()  # and changing it once staged
+    assert pending.result(timeout=30) == tmp_path / CHECKPOINT_NAME / "step000007"
+    saved = load_checkpoint(tmp_path)
+    for k, v in weights.items():
+        assert torch.equal(saved["policy"]["model"][k], v), k
+    fresh, fresh_opt = _trained()
+    load_checkpoint(tmp_path, {"policy": (fresh, fresh_opt), "step": None})
+    for k, v in moments.items():
+        assert torch.equal(fresh_opt.state[fresh[0].weight][k], v), k
+
+
+def test_a_copy_staged_in_the_background_is_taken_before_the_next_optimiser_step(tmp_path, monkeypatch):
+    """Mid-run checkpoints, copied late while the next step runs, equal a synchronous save of the same step."""
+    _slow_staging(monkeypatch, 0.5)
+    kept = tmp_path / "kept"
+    commit = checkpoint_module._commit
+
+    def keep(path, *args):
+        commit(path, *args)
+        if path.parent.parent == tmp_path / "a":
+            shutil.copytree(path, kept / path.name)
+
+    monkeypatch.setattr(checkpoint_module, "_commit", keep)
+
+    def cfg(out, steps, *extra):
+        overrides = [*TINY, f"trainer.output_dir={out}", f"trainer.steps={steps}", "trainer.export=false", *extra]
+        return load_config(ROOT / "configs" / "grpo_tiny.yaml", overrides)
+
+    train(cfg(tmp_path / "a", 3, "trainer.save_every=1"))
+    assert sorted(p.name for p in kept.iterdir()) == ["step000001", "step000002", "step000003"]
+    train(cfg(tmp_path / "b", 2, "trainer.async_save=false"))
+    ours, sync = tmp_path / "ours", tmp_path / "b" / CHECKPOINT_NAME
+    shutil.copytree(kept / "step000002", ours / CHECKPOINT_NAME / "step000002")
+    (ours / CHECKPOINT_NAME / "latest").write_text("step000002\n")
+    a, b = load_checkpoint(ours), load_checkpoint(sync.parent)
+    for name in ("policy", "reference"):
+        flat_a, flat_b = dict(_leaves(a[name])), dict(_leaves(b[name]))
+        assert flat_a.keys() == flat_b.keys() and flat_a
+        for k, v in flat_a.items():
+            assert torch.equal(v, flat_b[k]), (name, k)
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}.{k}")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree
 
 
 def _blocked_writes(monkeypatch, gate: threading.Event, fail: bool = False):

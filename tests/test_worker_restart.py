@@ -10,17 +10,18 @@ import pytest
 import torch
 
 from restart_helpers import restart_pipeline
-from rlcore.dataflow import RolloutWorker
+from rlcore.dataflow import HandBack, RolloutWorker
 from rlcore.train import load_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_generate(marker_dir: str, deaths: int, at: int = 2):
-    """Runs in the worker: responses = prompts * w + 0.5; the first ``deaths`` calls at version ``at`` kill it."""
+    """Runs in the worker: responses = prompts * w + 0.5; the first ``deaths`` calls from version ``at`` on kill it."""
 
     def generate(batch, params):
-        if int(batch["policy_version"].max()) == at:
+        # From version `at` on: a call handed back may be taken again at a later version (the run goes on).
+        if int(batch["policy_version"].max()) >= at:
             done = len(os.listdir(marker_dir))
             if done < deaths:
                 Path(marker_dir, f"death{done}").touch()
@@ -38,11 +39,14 @@ def test_a_worker_killed_mid_call_is_replaced_and_its_rows_redone_with_their_ver
         res = restart_pipeline(worker)
         assert worker.restarts == 2 and worker.restart_causes[0] == "the worker process exited with code 9"
     assert multiprocessing.active_children() == []
+    calls = [t for t in res.tasks if t.stage == "rollout"]
     for j, b in enumerate(res.batches):
         v = b["policy_version"]
         assert b["prompts"].tolist() == [10 * j + i for i in range(6)]  # every row once, none lost
         # version v means weights w = 1 + v: the replacement got exactly the versions the rows record
         torch.testing.assert_close(b["responses"], b["prompts"].double() * (1 + v) + 0.5, rtol=0, atol=0)
+        rows = torch.cat([t.rows for t in calls if t.iteration == j])
+        assert sorted(rows.tolist()) == list(range(6))  # the dock delivered each row to one finished call
 
 
 def test_the_replacement_gets_the_version_the_rows_record_not_the_newest(tmp_path):
@@ -54,7 +58,9 @@ def test_the_replacement_gets_the_version_the_rows_record_not_the_newest(tmp_pat
             worker.publish(v, {"w": torch.tensor(float(1 + v), dtype=torch.float64)})
         call = worker.stage(inputs=["prompts"], outputs=["responses"]).fn
         prompts = torch.arange(3)
-        for v in (1, 2, 3):  # the worker dies at version 1's rows
+        with pytest.raises(HandBack, match=r"stage 'rollout': the worker process exited with code 9; its rows"):
+            call({"prompts": prompts, "policy_version": torch.full((3,), 1)})  # the worker dies at version 1's rows
+        for v in (1, 2, 3):  # the rows handed back are redone by the replacement
             out = call({"prompts": prompts, "policy_version": torch.full((3,), v)})
             assert torch.equal(out["responses"], prompts.double() * (1 + v) + 0.5), v
         assert worker.restarts == 1

@@ -32,7 +32,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlcore._lifetime import die_with_parent
-from rlcore.dataflow.scheduler import add_note
+from rlcore.dataflow.scheduler import HandBack, add_note
 from rlcore.dataflow.stages import Stage, stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
@@ -256,10 +256,12 @@ class RolloutWorker(ProxyRollout):
       join_timeout: seconds :meth:`close` waits before terminating the worker.
       max_restarts: how many times a dead worker process is replaced (0: its death stops
         the run). The replacement receives the weights again (the packets from the version
-        of the call under way on, kept for that), and the call is sent again, so its rows
-        are redone with exactly the version they record; :attr:`restarts` counts the
-        replacements and :attr:`restart_causes` says why, and each one is warned about.
-        Past the bound the death raises as without restarts.
+        of the call under way on, kept for that), and the call raises
+        :class:`~rlcore.dataflow.HandBack`, so that :func:`~rlcore.dataflow.run_pipeline`
+        hands its rows back to the dock (``nack``) and they are redone with exactly the
+        version they record; :attr:`restarts` counts the replacements and
+        :attr:`restart_causes` says why, and each one is warned about. Past the bound the
+        death raises as without restarts.
       ready_timeout: seconds a replacement may take to build its generate function.
       interruptible: partial rollouts (AReaL, arXiv:2505.24298): ``generate(batch, params,
         latest)`` also gets the worker's :class:`LatestWeights`, and may take versions
@@ -351,22 +353,22 @@ class RolloutWorker(ProxyRollout):
             self._sent = max(self._sent, want)
             for v in [v for v in self._packets if v < self._sent]:
                 del self._packets[v]
-        while True:
-            self._jobs.put((batch, want))
-            try:
-                return self._receive(name, None)
-            except WorkerDied as died:
-                if self.restarts >= self.max_restarts:
-                    bound = f" (after {self.restarts} restart{'s' * (self.restarts != 1)}, the most allowed)"
-                    raise WorkerDied(f"{died}{bound if self.max_restarts else ''}", died.cause) from None
-                self._restart(name, str(died.cause))
+        self._jobs.put((batch, want))
+        try:
+            return self._receive(name, None)
+        except WorkerDied as died:
+            if self.restarts >= self.max_restarts:
+                bound = f" (after {self.restarts} restart{'s' * (self.restarts != 1)}, the most allowed)"
+                raise WorkerDied(f"{died}{bound if self.max_restarts else ''}", died.cause) from None
+            self._restart(name, str(died.cause))
+            raise HandBack(name, str(died.cause)) from None
 
     def _restart(self, name: str, cause: str) -> None:
         """Replace the dead process: a new one with fresh queues, the weights from the last job's version on.
 
-        The call that was under way is sent again: its rows are redone by the replacement
-        with the version they record and the same random streams (keyed by row), so they come
-        out as the dead worker would have made them.
+        The call that was under way raises :class:`~rlcore.dataflow.HandBack` after this: its
+        rows go back to the dock and are taken again, redone by the replacement with the
+        version they are stamped with then and the same random streams (keyed by row).
         """
         self.restarts += 1
         self.restart_causes.append(cause)

@@ -16,6 +16,7 @@ from rlcore.train.build import build_algorithm, build_model
 from rlcore.train.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
+    PendingSave,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -274,3 +275,5 @@ __all__ += [
     "parse_replay",
     "refill_stage",
 ]
+# Background saves whose copy of the state is taken while the next step starts.
+__all__ += ["PendingSave"]

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -50,6 +51,7 @@ from rlcore.device import device_kind
 __all__ = [
     "CHECKPOINT_NAME",
     "CheckpointError",
+    "PendingSave",
     "load_checkpoint",
     "rng_state",
     "save_checkpoint",
@@ -399,12 +401,19 @@ def save_checkpoint_async(
     *,
     step: int | None = None,
     process_group: Any = None,
-) -> Future[Path]:
+    stage_in_background: bool = False,
+) -> PendingSave:
     """:func:`save_checkpoint` off the critical path: the tensors are copied to host memory, then written and
     committed in the background (``torch.distributed.checkpoint.async_save``).
 
     The call returns once the tensors are staged, so the caller may change the modules and
-    optimisers at once. The version counts only when committed: every rank's shards
+    optimisers at once. With ``stage_in_background`` the copy itself runs in the background
+    too (DCP's ``DefaultStager`` with asynchronous staging) and the call returns at once:
+    the caller may read the tensors meanwhile (a rollout, a forward) but must not change
+    them (an optimiser step, a swap) before the returned future's ``staged`` is done; the
+    version then holds the state as it was at the call, bit for bit.
+
+    The version counts only when committed: every rank's shards
     written, then the manifest, then ``latest`` replaced atomically, as in
     :func:`save_checkpoint`; until then ``latest`` names the previous version, so a crash
     or ``kill -9`` during the background write leaves that one loadable. One save at a
@@ -418,11 +427,14 @@ def save_checkpoint_async(
     Args:
       output_dir, state, step: as in :func:`save_checkpoint`.
       process_group: the group the background save synchronises over.
+      stage_in_background: copy the tensors in the background as well; wait for
+        ``staged`` before changing them.
 
     Returns:
-      a ``concurrent.futures.Future`` of the committed version's directory; its
-      ``result()`` raises a :class:`CheckpointError` naming the cause of a failed write
-      (the partial version is removed).
+      a :class:`PendingSave`: a ``concurrent.futures.Future`` of the committed version's
+      directory, whose ``result()`` raises a :class:`CheckpointError` naming the cause of a
+      failed write (the partial version is removed), and whose ``staged`` future is done
+      once the copy is taken (at once without ``stage_in_background``).
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -437,7 +449,8 @@ def save_checkpoint_async(
         process_group = dist.new_group(backend="gloo")
     lock, previous, name = _start(root, step, collective, rank)
     path = root / name
-    done: Future[Path] = Future()
+    done = PendingSave()
+    stager = _stager() if stage_in_background else None
     try:
         tensors = _write_data(path, state, kinds, rank)
         with _quiet_single_process(not collective):
@@ -446,6 +459,7 @@ def save_checkpoint_async(
                     tensors,
                     storage_writer=dcp.FileSystemWriter(path, sync_files=True),
                     process_group=process_group if collective else None,
+                    async_stager=stager,
                     no_dist=not collective,
                 )
                 if tensors
@@ -456,7 +470,14 @@ def save_checkpoint_async(
             shutil.rmtree(path, ignore_errors=True)
         if lock is not None:
             os.close(lock)
+        if stager is not None:
+            stager.close()
         raise
+    staging = getattr(writes, "staging_completion", None)
+    if staging is None:
+        done.staged.set_result(None)
+    else:  # done (or failed: the write's future says why) once the copy is taken
+        staging.add_done_callback(lambda _: done.staged.set_result(None))
     world = dist.get_world_size() if collective else 1
 
     def finish() -> None:
@@ -477,6 +498,8 @@ def save_checkpoint_async(
             failed = _fail(path, f"the background save failed, the previous version stays ({_cause(err)})")
             failed.__cause__ = err
         finally:
+            if stager is not None:  # a stager passed to DCP stays the caller's to close
+                stager.close()
             # Released before the future completes: a save started as soon as it does must find the folder free.
             if lock is not None:
                 os.close(lock)
@@ -487,6 +510,25 @@ def save_checkpoint_async(
 
     threading.Thread(target=finish, name="rlcore-checkpoint-commit", daemon=True).start()
     return done
+
+
+class PendingSave(Future[Path]):
+    """The future of a background save (:func:`save_checkpoint_async`): its result is the committed version's
+    directory; ``staged`` is done once the state is copied, after which the caller may change it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staged: Future[None] = Future()
+
+
+def _stager() -> DefaultStager:
+    """DCP's stager copying in a background thread (pinned memory and a side stream where there is an accelerator)."""
+    device = torch.accelerator.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=device, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=device
+        )
+    )
 
 
 # --- loading ----------------------------------------------------------------------

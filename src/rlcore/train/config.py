@@ -56,7 +56,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.stop_timeout                     seconds the step under way may take to finish after a stop signal
                                              before it is abandoned (exit status 130; null: no limit; default 120)
     trainer.async_save                       checkpoints are written in the background (DCP async_save) while
-                                             training goes on; committed only once complete (default true)
+                                             training goes on; committed only once complete (default true);
+                                             without a phase switch the copy to host memory too, up to the
+                                             next optimiser step
     trainer.max_worker_restarts              times a dead disaggregated rollout worker (process or Ray actor) is
                                              replaced (its weights re-sent, its rows redone), and, separately,
                                              times a reward worker that died or ran past trainer.reward_timeout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rlcore.models import is_lora
-from rlcore.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_checkpoint_async, set_rng_state
+from rlcore.train.checkpoint import (
+    PendingSave,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    save_checkpoint_async,
+    set_rng_state,
+)
 from rlcore.train.config import Config
 from rlcore.train.lora import adapter_modules
 from rlcore.train.optim import Models, Optimiser
@@ -52,11 +58,15 @@ def save_run_async(
     shapes: dict[str, list[int]],
     *,
     process_group: Any = None,
-) -> Future[Path]:
+    stage_in_background: bool = False,
+) -> PendingSave:
     """:func:`save_run` in the background (:func:`rlcore.train.checkpoint.save_checkpoint_async`): returns once the
-    state is copied to host memory; the future is done when the version is committed."""
+    state is copied to host memory (at once with ``stage_in_background``: then the models and optimisers must not
+    change before the future's ``staged`` is done); the future is done when the version is committed."""
     state = {**_state(step, models, opt, cfg), "model_shapes": shapes}
-    return save_checkpoint_async(out, state, step=step + 1, process_group=process_group)
+    return save_checkpoint_async(
+        out, state, step=step + 1, process_group=process_group, stage_in_background=stage_in_background
+    )
 
 
 def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config) -> int:

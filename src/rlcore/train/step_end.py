@@ -36,7 +36,12 @@ class StepEnd:
     record (rank 0: ``metrics.jsonl`` and, every ``trainer.log_samples`` steps,
     ``samples.jsonl``) with the seconds the save held the step up (``checkpoint_stall_s``).
     With ``trainer.async_save`` the checkpoint is written in the background while the next
-    steps train; a save first waits for the one before it.
+    steps train; a save first waits for the one before it. When no phase switch moves the
+    training state (``deployment.switch`` is None), even the copy of the state to host
+    memory runs in the background, through the next step's rollout, scoring and forwards:
+    only the optimiser step changes the state, and the first one after the save waits for
+    the copy (a step pre-hook). ``checkpoint_stall_s`` counts that wait in the step it
+    held up, beside the step's own save call.
 
     When ``stop`` is set on any rank (a signal of ``trainer.stop_signals``), the ranks agree
     to stop at this step: it is saved, the save is waited for, and :class:`Preempted` is
@@ -65,6 +70,12 @@ class StepEnd:
         tr = cfg.trainer
         self.stop = stop
         self.pending: Future[Path] | None = None
+        self.staged: Future[None] | None = None  # the copy the next optimiser step waits for
+        self.staging_wait = 0.0
+        self.stage_in_background = tr.async_save and deployment.switch is None
+        self.hooks = (
+            [o.register_step_pre_hook(self._before_update) for o in opt.opts] if self.stage_in_background else []
+        )
         # The background saves synchronise over a group of their own (gloo: DCP's async save needs a CPU
         # backend), so that their collectives never interleave with the training's.
         self.save_group = dist.new_group(backend="gloo") if tr.async_save and dist.is_initialized() else None
@@ -98,7 +109,8 @@ class StepEnd:
             torch.tensor(float(self.stop is not None and self.stop.is_set()), device=world.device)
         )
         due = (tr.save_every and (step + 1) % tr.save_every == 0) or step + 1 == tr.steps
-        record["checkpoint_stall_s"] = self._save(step) if due or stop else 0.0
+        stall, self.staging_wait = self.staging_wait, 0.0
+        record["checkpoint_stall_s"] = stall + (self._save(step) if due or stop else 0.0)
         self.records.append(record)
         if self.log is not None:
             self.log.write(record)
@@ -141,16 +153,32 @@ class StepEnd:
         self.wait_saved()
         if self.cfg.trainer.async_save:
             self.pending = save_run_async(
-                self.out, step, self.models, self.opt, self.cfg, self.shapes, process_group=self.save_group
+                self.out,
+                step,
+                self.models,
+                self.opt,
+                self.cfg,
+                self.shapes,
+                process_group=self.save_group,
+                stage_in_background=self.stage_in_background,
             )
+            self.staged = self.pending.staged
         else:
             save_run(self.out, step, self.models, self.opt, self.cfg, self.shapes)
         self._export()
         return time.perf_counter() - t0
 
+    def _before_update(self, *_: Any) -> None:
+        """Every optimiser step's pre-hook: the state must not change before the save in flight has copied it."""
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            t0 = time.perf_counter()
+            staged.result()  # a failed copy also fails the save: wait_saved raises it
+            self.staging_wait += time.perf_counter() - t0
+
     def wait_saved(self) -> None:
         """Wait until the background save in flight (if any) is committed; its error is raised here."""
-        pending, self.pending = self.pending, None
+        pending, self.pending, self.staged = self.pending, None, None
         if pending is not None:
             pending.result()
 
@@ -171,6 +199,8 @@ class StepEnd:
         try:
             self.wait_saved()  # also after an error: the state it holds was whole at its step's end
         finally:
+            for hook in self.hooks:
+                hook.remove()
             for log in (self.log, self.sample_log):
                 if log is not None:
                     log.close()
