@@ -6,6 +6,7 @@
 from rlcore.data.preferences import PreferenceSet, load_preferences
 from rlcore.data.prompts import OVERLONG, RESERVED_COLUMNS, PromptSet, load_prompts, read_table
 from rlcore.data.sampling import PromptDraw, epoch_permutation, sample_indices
+from rlcore.data.supervised import SupervisedSet, load_supervised
 
 __all__ = [
     "OVERLONG",
@@ -13,9 +14,11 @@ __all__ = [
     "PreferenceSet",
     "PromptDraw",
     "PromptSet",
+    "SupervisedSet",
     "epoch_permutation",
     "load_preferences",
     "load_prompts",
+    "load_supervised",
     "read_table",
     "sample_indices",
 ]

@@ -64,6 +64,7 @@ from rlcore.train.prompts import (
     DatasetPrompts,
     HFTokenizer,
     PreferencePrompts,
+    SupervisedPrompts,
     TaskPrompts,
     make_prompt_source,
     source_tokenizer,
@@ -74,7 +75,9 @@ from rlcore.train.recipe_stages import (
     PreferenceStages,
     RecipeGraph,
     RecipeStages,
+    RewardModelStages,
     StepParts,
+    SupervisedStages,
     stages_for,
 )
 from rlcore.train.rollout import InferenceEngine, Rollout, TorchEngine, filter_logits, generate, left_pad
@@ -114,6 +117,7 @@ from rlcore.train.stages import (
     values_stage,
     with_logged_reference,
 )
+from rlcore.train.supervised_stages import SFT_COLUMNS, last_token_rewards, reward_pair_forward, sft_forward
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import Run, train
 from rlcore.train.validation import Validator, validation_keys
@@ -200,6 +204,13 @@ __all__ = [
     "update_stage",
     "values_stage",
     "with_logged_reference",
+    "SupervisedPrompts",
+    "RewardModelStages",
+    "SupervisedStages",
+    "SFT_COLUMNS",
+    "last_token_rewards",
+    "reward_pair_forward",
+    "sft_forward",
 ]
 # Your own model and data: prompt sources, validation, run directories, export.
 __all__ += [
