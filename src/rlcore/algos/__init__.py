@@ -102,8 +102,8 @@ from rlcore.algos.shaping import (
     running_reward_normalizer,
     scores_to_token_rewards,
 )
-from rlcore.algos.supervised import sft_loss
 from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate, sequence_sharded_counts
+from rlcore.algos.supervised import sft_loss
 from rlcore.algos.value_loss import value_loss
 
 __all__: list[str] = [

@@ -116,8 +116,10 @@ def load_supervised(
     texts = list(prompts.columns[key])
     for i, t in enumerate(texts):
         if not isinstance(t, str):
-            raise ValueError(f"{'messages_key' if conversations else 'response_key'}: row {i} of {prompts.source!r} "
-                             f"holds {type(t).__name__}, expected a string")
+            raise ValueError(
+                f"{'messages_key' if conversations else 'response_key'}: row {i} of {prompts.source!r} "
+                f"holds {type(t).__name__}, expected a string"
+            )
     ids = [[*tokenizer(t, add_special_tokens=False)["input_ids"], eos] for t in texts]
     keep, truncated = [], 0
     for i, row in enumerate(ids):

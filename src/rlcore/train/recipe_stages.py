@@ -30,7 +30,6 @@ from rlcore.dataflow import Stage
 from rlcore.train.columns import COLUMNS
 from rlcore.train.context_parallel import ContextParallelRecipe, cp_rl_forward
 from rlcore.train.scoring import ScoringPlan
-from rlcore.train.supervised_stages import SFT_COLUMNS, reward_pair_forward, sft_forward
 from rlcore.train.stages import (
     PAIR_TOKEN_COLUMNS,
     advantages_stage,
@@ -45,6 +44,7 @@ from rlcore.train.stages import (
     values_stage,
     with_logged_reference,
 )
+from rlcore.train.supervised_stages import SFT_COLUMNS, reward_pair_forward, sft_forward
 
 __all__ = [
     "PolicyGradientStages",

@@ -70,4 +70,3 @@ def reward_pair_forward(model: torch.nn.Module) -> Callable[[Batch], Batch]:
         return {"chosen_rewards": rewards[:p], "rejected_rewards": rewards[p:]}
 
     return forward
-

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlcore._checks import check_choice, check_count, check_ndim, check_positive, check_same_shape
+from rlcore._checks import check_choice, check_count, check_ndim, check_positive
 from rlcore.algos.aggregate import aggregate, global_counts
 from rlcore.algos.collectives import group_sum
 from rlcore.algos.reward_model import bradley_terry_loss, process_reward_loss
