@@ -402,12 +402,12 @@ def _validate(cfg: Config) -> None:
         value = getattr(cfg.data, key)
         if value is not None and not value.strip():
             raise ValueError(f"config key 'data.{key}': got {value!r}, expected {kind} or null")
+    _check_supervised(cfg)
     _check_data_keys(cfg.data, rl.algo)
     if not 0 < rl.top_p <= 1:
         raise ValueError(f"config key 'rl.top_p': got {rl.top_p!r}, expected a value in (0, 1]")
     if rl.beta is not None:
         _positive("rl.beta", rl.beta, strict=rl.algo == "dpo")
-    _check_supervised(cfg)
     if rl.batch_size % rl.mini_batch_size:
         raise ValueError(
             f"config key 'rl.mini_batch_size': got {rl.mini_batch_size}, expected a divisor of rl.batch_size={rl.batch_size}"
