@@ -2,6 +2,7 @@
 
 from rlcore.rewards.base import BaseReward
 from rlcore.rewards.compose import Weighted
+from rlcore.rewards.llm_judge import DEFAULT_JUDGE_TEMPLATE, LLMJudge, parse_score
 from rlcore.rewards.pool import RewardPool
 from rlcore.rewards.protocol import Reward, RewardError, evaluate, reward_name
 from rlcore.rewards.registry import (
@@ -18,11 +19,13 @@ from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward, extract
 from rlcore.rewards.verified_math import VerifiedMath, extract_final_answer
 
 __all__ = [
+    "DEFAULT_JUDGE_TEMPLATE",
     "REWARDS",
     "AnswerMatch",
     "BaseReward",
     "ConfiguredReward",
     "FormatMatch",
+    "LLMJudge",
     "LengthReward",
     "Reward",
     "RewardError",
@@ -35,6 +38,7 @@ __all__ = [
     "evaluate",
     "extract_answer",
     "extract_final_answer",
+    "parse_score",
     "register_reward",
     "reward_log_values",
     "reward_metrics",
