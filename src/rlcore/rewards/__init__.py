@@ -14,7 +14,7 @@ from rlcore.rewards.registry import (
     reward_log_values,
     reward_metrics,
 )
-from rlcore.rewards.reward_model import RewardModel
+from rlcore.rewards.reward_model import RewardModel, ranking_accuracy
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward, extract_answer
 from rlcore.rewards.verified_math import VerifiedMath, extract_final_answer
 
@@ -39,6 +39,7 @@ __all__ = [
     "extract_answer",
     "extract_final_answer",
     "parse_score",
+    "ranking_accuracy",
     "register_reward",
     "reward_log_values",
     "reward_metrics",

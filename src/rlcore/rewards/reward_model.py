@@ -12,7 +12,7 @@ import torch
 from rlcore.models.build import resolve_dtype
 from rlcore.models.loading import load_tokenizer
 
-__all__ = ["RewardModel"]
+__all__ = ["RewardModel", "ranking_accuracy"]
 
 
 class RewardModel:
@@ -139,3 +139,26 @@ class RewardModel:
                 logits = model(**batch).logits
                 scores.append(logits[:, self.label].float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
+
+
+def ranking_accuracy(reward: Any, prompts: Sequence[Any], chosen: Sequence[str], rejected: Sequence[str]) -> float:
+    """The fraction of preference pairs that ``reward`` ranks right: the chosen response scored above the rejected one.
+
+    Args:
+      reward: a ``(prompts, responses) -> [B]`` reward (e.g. :class:`RewardModel`).
+      prompts, chosen, rejected: the pairs, one of each per pair.
+
+    Returns:
+      The accuracy in ``[0, 1]`` (ties count as wrong).
+
+    >>> ranking_accuracy(lambda p, r: torch.tensor([float(len(x)) for x in r]), ["q", "q"], ["aa", "a"], ["a", "aa"])
+    0.5
+    """
+    if not len(prompts) == len(chosen) == len(rejected) or not prompts:
+        raise ValueError(
+            f"prompts, chosen, rejected: got {len(prompts)}, {len(chosen)}, {len(rejected)} rows, expected as many "
+            "of each, at least one"
+        )
+    scores = torch.as_tensor(reward([*prompts, *prompts], [*chosen, *rejected]), dtype=torch.float64)
+    n = len(prompts)
+    return float((scores[:n] > scores[n:]).double().mean())
