@@ -93,10 +93,11 @@ def load_supervised(
     if not isinstance(eos, int):
         raise ValueError(f"eos_token_id: got {eos!r}, and the tokenizer has no EOS token; expected an int")
     conversations = messages_key is not None
+    column = prompt_key if messages_key is None else messages_key
     prompts = load_prompts(
         path,
         tokenizer=tokenizer,
-        prompt_key=messages_key if conversations else prompt_key,
+        prompt_key=column,
         answer_key=None,
         apply_chat_template=apply_chat_template,
         system_prompt=system_prompt,
@@ -107,8 +108,7 @@ def load_supervised(
         response_keys=() if conversations else (response_key,),
         split_last_turn=conversations,
     )
-    key = messages_key if conversations else response_key
-    assert key is not None
+    key = column if conversations else response_key
     if key not in prompts.columns or (not conversations and key == prompt_key):
         raise ValueError(
             f"response_key: column {key!r} is not in {prompts.source!r} (its columns: {[prompt_key, *prompts.columns]})"
