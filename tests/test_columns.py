@@ -25,7 +25,16 @@ from rlcore.train import (
 from tiny_runs import QUIET
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHIPPED = ["grpo_tiny", "dapo_tiny", "ppo_tiny", "dpo_tiny", "dpo_offline_tiny", "agent_calc_tiny"]
+SHIPPED = [
+    "grpo_tiny",
+    "dapo_tiny",
+    "ppo_tiny",
+    "dpo_tiny",
+    "dpo_offline_tiny",
+    "agent_calc_tiny",
+    "sft_tiny",
+    "rm_tiny",
+]
 WHERE = "rlcore.train.columns.COLUMNS"
 
 

@@ -5,7 +5,9 @@ them) as a preference dataset in TRL's layout: the chosen response is the correc
 reversal, the rejected one a perturbed reversal (two neighbouring letters swapped, or
 one letter changed). The tokenizer is character-level, built with the ``tokenizers``
 library: one token per letter and ``>``, an EOS and a padding token, no chat template.
-The output is deterministic; rerun it from the project root to regenerate::
+A held-out set of pairs whose prompts the training pairs never show
+(``reversal_prefs_heldout.jsonl``) measures a reward model trained on them
+(``configs/rm_tiny.yaml``). The output is deterministic; rerun it from the project root to regenerate::
 
     python configs/data/make_reversal_prefs.py
 """
@@ -18,6 +20,8 @@ HERE = Path(__file__).resolve().parent
 LETTERS = "abcdef"
 PAIRS = 512
 SEED = 0
+HELDOUT = 256
+HELDOUT_SEED = 1
 
 
 def perturbed(answer: str, rng: random.Random) -> str:
@@ -63,6 +67,9 @@ def save_tokenizer(folder: Path) -> None:
 def main() -> None:
     rows = pairs(PAIRS, SEED)
     (HERE / "reversal_prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = {r["prompt"] for r in rows}
+    heldout = [r for r in pairs(4 * HELDOUT, HELDOUT_SEED) if r["prompt"] not in seen][:HELDOUT]
+    (HERE / "reversal_prefs_heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout))
     save_tokenizer(HERE / "reversal_tokenizer")
 
 

@@ -72,6 +72,9 @@ from rlcore.algos.preference_reffree import cpo_loss, orpo_loss, simpo_loss
 from rlcore.algos.recipes import (
     DPO,
     PAIR_LOGP_COLUMNS,
+    RM,
+    SFT,
+    SFT_LOSS_MODES,
     Algorithm,
     Recipe,
     ScoringNeeds,
@@ -92,7 +95,9 @@ from rlcore.algos.recipes import (
     ppo,
     reinforce_pp,
     rloo,
+    rm,
     scoring_needs,
+    sft,
     token_advantages,
     token_rewards_shaping,
 )
@@ -107,6 +112,7 @@ from rlcore.algos.shaping import (
     scores_to_token_rewards,
 )
 from rlcore.algos.sharded_aggregate import sequence_sharded_aggregate, sequence_sharded_counts
+from rlcore.algos.supervised import sft_loss
 from rlcore.algos.value_loss import value_loss
 
 __all__: list[str] = [
@@ -119,6 +125,9 @@ __all__: list[str] = [
     "METRIC_REDUCTIONS",
     "PAIR_LOGP_COLUMNS",
     "RL_METRIC_REDUCTIONS",
+    "RM",
+    "SFT",
+    "SFT_LOSS_MODES",
     "STALE_MODES",
     "Algorithm",
     "EntropyController",
@@ -204,6 +213,7 @@ __all__: list[str] = [
     "reverse_kl_distill_loss",
     "rloo",
     "rloo_advantages",
+    "rm",
     "running_reward_normalizer",
     "sapo_loss",
     "scores_to_token_rewards",
@@ -211,6 +221,8 @@ __all__: list[str] = [
     "sequence_logps",
     "sequence_sharded_aggregate",
     "sequence_sharded_counts",
+    "sft",
+    "sft_loss",
     "simpo_loss",
     "staleness_weights",
     "token_advantages",

@@ -14,6 +14,7 @@ from rlcore.data.curriculum import (
 from rlcore.data.preferences import PreferenceSet, load_preferences
 from rlcore.data.prompts import OVERLONG, RESERVED_COLUMNS, PromptSet, load_prompts, read_table
 from rlcore.data.sampling import PromptDraw, epoch_permutation, sample_indices
+from rlcore.data.supervised import SupervisedSet, load_supervised
 
 __all__ = [
     "OVERLONG",
@@ -22,12 +23,14 @@ __all__ = [
     "PreferenceSet",
     "PromptDraw",
     "PromptSet",
+    "SupervisedSet",
     "curriculum_draw",
     "curriculum_probs",
     "difficulty_bands",
     "epoch_permutation",
     "load_preferences",
     "load_prompts",
+    "load_supervised",
     "parse_curriculum",
     "pass_rate_update",
     "read_table",

@@ -314,6 +314,7 @@ def load_prompts(
     split: str = "train",
     what: str = "data.path",
     response_keys: Sequence[str] = (),
+    split_last_turn: bool = False,
 ) -> PromptSet:
     """Read a prompt dataset and prepare its prompts for the policy.
 
@@ -335,6 +336,9 @@ def load_prompts(
       what: the setting that gave ``path``, named in errors.
       response_keys: columns holding responses (a preference dataset's), which never reach
         the rewards and so may have a name of :data:`RESERVED_COLUMNS`.
+      split_last_turn: the prompt column holds whole conversations (SFT's ``messages``):
+        the prompt is every message but the last, and the last one's content (the reply)
+        is kept as the column ``prompt_key``.
 
     Returns:
       A :class:`PromptSet` with ``num_dropped`` / ``num_truncated`` for the log.
@@ -383,10 +387,27 @@ def load_prompts(
         )
     data = table.to_dict()
     prompts = data[prompt_key]
+    replies: list[Any] = []
+    if split_last_turn:
+        for i, conversation in enumerate(prompts):
+            if not (
+                isinstance(conversation, list)
+                and len(conversation) >= 2
+                and all(isinstance(m, Mapping) for m in conversation)
+                and isinstance(conversation[-1].get("content"), str)
+            ):
+                raise ValueError(
+                    f"prompt_key: row {i} of {source!r} holds {type(conversation).__name__}, expected a list of at "
+                    "least two {role, content} messages, the last one the reply"
+                )
+        replies = [c[-1]["content"] for c in prompts]
+        prompts = [c[:-1] for c in prompts]
     texts = [_as_text(p, i, source, tokenizer, template, system_prompt) for i, p in enumerate(prompts)]
     columns = {name: data[name] for name in others}
     if answer_key is not None:
         columns = {"answers": data[answer_key], **columns}
+    if split_last_turn:
+        columns[prompt_key] = replies
 
     keep = list(range(len(texts)))
     ids: list[list[int]] | None = None

@@ -15,7 +15,7 @@ from rlcore.models.context_parallel import (
     sharded_token_logprobs,
 )
 from rlcore.models.decoding import CachedDecoder
-from rlcore.models.export import export_hf
+from rlcore.models.export import export_hf, export_reward_model
 from rlcore.models.hf import ATTENTION_NAME, HFCausalLM, from_hf
 from rlcore.models.loading import TokenIds, load_policy, load_tokenizer, token_ids
 from rlcore.models.lora import (
@@ -59,6 +59,7 @@ __all__ = [
     "base_view",
     "check_cu_seqlens",
     "export_hf",
+    "export_reward_model",
     "filter_logits",
     "from_hf",
     "is_lora",

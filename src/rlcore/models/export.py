@@ -22,7 +22,7 @@ from torch import nn
 
 from rlcore.models.lora import is_lora, merged_state_dict
 
-__all__ = ["export_hf"]
+__all__ = ["export_hf", "export_reward_model"]
 
 
 @torch.no_grad()
@@ -81,7 +81,9 @@ def _set_special_ids(model: Any, tokenizer: Any, *, force: bool) -> None:
     """The tokenizer's eos / pad / bos ids in the config and generation config (``force``: even where set)."""
     for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
         value = getattr(tokenizer, key, None)
-        for target in (model.config, model.generation_config):
+        for target in (model.config, getattr(model, "generation_config", None)):
+            if target is None:  # a model that does not generate (sequence classification)
+                continue
             if force or getattr(target, key, None) is None:
                 setattr(target, key, value)
 
@@ -149,7 +151,9 @@ def export_hf(
         raise ValueError(f"model: its state lacks {missing[:3]}, which the exported architecture needs")
     if dtype is not None:
         twin.config.torch_dtype = dtype
-    twin.generation_config = copy.deepcopy(getattr(base, "generation_config", twin.generation_config))
+    generation = getattr(base, "generation_config", None)  # a sequence-classification model has none
+    if generation is not None:
+        twin.generation_config = copy.deepcopy(generation)
     if char:
         _set_special_ids(twin, ids, force=True)
     elif tokenizer is not None:
@@ -170,6 +174,45 @@ def export_hf(
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return out
+
+
+def export_reward_model(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    params: Mapping[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a scalar-head model (a one-output token-classification model) as a sequence-classification directory.
+
+    ``AutoModelForSequenceClassification.from_pretrained(out_dir)`` then scores a sequence
+    with the head at its last token, what :class:`rlcore.rewards.RewardModel` (the
+    ``reward_model`` reward) loads. The sequence-classification head has no bias: the
+    token head's bias, a constant added to every reward, is left out (rankings and
+    Bradley-Terry losses do not see it).
+
+    Args:
+      model: the trained ``*ForTokenClassification`` with ``num_labels == 1`` (its config
+        names the architecture; with ``params`` its own tensors are not read).
+      out_dir: the directory to write (created if missing).
+      tokenizer, dtype: as in :func:`export_hf`.
+      params: name -> tensor, the whole state (e.g. gathered from a sharded model); default
+        the model's own.
+
+    Returns:
+      ``out_dir`` as a ``Path``.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(model.config)
+    if getattr(config, "num_labels", None) != 1:
+        raise ValueError(f"model: got num_labels={getattr(config, 'num_labels', None)}, expected a one-output head")
+    state = dict(model.state_dict() if params is None else params)
+    state.pop("score.bias", None)
+    with torch.device("meta"):
+        head = AutoModelForSequenceClassification.from_config(config)
+    return export_hf(head, out_dir, tokenizer=tokenizer, params=state, dtype=dtype)
 
 
 def _writer_alive(name: str) -> bool:

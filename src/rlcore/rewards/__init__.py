@@ -2,6 +2,7 @@
 
 from rlcore.rewards.base import BaseReward
 from rlcore.rewards.compose import Weighted
+from rlcore.rewards.llm_judge import DEFAULT_JUDGE_TEMPLATE, LLMJudge, parse_score
 from rlcore.rewards.pool import RewardPool
 from rlcore.rewards.protocol import Reward, RewardError, evaluate, reward_name
 from rlcore.rewards.registry import (
@@ -13,16 +14,18 @@ from rlcore.rewards.registry import (
     reward_log_values,
     reward_metrics,
 )
-from rlcore.rewards.reward_model import RewardModel
+from rlcore.rewards.reward_model import RewardModel, ranking_accuracy
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward, extract_answer
 from rlcore.rewards.verified_math import VerifiedMath, extract_final_answer
 
 __all__ = [
+    "DEFAULT_JUDGE_TEMPLATE",
     "REWARDS",
     "AnswerMatch",
     "BaseReward",
     "ConfiguredReward",
     "FormatMatch",
+    "LLMJudge",
     "LengthReward",
     "Reward",
     "RewardError",
@@ -35,6 +38,8 @@ __all__ = [
     "evaluate",
     "extract_answer",
     "extract_final_answer",
+    "parse_score",
+    "ranking_accuracy",
     "register_reward",
     "reward_log_values",
     "reward_metrics",

@@ -27,6 +27,7 @@ from typing import Any
 from rlcore._checks import finite_weight
 from rlcore.references import load_reference
 from rlcore.rewards.compose import Weighted
+from rlcore.rewards.llm_judge import LLMJudge
 from rlcore.rewards.protocol import RewardError
 from rlcore.rewards.reward_model import RewardModel
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward
@@ -56,6 +57,7 @@ REWARDS: dict[str, Callable[..., Any]] = {
     "format": _format,
     "length": LengthReward,
     "reward_model": RewardModel,
+    "llm_judge": LLMJudge,
 }
 _KEYS = ("reward", "weight", "kwargs", "name")
 

@@ -12,7 +12,7 @@ import torch
 from rlcore.models.build import resolve_dtype
 from rlcore.models.loading import load_tokenizer
 
-__all__ = ["RewardModel"]
+__all__ = ["RewardModel", "ranking_accuracy"]
 
 
 class RewardModel:
@@ -31,6 +31,8 @@ class RewardModel:
       torch_dtype: the model's dtype (see :func:`rlcore.models.resolve_dtype`).
       apply_chat_template: use the tokenizer's chat template; ``None``: when it has one.
       label: which output of the head is the score (a one-label head has only ``0``).
+      append_eos: end each scored text with the tokenizer's EOS token (a reward model trained
+        by ``rl.algo: rm`` scores its responses after their EOS, as TRL's reward trainer does).
       what: the setting that gave ``path``, named in errors.
 
     Returns (call): float32 ``[B]`` scores on the CPU.
@@ -48,6 +50,7 @@ class RewardModel:
         torch_dtype: str | torch.dtype | None = "float32",
         apply_chat_template: bool | None = None,
         label: int = 0,
+        append_eos: bool = False,
         what: str = "reward_model.path",
     ):
         path = os.fspath(path)
@@ -59,6 +62,7 @@ class RewardModel:
         self.path, self.device, self.batch_size, self.max_length = path, str(device), batch_size, max_length
         self.dtype = resolve_dtype(torch_dtype, path=path)
         self.apply_chat_template, self.label, self.what = apply_chat_template, label, what
+        self.append_eos = bool(append_eos)
         self._setup()
 
     def _setup(self) -> None:
@@ -103,14 +107,16 @@ class RewardModel:
     def texts(self, prompts: Sequence[Any], responses: Sequence[str]) -> list[str]:
         """The text scored for each pair."""
         _, tokenizer = self._load()
+        eos = tokenizer.eos_token if self.append_eos and tokenizer.eos_token else ""
         if not self._templated(tokenizer):
-            return [f"{p}{r}" for p, r in zip(prompts, responses)]
+            return [f"{p}{r}{eos}" for p, r in zip(prompts, responses)]
         out = []
         for prompt, response in zip(prompts, responses):
             turns = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             out.append(
                 tokenizer.apply_chat_template([*turns, {"role": "assistant", "content": response}], tokenize=False)
             )
+            out[-1] += "" if out[-1].endswith(eos) else eos
         return out
 
     @torch.no_grad()
@@ -133,3 +139,26 @@ class RewardModel:
                 logits = model(**batch).logits
                 scores.append(logits[:, self.label].float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
+
+
+def ranking_accuracy(reward: Any, prompts: Sequence[Any], chosen: Sequence[str], rejected: Sequence[str]) -> float:
+    """The fraction of preference pairs that ``reward`` ranks right: the chosen response scored above the rejected one.
+
+    Args:
+      reward: a ``(prompts, responses) -> [B]`` reward (e.g. :class:`RewardModel`).
+      prompts, chosen, rejected: the pairs, one of each per pair.
+
+    Returns:
+      The accuracy in ``[0, 1]`` (ties count as wrong).
+
+    >>> ranking_accuracy(lambda p, r: torch.tensor([float(len(x)) for x in r]), ["q", "q"], ["aa", "a"], ["a", "aa"])
+    0.5
+    """
+    if not len(prompts) == len(chosen) == len(rejected) or not prompts:
+        raise ValueError(
+            f"prompts, chosen, rejected: got {len(prompts)}, {len(chosen)}, {len(rejected)} rows, expected as many "
+            "of each, at least one"
+        )
+    scores = torch.as_tensor(reward([*prompts, *prompts], [*chosen, *rejected]), dtype=torch.float64)
+    n = len(prompts)
+    return float((scores[:n] > scores[n:]).double().mean())

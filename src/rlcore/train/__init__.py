@@ -67,6 +67,7 @@ from rlcore.train.prompts import (
     DatasetPrompts,
     HFTokenizer,
     PreferencePrompts,
+    SupervisedPrompts,
     TaskPrompts,
     make_prompt_source,
     source_tokenizer,
@@ -77,7 +78,9 @@ from rlcore.train.recipe_stages import (
     PreferenceStages,
     RecipeGraph,
     RecipeStages,
+    RewardModelStages,
     StepParts,
+    SupervisedStages,
     stages_for,
 )
 from rlcore.train.refill import RefillPrompts, refill_stage
@@ -119,6 +122,7 @@ from rlcore.train.stages import (
     values_stage,
     with_logged_reference,
 )
+from rlcore.train.supervised_stages import SFT_COLUMNS, last_token_rewards, reward_pair_forward, sft_forward
 from rlcore.train.tasks import TASKS, Addition, CharTokenizer, Reversal, make_task
 from rlcore.train.trainer import Run, train
 from rlcore.train.validation import Validator, validation_keys
@@ -140,6 +144,7 @@ __all__ = [
     "PAIR_TOKEN_COLUMNS",
     "ROLLOUT_COLUMNS",
     "ROLLOUT_INPUTS",
+    "SFT_COLUMNS",
     "TASKS",
     "Addition",
     "CharTokenizer",
@@ -149,9 +154,12 @@ __all__ = [
     "MetricsLog",
     "MultiTurnRollout",
     "Reversal",
+    "RewardModelStages",
     "Rollout",
     "Run",
     "ScoringPlan",
+    "SupervisedPrompts",
+    "SupervisedStages",
     "TorchEngine",
     "VLLMDeployment",
     "VLLMEngine",
@@ -173,6 +181,7 @@ __all__ = [
     "generate",
     "headline",
     "import_vllm",
+    "last_token_rewards",
     "left_pad",
     "load_checkpoint",
     "load_config",
@@ -196,6 +205,7 @@ __all__ = [
     "response_logprobs",
     "response_sequences",
     "response_values",
+    "reward_pair_forward",
     "reward_stage",
     "rl_batch",
     "rl_forward",
@@ -205,6 +215,7 @@ __all__ = [
     "save_checkpoint",
     "scoring_plan",
     "set_rng_state",
+    "sft_forward",
     "sleep_mode_available",
     "staleness_weighted",
     "supervised_warmup",

@@ -52,6 +52,10 @@ def build_algorithm(cfg: Config) -> algos.Recipe:
     as :func:`behaviour_mode` says.
     """
     rl, beta = cfg.rl, cfg.rl.beta
+    if rl.algo == "sft":
+        return algos.sft(loss=rl.sft_loss)
+    if rl.algo == "rm":
+        return algos.rm(margin=rl.rm_margin, center_coef=rl.rm_center_coef)
     if rl.algo == "dpo":
         return algos.dpo() if beta is None else algos.dpo(beta=beta)
     if rl.algo in ("grpo", "ppo", "rloo", "reinforce_pp"):

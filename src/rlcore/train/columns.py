@@ -89,6 +89,10 @@ COLUMNS = Schema(
         Column("rejected_mask", _I, "ragged", "DPO: 1 on the rejected response's tokens (the ones scored)"),
         Column("ref_chosen_logps", "float", "scalar", "DPO: the reference's summed log-prob of the chosen response"),
         Column("ref_rejected_logps", "float", "scalar", "DPO: the reference's summed log-prob of the rejected one"),
+        # Supervised demonstrations (SFT): each row's whole sequence, prompt included.
+        Column("sft_input_ids", _I, "ragged", "SFT: the prompt + response ids"),
+        Column("sft_attention_mask", _I, "ragged", "SFT: 1 on each token of the sequence"),
+        Column("sft_mask", _I, "ragged", "SFT: 1 on the response's tokens and its EOS (the ones trained on)"),
         # The update.
         Column("loss", _F, "scalar", "the loss of the update that trained on the row"),
     ],

@@ -72,6 +72,15 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     data.apply_chat_template, data.system_prompt, data.max_prompt_length, data.overlong, data.shuffle
     data.chosen_key, data.rejected_key       with rl.algo dpo: the preference dataset's response columns (offline
                                              DPO on its pairs, no rollout); data.max_response_length caps them
+    rl.algo sft                              supervised fine-tuning on data.path (no rollout): data.prompt_key /
+                                             data.response_key columns, or data.messages_key conversations (the
+                                             last message is the reply); the loss covers the response tokens only
+    rl.sft_loss                              with rl.algo sft: token-mean (every response token weighs the same) or
+                                             seq-mean (every example weighs the same)
+    rl.algo rm                               a reward model (a scalar head on the causal LM, rl.critic_lr) trained
+                                             on data.path's preference pairs with the Bradley-Terry loss; written
+                                             to output_dir/reward_model, loadable as the reward_model reward
+    rl.rm_margin, rl.rm_center_coef          with rl.algo rm: the Bradley-Terry margin and centring coefficient
     rewards                                  a list of rewards with weights: built-ins (math, format, length,
                                              answer_match, reward_model) or 'file.py:Class' references, the
                                              files relative to the config's folder (default: the task's, or math)
@@ -140,7 +149,11 @@ from rlcore.train.vllm_engine import parse_vllm_options
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm")
+# Recipes that learn from a dataset's finished rows, never from samples (rl.algo sft and rm need data.path).
+_DATASET_ONLY = ("sft", "rm")
+# Recipes without a policy ratio, KL or advantages: DPO and the supervised ones.
+_NOT_POLICY_GRADIENT = ("dpo", *_DATASET_ONLY)
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -154,7 +167,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo"] = "grpo"
+    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm"] = "grpo"
     batch_size: int = 8
     mini_batch_size: int = 8
     # The YAML's ``rl.num_rollouts`` (the seed's name); the library's name is ``n_samples``.
@@ -179,6 +192,9 @@ class RLConfig:
     stale_decay: float = 0.5
     max_refill_draws: int = 0
     replay: dict | None = None
+    sft_loss: Literal["token-mean", "seq-mean"] = "token-mean"
+    rm_margin: float | None = None
+    rm_center_coef: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +241,8 @@ class DataConfig:
     max_response_length: int | None = None
     tokenizer: str | None = None
     curriculum: dict | None = None
+    response_key: str = "response"
+    messages_key: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +431,7 @@ def _validate(cfg: Config) -> None:
         value = getattr(cfg.data, key)
         if value is not None and not value.strip():
             raise ValueError(f"config key 'data.{key}': got {value!r}, expected {kind} or null")
+    _check_supervised(cfg)
     _check_data_keys(cfg.data, rl.algo)
     if not 0 < rl.top_p <= 1:
         raise ValueError(f"config key 'rl.top_p': got {rl.top_p!r}, expected a value in (0, 1]")
@@ -428,23 +447,27 @@ def _validate(cfg: Config) -> None:
     _check_replay(cfg)
     if cfg.data.curriculum is not None:
         parse_curriculum(cfg.data.curriculum)
-        if cfg.data.path is None or rl.algo == "dpo":
+        if cfg.data.path is None or rl.algo in _NOT_POLICY_GRADIENT:
             raise ValueError(
-                "config key 'data.curriculum': got a section without data.path or with rl.algo 'dpo', expected a "
+                f"config key 'data.curriculum': got a section without data.path or with rl.algo {rl.algo!r}, expected a "
                 "prompt dataset (data.path) that a policy-gradient recipe samples"
             )
-    if rl.prox_logp == "interpolate" and (not cfg.deploy.async_infer or _behaviour_off(cfg) or rl.algo == "dpo"):
+    if rl.prox_logp == "interpolate" and (
+        not cfg.deploy.async_infer or _behaviour_off(cfg) or rl.algo in _NOT_POLICY_GRADIENT
+    ):
         raise ValueError(
             "config key 'rl.prox_logp': got 'interpolate', expected 'recompute' unless deploy.async_infer is on with "
             "the decoupled objective (rl.behaviour_weights not none) and a policy-gradient rl.algo"
         )
-    if rl.algo == "dpo" and rl.behaviour_weights not in ("auto", "none"):
+    if rl.algo in _NOT_POLICY_GRADIENT and rl.behaviour_weights not in ("auto", "none"):
         raise ValueError(
-            f"config key 'rl.behaviour_weights': got {rl.behaviour_weights!r} with rl.algo 'dpo', expected auto or "
-            "none (DPO's loss has no policy ratio to weight)"
+            f"config key 'rl.behaviour_weights': got {rl.behaviour_weights!r} with rl.algo {rl.algo!r}, expected auto "
+            "or none (its loss has no policy ratio to weight)"
         )
-    if rl.algo == "dpo" and rl.n_samples != 1:
-        raise ValueError(f"config key 'rl.num_rollouts': got {rl.n_samples}, expected 1 for dpo (one pair per prompt)")
+    if rl.algo in _NOT_POLICY_GRADIENT and rl.n_samples != 1:
+        raise ValueError(
+            f"config key 'rl.num_rollouts': got {rl.n_samples}, expected 1 for {rl.algo} (one row per prompt)"
+        )
     if rl.multi_turn is not None:
         _check_multi_turn(cfg)
     _check_engine(cfg)
@@ -470,7 +493,7 @@ def _check_refill(cfg: Config) -> None:
     if not draws:
         return
     for bad, why in (
-        (cfg.rl.algo == "dpo", "rl.algo 'dpo'"),
+        (cfg.rl.algo in _NOT_POLICY_GRADIENT, f"rl.algo {cfg.rl.algo!r}"),
         (cfg.rl.multi_turn is not None, "rl.multi_turn set"),
         (cfg.parallel.context_parallel > 1, "parallel.context_parallel > 1"),
         (cfg.rl.n_samples < 2, "rl.num_rollouts 1 (a group of one sample is never informative)"),
@@ -488,7 +511,7 @@ def _check_replay(cfg: Config) -> None:
         return
     parse_replay(cfg.rl.replay)
     for bad, why in (
-        (cfg.rl.algo == "dpo", "rl.algo 'dpo'"),
+        (cfg.rl.algo in _NOT_POLICY_GRADIENT, f"rl.algo {cfg.rl.algo!r}"),
         (cfg.rl.multi_turn is not None, "rl.multi_turn set"),
         (cfg.deploy.async_infer, "deploy.async_infer true"),
         (cfg.parallel.data_parallel > 1 or cfg.parallel.context_parallel > 1, "more than one data or context rank"),
@@ -500,6 +523,31 @@ def _check_replay(cfg: Config) -> None:
                 f"config key 'rl.replay': got a section with {why}, expected null (the replay buffer mixes rows "
                 "into a policy-gradient recipe's blocking single-rank update, one pass over each row)"
             )
+
+
+def _check_supervised(cfg: Config) -> None:
+    """``rl.algo sft`` / ``rm``: a dataset to learn from, and their keys only with them."""
+    rl, d = cfg.rl, cfg.data
+    if rl.algo in _DATASET_ONLY and d.path is None:
+        kind = "an SFT dataset (prompt / response or messages rows)" if rl.algo == "sft" else "a preference dataset"
+        raise ValueError(f"config key 'data.path': got null with rl.algo {rl.algo!r}, expected {kind}")
+    if rl.algo != "rm" and (rl.rm_margin is not None or rl.rm_center_coef):
+        raise ValueError(
+            f"config key 'rl.rm_margin' / 'rl.rm_center_coef': set with rl.algo {rl.algo!r}, expected them only with rm"
+        )
+    _positive("rl.rm_center_coef", rl.rm_center_coef, strict=False)
+    if rl.rm_margin is not None and not math.isfinite(rl.rm_margin):
+        raise ValueError(f"config key 'rl.rm_margin': got {rl.rm_margin!r}, expected a finite number or null")
+    if d.messages_key is not None and rl.algo != "sft":
+        raise ValueError(
+            f"config key 'data.messages_key': got {d.messages_key!r} with rl.algo {rl.algo!r}, expected null "
+            "(conversations are SFT rows)"
+        )
+    if rl.algo == "sft" and d.path is not None and d.messages_key is None and d.response_key == d.prompt_key:
+        raise ValueError(
+            f"config key 'data.response_key': got {d.response_key!r}, the same column as data.prompt_key; "
+            "expected the response column"
+        )
 
 
 def _check_stop_signals(names: list) -> None:
@@ -537,7 +585,7 @@ def _check_data_keys(data: DataConfig, algo: str) -> None:
                     f"config key 'data.{key}': got {getattr(data, key)!r} with data.path null, expected null "
                     f"(it applies to a dataset; the built-in task data.task={data.task!r} ignores it)"
                 )
-    if algo == "dpo" and data.path is not None:
+    if algo in ("dpo", "rm") and data.path is not None:
         if data.chosen_key == data.rejected_key:
             raise ValueError(
                 f"config key 'data.rejected_key': got {data.rejected_key!r}, the same column as data.chosen_key; "
@@ -662,7 +710,7 @@ def _check_dataset_positions(cfg: Config, positions: int) -> None:
     d, rl = cfg.data, cfg.rl
     if d.max_prompt_length is None:
         return
-    offline = rl.algo == "dpo"
+    offline = rl.algo in _NOT_POLICY_GRADIENT
     response, key = (
         (d.max_response_length, "data.max_response_length") if offline else (rl.max_new_tokens, "rl.max_new_tokens")
     )
@@ -679,8 +727,10 @@ def _check_dataset_positions(cfg: Config, positions: int) -> None:
 def _check_multi_turn(cfg: Config) -> None:
     """``rl.multi_turn``: a valid section (:func:`rlcore.agent.parse_multi_turn`) and a setup that can run it."""
     parse_multi_turn(cfg.rl.multi_turn)
-    if cfg.rl.algo == "dpo":
-        raise ValueError("config key 'rl.multi_turn': got a section with rl.algo 'dpo', expected an RL recipe")
+    if cfg.rl.algo in _NOT_POLICY_GRADIENT:
+        raise ValueError(
+            f"config key 'rl.multi_turn': got a section with rl.algo {cfg.rl.algo!r}, expected an RL recipe"
+        )
     if cfg.deploy.mode != "co-located" and cfg.deploy.engine != "vllm":
         raise ValueError(
             f"config key 'deploy.mode': got {cfg.deploy.mode!r} with rl.multi_turn and deploy.engine "
@@ -715,8 +765,8 @@ def _check_stale_rows(cfg: Config) -> None:
             f"{cfg.deploy.mode!r} / backend {cfg.deploy.backend!r}, expected 0 (only the local disaggregated worker "
             "takes rows stamped with a newer version)"
         )
-    if not cfg.deploy.async_infer or rl.algo == "dpo":
-        why = "rl.algo 'dpo'" if rl.algo == "dpo" else "deploy.async_infer false"
+    if not cfg.deploy.async_infer or rl.algo in _NOT_POLICY_GRADIENT:
+        why = f"rl.algo {rl.algo!r}" if rl.algo in _NOT_POLICY_GRADIENT else "deploy.async_infer false"
         raise ValueError(
             f"config key 'rl.stale_after': got {rl.stale_after} with {why}, expected null (every row is on-policy)"
         )
@@ -917,7 +967,7 @@ def _check_context_parallel(cfg: Config) -> None:
         (
             "rl.algo",
             cfg.rl.algo,
-            cfg.rl.algo in ("ppo", "dpo", "gspo"),
+            cfg.rl.algo in ("ppo", "gspo", *_NOT_POLICY_GRADIENT),
             "grpo, dr_grpo, dapo, rloo or reinforce_pp "
             "(the critic, the preference pairs and GSPO's sequence-level ratio are not split over sequence shards)",
         ),

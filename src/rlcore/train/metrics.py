@@ -51,7 +51,9 @@ def headline(records: Sequence[dict[str, Any]]) -> str:
     def span(part: Sequence[dict[str, Any]]) -> str:
         return f"steps {part[0]['step']}-{part[-1]['step']}"
 
-    keys = {"reward": "mean reward"} if "reward" in records[-1] else {m: m for m in ("margins", "accuracies", "loss")}
+    # Without a reward: the pair metrics of DPO and reward-model runs where logged, and the loss (SFT: the loss alone).
+    offline = [m for m in ("margins", "accuracies") if m in records[-1]] + ["loss"]
+    keys = {"reward": "mean reward"} if "reward" in records[-1] else {m: m for m in offline}
     phrases = []
     for key, name in keys.items():
         first, last = (sum(float(r.get(key, math.nan)) for r in part) / len(part) for part in (head, tail))
@@ -178,7 +180,7 @@ def plot_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
 
 def _plot_preference_curves(records: list[dict[str, Any]], steps: list[int], path: Path, plt: Any) -> Path:
     fig, axes = plt.subplots(1, len(_PREFERENCE_KEYS), figsize=(13, 3.5))
-    titles = {"loss": "DPO loss", "margins": "implicit reward margin", "accuracies": "preference accuracy"}
+    titles = {"loss": "loss", "margins": "implicit reward margin", "accuracies": "preference accuracy"}
     for ax, key in zip(axes, _PREFERENCE_KEYS):
         ax.plot(steps, [r.get(key, float("nan")) for r in records], lw=1.5)
         ax.set_xlabel("step")

@@ -13,7 +13,9 @@ prompt text and reference answer), the pipeline's loader and its reward stage:
   every keyword column of the dataset);
 * :class:`PreferencePrompts` serves a preference dataset (``data.path`` with ``rl.algo:
   dpo``) as ready DPO pairs through :func:`rlcore.data.load_preferences`: offline DPO,
-  no rollout.
+  no rollout (and so does ``rl.algo: rm``, a reward model trained on the pairs);
+* :class:`SupervisedPrompts` serves an SFT dataset (``data.path`` with ``rl.algo: sft``)
+  as demonstrations through :func:`rlcore.data.load_supervised`: no rollout.
 
 Each source's ``columns`` names what its loader gives a row (the pipeline's sources).
 
@@ -30,7 +32,7 @@ import torch
 
 from rlcore import seeding
 from rlcore.agent import parse_multi_turn
-from rlcore.data import PromptSet, load_preferences, load_prompts, parse_curriculum, sample_indices
+from rlcore.data import PromptSet, load_preferences, load_prompts, load_supervised, parse_curriculum, sample_indices
 from rlcore.dataflow import Stage, stage
 from rlcore.models import load_tokenizer, token_ids
 from rlcore.rewards import build_reward
@@ -48,6 +50,7 @@ __all__ = [
     "DatasetPrompts",
     "HFTokenizer",
     "PreferencePrompts",
+    "SupervisedPrompts",
     "TaskPrompts",
     "make_prompt_source",
     "refill_rows",
@@ -495,12 +498,110 @@ class PreferencePrompts(_SeededDataset):
         }
 
 
+class SupervisedPrompts(_SeededDataset):
+    """An SFT dataset (``data.path`` with ``rl.algo: sft``): demonstrations, no rollout.
+
+    Rows are ``data.prompt_key`` / ``data.response_key`` columns, or one
+    ``data.messages_key`` column of conversations whose last message is the reply
+    (:func:`rlcore.data.load_supervised`, with the model directory's tokenizer, its chat
+    template and EOS). Each row is the whole sequence ``prompt + response + EOS`` with
+    ``sft_mask`` on the response and its EOS: the prompt is never trained on.
+
+    Args:
+      cfg: the run's config (``data.*``, ``trainer.seed``, ``rl.batch_size``).
+      world_size: data-parallel ranks, as for :class:`PreferencePrompts`.
+    """
+
+    columns = COLUMNS.select("sft_input_ids", "sft_attention_mask", "sft_mask", "prompt_mask", "iteration", "index")
+    sampled = False
+
+    def __init__(self, cfg: Config, world_size: int = 1):
+        super().__init__(cfg, world_size)
+        d = cfg.data
+        assert d.path is not None
+        self.rows = load_supervised(
+            d.path,
+            tokenizer=self.hf_tokenizer,
+            prompt_key=d.prompt_key,
+            response_key=d.response_key,
+            messages_key=d.messages_key,
+            eos_token_id=self.tokenizer.eos_token_id,
+            apply_chat_template=d.apply_chat_template,
+            system_prompt=d.system_prompt,
+            max_prompt_length=d.max_prompt_length,
+            max_response_length=d.max_response_length,
+            overlong=d.overlong,
+            what="data.path",
+        )
+        self.dataset = self.rows.prompts
+        assert self.dataset.prompt_ids is not None
+        lengths = [len(p) + len(r) for p, r in zip(self.dataset.prompt_ids, self.rows.response_ids)]
+        _check_positions(cfg, lengths, "data.path", self.dataset.source, "its prompt and its response")
+        self.reward: Any = None  # SFT scores nothing; validation needs a reward
+        if cfg.rewards is not None:
+            self.reward = build_reward(cfg.rewards, what="rewards")
+        elif self.val is not None and cfg.trainer.eval_every and d.answer_key is not None:
+            self.reward = build_reward(["math"], what="rewards")
+        elif self.val is not None and cfg.trainer.eval_every:
+            raise ValueError("rewards: got none, and data.answer_key is null; list the rewards validation scores with")
+
+    def summary(self) -> str:
+        """One line for the log: rows kept, dropped and truncated as longer than the length limits."""
+        r = self.rows
+        parts = [f"data.path: {len(r)} SFT rows from {r.prompts.source!r}"]
+        parts.append(f"{r.prompts.num_dropped} dropped and {r.prompts.num_truncated} truncated as overlong prompts")
+        parts.append(f"{r.num_dropped} dropped and {r.num_truncated} truncated as overlong responses")
+        return self._summary(parts)
+
+    def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
+        """Warm-up samples: ``n`` random prompts (as the policy sees them) with their responses."""
+        rows = torch.randint(0, len(self.rows), (n,), generator=generator).tolist()
+        return [{"prompt": self.dataset.texts[i], "answer": self.rows.responses[i]} for i in rows]
+
+    def loader(self, rank: int, start: int, n: int = 1) -> Callable[[int], dict[str, Any]]:
+        """Pipeline iteration ``i`` -> the SFT columns of step ``start + i`` (``sft_*``, ``prompt_mask``, ``index``)."""
+        if n != 1:
+            raise ValueError(f"n: got {n}, expected 1 (one demonstration per prompt)")
+        ids = self.dataset.prompt_ids
+        assert ids is not None
+        pad = self.tokenizer.pad_token_id
+
+        def load(i: int) -> dict[str, Any]:
+            step = start + i
+            draw = self._draw(step, rank, len(self.rows))
+            rows = [(ids[j], self.rows.response_ids[j]) for j in draw]
+            _, pmask = left_pad([list(ids[j]) for j in draw], pad)
+            return {
+                "sft_input_ids": [torch.tensor([*p, *r]) for p, r in rows],
+                "sft_attention_mask": [torch.ones(len(p) + len(r), dtype=torch.long) for p, r in rows],
+                "sft_mask": [
+                    torch.cat([torch.zeros(len(p), dtype=torch.long), torch.ones(len(r), dtype=torch.long)])
+                    for p, r in rows
+                ],
+                "prompt_mask": pmask,
+                "iteration": torch.full((len(draw),), step, dtype=torch.int64),
+                "index": torch.tensor(draw),
+            }
+
+        return load
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """The epoch counter after step ``step`` (epochs completed over the whole data-parallel group)."""
+        return {
+            "epoch": self._epoch(step, len(self.rows)),
+            "data/dropped": float(self.dataset.num_dropped + self.rows.num_dropped),
+        }
+
+
 def make_prompt_source(
     cfg: Config, task_options: dict[str, Any], *, world_size: int = 1
-) -> TaskPrompts | DatasetPrompts | PreferencePrompts:
-    """The run's prompt source: the dataset at ``data.path`` when set (preference pairs for ``rl.algo: dpo``), else the built-in task."""
+) -> TaskPrompts | DatasetPrompts | PreferencePrompts | SupervisedPrompts:
+    """The run's prompt source: the dataset at ``data.path`` when set (preference pairs for ``rl.algo: dpo`` and
+    ``rm``, demonstrations for ``sft``), else the built-in task."""
     if cfg.data.path is not None:
-        return PreferencePrompts(cfg, world_size) if cfg.rl.algo == "dpo" else DatasetPrompts(cfg, world_size)
+        if cfg.rl.algo == "sft":
+            return SupervisedPrompts(cfg, world_size)
+        return PreferencePrompts(cfg, world_size) if cfg.rl.algo in ("dpo", "rm") else DatasetPrompts(cfg, world_size)
     return TaskPrompts(cfg, task_options, world_size)
 
 

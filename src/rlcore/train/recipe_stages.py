@@ -44,13 +44,16 @@ from rlcore.train.stages import (
     values_stage,
     with_logged_reference,
 )
+from rlcore.train.supervised_stages import SFT_COLUMNS, reward_pair_forward, sft_forward
 
 __all__ = [
     "PolicyGradientStages",
     "PreferenceStages",
     "RecipeGraph",
     "RecipeStages",
+    "RewardModelStages",
     "StepParts",
+    "SupervisedStages",
     "stages_for",
 ]
 
@@ -262,6 +265,59 @@ class PreferenceStages:
         return RecipeGraph(stages, preference_forward(parts.policy), inputs, self.recipe, parts.epochs)
 
 
+def _dataset_rows(parts: StepParts, kind: str) -> None:
+    """Supervised recipes learn from a dataset's rows, whole on each rank."""
+    if parts.sampled:
+        raise ValueError(
+            f"parts.sampled: got True, expected a dataset's finished rows ({kind} learns from data.path, not samples)"
+        )
+    if parts.context_parallel is not None:
+        raise ValueError(
+            f"parts.context_parallel: got {parts.context_parallel!r}, expected None ({kind} rows are not split over "
+            "sequence shards)"
+        )
+
+
+class SupervisedStages:
+    """:class:`rlcore.algos.SFT`: no stage before the update; its forward packs the demonstrations and scores them.
+
+    >>> SupervisedStages(algos.sft()).critic
+    False
+    """
+
+    critic = False
+
+    def __init__(self, recipe: algos.SFT):
+        self.recipe = recipe
+
+    def graph(self, parts: StepParts) -> RecipeGraph:
+        """The SFT forward for the update (:func:`rlcore.train.supervised_stages.sft_forward`)."""
+        _dataset_rows(parts, "SFT")
+        inputs = [*SFT_COLUMNS, *parts.logged]
+        return RecipeGraph([], sft_forward(parts.policy), inputs, self.recipe, parts.epochs)
+
+
+class RewardModelStages:
+    """:class:`rlcore.algos.RM`: the reward model is the step's scalar-head model (``critic``); it scores the pairs.
+
+    >>> RewardModelStages(algos.rm()).critic
+    True
+    """
+
+    critic = True
+
+    def __init__(self, recipe: algos.RM):
+        self.recipe = recipe
+
+    def graph(self, parts: StepParts) -> RecipeGraph:
+        """The pair forward of the reward model for the update (both sides in one padded forward)."""
+        _dataset_rows(parts, "reward-model training")
+        if parts.critic is None:
+            raise ValueError("parts.critic: got None, expected the reward model (a one-output scalar-head model)")
+        inputs = [*PAIR_TOKEN_COLUMNS, *parts.logged]
+        return RecipeGraph([], reward_pair_forward(parts.critic), inputs, self.recipe, parts.epochs)
+
+
 @functools.singledispatch
 def stages_for(recipe: Any) -> RecipeStages:
     """The stages of ``recipe``'s kind, found by its type (the nearest registered class of its MRO).
@@ -282,3 +338,5 @@ def stages_for(recipe: Any) -> RecipeStages:
 
 stages_for.register(algos.Algorithm, PolicyGradientStages)
 stages_for.register(algos.DPO, PreferenceStages)
+stages_for.register(algos.SFT, SupervisedStages)
+stages_for.register(algos.RM, RewardModelStages)

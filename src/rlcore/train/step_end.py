@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlcore.models import export_hf
+from rlcore.models import export_hf, export_reward_model
 from rlcore.rewards import RewardPool, reward_log_values
 from rlcore.train.config import Config
 from rlcore.train.deploy import Deployment
@@ -188,12 +188,25 @@ class StepEnd:
         # The policy as a Hugging Face directory beside the checkpoint; a built-in task's
         # character tokenizer is written as a transformers one.
         tok = self.task.tokenizer if self.task.hf_tokenizer is None else self.task.hf_tokenizer
+        if self.cfg.rl.algo == "rm":  # the trained reward model, as the reward_model reward loads it
+            self._export_reward_model(tok)
+            return
         if self.world.size == 1:
             export_hf(self.models.policy, self.out / "hf", tokenizer=tok)
         else:  # gathered (collective), written into the unsharded architecture by rank 0
             weights = full_state_dict(self.models.policy)
             if self.world.rank == 0:
                 export_hf(self.replica, self.out / "hf", tokenizer=tok, params=weights)
+
+    def _export_reward_model(self, tok: Any) -> None:
+        critic = self.models.critic
+        assert critic is not None
+        if self.world.size == 1:
+            export_reward_model(critic, self.out / "reward_model", tokenizer=tok)
+        else:  # gathered (collective), written by rank 0
+            weights = full_state_dict(critic)
+            if self.world.rank == 0:
+                export_reward_model(critic, self.out / "reward_model", tokenizer=tok, params=weights)
 
     def close(self) -> None:
         try:

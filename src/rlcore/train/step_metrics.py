@@ -112,7 +112,9 @@ class StepMetrics:
             "rows": total(float(b["iteration"].shape[0])),
             "prompt_tokens": total((b["prompt_mask"] != 0).sum()),
         }
-        if "scores" not in b:  # offline DPO: the dataset's pairs, no rollout (mean of both responses' lengths)
+        if "sft_mask" in b:  # SFT: the dataset's demonstrations
+            counts["response_tokens"] = total((b["sft_mask"] != 0).sum())
+        elif "scores" not in b:  # offline DPO: the dataset's pairs, no rollout (mean of both responses' lengths)
             counts["response_tokens"] = total(((b["chosen_mask"] != 0).sum() + (b["rejected_mask"] != 0).sum()) / 2)
         else:
             mask = b["mask"]

@@ -130,7 +130,7 @@ def shard_critic(critic: torch.nn.Module, world: World) -> None:
     if world.mesh["tp"].size() > 1:
         raise ValueError(
             "config key 'parallel.tensor_parallel': got "
-            f"{world.mesh['tp'].size()} with rl.algo 'ppo', expected 1 (the critic is not tensor parallel; "
+            f"{world.mesh['tp'].size()} with a critic (rl.algo ppo or rm), expected 1 (it is not tensor parallel; "
             "use data parallelism)"
         )
     if world.dp_size == 1:

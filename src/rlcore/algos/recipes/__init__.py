@@ -33,10 +33,14 @@ from rlcore.algos.recipes.named import (
 from rlcore.algos.recipes.needs import ScoringNeeds, scoring_needs
 from rlcore.algos.recipes.preference import DPO, PAIR_LOGP_COLUMNS, dpo
 from rlcore.algos.recipes.protocol import Recipe
+from rlcore.algos.recipes.supervised import RM, SFT, SFT_LOSS_MODES, rm, sft
 
 __all__ = [
     "DPO",
     "PAIR_LOGP_COLUMNS",
+    "RM",
+    "SFT",
+    "SFT_LOSS_MODES",
     "Algorithm",
     "Recipe",
     "ScoringNeeds",
@@ -57,7 +61,9 @@ __all__ = [
     "ppo",
     "reinforce_pp",
     "rloo",
+    "rm",
     "scoring_needs",
+    "sft",
     "token_advantages",
     "token_rewards_shaping",
 ]

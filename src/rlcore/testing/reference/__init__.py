@@ -103,6 +103,7 @@ from rlcore.testing.reference.shaping import (
     overlong_penalty_ref,
     scores_to_token_rewards_ref,
 )
+from rlcore.testing.reference.supervised import sft_loss_ref
 from rlcore.testing.reference.trainer_loop import LoopRun, train_loop_ref
 
 __all__ = [
@@ -188,6 +189,7 @@ __all__ = [
     "segment_std_ref",
     "segment_sum_ref",
     "sequence_logps_ref",
+    "sft_loss_ref",
     "shift_labels_ref",
     "simpo_loss_ref",
     "staleness_weights_ref",
