@@ -90,6 +90,19 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              token) are dropped from the loss (rl.stale_mode drop) or weighted
                                              rl.stale_decay ** (lag - k) (weight); stale/dropped, stale/weight logged
                                              (null: off)
+    rl.policy_loss, rl.policy_loss_args      the recipe's policy loss replaced by ppo_clip, dppo_tv, dppo_kl, dro (its
+                                             beta has no default: rl.policy_loss_args {beta: ...}), clip_cov or kl_cov
+                                             (entropy control), with that loss's published defaults; the args mapping
+                                             overrides its keyword hyperparameters (e.g. {cov_fraction: 0.002})
+    rl.entropy_coef                          the entropy bonus's weight (subtracted from the loss; default 0)
+    rl.algo opd, model.teacher               on-policy distillation: the student samples, the teacher (a local causal
+                                             LM directory with the student's vocabulary) scores its tokens as the run's
+                                             reference model (kl is then the student's KL to the teacher)
+    rl.opd_loss                              with opd: reward (the teacher's log-prob as a dense per-token reward,
+                                             minus the student's, whitened, PPO-clipped) or reverse_kl (the sampled-
+                                             token reverse KL as a loss term beside GRPO on the task reward)
+    rl.teacher_coef, rl.task_coef            with opd: the weights of the teacher's signal and of the task reward
+                                             (task_coef 0: pure distillation; defaults 1 and 1)
 """
 
 from __future__ import annotations
@@ -112,11 +125,12 @@ from rlcore.agent import parse_multi_turn
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
 from rlcore.train.preemption import STOP_SIGNALS
+from rlcore.train.recipe_options import check_policy_loss
 from rlcore.train.vllm_engine import parse_vllm_options
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "opd")
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -126,11 +140,12 @@ class ModelConfig:
     torch_dtype: Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"] = "fp32"
     use_flash_attention: bool = False
     lora: dict | None = None
+    teacher: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo"] = "grpo"
+    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "opd"] = "grpo"
     batch_size: int = 8
     mini_batch_size: int = 8
     # The YAML's ``rl.num_rollouts`` (the seed's name); the library's name is ``n_samples``.
@@ -153,6 +168,12 @@ class RLConfig:
     stale_after: int | None = None
     stale_mode: Literal["drop", "weight"] = "drop"
     stale_decay: float = 0.5
+    policy_loss: Literal["ppo_clip", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov"] | None = None
+    policy_loss_args: dict | None = None
+    entropy_coef: float = 0.0
+    opd_loss: Literal["reward", "reverse_kl"] = "reward"
+    teacher_coef: float = 1.0
+    task_coef: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,6 +432,7 @@ def _validate(cfg: Config) -> None:
         _check_multi_turn(cfg)
     _check_engine(cfg)
     _check_partial_rollouts(cfg)
+    _check_recipe_options(cfg)
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
@@ -423,6 +445,51 @@ def _validate(cfg: Config) -> None:
             "config mapping (rlcore downloads nothing; save the model locally and override model.model_name_or_path=DIR)"
         )
     _check_model(cfg)
+
+
+def _check_recipe_options(cfg: Config) -> None:
+    """``rl.policy_loss`` / ``rl.entropy_coef`` on a policy-gradient recipe; ``rl.algo: opd`` with its teacher."""
+    rl, teacher = cfg.rl, cfg.model.teacher
+    for key, value in (("rl.entropy_coef", rl.entropy_coef), ("rl.teacher_coef", rl.teacher_coef)):
+        _positive(key, value, strict=False)
+    _positive("rl.task_coef", rl.task_coef, strict=False)
+    if rl.algo == "dpo":
+        for key, value, default in (("rl.policy_loss", rl.policy_loss, None), ("rl.entropy_coef", rl.entropy_coef, 0)):
+            if value != default:
+                raise ValueError(
+                    f"config key {key!r}: got {value!r} with rl.algo 'dpo', expected {default!r} (a policy-gradient "
+                    "recipe's option; DPO's loss is its own)"
+                )
+    check_policy_loss(rl.policy_loss, rl.policy_loss_args)
+    if rl.algo != "opd":
+        defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
+        for key in ("opd_loss", "teacher_coef", "task_coef"):
+            if getattr(rl, key) != defaults[key]:
+                raise ValueError(
+                    f"config key 'rl.{key}': got {getattr(rl, key)!r} with rl.algo {rl.algo!r}, expected it unset "
+                    "(an option of rl.algo 'opd')"
+                )
+        if teacher is not None:
+            raise ValueError(
+                f"config key 'model.teacher': got {teacher!r} with rl.algo {rl.algo!r}, expected null "
+                "(the teacher of rl.algo 'opd')"
+            )
+        return
+    if teacher is None or not os.path.isdir(teacher):
+        raise ValueError(
+            f"config key 'model.teacher': got {teacher!r} with rl.algo 'opd', expected a local causal LM directory "
+            "(e.g. a run's output_dir/hf, written with trainer.export)"
+        )
+    if rl.beta is not None:
+        raise ValueError(
+            f"config key 'rl.beta': got {rl.beta!r} with rl.algo 'opd', expected null (the teacher is the reference: "
+            "its weight is rl.teacher_coef)"
+        )
+    if cfg.model.lora is not None:
+        raise ValueError(
+            "config key 'model.lora': got a section with rl.algo 'opd', expected null (the teacher takes the "
+            "reference's place, which LoRA keeps as the policy with its adapters off)"
+        )
 
 
 def _check_stop_signals(names: list) -> None:
@@ -702,7 +769,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay, policy_loss, policy_loss_args, entropy_coef, opd_loss, teacher_coef, task_coef
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")

@@ -15,6 +15,7 @@ from rlcore.algos.recipes.adapters import (
     kl_score_shaping,
     outcome_advantages,
     overlong_shaping,
+    score_scaling,
     token_advantages,
     token_rewards_shaping,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "on_policy_distillation",
     "outcome_advantages",
     "overlong_shaping",
+    "score_scaling",
     "ppo",
     "reinforce_pp",
     "rloo",
