@@ -94,7 +94,12 @@ def main() -> None:
     teacher = load_causal_lm(teacher_dir, dtype="fp32")
     target = greedy_accuracy(teacher, teacher_cfg)
     print(json.dumps({"teacher_greedy": target}), flush=True)
-    common = ["trainer.progress=false", "trainer.plot=false", "trainer.reward_workers=0", f"model.teacher={teacher_dir}"]
+    common = [
+        "trainer.progress=false",
+        "trainer.plot=false",
+        "trainer.reward_workers=0",
+        f"model.teacher={teacher_dir}",
+    ]
     student = ROOT / "configs" / "opd_tiny.yaml"
     runs = {
         "opd": [*common, f"trainer.output_dir={args.out}/opd", *args.overrides],

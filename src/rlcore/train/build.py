@@ -121,13 +121,14 @@ def build_reference(
 
 
 def _teacher(path: str, replica: torch.nn.Module, world: World) -> torch.nn.Module:
-    vocab = replica.config.vocab_size
-    model = load_causal_lm(path, dtype=replica.dtype, seed=None, what="config key 'model.teacher'")
-    if model.config.vocab_size != vocab:
+    vocab = getattr(replica.config, "vocab_size", None)
+    first = next(replica.parameters())
+    model = load_causal_lm(path, dtype=first.dtype, seed=None, what="config key 'model.teacher'")
+    if getattr(model.config, "vocab_size", None) != vocab:
         raise ValueError(
-            f"config key 'model.teacher': got a model of vocab_size {model.config.vocab_size} ({path!r}), expected "
+            f"config key 'model.teacher': got a model of vocab_size {getattr(model.config, 'vocab_size', None)} ({path!r}), expected "
             f"{vocab}, the policy's (the teacher scores the student's token ids)"
         )
-    model = model.to(next(replica.parameters()).device).eval().requires_grad_(False)
+    model = model.to(first.device).eval().requires_grad_(False)
     parallelize(model, world.mesh, grad_reduce="sum")
     return model

@@ -450,11 +450,14 @@ def _validate(cfg: Config) -> None:
 def _check_recipe_options(cfg: Config) -> None:
     """``rl.policy_loss`` / ``rl.entropy_coef`` on a policy-gradient recipe; ``rl.algo: opd`` with its teacher."""
     rl, teacher = cfg.rl, cfg.model.teacher
-    for key, value in (("rl.entropy_coef", rl.entropy_coef), ("rl.teacher_coef", rl.teacher_coef)):
-        _positive(key, value, strict=False)
-    _positive("rl.task_coef", rl.task_coef, strict=False)
+    for key in ("entropy_coef", "teacher_coef", "task_coef"):
+        _positive(f"rl.{key}", getattr(rl, key), strict=False)
     if rl.algo == "dpo":
-        for key, value, default in (("rl.policy_loss", rl.policy_loss, None), ("rl.entropy_coef", rl.entropy_coef, 0)):
+        options: tuple[tuple[str, Any, Any], ...] = (
+            ("rl.policy_loss", rl.policy_loss, None),
+            ("rl.entropy_coef", rl.entropy_coef, 0),
+        )
+        for key, value, default in options:
             if value != default:
                 raise ValueError(
                     f"config key {key!r}: got {value!r} with rl.algo 'dpo', expected {default!r} (a policy-gradient "
