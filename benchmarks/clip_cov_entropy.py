@@ -6,7 +6,7 @@ tokens, so 2e-4 cuts one token a step), all from the same seed in this one proce
 prints each run's logged ``entropy`` and ``reward``: means over the first 10%, the last
 10% and the whole run.
 
-    python benchmarks/clip_cov_entropy.py [--fractions 0.0002 0.02] [key=value ...]
+    python benchmarks/clip_cov_entropy.py [key=value ...] [--fractions 0.0002 0.02]
 """
 
 from __future__ import annotations

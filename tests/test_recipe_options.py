@@ -53,7 +53,7 @@ def _batch(seed=0, b=6, t=5):
         ({"algo": "dpo", "num_rollouts": 1, "entropy_coef": 0.1}, None, "rl.entropy_coef"),
         ({"entropy_coef": -0.1}, None, "rl.entropy_coef"),
         ({"algo": "opd"}, None, "model.teacher"),  # no teacher
-        ({"algo": "opd"}, {"teacher": "/nonexistent/teacher"}, "model.teacher"),
+        ({"algo": "opd"}, {"teacher": " "}, "model.teacher"),
         ({}, {"teacher": "."}, "model.teacher"),  # a teacher without opd
         ({"task_coef": 0.0}, None, "rl.task_coef"),  # an opd option without opd
         ({"opd_loss": "reverse_kl"}, None, "rl.opd_loss"),
@@ -131,6 +131,12 @@ def test_opd_trains_against_the_teacher(tmp_path):
     assert first["pg_loss"] == pytest.approx(0.0, abs=1e-6)  # no task advantages
     assert first["loss"] != pytest.approx(0.0, abs=1e-4)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in run.records)
+
+
+def test_missing_teacher_is_refused_before_the_run(tmp_path):
+    with pytest.raises(ValueError, match="'model.teacher': got '/nonexistent/teacher', which is not a directory"):
+        train(_run(tmp_path, "model.teacher=/nonexistent/teacher"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_teacher_with_another_vocabulary_is_refused(tmp_path):

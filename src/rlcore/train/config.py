@@ -478,7 +478,7 @@ def _check_recipe_options(cfg: Config) -> None:
                 "(the teacher of rl.algo 'opd')"
             )
         return
-    if teacher is None or not os.path.isdir(teacher):
+    if teacher is None or not teacher.strip():  # its directory may be made by an earlier run: checked at launch
         raise ValueError(
             f"config key 'model.teacher': got {teacher!r} with rl.algo 'opd', expected a local causal LM directory "
             "(e.g. a run's output_dir/hf, written with trainer.export)"
