@@ -84,10 +84,12 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--fraction", type=float, default=0.9)
     parser.add_argument("--out", default="outputs/opd_vs_grpo")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (one runs best on a shared machine)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    teacher_cfg = load_config(ROOT / "configs" / "opd_teacher_tiny.yaml", ["trainer.progress=false"])
+    torch.set_num_threads(args.threads)
+    threads = f"trainer.threads={args.threads}"
+    teacher_cfg = load_config(ROOT / "configs" / "opd_teacher_tiny.yaml", ["trainer.progress=false", threads])
     teacher_dir = os.path.join(teacher_cfg.trainer.output_dir, "hf")
     if not os.path.isdir(teacher_dir):
         train(teacher_cfg, overwrite=True)
