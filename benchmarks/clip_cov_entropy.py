@@ -33,10 +33,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fractions", type=float, nargs="*", default=[2e-4, 0.02])
     parser.add_argument("--out", default="outputs/clip_cov_entropy")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (one runs best on a shared machine)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    common = ["trainer.progress=false", "trainer.plot=false", "trainer.save_every=0", *args.overrides]
+    torch.set_num_threads(args.threads)
+    common = [
+        "trainer.progress=false",
+        "trainer.plot=false",
+        "trainer.save_every=0",
+        f"trainer.threads={args.threads}",
+        *args.overrides,
+    ]
     runs = {"grpo": []}
     runs.update(
         {

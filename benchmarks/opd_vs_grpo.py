@@ -11,7 +11,8 @@ uninterrupted one), on the CPU; nothing is downloaded.
 
     python benchmarks/opd_vs_grpo.py [--steps 150] [--every 10] [key=value ...]
 
-Extra ``key=value`` overrides apply to both students (e.g. ``trainer.warmup_steps=60``).
+Extra ``key=value`` overrides apply to both students (e.g. ``trainer.warmup_steps=60``), ``--opd key=value``
+to the distilled one only (e.g. its sampling temperature).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.9)
     parser.add_argument("--out", default="outputs/opd_vs_grpo")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (one runs best on a shared machine)")
+    parser.add_argument(
+        "--opd", action="append", default=[], metavar="KEY=VALUE", help="an override of the opd run only"
+    )
+    parser.add_argument("--runs", nargs="+", default=["opd", "grpo"], choices=["opd", "grpo"])
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,7 +109,7 @@ def main() -> None:
     ]
     student = ROOT / "configs" / "opd_tiny.yaml"
     runs = {
-        "opd": [*common, f"trainer.output_dir={args.out}/opd", *args.overrides],
+        "opd": [*common, f"trainer.output_dir={args.out}/opd", *args.overrides, *args.opd],
         "grpo": [
             *common,
             f"trainer.output_dir={args.out}/grpo",
@@ -119,6 +124,8 @@ def main() -> None:
     }
     summary = {"teacher_greedy": target}
     for name, overrides in runs.items():
+        if name not in args.runs:
+            continue
         points = curve(student, overrides, args.steps, args.every)
         reached = next((p["step"] for p in points if p["greedy"] >= args.fraction * target), None)
         summary[name] = {"points": points, f"steps_to_{args.fraction:g}_of_teacher": reached}

