@@ -9,7 +9,7 @@ set of held-out prompts, and prints both curves and the first step at which each
 (runs resume from their checkpoints between measurements: a resumed run equals an
 uninterrupted one), on the CPU; nothing is downloaded.
 
-    python benchmarks/opd_vs_grpo.py [--steps 150] [--every 10] [key=value ...]
+    python benchmarks/opd_vs_grpo.py [--steps 1000] [--every 50] [key=value ...]
 
 Extra ``key=value`` overrides apply to both students (e.g. ``trainer.warmup_steps=60``), ``--opd key=value``
 to the distilled one only (e.g. its sampling temperature).
@@ -81,8 +81,8 @@ def curve(path: Path, overrides: list[str], steps: int, every: int) -> list[dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--fraction", type=float, default=0.9)
     parser.add_argument("--out", default="outputs/opd_vs_grpo")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (one runs best on a shared machine)")
