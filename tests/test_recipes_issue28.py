@@ -113,3 +113,63 @@ def test_new_recipes_have_no_host_sync():
     assert_no_host_sync(partial(step, gdpo), batch)
     distill = {**batch, "scores": batch["scores"][:, 0]}
     assert_no_host_sync(partial(step, algos.on_policy_distillation()), distill)
+
+
+@settings(max_examples=15, deadline=None)
+@given(batch=recipe_batches(dtype=torch.float64), coef=st.sampled_from([0.5, 1.0]), task=st.sampled_from([0.0, 1.0]))
+def test_on_policy_distillation_reverse_kl_matches_the_distillation_loss(batch, coef, task):
+    """``loss="reverse_kl"``: GRPO on ``task * scores`` plus ``coef`` times the sampled-token reverse KL, whose
+    value and gradient are :func:`rlcore.algos.reverse_kl_distill_loss`'s (on-policy: no ratio weight)."""
+    algo = algos.on_policy_distillation(teacher_coef=coef, task_coef=task, loss="reverse_kl")
+    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=False, ref_logp=True)
+    prepared = algo.advantages(batch)
+    mask = batch["mask"]
+    adv = ref.grpo_advantages_ref(task * batch["scores"], batch["group_ids"])[:, None].expand_as(mask)
+    torch.testing.assert_close(prepared["advantages"], torch.where(mask, adv, 0.0).to(prepared["advantages"].dtype))
+    logp = batch["logp"].clone().requires_grad_(True)
+    loss, _ = algo.loss({**prepared, "logp": logp}, **algo.global_counts(prepared))
+    loss.backward()
+    pg, pg_grad, _ = ref.ppo_clip_loss_ref(batch["logp"], batch["old_logp"], prepared["advantages"], mask)
+    kl, kl_grad, _ = ref.reverse_kl_distill_loss_ref(batch["logp"], batch["ref_logp"], mask)
+    n = max(float(mask.sum()), 1.0)
+    expected = ref.aggregate_ref(pg, mask) + coef * ref.aggregate_ref(kl, mask)
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=loss.dtype), rtol=1e-5, atol=1e-6)
+    grad = torch.where(mask, (pg_grad + coef * kl_grad) / n, 0.0)
+    torch.testing.assert_close(logp.grad, grad.to(logp.grad.dtype), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=recipe_batches(), coef=st.floats(0.0, 4.0))
+def test_score_scaling_scales_the_scores_only(batch, coef):
+    out = algos.score_scaling(batch, coef=coef)
+    expected = torch.tensor([coef * s for s in batch["scores"].double().tolist()], dtype=torch.float64)
+    torch.testing.assert_close(out["scores"], expected.to(batch["scores"].dtype))
+    assert all(out[k] is v for k, v in batch.items() if k != "scores")
+    assert algos.score_scaling(batch, coef=1.0) is batch
+
+
+def test_on_policy_distillation_options_are_checked():
+    with pytest.raises(ValueError, match="loss: got 'kl'"):
+        algos.on_policy_distillation(loss="kl")
+    with pytest.raises(ValueError, match="task_coef: got -1"):
+        algos.on_policy_distillation(task_coef=-1.0)
+
+
+def test_reverse_kl_distillation_has_no_host_sync():
+    g = torch.Generator().manual_seed(0)
+    b, t = 8, 5
+    batch = {
+        "scores": torch.rand(b, generator=g),
+        "group_ids": torch.arange(b) // 4,
+        "mask": torch.rand(b, t, generator=g) > 0.2,
+        "old_logp": -torch.rand(b, t, generator=g),
+        "ref_logp": -torch.rand(b, t, generator=g),
+    }
+    batch["logp"] = batch["old_logp"] + 0.1
+    algo = algos.on_policy_distillation(loss="reverse_kl", task_coef=0.5)
+
+    def step(batch):
+        prepared = algo.advantages(batch)
+        return algo.loss(prepared, **algo.global_counts(prepared))
+
+    assert_no_host_sync(step, batch)

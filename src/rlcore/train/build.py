@@ -13,6 +13,7 @@ from rlcore.train.config import Config
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.lora import attach_lora
 from rlcore.train.parallel import full_state_dict, parallelize
+from rlcore.train.recipe_options import apply_recipe_options
 from rlcore.train.world import World, shard_critic
 
 __all__ = ["build_algorithm", "build_model", "build_models", "build_reference"]
@@ -48,6 +49,9 @@ def behaviour_mode(cfg: Config) -> str:
 def build_algorithm(cfg: Config) -> algos.Recipe:
     """The rlcore recipe named by ``rl.algo``, with ``rl.beta`` as its KL coefficient when set.
 
+    ``rl.algo: opd`` is :func:`rlcore.algos.on_policy_distillation` (its teacher is the
+    reference, :func:`build_reference`); ``rl.policy_loss`` and ``rl.entropy_coef`` change
+    the recipe's policy loss and entropy bonus (:mod:`rlcore.train.recipe_options`).
     A policy-gradient recipe takes the decoupled objective (:func:`rlcore.algos.decoupled`)
     as :func:`behaviour_mode` says.
     """
@@ -58,7 +62,9 @@ def build_algorithm(cfg: Config) -> algos.Recipe:
         return algos.rm(margin=rl.rm_margin, center_coef=rl.rm_center_coef)
     if rl.algo == "dpo":
         return algos.dpo() if beta is None else algos.dpo(beta=beta)
-    if rl.algo in ("grpo", "ppo", "rloo", "reinforce_pp"):
+    if rl.algo == "opd":  # the teacher is the reference model (build_reference)
+        algo = algos.on_policy_distillation(teacher_coef=rl.teacher_coef, task_coef=rl.task_coef, loss=rl.opd_loss)
+    elif rl.algo in ("grpo", "ppo", "rloo", "reinforce_pp"):
         recipe = getattr(algos, rl.algo)
         algo = recipe() if beta is None else recipe(kl_coef=beta)
     else:
@@ -69,6 +75,7 @@ def build_algorithm(cfg: Config) -> algos.Recipe:
             algo = getattr(algos, rl.algo)()
         # Recipes without a KL term get one by composition when beta is set.
         algo = algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
+    algo = apply_recipe_options(algo, rl)  # rl.policy_loss, rl.entropy_coef
     mode = behaviour_mode(cfg)
     return algo if mode == "none" else algos.decoupled(algo, cap=rl.behaviour_cap, mode=mode)
 
@@ -97,14 +104,35 @@ def build_models(
     return policy, value, replica
 
 
-def build_reference(policy: torch.nn.Module, replica: torch.nn.Module, world: World) -> torch.nn.Module:
+def build_reference(
+    policy: torch.nn.Module, replica: torch.nn.Module, world: World, *, teacher: str | None = None
+) -> torch.nn.Module:
     """The reference: the (warmed-up) policy's weights in a model of its own, sharded the same way.
 
     With LoRA, the policy's own (sharded) modules with the adapters off: no second copy.
+    With ``teacher`` (``model.teacher``, on-policy distillation), that causal LM directory
+    instead, frozen, in eval mode, sharded the same way: another frozen model the
+    reference's scoring stage runs. Its vocabulary must be the policy's.
     """
+    if teacher is not None:
+        return _teacher(teacher, replica, world)
     if is_lora(policy):
         return AdaptersOff(policy)
     reference = copy.deepcopy(replica)
     reference.load_state_dict(full_state_dict(policy))
     parallelize(reference, world.mesh, grad_reduce="sum")
     return reference
+
+
+def _teacher(path: str, replica: torch.nn.Module, world: World) -> torch.nn.Module:
+    vocab = getattr(replica.config, "vocab_size", None)
+    first = next(replica.parameters())
+    model = load_causal_lm(path, dtype=first.dtype, seed=None, what="config key 'model.teacher'")
+    if getattr(model.config, "vocab_size", None) != vocab:
+        raise ValueError(
+            f"config key 'model.teacher': got a model of vocab_size {getattr(model.config, 'vocab_size', None)} ({path!r}), expected "
+            f"{vocab}, the policy's (the teacher scores the student's token ids)"
+        )
+    model = model.to(first.device).eval().requires_grad_(False)
+    parallelize(model, world.mesh, grad_reduce="sum")
+    return model

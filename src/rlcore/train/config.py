@@ -121,6 +121,19 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              threshold}: each prompt's running pass rate puts it in a difficulty band
                                              (cut at edges, hardest first), steps draw bands by weight, prompts
                                              uniformly within one; curriculum/band_<i> logged (null: off)
+    rl.policy_loss, rl.policy_loss_args      the recipe's policy loss replaced by ppo_clip, dppo_tv, dppo_kl, dro (its
+                                             beta has no default: rl.policy_loss_args {beta: ...}), clip_cov or kl_cov
+                                             (entropy control), with that loss's published defaults; the args mapping
+                                             overrides its keyword hyperparameters (e.g. {cov_fraction: 0.002})
+    rl.entropy_coef                          the entropy bonus's weight (subtracted from the loss; default 0)
+    rl.algo opd, model.teacher               on-policy distillation: the student samples, the teacher (a local causal
+                                             LM directory with the student's vocabulary) scores its tokens as the run's
+                                             reference model (kl is then the student's KL to the teacher)
+    rl.opd_loss                              with opd: reward (the teacher's log-prob as a dense per-token reward,
+                                             minus the student's, whitened, PPO-clipped) or reverse_kl (the sampled-
+                                             token reverse KL as a loss term beside GRPO on the task reward)
+    rl.teacher_coef, rl.task_coef            with opd: the weights of the teacher's signal and of the task reward
+                                             (task_coef 0: pure distillation; defaults 1 and 1)
 """
 
 from __future__ import annotations
@@ -144,12 +157,13 @@ from rlcore.data.curriculum import parse_curriculum
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.parallel import check_parallel_sizes
 from rlcore.train.preemption import STOP_SIGNALS
+from rlcore.train.recipe_options import check_policy_loss
 from rlcore.train.replay import parse_replay
 from rlcore.train.vllm_engine import parse_vllm_options
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd")
 # Recipes that learn from a dataset's finished rows, never from samples (rl.algo sft and rm need data.path).
 _DATASET_ONLY = ("sft", "rm")
 # Recipes without a policy ratio, KL or advantages: DPO and the supervised ones.
@@ -163,11 +177,12 @@ class ModelConfig:
     torch_dtype: Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"] = "fp32"
     use_flash_attention: bool = False
     lora: dict | None = None
+    teacher: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm"] = "grpo"
+    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd"] = "grpo"
     batch_size: int = 8
     mini_batch_size: int = 8
     # The YAML's ``rl.num_rollouts`` (the seed's name); the library's name is ``n_samples``.
@@ -195,6 +210,12 @@ class RLConfig:
     sft_loss: Literal["token-mean", "seq-mean"] = "token-mean"
     rm_margin: float | None = None
     rm_center_coef: float = 0.0
+    policy_loss: Literal["ppo_clip", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov"] | None = None
+    policy_loss_args: dict | None = None
+    entropy_coef: float = 0.0
+    opd_loss: Literal["reward", "reverse_kl"] = "reward"
+    teacher_coef: float = 1.0
+    task_coef: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,6 +493,7 @@ def _validate(cfg: Config) -> None:
         _check_multi_turn(cfg)
     _check_engine(cfg)
     _check_partial_rollouts(cfg)
+    _check_recipe_options(cfg)
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
@@ -547,6 +569,54 @@ def _check_supervised(cfg: Config) -> None:
         raise ValueError(
             f"config key 'data.response_key': got {d.response_key!r}, the same column as data.prompt_key; "
             "expected the response column"
+        )
+
+
+def _check_recipe_options(cfg: Config) -> None:
+    """``rl.policy_loss`` / ``rl.entropy_coef`` on a policy-gradient recipe; ``rl.algo: opd`` with its teacher."""
+    rl, teacher = cfg.rl, cfg.model.teacher
+    for key in ("entropy_coef", "teacher_coef", "task_coef"):
+        _positive(f"rl.{key}", getattr(rl, key), strict=False)
+    if rl.algo in _NOT_POLICY_GRADIENT:
+        options: tuple[tuple[str, Any, Any], ...] = (
+            ("rl.policy_loss", rl.policy_loss, None),
+            ("rl.entropy_coef", rl.entropy_coef, 0),
+        )
+        for key, value, default in options:
+            if value != default:
+                raise ValueError(
+                    f"config key {key!r}: got {value!r} with rl.algo {rl.algo!r}, expected {default!r} (a "
+                    "policy-gradient recipe's option; DPO's and the supervised recipes' losses are their own)"
+                )
+    check_policy_loss(rl.policy_loss, rl.policy_loss_args)
+    if rl.algo != "opd":
+        defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
+        for key in ("opd_loss", "teacher_coef", "task_coef"):
+            if getattr(rl, key) != defaults[key]:
+                raise ValueError(
+                    f"config key 'rl.{key}': got {getattr(rl, key)!r} with rl.algo {rl.algo!r}, expected it unset "
+                    "(an option of rl.algo 'opd')"
+                )
+        if teacher is not None:
+            raise ValueError(
+                f"config key 'model.teacher': got {teacher!r} with rl.algo {rl.algo!r}, expected null "
+                "(the teacher of rl.algo 'opd')"
+            )
+        return
+    if teacher is None or not teacher.strip():  # its directory may be made by an earlier run: checked at launch
+        raise ValueError(
+            f"config key 'model.teacher': got {teacher!r} with rl.algo 'opd', expected a local causal LM directory "
+            "(e.g. a run's output_dir/hf, written with trainer.export)"
+        )
+    if rl.beta is not None:
+        raise ValueError(
+            f"config key 'rl.beta': got {rl.beta!r} with rl.algo 'opd', expected null (the teacher is the reference: "
+            "its weight is rl.teacher_coef)"
+        )
+    if cfg.model.lora is not None:
+        raise ValueError(
+            "config key 'model.lora': got a section with rl.algo 'opd', expected null (the teacher takes the "
+            "reference's place, which LoRA keeps as the policy with its adapters off)"
         )
 
 
@@ -841,7 +911,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay, max_refill_draws, replay, sft_loss, rm_margin, rm_center_coef, policy_loss, policy_loss_args, entropy_coef, opd_loss, teacher_coef, task_coef
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")

@@ -167,7 +167,7 @@ def _train(
             progress=tr.progress and world.rank == 0,
             context_parallel=world.cp,
         )
-    models = Models(policy, build_reference(policy, replica, world), critic)
+    models = Models(policy, build_reference(policy, replica, world, teacher=cfg.model.teacher), critic)
     opt = Optimiser(models, cfg, world)
     start = restore_run(out, models, opt, cfg) if resume else 0
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)

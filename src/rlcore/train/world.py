@@ -108,7 +108,8 @@ def check_run(cfg: Config, *, engine: bool = False) -> None:
 
     The world size (torchrun's, or 1) against the parallel sizes and what asynchronous rollout needs beyond one
     rank (:func:`rlcore.train.config.check_launch`), a user's engine with multi-turn rollouts, LoRA's limits,
-    ``deploy.engine: vllm`` without vLLM installed (``ImportError`` naming the install).
+    ``deploy.engine: vllm`` without vLLM installed (``ImportError`` naming the install), a ``model.teacher``
+    directory that does not exist (yet: an earlier run makes it).
 
     Args:
       cfg: the run's config.
@@ -123,6 +124,13 @@ def check_run(cfg: Config, *, engine: bool = False) -> None:
             "engine: got an InferenceEngine with rl.multi_turn set, expected None (that rollout samples itself)"
         )
     check_lora_launch(cfg, launched)
+    teacher = cfg.model.teacher
+    if teacher is not None and not os.path.isdir(teacher):
+        raise ValueError(
+            f"config key 'model.teacher': got {teacher!r}, which is not a directory; expected a local causal LM "
+            "directory (a run's output_dir/hf with trainer.export; configs/opd_tiny.yaml's is made by "
+            "configs/opd_teacher_tiny.yaml)"
+        )
 
 
 def shard_critic(critic: torch.nn.Module, world: World) -> None:

@@ -15,6 +15,7 @@ from rlcore.algos.recipes.adapters import (
     kl_score_shaping,
     outcome_advantages,
     overlong_shaping,
+    score_scaling,
     token_advantages,
     token_rewards_shaping,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "reinforce_pp",
     "rloo",
     "rm",
+    "score_scaling",
     "scoring_needs",
     "sft",
     "token_advantages",

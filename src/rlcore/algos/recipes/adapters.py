@@ -26,6 +26,7 @@ __all__ = [
     "kl_score_shaping",
     "outcome_advantages",
     "overlong_shaping",
+    "score_scaling",
     "token_advantages",
     "token_rewards_shaping",
 ]
@@ -146,3 +147,15 @@ def overlong_shaping(batch: Batch, *, max_length: int = 20480, cache_length: int
     lengths = batch["lengths"] if "lengths" in batch else (batch_entry(batch, "mask", "the token mask") != 0).sum(-1)
     penalty = overlong_penalty(lengths, max_length=max_length, cache_length=cache_length)
     return {**batch, "scores": (scores.float() + penalty.float()).to(scores.dtype)}
+
+
+def score_scaling(batch: Batch, *, coef: float) -> Batch:
+    """Scale ``scores`` by ``coef``: the weight of the task reward beside another signal (0: none of it).
+
+    >>> score_scaling({"scores": torch.tensor([1.0, 0.5])}, coef=0.5)["scores"]
+    tensor([0.5000, 0.2500])
+    """
+    if coef == 1:
+        return batch
+    scores = batch_entry(batch, "scores", "sequence scores [B]")
+    return {**batch, "scores": (scores.float() * coef).to(scores.dtype)}

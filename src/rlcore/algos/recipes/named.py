@@ -14,6 +14,7 @@ from rlcore.algos.recipes.adapters import (
     kl_score_shaping,
     outcome_advantages,
     overlong_shaping,
+    score_scaling,
     token_advantages,
     token_rewards_shaping,
 )
@@ -210,30 +211,63 @@ def gdpo(*, clip: float = 0.2, eps: float = 1e-6) -> Algorithm:
     )
 
 
-def on_policy_distillation(*, teacher_coef: float = 1.0, gamma: float = 0.0, clip: float = 0.2) -> Algorithm:
-    """On-policy distillation: the teacher's log-prob of each sampled token as a dense reward.
+def on_policy_distillation(
+    *,
+    teacher_coef: float = 1.0,
+    gamma: float = 0.0,
+    clip: float = 0.2,
+    loss: str = "reward",
+    task_coef: float = 1.0,
+) -> Algorithm:
+    """On-policy distillation: the student's sampled tokens scored by the teacher, as a dense reward or a loss.
 
     Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD),
     arXiv:2306.13649, with the sampled-token reverse KL of Qwen3 (arXiv:2505.09388) and
-    Thinking Machines' "On-Policy Distillation" (2025): each token of the student's
-    sample is rewarded ``-teacher_coef * (old_logp - ref_logp)``, the negative one-sample
-    reverse KL to the teacher, whose log-probs fill the ``ref_logp`` column (the teacher
-    is this recipe's reference model). A task score in ``scores`` adds on the last token.
-    The discount ``gamma = 0`` credits each token with its own KL only (Thinking
-    Machines' choice; ``gamma = 1`` gives the sequence's reverse KL to go); the
-    advantages are whitened over the batch and the update is PPO-clipped. For the
-    full-vocabulary loss use :func:`rlcore.algos.generalized_jsd_loss`; for the
-    sampled-token reverse KL as a direct loss, :func:`rlcore.algos.reverse_kl_distill_loss`.
+    Thinking Machines' "On-Policy Distillation" (2025). The teacher is this recipe's
+    reference model: its log-probs of the student's tokens fill ``ref_logp``.
 
-    Batch: ``scores`` (0 for pure distillation) or ``rewards``, ``old_logp``,
+    ``loss="reward"``: each token of the student's sample is rewarded
+    ``-teacher_coef * (old_logp - ref_logp)``, the negative one-sample reverse KL to the
+    teacher; the task score ``task_coef * scores`` adds on the last token. The discount
+    ``gamma = 0`` credits each token with its own KL only (Thinking Machines' choice;
+    ``gamma = 1`` gives the sequence's reverse KL to go); the advantages are whitened over
+    the batch and the update is PPO-clipped.
+
+    ``loss="reverse_kl"``: the reverse KL is a loss term, ``teacher_coef * k1`` with k2's
+    gradient (``(logp - ref_logp) * grad logp``, the score-function gradient of the
+    token-level reverse KL, as :func:`rlcore.algos.reverse_kl_distill_loss`; its value, the
+    ``kl`` metric, is the reverse-KL estimate), beside GRPO's group advantages of
+    ``task_coef * scores`` under the PPO clip. No old-policy forward is needed.
+
+    ``task_coef = 0`` is pure distillation. For the full-vocabulary loss use
+    :func:`rlcore.algos.generalized_jsd_loss`.
+
+    Batch: ``scores`` or ``rewards``, ``group_ids`` (``reverse_kl``), ``old_logp``,
     ``ref_logp`` (the teacher's), ``logp``, ``mask``.
 
-    >>> on_policy_distillation().shaping.steps[1].keywords
+    >>> on_policy_distillation().shaping.steps[2].keywords
     {'kl_coef': 1.0, 'estimator': 'k1'}
+    >>> on_policy_distillation(loss="reverse_kl").kl.keywords
+    {'estimator': 'k1', 'straight_through': True}
     """
+    if loss not in ("reward", "reverse_kl"):
+        raise ValueError(f"loss: got {loss!r}, expected 'reward' or 'reverse_kl'")
+    for name, value in (("teacher_coef", teacher_coef), ("task_coef", task_coef)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(f"{name}: got {value!r}, expected a finite number >= 0")
+    scale = partial(score_scaling, coef=task_coef)
+    if loss == "reverse_kl":
+        return Algorithm(
+            advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group")),
+            policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+            kl=partial(kl_penalty, estimator="k1", straight_through=True),
+            kl_coef=teacher_coef,
+            agg_mode="token-mean",
+            shaping=scale,
+        )
     return Algorithm(
         advantage_estimator=partial(token_advantages, estimator=partial(reinforce_pp_advantages, gamma=gamma)),
         policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
         agg_mode="token-mean",
-        shaping=chain(token_rewards_shaping, partial(kl_reward_shaping, kl_coef=teacher_coef, estimator="k1")),
+        shaping=chain(scale, token_rewards_shaping, partial(kl_reward_shaping, kl_coef=teacher_coef, estimator="k1")),
     )

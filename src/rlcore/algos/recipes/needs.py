@@ -26,6 +26,7 @@ from rlcore.algos.recipes.adapters import (
     kl_reward_shaping,
     kl_score_shaping,
     overlong_shaping,
+    score_scaling,
     token_rewards_shaping,
 )
 from rlcore.algos.recipes.algorithm import Algorithm
@@ -33,7 +34,7 @@ from rlcore.algos.recipes.algorithm import Algorithm
 __all__ = ["ScoringNeeds", "scoring_needs"]
 
 _KL_SHAPING = (kl_reward_shaping, kl_score_shaping)
-_READS_NO_LOGPS = (token_rewards_shaping, dynamic_sampling_filter, overlong_shaping)
+_READS_NO_LOGPS = (token_rewards_shaping, dynamic_sampling_filter, overlong_shaping, score_scaling)
 
 
 class ScoringNeeds(NamedTuple):
