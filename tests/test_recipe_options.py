@@ -155,3 +155,39 @@ def test_clip_cov_and_entropy_bonus_run_in_the_trainer(tmp_path):
     assert all("cov_frac" in r for r in records)  # the clip_cov loss's own metric
     # beta 0: the loss is the policy loss minus the entropy bonus, which is not 0.
     assert all(r["loss"] < r["pg_loss"] - 1e-3 for r in records)
+
+
+def test_the_shipped_student_names_its_teachers_config_relative_to_itself():
+    cfg = load_config(ROOT / "configs" / "opd_tiny.yaml")
+    assert cfg.model.teacher == str(ROOT / "configs" / "opd_teacher_tiny.yaml")
+
+
+def test_a_teacher_config_is_trained_once_into_the_run_folder(tmp_path, monkeypatch):
+    """``model.teacher`` naming a config: the first run trains it into output_dir/teacher, a repeated run reuses it."""
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "configs" / "opd_teacher_tiny.yaml").read_text())
+    raw["model"]["model_name_or_path"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    raw["rl"].update(batch_size=2, mini_batch_size=2, num_rollouts=2)
+    raw["trainer"].update(steps=1, warmup_steps=2, warmup_batch_size=8, progress=False, threads=1, reward_workers=0)
+    teacher_yaml = tmp_path / "teacher.yaml"
+    teacher_yaml.write_text(yaml.safe_dump(raw))
+    student = _run(tmp_path, f"model.teacher={teacher_yaml}")
+
+    with monkeypatch.context() as m:  # under torchrun the teacher is not trained by every rank: refused, nothing made
+        m.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ValueError, match=r"model.teacher': got the config .* under torchrun"):
+            train(student)
+    made = tmp_path / "run" / "teacher" / "hf"
+    assert not made.exists()
+
+    first = train(student)
+    assert (made / "config.json").is_file() and first.records
+    stamp = (made / "config.json").stat().st_mtime_ns
+    train(student, overwrite=True)
+    assert (made / "config.json").stat().st_mtime_ns == stamp  # reused, not trained again
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rl: {bacth_size: 2}\n")
+    with pytest.raises(ValueError, match=r"model.teacher': the teacher's config .*bacth_size"):
+        train(_run(tmp_path / "other", f"model.teacher={bad}"))

@@ -128,7 +128,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     rl.entropy_coef                          the entropy bonus's weight (subtracted from the loss; default 0)
     rl.algo opd, model.teacher               on-policy distillation: the student samples, the teacher (a local causal
                                              LM directory with the student's vocabulary) scores its tokens as the run's
-                                             reference model (kl is then the student's KL to the teacher)
+                                             reference model (kl is then the student's KL to the teacher); or a YAML
+                                             config (relative to this file) that trains the teacher first, once, into
+                                             output_dir/teacher (rlcore.train.teacher)
     rl.opd_loss                              with opd: reward (the teacher's log-prob as a dense per-token reward,
                                              minus the student's, whitened, PPO-clipped) or reverse_kl (the sampled-
                                              token reverse KL as a loss term beside GRPO on the task reward)
@@ -989,8 +991,19 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
             "(model, rl, parallel, deploy, data, trainer)"
         )
     base_dir = os.path.dirname(os.path.abspath(path))
-    # The file's data paths are relative to it; an override's (--dataset) to the working directory.
-    return parse_config(_resolve_reward_files(apply_overrides(_resolve_data_files(raw, base_dir), overrides), base_dir))
+    # The file's data paths (and a teacher config) are relative to it; an override's (--dataset) to the working directory.
+    resolved = _resolve_teacher_config(_resolve_data_files(raw, base_dir), base_dir)
+    return parse_config(_resolve_reward_files(apply_overrides(resolved, overrides), base_dir))
+
+
+def _resolve_teacher_config(raw: Mapping[str, Any], base_dir: str) -> dict[str, Any]:
+    """``model.teacher`` given as a relative YAML path (a config that trains the teacher), made relative to the config's folder."""
+    out = dict(raw)
+    model = raw.get("model")
+    teacher = model.get("teacher") if isinstance(model, Mapping) else None
+    if isinstance(teacher, str) and teacher.endswith((".yaml", ".yml")) and not os.path.isabs(teacher):
+        out["model"] = {**model, "teacher": os.path.join(base_dir, teacher)}
+    return out
 
 
 def _resolve_data_files(raw: Mapping[str, Any], base_dir: str) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from rlcore.train.scoring import scorers, scoring_plan
 from rlcore.train.step_end import StepEnd
 from rlcore.train.step_graph import step_graph
 from rlcore.train.step_metrics import StepMetrics
+from rlcore.train.teacher import made_teacher
 from rlcore.train.warmup import supervised_warmup
 from rlcore.train.world import World, check_run, local_device
 
@@ -113,6 +114,7 @@ def train(
       Preempted: a signal of ``trainer.stop_signals`` arrived; the step under way finished and
         is saved (``resume=True`` continues), :func:`rlcore.train.preemption.stop_on_signals`.
     """
+    cfg = made_teacher(cfg, resume=resume, overwrite=overwrite)  # model.teacher given as a config: trained first
     tr = cfg.trainer
     if tr.threads:
         torch.set_num_threads(tr.threads)
