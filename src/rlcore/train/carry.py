@@ -40,7 +40,7 @@ from rlcore.models.sampling import left_pad, sample_tokens, uniform_table
 from rlcore.seeding import Purpose, RowStream
 from rlcore.train.stages import ROLLOUT_OUTPUTS
 
-__all__ = ["CARRY_OUTPUTS", "CarriedPrompts", "ContinuousRollout", "carried"]
+__all__ = ["CARRY_OUTPUTS", "CarriedPrompts", "ContinuousRollout", "carried", "with_carry_over"]
 
 Batch = dict[str, torch.Tensor]
 # What the worker returns for each row: its key (prompt step, row) and the rollout's columns.
@@ -370,3 +370,11 @@ def carried(
         timeout=rollout.timeout,
     )
     return carry, CarriedPrompts(task)
+
+
+def with_carry_over(cfg: Any, rollout: Stage | None, task: Any, *, rank: int, start: int) -> tuple[Any, Any]:
+    """The run's rollout stage and prompt source: with ``deploy.carry_over`` the :func:`carried` pair, else as given."""
+    if not cfg.deploy.carry_over:
+        return rollout, task
+    assert rollout is not None  # carry-over is a disaggregated worker's (the config says so)
+    return carried(rollout, task, rank=rank, start=start, n=cfg.rl.n_samples, staleness=cfg.deploy.staleness)

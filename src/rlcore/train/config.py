@@ -1001,8 +1001,9 @@ def _resolve_teacher_config(raw: Mapping[str, Any], base_dir: str) -> dict[str, 
     out = dict(raw)
     model = raw.get("model")
     teacher = model.get("teacher") if isinstance(model, Mapping) else None
-    if isinstance(teacher, str) and teacher.endswith((".yaml", ".yml")) and not os.path.isabs(teacher):
-        out["model"] = {**model, "teacher": os.path.join(base_dir, teacher)}
+    relative = isinstance(teacher, str) and teacher.endswith((".yaml", ".yml")) and not os.path.isabs(teacher)
+    if isinstance(model, Mapping) and relative:
+        out["model"] = {**model, "teacher": os.path.join(base_dir, str(teacher))}
     return out
 
 

@@ -45,9 +45,8 @@ import torch
 
 from rlcore import algos
 from rlcore.dataflow import TaskRecord, run_pipeline
-from rlcore.memory import retain_host_memory
 from rlcore.train.build import build_algorithm, build_model, build_models, build_reference
-from rlcore.train.carry import carried
+from rlcore.train.carry import with_carry_over
 from rlcore.train.config import Config
 from rlcore.train.deploy import make_deployment
 from rlcore.train.metrics import plot_run
@@ -64,7 +63,7 @@ from rlcore.train.step_graph import step_graph
 from rlcore.train.step_metrics import StepMetrics
 from rlcore.train.teacher import made_teacher
 from rlcore.train.warmup import supervised_warmup
-from rlcore.train.world import World, check_run, local_device
+from rlcore.train.world import World, check_run, local_device, process_settings
 
 __all__ = [
     "Run",
@@ -103,8 +102,7 @@ def train(
       resume: continue from the DCP checkpoint in ``trainer.output_dir/checkpoint/`` (saved at any world size; same seed, same data order).
       engine: an :class:`InferenceEngine` to sample with instead of the in-process one
         (it receives the weights after every update through the weight-sync path).
-      algo: a recipe (an :class:`rlcore.algos.Algorithm` or :class:`rlcore.algos.DPO`) replacing the one
-        named by ``rl.algo``.
+      algo: a recipe (an :class:`rlcore.algos.Algorithm` or :class:`rlcore.algos.DPO`) replacing ``rl.algo``'s.
       reward: a reward replacing the task's rule reward (a ``(prompts, responses, **columns)``
         callable or a ``BaseReward``-style object; it receives ``answers``).
       overwrite: replace a run already in ``trainer.output_dir`` (else a new run there is refused).
@@ -116,10 +114,7 @@ def train(
     """
     cfg = made_teacher(cfg, resume=resume, overwrite=overwrite)  # model.teacher given as a config: trained first
     tr = cfg.trainer
-    if tr.threads:
-        torch.set_num_threads(tr.threads)
-    if tr.retain_host_memory:
-        retain_host_memory()
+    process_settings(cfg)
     check_run(cfg, engine=engine is not None)
     with (
         stop_on_signals(tr.stop_signals, timeout=tr.stop_timeout) as stop,
@@ -198,11 +193,7 @@ def _train(
             stop=stop,
         )
         stack.callback(end.close)
-        rollout, source = deployment.rollout, task
-        if cfg.deploy.carry_over:  # the rollout writes the prompts of the groups that finished (rlcore.train.carry)
-            assert rollout is not None
-            n, dp = rl.n_samples, world.dp_rank
-            rollout, source = carried(rollout, task, rank=dp, start=start, n=n, staleness=cfg.deploy.staleness)
+        rollout, source = with_carry_over(cfg, deployment.rollout, task, rank=world.dp_rank, start=start)
         graph = step_graph(cfg, models, recipe, opt, steps, rollout, rewards, source, world, end, plan)
         models.train()
         steps.last_end = time.perf_counter()

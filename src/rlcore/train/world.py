@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from rlcore.device import get_device
+from rlcore.memory import retain_host_memory
 from rlcore.train.config import Config, check_launch
 from rlcore.train.lora import check_lora_launch
 from rlcore.train.parallel import device_mesh
@@ -20,7 +21,7 @@ from rlcore.train.preemption import Preempted
 from rlcore.train.tagged_metrics import Metric, all_reduce_metrics
 from rlcore.train.vllm_engine import require_vllm
 
-__all__ = ["World", "check_run", "local_device", "shard_critic"]
+__all__ = ["World", "check_run", "local_device", "process_settings", "shard_critic"]
 
 
 class World:
@@ -93,6 +94,14 @@ class World:
     def reduce(self, metrics: dict[str, Metric]) -> dict[str, Metric]:
         """One step's metrics merged over the data-parallel ranks, each as it declares (:mod:`rlcore.train.tagged_metrics`)."""
         return all_reduce_metrics(metrics, self.group)
+
+
+def process_settings(cfg: Config) -> None:
+    """This process's settings from ``trainer``: torch's intra-op threads, and the host heap kept for reuse."""
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    if cfg.trainer.retain_host_memory:
+        retain_host_memory()
 
 
 def local_device() -> torch.device:
