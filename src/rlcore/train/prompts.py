@@ -441,13 +441,7 @@ class PreferencePrompts(_SeededDataset):
             for p, c, r in zip(self.dataset.prompt_ids, self.pairs.chosen_ids, self.pairs.rejected_ids)
         ]
         _check_positions(cfg, lengths, "data.path", self.dataset.source, "its prompt and its longer response")
-        self.reward: Any = None  # offline DPO scores nothing; validation needs a reward
-        if cfg.rewards is not None:
-            self.reward = build_reward(cfg.rewards, what="rewards")
-        elif self.val is not None and cfg.trainer.eval_every and d.answer_key is not None:
-            self.reward = build_reward(["math"], what="rewards")
-        elif self.val is not None and cfg.trainer.eval_every:
-            raise ValueError("rewards: got none, and data.answer_key is null; list the rewards validation scores with")
+        self.reward = _validation_reward(cfg, self.val)  # offline DPO scores nothing
 
     def summary(self) -> str:
         """One line for the log: pairs kept, dropped and truncated as longer than the length limits."""
@@ -537,13 +531,7 @@ class SupervisedPrompts(_SeededDataset):
         assert self.dataset.prompt_ids is not None
         lengths = [len(p) + len(r) for p, r in zip(self.dataset.prompt_ids, self.rows.response_ids)]
         _check_positions(cfg, lengths, "data.path", self.dataset.source, "its prompt and its response")
-        self.reward: Any = None  # SFT scores nothing; validation needs a reward
-        if cfg.rewards is not None:
-            self.reward = build_reward(cfg.rewards, what="rewards")
-        elif self.val is not None and cfg.trainer.eval_every and d.answer_key is not None:
-            self.reward = build_reward(["math"], what="rewards")
-        elif self.val is not None and cfg.trainer.eval_every:
-            raise ValueError("rewards: got none, and data.answer_key is null; list the rewards validation scores with")
+        self.reward = _validation_reward(cfg, self.val)  # SFT scores nothing
 
     def summary(self) -> str:
         """One line for the log: rows kept, dropped and truncated as longer than the length limits."""
@@ -603,6 +591,21 @@ def make_prompt_source(
             return SupervisedPrompts(cfg, world_size)
         return PreferencePrompts(cfg, world_size) if cfg.rl.algo in ("dpo", "rm") else DatasetPrompts(cfg, world_size)
     return TaskPrompts(cfg, task_options, world_size)
+
+
+def _validation_reward(cfg: Config, val: Any) -> Any:
+    """The reward of a recipe that scores nothing while it trains (offline DPO, SFT): validation's, if it has one.
+
+    ``rewards`` as listed; else, with a validation set and ``data.answer_key``, the math reward;
+    None when nothing validates.
+    """
+    if cfg.rewards is not None:
+        return build_reward(cfg.rewards, what="rewards")
+    if val is not None and cfg.trainer.eval_every and cfg.data.answer_key is not None:
+        return build_reward(["math"], what="rewards")
+    if val is not None and cfg.trainer.eval_every:
+        raise ValueError("rewards: got none, and data.answer_key is null; list the rewards validation scores with")
+    return None
 
 
 def run_prompt_source(cfg: Config, *, world_size: int = 1, leader: bool = True) -> Any:
