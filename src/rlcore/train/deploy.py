@@ -145,17 +145,21 @@ def in_place_rollout(cfg: Config, device: torch.device) -> bool:
     return device.type == "cpu" and not cfg.deploy.async_infer
 
 
-def _torch_engine(cfg: Config, model: torch.nn.Module, tok: Any) -> TorchEngine:
+def _sampling(cfg: Config, tok: Any) -> dict[str, Any]:
+    """The rollout's sampling settings from ``rl`` and the tokenizer's special tokens (a sampler's keyword arguments)."""
     rl = cfg.rl
-    return TorchEngine(
-        model,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        max_new_tokens=rl.max_new_tokens,
-        temperature=rl.temperature,
-        top_p=rl.top_p,
-        top_k=rl.top_k,
-    )
+    return {
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "max_new_tokens": rl.max_new_tokens,
+        "temperature": rl.temperature,
+        "top_p": rl.top_p,
+        "top_k": rl.top_k,
+    }
+
+
+def _torch_engine(cfg: Config, model: torch.nn.Module, tok: Any) -> TorchEngine:
+    return TorchEngine(model, **_sampling(cfg, tok))
 
 
 def _loader(engine: InferenceEngine) -> Callable[[WeightPacket], None]:
@@ -229,17 +233,7 @@ class RolloutServer:
             self._load = partial(_copy_into, dict(model.named_parameters()))
         self.carry: ContinuousRollout | None = None
         if cfg.deploy.carry_over:
-            rl = cfg.rl
-            self.carry = self.continuous(
-                model,
-                seed=self.seed,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-                max_new_tokens=rl.max_new_tokens,
-                temperature=rl.temperature,
-                top_p=rl.top_p,
-                top_k=rl.top_k,
-            )
+            self.carry = self.continuous(model, seed=self.seed, **_sampling(cfg, tok))
         self._loaded: Any = None
 
     def __call__(self, batch: Batch, weights: dict[str, torch.Tensor], latest: LatestWeights | None = None) -> Batch:
