@@ -89,7 +89,7 @@ def replay_insert(state: ReplayState, priority: torch.Tensor, keep: torch.Tensor
       ``-1`` an empty slot.
 
     >>> s, src = replay_insert(replay_init(2), torch.tensor([0.5, 2.0, 1.0]), torch.tensor([True, True, True]))
-    >>> src.tolist(), s.priority.tolist()
+    >>> src.tolist(), s.priority.tolist()  # sync-ok: doctest output, not the function
     ([3, 4], [2.0, 1.0])
     """
     c = _check_state(state)
@@ -124,7 +124,7 @@ def replay_serve(state: ReplayState, k: int, *, max_reuse: int) -> tuple[ReplayS
 
     >>> s, _ = replay_insert(replay_init(3), torch.tensor([1.0, 3.0]), torch.tensor([True, True]))
     >>> s, slots, valid = replay_serve(s, 2, max_reuse=1)
-    >>> slots.tolist(), valid.tolist(), s.filled.tolist()
+    >>> slots.tolist(), valid.tolist(), s.filled.tolist()  # sync-ok: doctest output, not the function
     ([0, 1], [True, True], [False, False, False])
     """
     c = _check_state(state)
