@@ -273,7 +273,6 @@ class SchedulerCore:
         self.prefetch = prefetch
         self._ahead: _Ahead | None = None
         self._loader: _LoaderThread | None = None
-        self._prefetch_due = False
         self._due: list[Callable[[], Any]] = []  # side jobs for the loader thread at the next started()
         self._errors: list[BaseException] = []
         self.admit()
@@ -296,8 +295,6 @@ class SchedulerCore:
                 self.taken[name, j] = 0
                 self.left[name, j] = self.capacity
             self.admitted += 1
-        if self.prefetch and self._ahead is None and self.admitted < self.num_iterations:
-            self._prefetch_due = True
 
     def started(self) -> None:
         """A stage call is about to run: hand the side jobs that became due to the loader thread.
@@ -309,11 +306,9 @@ class SchedulerCore:
         next call takes), which would otherwise wait for the GIL on the device's path.
         """
         jobs, self._due = self._due, []
-        if self._prefetch_due:
-            self._prefetch_due = False
-            if self._ahead is None and self.admitted < self.num_iterations:
-                self._ahead = _Ahead(self.admitted, self._open)
-                jobs.append(self._ahead)
+        if self.prefetch and self._ahead is None and self.admitted < self.num_iterations:  # the next one to admit
+            self._ahead = _Ahead(self.admitted, self._open)
+            jobs.append(self._ahead)
         if jobs and self._loader is None:
             self._loader = _LoaderThread()
         for job in jobs:
@@ -341,7 +336,6 @@ class SchedulerCore:
     def close(self, timeout: float | None = None) -> None:
         """Run the collects still due, then wait up to ``timeout`` s for the loader thread (a prefetch's result is dropped)."""
         self._ahead = None
-        self._prefetch_due = False
         due, self._due = self._due, []
         loader, self._loader = self._loader, None
         if loader is None:

@@ -8,7 +8,6 @@ from rlcore.memory.allgather_swap import (
     enter_rollout,
     enter_train,
 )
-from rlcore.memory.host_heap import retain_host_memory
 from rlcore.memory.phases import ColocatedSwitch, in_phase
 from rlcore.memory.plan import ORDERS, RESIDENCIES, MemoryPlan, StateGroup, Step, Transition, colocated_plan
 from rlcore.memory.swap import SwapHandle, offload, reload
@@ -32,5 +31,4 @@ __all__ = [
     "in_phase",
     "offload",
     "reload",
-    "retain_host_memory",
 ]

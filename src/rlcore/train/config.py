@@ -44,9 +44,6 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
     trainer.progress, trainer.plot, trainer.threads (torch threads; 0 leaves torch's default)
-    trainer.retain_host_memory               freed host memory stays in the trainer's heap for the next step instead
-                                             of going back to the system and faulting in again (glibc malloc
-                                             thresholds, one arena: rlcore.memory.retain_host_memory; default false)
     trainer.reward_timeout                   seconds one batch's reward may run (null: no limit)
     trainer.reward_workers                   reward worker processes (0: score in the trainer's process)
     trainer.timeline_iterations              iterations shown in the output directory's timeline.png
@@ -281,7 +278,6 @@ class TrainerConfig:
     progress: bool = True
     plot: bool = True
     threads: int = 0
-    retain_host_memory: bool = False
     reward_timeout: float | None = 300.0
     timeline_iterations: int = 4
     eval_every: int = 0

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from rlcore.device import get_device
-from rlcore.memory import retain_host_memory
 from rlcore.train.config import Config, check_launch
 from rlcore.train.lora import check_lora_launch
 from rlcore.train.parallel import device_mesh
@@ -97,11 +96,9 @@ class World:
 
 
 def process_settings(cfg: Config) -> None:
-    """This process's settings from ``trainer``: torch's intra-op threads, and the host heap kept for reuse."""
+    """This process's settings from ``trainer``: torch's intra-op threads."""
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    if cfg.trainer.retain_host_memory:
-        retain_host_memory()
 
 
 def local_device() -> torch.device:
