@@ -17,8 +17,9 @@ import time
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rlcore.dataflow import DockController, RayTransferDock, TransferDock
+from rlcore.dataflow import DockController, RayTransferDock, TransferDock, Warehouse
 from rlcore.testing.dataflow_strategies import dock_interleavings, dock_programs
 from rlcore.testing.reference import TransferDockRef
 
@@ -828,3 +829,44 @@ def test_reprobe_ray_dock_use_after_close_raises_naming_the_closed_dock(ray_dock
 def test_reprobe_ray_dock_hosts_must_be_host_actors(ray_docks):
     with pytest.raises(ValueError, match=r"hosts: got \[1\], expected a non-empty list of actors from start_hosts"):
         RayTransferDock(1, 2, hosts=[1])
+
+
+@st.composite
+def _warehouse_ops(draw):
+    """Puts (a block tensor or a list of rows, at a run or scattered rows) and gets (a run or a tensor)."""
+    ops = []
+    for _ in range(draw(st.integers(1, 12))):
+        if draw(st.booleans()):
+            if draw(st.booleans()):
+                a = draw(st.integers(2, 13))
+                rows = list(range(a, draw(st.integers(a + 1, 14))))
+            else:
+                rows = draw(st.lists(st.integers(2, 13), min_size=1, max_size=6, unique=True))
+            ops.append(("put", rows, draw(st.booleans()), draw(st.integers(0, 10**6))))
+        else:
+            a = draw(st.integers(2, 13))
+            b = draw(st.integers(a, 14))
+            ops.append(("get", range(a, b) if draw(st.booleans()) else torch.randperm(b - a) + a))
+    return ops
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=_warehouse_ops())
+def test_warehouse_gets_of_runs_and_rows_match_a_dict_of_rows(ops) -> None:
+    # A run of rows inside one block's run is read as a slice; any other get row by row.
+    house, ref = Warehouse(2, 14), {}
+    for op in ops:
+        if op[0] == "put":
+            _, rows, as_block, seed = op
+            values = torch.randint(0, 100, (len(rows), 3), generator=torch.Generator().manual_seed(seed))
+            index = range(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else torch.tensor(rows)
+            house.put({"x": values if as_block else list(values)}, index)
+            ref.update({r: values[i] for i, r in enumerate(rows)})
+            continue
+        index = op[1]
+        wanted = list(index) if isinstance(index, range) else index.tolist()
+        if not wanted or any(r not in ref for r in wanted):
+            continue
+        flat, lengths = house.get(["x"], index)["x"]
+        assert lengths == [3] * len(wanted)
+        assert torch.equal(flat.view(len(wanted), 3), torch.stack([ref[r] for r in wanted]))

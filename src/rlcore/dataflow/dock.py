@@ -73,6 +73,32 @@ def _as_indexes(name: str, indexes: Any) -> torch.Tensor:
     raise ValueError(f"{name}: got {type(indexes).__name__}, expected a 1-D integer tensor or a sequence of ints")
 
 
+def _run(rows: torch.Tensor) -> torch.Tensor | range:
+    """``rows`` as a ``range`` when they are one increasing run (``a, a + 1, ..., b - 1``), else as they are.
+
+    The controller and the warehouses index a run with slices (views) instead of
+    gathers: a whole-iteration get of the blocking pipeline costs a few ops, not a few
+    per column.
+    """
+    m = rows.numel()
+    if m == 0:
+        return rows
+    lo, hi = int(rows[0]), int(rows[-1])
+    if hi - lo + 1 != m or (m > 1 and not bool((rows[1:] > rows[:-1]).all())):
+        return rows
+    return range(lo, hi + 1)
+
+
+def _where(rows: torch.Tensor | range) -> torch.Tensor | slice:
+    """What indexes a per-row tensor at ``rows``: a slice for a run, else the index tensor."""
+    return slice(rows.start, rows.stop) if isinstance(rows, range) else rows
+
+
+def _tensor(rows: torch.Tensor | range) -> torch.Tensor:
+    """``rows`` as a 1-D int64 tensor."""
+    return torch.arange(rows.start, rows.stop, dtype=torch.int64) if isinstance(rows, range) else rows
+
+
 def _check_timeout(name: str, timeout: Any) -> None:
     """``timeout`` is None or a number of seconds >= 0 (``inf`` allowed: no limit)."""
     if timeout is None:
@@ -248,7 +274,12 @@ class DockController:
 
     # ------------------------------------------------------------------ checks
 
-    def _check_in_range(self, name: str, indexes: torch.Tensor) -> None:
+    def _check_in_range(self, name: str, indexes: torch.Tensor | range) -> None:
+        if isinstance(indexes, range):  # a run: increasing, so no repeats
+            if len(indexes) and (indexes.start < 0 or indexes.stop > self.capacity):
+                bad = [i for i in indexes if not 0 <= i < self.capacity][:5]
+                raise ValueError(f"{name}: got row(s) {bad}, expected indexes in [0, {self.capacity})")
+            return
         if not indexes.numel():
             return
         low, high = indexes.aminmax()
@@ -328,7 +359,7 @@ class DockController:
     # ------------------------------------------------------------------ put side
 
     def try_begin_put(
-        self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor
+        self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor | range
     ) -> bool | None:
         """Validate a put and reserve its cells before any data moves; None while a reset is pending.
 
@@ -350,12 +381,13 @@ class DockController:
                         f"columns[{column!r}]: got dtype {spec[0]}, {spec[1]} dims, trailing shape {spec[2]}; "
                         f"expected dtype {known[0]}, {known[1]} dims, trailing shape {known[2]} (earlier puts)"
                     )
+            at = _where(indexes)
             for column in specs:
                 if column not in self._ready:
                     continue
-                busy = self._ready[column][indexes] | self._pending[column][indexes]
+                busy = self._ready[column][at] | self._pending[column][at]
                 if bool(busy.any()):
-                    bad = indexes[busy][:5].tolist()
+                    bad = _tensor(indexes)[busy][:5].tolist()
                     raise ValueError(
                         f"indexes: got row(s) {bad} whose column {column!r} is already ready or being put, "
                         f"expected rows not holding {column!r} yet (a cell is put once per iteration; reset() "
@@ -366,32 +398,36 @@ class DockController:
             for column, spec in specs.items():
                 self._add_column(column)
                 self._specs.setdefault(column, spec)
-                self._pending[column][indexes] = True
+                self._pending[column][at] = True
         return True
 
-    def begin_put(self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor) -> None:
+    def begin_put(
+        self, specs: Mapping[str, tuple[torch.dtype, int, tuple[int, ...]]], indexes: torch.Tensor | range
+    ) -> None:
         """:meth:`try_begin_put`, waiting while a reset is in progress."""
         self.wait("try_begin_put", None, specs, indexes)
 
-    def commit_put(self, lengths: Mapping[str, torch.Tensor], indexes: torch.Tensor) -> None:
+    def commit_put(self, lengths: Mapping[str, torch.Tensor], indexes: torch.Tensor | range) -> None:
         """Mark the cells of a begun put ready (its payloads reached the warehouses), end its lease, wake consumers."""
         stamp = next(self._stamps)
+        at = _where(indexes)
         with self._put_lock:
-            groups = indexes // self.n_samples
+            groups = _tensor(indexes) // self.n_samples
             for column, lens in lengths.items():
-                self._lengths[column][indexes] = lens
-                self._stamp[column][indexes] = stamp
-                fresh = ~self._ready[column][indexes]
+                self._lengths[column][at] = lens
+                self._stamp[column][at] = stamp
+                fresh = ~self._ready[column][at]
                 self._group_ready[column].index_add_(0, groups, fresh.to(torch.int32))
-                self._ready[column][indexes] = True
-                self._pending[column][indexes] = False
+                self._ready[column][at] = True
+                self._pending[column][at] = False
         self.release()
 
-    def abort_put(self, columns: Sequence[str], indexes: torch.Tensor) -> None:
+    def abort_put(self, columns: Sequence[str], indexes: torch.Tensor | range) -> None:
         """Give up a begun put whose payloads did not all arrive: free its cells and end its lease."""
+        at = _where(indexes)
         with self._put_lock:
             for column in columns:
-                self._pending[column][indexes] = False
+                self._pending[column][at] = False
         self.release()
 
     def set_completed(self, indexes: torch.Tensor, completed: torch.Tensor) -> None:
@@ -463,7 +499,7 @@ class DockController:
         *,
         by_group: bool = True,
         balance: str = "random",
-        indexes: torch.Tensor | None = None,
+        indexes: torch.Tensor | range | None = None,
         timeout: float | None = None,
     ) -> float | None:
         """Validate a get; returns how long it may wait: ``timeout``, or 0 / None (forever) when ``timeout`` is None."""
@@ -475,11 +511,16 @@ class DockController:
         _check_timeout("timeout", timeout)
         if indexes is not None:
             self._check_in_range("indexes", indexes)
-            if count is not None and count != indexes.numel():
-                raise ValueError(f"count: got {count}, expected None or {indexes.numel()} (the number of indexes)")
-            if by_group and indexes.numel():
-                per_group = torch.bincount(indexes // self.n_samples, minlength=self.num_prompts)
-                if bool(((per_group != 0) & (per_group != self.n_samples)).any()):
+            size = len(indexes)
+            if count is not None and count != size:
+                raise ValueError(f"count: got {count}, expected None or {size} (the number of indexes)")
+            if by_group and size:
+                if isinstance(indexes, range):
+                    partial = bool(indexes.start % self.n_samples or indexes.stop % self.n_samples)
+                else:
+                    per_group = torch.bincount(indexes // self.n_samples, minlength=self.num_prompts)
+                    partial = bool(((per_group != 0) & (per_group != self.n_samples)).any())
+                if partial:
                     raise ValueError(
                         f"indexes: got partial groups, expected whole groups of {self.n_samples} rows (by_group=True)"
                     )
@@ -501,7 +542,7 @@ class DockController:
         *,
         by_group: bool = True,
         balance: str = "random",
-        indexes: torch.Tensor | None = None,
+        indexes: torch.Tensor | range | None = None,
     ) -> torch.Tensor | None:
         """One attempt at a get (validated as :meth:`check_sample`): the rows taken, now under a lease, or None to wait."""
         self.check_sample(consumer, columns, count, by_group=by_group, balance=balance, indexes=indexes)
@@ -509,14 +550,16 @@ class DockController:
         columns = list(columns)
         with cond:
             if indexes is not None:
-                if indexes.numel() == 0:
-                    return indexes
-                if bool(self._consumed[consumer][indexes].any()):
-                    taken = indexes[self._consumed[consumer][indexes]][:5].tolist()
+                if len(indexes) == 0:
+                    return _tensor(indexes)
+                at = _where(indexes)
+                consumed = self._consumed[consumer][at]
+                if bool(consumed.any()):
+                    taken = _tensor(indexes)[consumed][:5].tolist()
                     raise ValueError(
                         f"indexes: got row(s) {taken} already taken by {consumer!r}, expected rows it has not taken"
                     )
-                if not bool(torch.stack([self._ready[c][indexes] for c in columns]).all()):
+                if not bool(torch.stack([self._ready[c][at] for c in columns]).all()):
                     return None
                 rows = indexes
             else:
@@ -529,7 +572,7 @@ class DockController:
             if not self._lease():
                 return None
             self._take(consumer, rows)
-            return rows
+            return _tensor(rows)
 
     def sample(
         self,
@@ -539,7 +582,7 @@ class DockController:
         *,
         by_group: bool = True,
         balance: str = "random",
-        indexes: torch.Tensor | None = None,
+        indexes: torch.Tensor | range | None = None,
         timeout: float | None = None,
     ) -> torch.Tensor:
         """Pick rows for ``consumer`` whose ``columns`` are ready, mark them consumed, return their indexes.
@@ -555,10 +598,15 @@ class DockController:
         )
         return torch.empty(0, dtype=torch.int64) if rows is None else rows
 
-    def _take(self, consumer: str, rows: torch.Tensor) -> None:
+    def _take(self, consumer: str, rows: torch.Tensor | range) -> None:
         """Mark ``rows`` taken by ``consumer`` (its lock held)."""
-        self._consumed[consumer][rows] = True
-        self._group_taken[consumer].index_add_(0, rows // self.n_samples, torch.ones_like(rows, dtype=torch.int32))
+        self._consumed[consumer][_where(rows)] = True
+        n = self.n_samples
+        if isinstance(rows, range) and rows.start % n == 0 and rows.stop % n == 0:  # whole groups
+            self._group_taken[consumer][rows.start // n : rows.stop // n] += n
+            return
+        rows = _tensor(rows)
+        self._group_taken[consumer].index_add_(0, rows // n, torch.ones_like(rows, dtype=torch.int32))
 
     def nack(self, consumer: str, indexes: torch.Tensor) -> None:
         """Give back rows ``consumer`` took but could not process: they are delivered to it again.
@@ -725,43 +773,70 @@ class Warehouse:
         self._block: dict[str, torch.Tensor] = {}  # per row: its block, or -1
         self._row: dict[str, torch.Tensor] = {}  # per row: its row in the block
         self._blocks: dict[str, list[torch.Tensor]] = {}
+        # Per column: the blocks put at a run of local rows, ``(first, stop, block)``: a get of a run inside one
+        # is a slice, found without reading ``_block`` / ``_row``.
+        self._spans: dict[str, list[tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
 
     def _column(self, column: str) -> list[torch.Tensor | None]:
         if column not in self._data:
             size = self.stop - self.start
-            self._data[column], self._blocks[column] = [None] * size, []
+            self._data[column], self._blocks[column], self._spans[column] = [None] * size, [], []
             self._block[column] = torch.full((size,), -1, dtype=torch.int64)
             self._row[column] = torch.zeros(size, dtype=torch.int64)
         return self._data[column]
 
-    def put(self, columns: Mapping[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor) -> None:
+    def put(self, columns: Mapping[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor | range) -> None:
         """Store the rows of each column (a tensor, rows along dim 0, or a list of rows) at ``indexes`` (global rows)."""
-        local = indexes - self.start
+        run = indexes if isinstance(indexes, range) else _run(indexes)
+        local: torch.Tensor | slice
+        if isinstance(run, range):
+            first, stop = run.start - self.start, run.stop - self.start
+            local = slice(first, stop)
+        else:
+            local = run - self.start
+            first, stop = (int(local.min()), int(local.max()) + 1) if local.numel() else (0, 0)
         with self._lock:
             for column, rows in columns.items():
                 data = self._column(column)
+                # A span the put overwrites rows of no longer holds them all.
+                spans = self._spans[column] = [sp for sp in self._spans[column] if sp[1] <= first or sp[0] >= stop]
                 if isinstance(rows, torch.Tensor):
                     blocks = self._blocks[column]
                     self._block[column][local] = len(blocks)
-                    self._row[column][local] = torch.arange(local.numel())
+                    self._row[column][local] = torch.arange(len(rows))
+                    if isinstance(run, range):
+                        spans.append((first, stop, len(blocks)))
                     blocks.append(rows)
                 else:
                     self._block[column][local] = -1
-                    for i, row in zip(local.tolist(), rows):
+                    for i, row in zip(range(first, stop) if isinstance(local, slice) else local.tolist(), rows):
                         data[i] = row
 
-    def put_flat(self, columns: Mapping[str, tuple[torch.Tensor, list[int] | None]], indexes: torch.Tensor) -> None:
+    def put_flat(
+        self, columns: Mapping[str, tuple[torch.Tensor, list[int] | None]], indexes: torch.Tensor | range
+    ) -> None:
         """:meth:`put` for rows sent as one ``(flat, lengths)`` pair per column (see :func:`flatten_rows`)."""
         self.put({c: unflatten_rows(flat, lengths) for c, (flat, lengths) in columns.items()}, indexes)
 
-    def get(self, columns: Sequence[str], indexes: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int] | None]]:
+    def get(
+        self, columns: Sequence[str], indexes: torch.Tensor | range
+    ) -> dict[str, tuple[torch.Tensor, list[int] | None]]:
         """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`flatten_rows` (fresh tensors)."""
-        local = indexes - self.start
-        m = local.numel()
+        m = len(indexes)
+        first = indexes.start - self.start if isinstance(indexes, range) else None
+        local = None if first is not None else indexes - self.start
         out: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
         with self._lock:
             for c in columns:
+                if first is not None and m:
+                    span = next((sp for sp in self._spans[c] if sp[0] <= first and first + m <= sp[1]), None)
+                    if span is not None:  # a run inside one block's run: one copy of its slice
+                        k = first - span[0]
+                        out[c] = flatten_rows(self._blocks[c][span[2]][k : k + m].clone())
+                        continue
+                if local is None:
+                    local = _tensor(indexes) - self.start
                 block, row, blocks = self._block[c][local], self._row[c][local], self._blocks[c]
                 if m:
                     b, k = int(block[0]), int(row[0])
@@ -790,6 +865,7 @@ class Warehouse:
                     data[i] = None
                 block.fill_(-1)
                 blocks.clear()
+                self._spans[column].clear()
 
 
 def flatten_rows(rows: list[torch.Tensor] | torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
@@ -870,6 +946,10 @@ def _collate(
             continue
         mask_key = f"{column}_mask"
         _check_free(columns, column, mask_key)
+        if in_order and size and lengths.count(lengths[0]) == size:  # every row full width: a view, no scatter
+            batch[column] = first.view(size, lengths[0], *first.shape[1:])
+            batch[mask_key] = torch.ones(size, lengths[0], dtype=torch.bool)
+            continue
         if in_order:
             all_lengths = torch.tensor(lengths, dtype=torch.int64)
         else:
@@ -878,10 +958,6 @@ def _collate(
                 all_lengths[positions] = torch.tensor(part[column][1], dtype=torch.int64)
         width = int(all_lengths.max()) if size else 0
         mask = torch.arange(width) < all_lengths[:, None]
-        if in_order and first.shape[0] == size * width:  # every row full width: a view, no scatter
-            batch[column] = first.view(size, width, *first.shape[1:])
-            batch[mask_key] = mask
-            continue
         out = first.new_full((size, width, *first.shape[1:]), pad_value)
         if in_order:
             out[mask] = first
@@ -958,7 +1034,7 @@ class TransferDock:
         self._call(self.controller, "release")
 
     def _put_call(
-        self, w: int, rows: dict[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor
+        self, w: int, rows: dict[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor | range
     ) -> tuple[Any, str, tuple[Any, ...]]:
         # In process, the warehouse keeps the caller's row tensors as they are.
         return self.warehouses[w], "put", (rows, indexes)
@@ -1011,11 +1087,12 @@ class TransferDock:
             return
         # A column given as one tensor has one spec and one length for all its rows: no per-row pass.
         specs = {c: _tensor_spec(v) if isinstance(v, torch.Tensor) else _row_spec(c, v) for c, v in rows.items()}
-        self._wait_call(self.controller, "try_begin_put", None, specs, idx)
+        run = indexes if isinstance(indexes, range) and indexes.step == 1 else _run(idx)
+        self._wait_call(self.controller, "try_begin_put", None, specs, run)
         try:
-            routes = self._by_warehouse(idx)
+            routes = [(0, [])] if len(self.warehouses) == 1 else self._by_warehouse(idx)
             if len(routes) == 1:  # one warehouse holds every row: the rows go in the caller's order
-                calls = [self._put_call(routes[0][0], rows, idx)]
+                calls = [self._put_call(routes[0][0], rows, run)]
             else:
                 calls = [
                     self._put_call(
@@ -1027,10 +1104,10 @@ class TransferDock:
                 ]
             self._call_all(calls)
         except BaseException:
-            self._call(self.controller, "abort_put", list(rows), idx)
+            self._call(self.controller, "abort_put", list(rows), run)
             raise
         lengths = {c: _tensor_lengths(v) if isinstance(v, torch.Tensor) else _row_lengths(v) for c, v in rows.items()}
-        self._call(self.controller, "commit_put", lengths, idx)
+        self._call(self.controller, "commit_put", lengths, run)
 
     def get(
         self,
@@ -1084,16 +1161,21 @@ class TransferDock:
         _check_timeout("timeout", timeout)
         # No timeout: a get of explicit indexes waits as long as needed, one of a count returns at once.
         wait = timeout if timeout is not None else None if idx is not None else 0.0
-        options = dict(by_group=by_group, balance=balance, indexes=idx)
+        run = None if idx is None else indexes if isinstance(indexes, range) and indexes.step == 1 else _run(idx)
+        options = dict(by_group=by_group, balance=balance, indexes=run)
         rows = self._wait_call(self.controller, "try_sample", wait, consumer, columns, count, **options)
         if rows is None or rows.numel() == 0:
             return {}, torch.empty(0, dtype=torch.int64)
         try:
-            return self._fetch(columns, rows, packed), rows
+            return self._fetch(columns, run if isinstance(run, range) else rows, packed), rows
         finally:
             self._release()
 
-    def _fetch(self, columns: Sequence[str], rows: torch.Tensor, packed: bool) -> dict[str, Any]:
+    def _fetch(self, columns: Sequence[str], rows: torch.Tensor | range, packed: bool) -> dict[str, Any]:
+        if len(self.warehouses) == 1:  # the rows as they are: a run stays a run
+            parts = self._call_all([(self.warehouses[0], "get", (list(columns), rows))])
+            return _collate(columns, len(rows), [(list(range(len(rows))), parts[0])], pad_value=self.pad_value, packed=packed)
+        rows = _tensor(rows)
         routes = self._by_warehouse(rows)
         parts = self._call_all([(self.warehouses[w], "get", (list(columns), rows[sel])) for w, sel in routes])
         pieces = [(sel, part) for (_, sel), part in zip(routes, parts)]

@@ -203,7 +203,7 @@ class RayTransferDock(TransferDock):
         return [host.remote() for _ in range(count)]
 
     def _put_call(
-        self, w: int, rows: dict[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor
+        self, w: int, rows: dict[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor | range
     ) -> tuple[Any, str, tuple[Any, ...]]:
         # Across processes, send one flat tensor per column rather than one per row.
         return self.warehouses[w], "put_flat", ({c: flatten_rows(v) for c, v in rows.items()}, indexes)

@@ -385,7 +385,7 @@ class SchedulerCore:
         elif self.blocking:
             if any(u not in self.finished[j] for u in self.graph.upstream[s.name]):
                 return None
-            batch, rows = dock.get(s.name, list(s.inputs), indexes=torch.arange(taken, taken + count), by_group=False)
+            batch, rows = dock.get(s.name, list(s.inputs), indexes=range(taken, taken + count), by_group=False)
         else:
             # Rows ready for s are at most what its slowest upstream stage has finished: skip the dock when short.
             done = min((self.capacity - self.left[u, j] for u in self.graph.upstream[s.name]), default=self.capacity)
