@@ -145,9 +145,9 @@ def _tensor_spec(value: torch.Tensor) -> tuple[torch.dtype, int, tuple[int, ...]
     return value.dtype, value.dim() - 1, tuple(value.shape[2:])
 
 
-def _tensor_lengths(value: torch.Tensor) -> torch.Tensor:
-    """:func:`_row_lengths` of the rows of one tensor: all ``value.shape[1]`` (0 for per-row scalars)."""
-    return torch.full((value.shape[0],), value.shape[1] if value.dim() > 1 else 0, dtype=torch.int64)
+def _tensor_lengths(value: torch.Tensor) -> int:
+    """:func:`_row_lengths` of the rows of one tensor, all equal: ``value.shape[1]`` (0 for per-row scalars)."""
+    return value.shape[1] if value.dim() > 1 else 0
 
 
 def _row_lengths(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -407,17 +407,26 @@ class DockController:
         """:meth:`try_begin_put`, waiting while a reset is in progress."""
         self.wait("try_begin_put", None, specs, indexes)
 
-    def commit_put(self, lengths: Mapping[str, torch.Tensor], indexes: torch.Tensor | range) -> None:
-        """Mark the cells of a begun put ready (its payloads reached the warehouses), end its lease, wake consumers."""
+    def commit_put(self, lengths: Mapping[str, torch.Tensor | int], indexes: torch.Tensor | range) -> None:
+        """Mark the cells of a begun put ready (its payloads reached the warehouses), end its lease, wake consumers.
+
+        ``lengths``: per column, each row's length, or one length for every row.
+        """
         stamp = next(self._stamps)
         at = _where(indexes)
+        n = self.n_samples
+        # The begun put reserved its cells, none ready: each row makes its group one row readier.
+        whole = isinstance(indexes, range) and indexes.start % n == 0 and indexes.stop % n == 0
         with self._put_lock:
-            groups = _tensor(indexes) // self.n_samples
+            groups = None if whole else _tensor(indexes) // n
             for column, lens in lengths.items():
                 self._lengths[column][at] = lens
                 self._stamp[column][at] = stamp
-                fresh = ~self._ready[column][at]
-                self._group_ready[column].index_add_(0, groups, fresh.to(torch.int32))
+                if groups is None:
+                    self._group_ready[column][indexes.start // n : indexes.stop // n] += n
+                else:
+                    fresh = ~self._ready[column][at]
+                    self._group_ready[column].index_add_(0, groups, fresh.to(torch.int32))
                 self._ready[column][at] = True
                 self._pending[column][at] = False
         self.release()
