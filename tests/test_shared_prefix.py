@@ -138,6 +138,23 @@ def test_shares_prompts_finds_groups_and_declines_when_nothing_is_shared():
     assert shares_prompts(batch["prompts"], empty) is None
 
 
+def test_shares_prompts_takes_runs_of_neighbours_and_else_searches_every_row(model):
+    batch = _grouped(seed=3, groups=3, n=2)
+    # Prompt runs A A B B A A: the runs are the groups (A twice), found without a sort.
+    order = torch.tensor([0, 1, 2, 3, 0, 1])
+    runs = {k: v[order] if k.startswith("prompt") else v for k, v in batch.items()}
+    group = shares_prompts(runs["prompts"], runs["prompt_mask"])
+    assert group is not None and group.tolist() == [0, 0, 1, 1, 2, 2]
+    with torch.no_grad():
+        shared = response_logprobs(from_hf(model), runs)
+        whole = response_logprobs(from_hf(model), runs, share_prompts=False)
+    torch.testing.assert_close(shared, whole, atol=1e-5, rtol=0)
+    # No two neighbours alike (A B C A B C): equal prompts are still found anywhere.
+    spread = torch.tensor([0, 2, 4, 1, 3, 5])
+    group = shares_prompts(batch["prompts"][spread], batch["prompt_mask"][spread])
+    assert group is not None and torch.equal(group[:3], group[3:]) and len(set(group.tolist())) == 3
+
+
 def test_the_prefill_runs_each_distinct_prompt_once_and_samples_the_same(model, monkeypatch):
     batch = _grouped(seed=5, groups=3, n=4)
     sizes = []

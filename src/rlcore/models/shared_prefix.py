@@ -58,17 +58,28 @@ class SharedPrefix:
 
 
 def shares_prompts(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor | None:
-    """Each row's group (rows with the same prompt), or None when no two rows share one.
+    """Each row's group (rows of one group have the same prompt), or None when no two rows share one.
 
     ``prompts`` / ``prompt_mask`` are ``[B, P]`` left-padded; a host read (the layout is
-    built on the host, like :func:`rlcore.ops.pack`'s token count).
+    built on the host, like :func:`rlcore.ops.pack`'s token count). A run of consecutive
+    rows with one prompt (a GRPO group as sampled) is one group, found by comparing each
+    row with the one before, without the sort of ``torch.unique(dim=0)`` (about 20x its
+    cost at 256 rows); only when no run is longer than one row are equal prompts looked
+    for anywhere. Two runs of the same prompt may thus be two groups: the shared-prompt
+    forward is exact either way.
     """
-    if prompts.shape[0] < 2 or bool((prompt_mask != 0).sum(1).min() == 0):  # sync-ok: host layout; an empty prompt
+    rows = prompts.shape[0]
+    if rows < 2 or bool((prompt_mask != 0).sum(1).min() == 0):  # sync-ok: host layout; an empty prompt
         return None
     keyed = torch.where(prompt_mask != 0, prompts, -1)
-    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    groups = int(inverse.max()) + 1 if inverse.numel() else 0  # sync-ok: the layout is built on the host
-    return inverse if groups < prompts.shape[0] else None
+    starts = torch.ones(rows, dtype=torch.bool, device=prompts.device)
+    starts[1:] = (keyed[1:] != keyed[:-1]).any(1)
+    inverse = torch.cumsum(starts, 0) - 1
+    groups = int(inverse[-1]) + 1  # sync-ok: the layout is built on the host
+    if groups == rows:  # no two neighbours share a prompt: any two rows may
+        _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+        groups = int(inverse.max()) + 1  # sync-ok: as above
+    return inverse if groups < rows else None
 
 
 def _layout(
