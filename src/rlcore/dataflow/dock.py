@@ -416,14 +416,18 @@ class DockController:
         at = _where(indexes)
         n = self.n_samples
         # The begun put reserved its cells, none ready: each row makes its group one row readier.
-        whole = isinstance(indexes, range) and indexes.start % n == 0 and indexes.stop % n == 0
+        whole = (
+            slice(indexes.start // n, indexes.stop // n)
+            if isinstance(indexes, range) and indexes.start % n == 0 and indexes.stop % n == 0
+            else None
+        )
         with self._put_lock:
-            groups = None if whole else _tensor(indexes) // n
+            groups = None if whole is not None else _tensor(indexes) // n
             for column, lens in lengths.items():
                 self._lengths[column][at] = lens
                 self._stamp[column][at] = stamp
                 if groups is None:
-                    self._group_ready[column][indexes.start // n : indexes.stop // n] += n
+                    self._group_ready[column][whole] += n
                 else:
                     fresh = ~self._ready[column][at]
                     self._group_ready[column].index_add_(0, groups, fresh.to(torch.int32))
@@ -834,7 +838,7 @@ class Warehouse:
         """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`flatten_rows` (fresh tensors)."""
         m = len(indexes)
         first = indexes.start - self.start if isinstance(indexes, range) else None
-        local = None if first is not None else indexes - self.start
+        local = None if isinstance(indexes, range) else indexes - self.start
         out: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
         with self._lock:
             for c in columns:
@@ -1183,7 +1187,9 @@ class TransferDock:
     def _fetch(self, columns: Sequence[str], rows: torch.Tensor | range, packed: bool) -> dict[str, Any]:
         if len(self.warehouses) == 1:  # the rows as they are: a run stays a run
             parts = self._call_all([(self.warehouses[0], "get", (list(columns), rows))])
-            return _collate(columns, len(rows), [(list(range(len(rows))), parts[0])], pad_value=self.pad_value, packed=packed)
+            return _collate(
+                columns, len(rows), [(list(range(len(rows))), parts[0])], pad_value=self.pad_value, packed=packed
+            )
         rows = _tensor(rows)
         routes = self._by_warehouse(rows)
         parts = self._call_all([(self.warehouses[w], "get", (list(columns), rows[sel])) for w, sel in routes])
