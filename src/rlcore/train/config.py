@@ -136,6 +136,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              token reverse KL as a loss term beside GRPO on the task reward)
     rl.teacher_coef, rl.task_coef            with opd: the weights of the teacher's signal and of the task reward
                                              (task_coef 0: pure distillation; defaults 1 and 1)
+    rl.algo gdpo                             GDPO: the reward pool gives each entry of the rewards list's score (the
+                                             score_parts column); each is normalised within its group, then they are
+                                             summed with the entries' weights and whitened over the batch
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ from rlcore.train.vllm_engine import parse_vllm_options
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd", "gdpo")
 # Recipes that learn from a dataset's finished rows, never from samples (rl.algo sft and rm need data.path).
 _DATASET_ONLY = ("sft", "rm")
 # Recipes without a policy ratio, KL or advantages: DPO and the supervised ones.
@@ -184,7 +187,9 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd"] = "grpo"
+    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd", "gdpo"] = (
+        "grpo"
+    )
     batch_size: int = 8
     mini_batch_size: int = 8
     # The YAML's ``rl.num_rollouts`` (the seed's name); the library's name is ``n_samples``.
@@ -591,6 +596,11 @@ def _check_recipe_options(cfg: Config) -> None:
                     "policy-gradient recipe's option; DPO's and the supervised recipes' losses are their own)"
                 )
     check_policy_loss(rl.policy_loss, rl.policy_loss_args)
+    if rl.algo == "gdpo" and rl.multi_turn is not None:
+        raise ValueError(
+            "config key 'rl.multi_turn': got a section with rl.algo 'gdpo', expected null (GDPO normalises each entry "
+            "of the rewards list; a multi-turn rollout's rewards come from its environments)"
+        )
     if rl.algo != "opd":
         defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
         for key in ("opd_loss", "teacher_coef", "task_coef"):
@@ -1088,7 +1098,7 @@ def check_launch(cfg: Config, world_size: int) -> None:
     )
     if par.context_parallel != 1:
         _check_context_parallel(cfg)
-    if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and cfg.rl.n_samples < 2:
+    if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "gdpo") and cfg.rl.n_samples < 2:
         raise ValueError(
             f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt; override rl.num_rollouts=2 or more)"

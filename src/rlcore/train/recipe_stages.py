@@ -188,6 +188,8 @@ class PolicyGradientStages:
         needs = algos.scoring_needs(self.recipe)
         scored = [
             "scores",
+            # GDPO: each reward component's scores, which the stage passes as the recipe's scores [B, K].
+            *(["score_parts"] if needs.score_parts else []),
             "mask",
             "group",
             *(["old_logp"] if needs.old_logp else []),

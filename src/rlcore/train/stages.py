@@ -64,6 +64,8 @@ __all__ = [
     "response_logprobs",
     "response_sequences",
     "response_values",
+    "reward_columns",
+    "reward_outputs",
     "reward_stage",
     "rl_batch",
     "rl_forward",
@@ -229,6 +231,19 @@ def _rows(x: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
     return [[v for v, k in zip(values, kept) if k] for values, kept in zip(x.tolist(), (keep != 0).tolist())]
 
 
+def reward_outputs(pool: Any) -> list[str]:
+    """The columns a reward stage over ``pool`` writes: ``scores``, and ``score_parts`` when the pool gives components."""
+    return ["scores", "score_parts"] if getattr(pool, "components", False) else ["scores"]
+
+
+def reward_columns(scored: Any) -> dict[str, torch.Tensor]:
+    """A :class:`rlcore.rewards.RewardPool` result as the dock's columns: ``scores`` (and ``score_parts``)."""
+    if isinstance(scored, tuple):
+        scores, parts = scored
+        return {"scores": scores.float(), "score_parts": parts.float()}
+    return {"scores": scored.float()}
+
+
 def reward_stage(
     pool: Any, decode: Callable[[list[int]], str], *, resource: str = "cpu", timeout: float | None = None
 ) -> Stage:
@@ -242,20 +257,20 @@ def reward_stage(
       resource, timeout: as in :func:`rlcore.dataflow.stage`.
 
     Returns:
-      A stage ``prompts, prompt_mask, responses, mask, answers, iteration -> scores``.
+      A stage ``prompts, prompt_mask, responses, mask, answers, iteration -> scores`` (and
+      ``score_parts``, each reward component's scores, when the pool gives them: GDPO).
     """
 
     def reward(b: Batch) -> dict[str, torch.Tensor]:
         prompts = [decode(r) for r in _rows(b["prompts"], b["prompt_mask"])]
         texts = [decode(r) for r in _rows(b["responses"], b["mask"])]
         answers = [decode(r) for r in _rows(b["answers"], b["answers_mask"])]
-        scores = pool.submit(prompts, texts, batch=int(b["iteration"][0]), answers=answers).result()
-        return {"scores": scores.float()}
+        return reward_columns(pool.submit(prompts, texts, batch=int(b["iteration"][0]), answers=answers).result())
 
     return stage(
         reward,
         inputs=["prompts", "prompt_mask", "responses", "mask", "answers", "iteration"],
-        outputs=["scores"],
+        outputs=reward_outputs(pool),
         resource=resource,
         timeout=timeout,
     )
@@ -338,7 +353,8 @@ def advantages_stage(
     The stage takes whole groups (``by_group``), renumbers the dock's ``group`` column
     to ``group_ids`` 0..G-1, calls ``algo.advantages`` and writes only its declared
     columns: ``advantages``, ``loss_mask`` (the mask after shaping) and, for GAE,
-    ``returns``.
+    ``returns``. When it reads ``score_parts`` (each reward component's scores, GDPO),
+    those are the recipe's ``scores`` ``[B, K]``.
 
     Args:
       algo: an :class:`rlcore.algos.Algorithm`.
@@ -361,7 +377,9 @@ def advantages_stage(
         raise ValueError(f"outputs: got {bad}, expected some of {list(known)}")
 
     def advantages(b: Batch) -> dict[str, torch.Tensor]:
-        batch = {c: b[c] for c in inputs if c != "group"}
+        batch = {c: b[c] for c in inputs if c not in ("group", "score_parts")}
+        if "score_parts" in inputs:
+            batch["scores"] = b["score_parts"]
         if "group" in inputs:
             batch["group_ids"] = torch.unique(b["group"], return_inverse=True)[1]
         out = algo.advantages(batch, process_group=process_group)

@@ -169,7 +169,7 @@ def _train(
     start = restore_run(out, models, opt, cfg) if resume else 0
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
     steps = StepMetrics.of_run(cfg, start=start, ref_every=plan.ref_every)
-    rewards, validator = scorers(cfg, task, reward, world)
+    rewards, validator = scorers(cfg, task, reward, world, components=algos.scoring_needs(recipe).score_parts)
     result = None
     # Errors, Preempted (a stop signal) and KeyboardInterrupt (Ctrl-C) unwind the stack: workers and writers stop.
     with ExitStack() as stack:

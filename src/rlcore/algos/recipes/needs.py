@@ -20,11 +20,13 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from rlcore.algos.advantages import gdpo_advantages
 from rlcore.algos.kl import KLController
 from rlcore.algos.recipes.adapters import (
     dynamic_sampling_filter,
     kl_reward_shaping,
     kl_score_shaping,
+    outcome_advantages,
     overlong_shaping,
     score_scaling,
     token_rewards_shaping,
@@ -44,10 +46,14 @@ class ScoringNeeds(NamedTuple):
       old_logp: the recipe's advantages (its shaping) read the rollout policy's
         log-probs, so they must come from a forward before the update.
       ref_logp: the recipe reads the reference's log-probs (loss or shaping).
+      score_parts: the estimator reads each reward component's scores, ``scores`` ``[B, K]``
+        (GDPO: :func:`~rlcore.algos.gdpo_advantages` under
+        :func:`~rlcore.algos.recipes.adapters.outcome_advantages`), not their weighted sum.
     """
 
     old_logp: bool
     ref_logp: bool
+    score_parts: bool = False
 
 
 def _steps(shaping: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
@@ -67,12 +73,13 @@ def scoring_needs(algo: Any) -> ScoringNeeds:
 
     >>> from rlcore import algos
     >>> scoring_needs(algos.grpo(kl_coef=0.0)), scoring_needs(algos.grpo())
-    (ScoringNeeds(old_logp=False, ref_logp=False), ScoringNeeds(old_logp=False, ref_logp=True))
-    >>> scoring_needs(algos.ppo())
-    ScoringNeeds(old_logp=True, ref_logp=True)
+    (ScoringNeeds(old_logp=False, ref_logp=False, score_parts=False), ScoringNeeds(old_logp=False, ref_logp=True, score_parts=False))
+    >>> scoring_needs(algos.ppo()), scoring_needs(algos.gdpo()).score_parts
+    (ScoringNeeds(old_logp=True, ref_logp=True, score_parts=False), True)
     """
     if not isinstance(algo, Algorithm):
         return ScoringNeeds(True, True)
+    parts = _reads_score_parts(algo.advantage_estimator)
     coef = algo.kl_coef
     ref = isinstance(coef, KLController) or coef != 0
     old = False
@@ -82,5 +89,13 @@ def scoring_needs(algo: Any) -> ScoringNeeds:
             reads = step.keywords.get("kl_coef", 1) != 0 if isinstance(step, functools.partial) else True
             old, ref = old or reads, ref or reads
         elif fn not in _READS_NO_LOGPS:
-            return ScoringNeeds(True, True)
-    return ScoringNeeds(old, ref)
+            return ScoringNeeds(True, True, parts)
+    return ScoringNeeds(old, ref, parts)
+
+
+def _reads_score_parts(estimator: Callable[..., Any]) -> bool:
+    """The estimator is :func:`outcome_advantages` over :func:`gdpo_advantages`: it normalises each component."""
+    if not (isinstance(estimator, functools.partial) and estimator.func is outcome_advantages):
+        return False
+    inner = estimator.keywords.get("estimator")
+    return (inner.func if isinstance(inner, functools.partial) else inner) is gdpo_advantages
