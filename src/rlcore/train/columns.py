@@ -80,6 +80,12 @@ COLUMNS = Schema(
         ),
         Column("old_logp", _F, "token", "log-probs of the response tokens under the policy that sampled them"),
         Column("entropy", _F, "token", "the policy's entropy at each response position"),
+        Column(
+            "sum_pi_squared",
+            _F,
+            "token",
+            "the old policy's sum_v pi(v)^2 at each response position (the optimal token baseline reads it)",
+        ),
         Column("ref_logp", _F, "token", "log-probs of the response tokens under the reference policy"),
         Column("old_values", _F, "token", "the critic's values before each response token (PPO)"),
         # The recipe's advantages stage.

@@ -136,6 +136,10 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              token reverse KL as a loss term beside GRPO on the task reward)
     rl.teacher_coef, rl.task_coef            with opd: the weights of the teacher's signal and of the task reward
                                              (task_coef 0: pure distillation; defaults 1 and 1)
+    rl.advantage                             optimal_token_baseline: the recipe's advantages replaced by the optimal
+                                             token baseline (verl's), a per-position group baseline weighted by each
+                                             path's gradient variance; the old-policy forward also gives sum_pi_squared
+                                             (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp; null: the recipe's own)
     rl.algo gdpo                             GDPO: the reward pool gives each entry of the rewards list's score (the
                                              score_parts column); each is normalised within its group, then they are
                                              summed with the entries' weights and whitened over the batch
@@ -173,6 +177,8 @@ ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo"
 _DATASET_ONLY = ("sft", "rm")
 # Recipes without a policy ratio, KL or advantages: DPO and the supervised ones.
 _NOT_POLICY_GRADIENT = ("dpo", *_DATASET_ONLY)
+# Recipes whose advantages rl.advantage may replace (no critic, no teacher, one score per row).
+_TOKEN_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp")
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -220,6 +226,7 @@ class RLConfig:
     policy_loss: Literal["ppo_clip", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov"] | None = None
     policy_loss_args: dict | None = None
     entropy_coef: float = 0.0
+    advantage: Literal["optimal_token_baseline"] | None = None
     opd_loss: Literal["reward", "reverse_kl"] = "reward"
     teacher_coef: float = 1.0
     task_coef: float = 1.0
@@ -596,6 +603,17 @@ def _check_recipe_options(cfg: Config) -> None:
                     "policy-gradient recipe's option; DPO's and the supervised recipes' losses are their own)"
                 )
     check_policy_loss(rl.policy_loss, rl.policy_loss_args)
+    if rl.advantage is not None:
+        for key, got, bad, expected in (
+            ("rl.algo", rl.algo, rl.algo not in _TOKEN_BASELINE_ALGOS, ", ".join(_TOKEN_BASELINE_ALGOS)),
+            ("rl.multi_turn", "a section", rl.multi_turn is not None, "null (single-turn responses)"),
+            ("parallel.context_parallel", cfg.parallel.context_parallel, cfg.parallel.context_parallel != 1, "1"),
+        ):
+            if bad:
+                raise ValueError(
+                    f"config key {key!r}: got {got!r} with rl.advantage {rl.advantage!r}, expected {expected} (the "
+                    "optimal token baseline replaces an outcome recipe's advantages, from the whole old-policy forward)"
+                )
     if rl.algo == "gdpo" and rl.multi_turn is not None:
         raise ValueError(
             "config key 'rl.multi_turn': got a section with rl.algo 'gdpo', expected null (GDPO normalises each entry "

@@ -108,6 +108,7 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    with_sum_pi_squared: bool = False,
 ) -> Any:
     """Log-probs (and entropies) ``[N, R]`` of the response tokens: one padding-free packed forward.
 
@@ -122,26 +123,27 @@ def response_logprobs(
       temperature: the sampling temperature.
       with_entropy: also return the per-token entropy.
       share_prompts: run each distinct prompt once (False: every row packed whole).
+      with_sum_pi_squared: also return each position's ``sum_v pi(v)^2`` (no gradient; the
+        optimal token baseline reads it).
 
     Returns:
-      ``logp [N, R]`` float32 (``(logp, entropy)`` with ``with_entropy``); 0 on padding.
+      ``logp [N, R]`` float32 (``(logp, entropy?, sum_pi_squared?)`` when an option is on); 0 on padding.
     """
+    options = {"with_entropy": with_entropy, "with_sum_pi_squared": with_sum_pi_squared}
     apply, params = model
     if share_prompts:
         group = shares_prompts(batch["prompts"], batch["prompt_mask"])
         if group is not None:  # a GRPO group's prompt runs once (rlcore.models.shared_prefix)
-            return shared_prefix_logprobs(
-                apply, params, batch, group=group, temperature=temperature, with_entropy=with_entropy
-            )
+            return shared_prefix_logprobs(apply, params, batch, group=group, temperature=temperature, **options)
     width = batch["prompts"].shape[1]
     seq = {
         "input_ids": torch.cat([batch["prompts"], batch["responses"]], 1),
         "attention_mask": torch.cat([batch["prompt_mask"].long(), (batch["mask"] != 0).long()], 1),
     }
     # token_logprobs puts each value on the token it scores: the responses are the last R columns.
-    if with_entropy:
-        logp, entropy = token_logprobs(apply, params, seq, temperature=temperature, with_entropy=True)
-        return logp[:, width:].float(), entropy[:, width:].float()
+    if with_entropy or with_sum_pi_squared:
+        out = token_logprobs(apply, params, seq, temperature=temperature, **options)
+        return tuple(v[:, width:].float() for v in out)
     return token_logprobs(apply, params, seq, temperature=temperature)[:, width:].float()
 
 
@@ -289,7 +291,9 @@ def logprob_stage(
 
     Args:
       model: a ``transformers`` causal LM.
-      outputs: ``(logp column,)`` or ``(logp column, entropy column)``.
+      outputs: ``(logp column,)``, ``(logp column, entropy column)`` or ``(logp column,
+        entropy column, sum_pi_squared column)`` (each position's ``sum_v pi(v)^2``, which
+        the optimal token baseline reads; computed only when named).
       name: the stage name (default ``outputs[0]``).
       temperature: the sampling temperature.
       micro_batch, resource: as in :func:`rlcore.dataflow.stage`.
@@ -299,15 +303,20 @@ def logprob_stage(
     """
     lm = from_hf(model)
     outputs = tuple(outputs)
-    if len(outputs) not in (1, 2):
-        raise ValueError(f"outputs: got {outputs!r}, expected (logp,) or (logp, entropy) column names")
+    if len(outputs) not in (1, 2, 3):
+        raise ValueError(
+            f"outputs: got {outputs!r}, expected (logp,), (logp, entropy) or (logp, entropy, sum_pi_squared) "
+            "column names"
+        )
 
     def logprobs(b: Batch) -> dict[str, torch.Tensor]:
         with eval_mode(model):
             if len(outputs) == 1:
                 return {outputs[0]: response_logprobs(lm, b, temperature=temperature)}
-            logp, entropy = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
-        return {outputs[0]: logp, outputs[1]: entropy}
+            out = response_logprobs(
+                lm, b, temperature=temperature, with_entropy=True, with_sum_pi_squared=len(outputs) == 3
+            )
+        return dict(zip(outputs, out))
 
     return stage(
         logprobs,

@@ -32,12 +32,20 @@ __all__ = ["step_graph"]
 
 
 def _sampling_stages(
-    cfg: Config, models: Models, rollout: Stage | None, rewards: RewardPool, task: Any, world: World, plan: ScoringPlan
+    cfg: Config,
+    models: Models,
+    rollout: Stage | None,
+    rewards: RewardPool,
+    task: Any,
+    world: World,
+    plan: ScoringPlan,
+    sum_pi_squared: bool = False,
 ) -> tuple[list[Stage], list[Stage], list[str], Callable[[dict], dict] | None]:
     """Rollout and reward, the plan's scoring forwards, the columns the update reads to log them, its ``prepare``.
 
     Without a rollout a dataset gives the rows whole (offline preference pairs): no stage.
-    With ``plan.old_in_update`` the old-policy forward is the update's ``prepare``.
+    With ``plan.old_in_update`` the old-policy forward is the update's ``prepare``. With
+    ``sum_pi_squared`` (the recipe's estimator reads it) that forward also writes it.
     """
     if rollout is None:
         return [], [], ["prompt_mask", "iteration"], None
@@ -51,7 +59,8 @@ def _sampling_stages(
     logged = ["scores", "mask", "prompt_mask", "iteration", "version", "token_version", "rollout_logp"]
     prepare = None
     if plan.old_logp:
-        old = score(models.policy, temperature=rl.temperature)
+        outputs = ("old_logp", "entropy", "sum_pi_squared") if sum_pi_squared else ("old_logp", "entropy")
+        old = score(models.policy, outputs=outputs, temperature=rl.temperature)
         if plan.old_in_update:
             prepare = old.fn
         else:
@@ -95,7 +104,10 @@ def step_graph(
       plan: the scoring forwards to run (:func:`rlcore.train.scoring_plan`).
     """
     rl = cfg.rl
-    sampling, scoring, logged, prepare = _sampling_stages(cfg, models, rollout, rewards, task, world, plan)
+    sum_pi_squared = algos.scoring_needs(recipe).sum_pi_squared
+    sampling, scoring, logged, prepare = _sampling_stages(
+        cfg, models, rollout, rewards, task, world, plan, sum_pi_squared
+    )
     # rl.replay: stored rows join each update's (its dispatch), weighted in its forward; metrics of the fresh rows.
     replay = Replay(parse_replay(rl.replay)) if rl.replay is not None else None
     dispatch = balanced_rows(world.group) if world.group is not None else None
