@@ -140,6 +140,10 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              token baseline (verl's), a per-position group baseline weighted by each
                                              path's gradient variance; the old-policy forward also gives sum_pi_squared
                                              (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp; null: the recipe's own)
+    rl.entropy_target                        an adaptive entropy bonus (Skywork-OR1): a target entropy in nats per
+                                             token, or {target, delta, init_coef, max_coef}; the bonus's coefficient
+                                             rises by delta each step the logged entropy is below target (falls
+                                             above), in [0, max_coef]; entropy/coef logged; saved with the checkpoint
     rl.algo gdpo                             GDPO: the reward pool gives each entry of the rewards list's score (the
                                              score_parts column); each is normalised within its group, then they are
                                              summed with the entries' weights and whitened over the batch
@@ -164,6 +168,7 @@ import yaml
 from rlcore.agent import parse_multi_turn
 from rlcore.data.curriculum import parse_curriculum
 from rlcore.train.context_parallel import check_context_parallel_model
+from rlcore.train.entropy_target import parse_entropy_target
 from rlcore.train.parallel import check_parallel_sizes
 from rlcore.train.preemption import STOP_SIGNALS
 from rlcore.train.recipe_options import check_policy_loss
@@ -227,6 +232,7 @@ class RLConfig:
     policy_loss_args: dict | None = None
     entropy_coef: float = 0.0
     advantage: Literal["optimal_token_baseline"] | None = None
+    entropy_target: float | dict | None = None
     opd_loss: Literal["reward", "reverse_kl"] = "reward"
     teacher_coef: float = 1.0
     task_coef: float = 1.0
@@ -603,6 +609,15 @@ def _check_recipe_options(cfg: Config) -> None:
                     "policy-gradient recipe's option; DPO's and the supervised recipes' losses are their own)"
                 )
     check_policy_loss(rl.policy_loss, rl.policy_loss_args)
+    if rl.entropy_target is not None:
+        parse_entropy_target(rl.entropy_target)
+        for key, got, bad, expected in (
+            ("rl.algo", rl.algo, rl.algo in _NOT_POLICY_GRADIENT, "a policy-gradient recipe"),
+            ("rl.entropy_coef", rl.entropy_coef, rl.entropy_coef != 0, "0 (the controller sets the coefficient)"),
+            ("parallel.context_parallel", cfg.parallel.context_parallel, cfg.parallel.context_parallel != 1, "1"),
+        ):
+            if bad:
+                raise ValueError(f"config key {key!r}: got {got!r} with rl.entropy_target set, expected {expected}")
     if rl.advantage is not None:
         for key, got, bad, expected in (
             ("rl.algo", rl.algo, rl.algo not in _TOKEN_BASELINE_ALGOS, ", ".join(_TOKEN_BASELINE_ALGOS)),

@@ -9,7 +9,7 @@ are dealt to the ranks by their tokens and the metrics are the whole batch's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, cast
 
@@ -22,7 +22,8 @@ from rlcore.train.config import Config
 from rlcore.train.context_parallel import DataParallelRecipe, cp_logprob_stage, replica_groups, replicate_stage
 from rlcore.train.optim import Models, Optimiser
 from rlcore.train.recipe_stages import StepParts, stages_for
-from rlcore.train.replay import Replay, parse_replay
+from rlcore.train.replay import Replay
+from rlcore.train.run_state import run_extras
 from rlcore.train.scoring import ScoringPlan
 from rlcore.train.stages import balanced_rows, logprob_stage, staleness_weighted, update_stage
 from rlcore.train.step_metrics import StepMetrics
@@ -85,6 +86,8 @@ def step_graph(
     world: World,
     on_step_end: Callable[[int], Any],
     plan: ScoringPlan,
+    *,
+    extras: Mapping[str, Any] | None = None,
 ) -> StageGraph:
     """The step's stages: rollout, reward and scoring forwards (when rows are sampled), the recipe's, the update.
 
@@ -102,6 +105,8 @@ def step_graph(
       world: this process's place in the mesh.
       on_step_end: called with each finished iteration (checkpoint, logs, weight sync).
       plan: the scoring forwards to run (:func:`rlcore.train.scoring_plan`).
+      extras: the run's stateful parts (:func:`rlcore.train.run_state.run_extras`, made from the config
+        when None): the ``replay`` buffer joins the update, the ``entropy_target`` sets its entropy bonus.
     """
     rl = cfg.rl
     sum_pi_squared = algos.scoring_needs(recipe).sum_pi_squared
@@ -109,7 +114,9 @@ def step_graph(
         cfg, models, rollout, rewards, task, world, plan, sum_pi_squared
     )
     # rl.replay: stored rows join each update's (its dispatch), weighted in its forward; metrics of the fresh rows.
-    replay = Replay(parse_replay(rl.replay)) if rl.replay is not None else None
+    extras = run_extras(cfg, task) if extras is None else extras
+    replay: Replay | None = extras.get("replay")
+    entropy = extras.get("entropy_target")
     dispatch = balanced_rows(world.group) if world.group is not None else None
     on_metrics: Callable[..., Any] = steps.on_metrics
     if replay is not None:  # the config keeps it to one rank: no deal of the rows over ranks
@@ -144,6 +151,8 @@ def step_graph(
         forward = staleness_weighted(forward, steps.stale, start=steps.start)
     if replay is not None:
         forward = replay.forward(forward)
+    if entropy is not None:  # rl.entropy_target: the controller's coefficient is the recipe's bonus
+        loss = entropy.recipe(loss)
     if world.cp is None and world.group is not None:  # the metrics of the whole batch on every rank
         loss = DataParallelRecipe(loss, world.group)
     stages.append(
