@@ -16,7 +16,15 @@ from rlcore.ops import linear_logprobs, logprobs_from_logits
 from rlcore.testing import assert_no_host_sync
 from rlcore.testing.reference import sum_pi_squared_ref
 from rlcore.testing.token_strategies import chunk_sizes, hidden_weight_labels, lm_logits_and_labels
-from rlcore.train import advantages_stage, build_algorithm, load_config, logprob_stage, parse_config, scoring_plan, train
+from rlcore.train import (
+    advantages_stage,
+    build_algorithm,
+    load_config,
+    logprob_stage,
+    parse_config,
+    scoring_plan,
+    train,
+)
 from tiny_runs import TINY, tiny_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +61,9 @@ def test_linear_logprobs_sum_pi_squared_matches_the_loop_reference(dtype, data, 
 def test_logprobs_from_logits_sum_pi_squared_matches_the_loop_reference(dtype, data, chunk, temperature):
     logits, labels = data
     logits = logits.to(dtype)
-    logp, sps = logprobs_from_logits(logits, labels, temperature=temperature, chunk_size=chunk, with_sum_pi_squared=True)
+    logp, sps = logprobs_from_logits(
+        logits, labels, temperature=temperature, chunk_size=chunk, with_sum_pi_squared=True
+    )
     _close(sps, sum_pi_squared_ref(logits, temperature=temperature), dtype)
     assert torch.equal(logp, logprobs_from_logits(logits, labels, temperature=temperature, chunk_size=chunk))
     three = logprobs_from_logits(logits, labels, temperature=temperature, chunk_size=chunk, with_entropy=True,
@@ -173,6 +183,9 @@ def test_optimal_token_baseline_runs_from_the_config(tmp_path):
     ],
 )
 def test_bad_combinations_name_their_key(rl, key):
-    raw = {"model": {"model_name_or_path": {"model_type": "qwen2"}}, "rl": {"advantage": "optimal_token_baseline", **rl}}
+    raw = {
+        "model": {"model_name_or_path": {"model_type": "qwen2"}},
+        "rl": {"advantage": "optimal_token_baseline", **rl},
+    }
     with pytest.raises(ValueError, match=f"config key '{key}'"):
         parse_config(raw)

@@ -44,6 +44,6 @@ __all__ = [
     "register_reward",
     "reward_log_values",
     "reward_metrics",
-    "reward_weights",
     "reward_name",
+    "reward_weights",
 ]

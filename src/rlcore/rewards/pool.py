@@ -662,9 +662,7 @@ class RewardPool:
         """
         return self._counters.pop(batch)
 
-    def __call__(
-        self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
-    ) -> Any:
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any) -> Any:
         return self.submit(prompts, responses, batch=batch, **columns).result()
 
     def close(self) -> None:

@@ -198,9 +198,9 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd", "gdpo"] = (
-        "grpo"
-    )
+    algo: Literal[
+        "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd", "gdpo"
+    ] = "grpo"
     batch_size: int = 8
     mini_batch_size: int = 8
     # The YAML's ``rl.num_rollouts`` (the seed's name); the library's name is ``n_samples``.
@@ -611,19 +611,21 @@ def _check_recipe_options(cfg: Config) -> None:
     check_policy_loss(rl.policy_loss, rl.policy_loss_args)
     if rl.entropy_target is not None:
         parse_entropy_target(rl.entropy_target)
-        for key, got, bad, expected in (
+        entropy_checks: tuple[tuple[str, Any, bool, str], ...] = (
             ("rl.algo", rl.algo, rl.algo in _NOT_POLICY_GRADIENT, "a policy-gradient recipe"),
             ("rl.entropy_coef", rl.entropy_coef, rl.entropy_coef != 0, "0 (the controller sets the coefficient)"),
             ("parallel.context_parallel", cfg.parallel.context_parallel, cfg.parallel.context_parallel != 1, "1"),
-        ):
+        )
+        for key, got, bad, expected in entropy_checks:
             if bad:
                 raise ValueError(f"config key {key!r}: got {got!r} with rl.entropy_target set, expected {expected}")
     if rl.advantage is not None:
-        for key, got, bad, expected in (
+        baseline_checks: tuple[tuple[str, Any, bool, str], ...] = (
             ("rl.algo", rl.algo, rl.algo not in _TOKEN_BASELINE_ALGOS, ", ".join(_TOKEN_BASELINE_ALGOS)),
             ("rl.multi_turn", "a section", rl.multi_turn is not None, "null (single-turn responses)"),
             ("parallel.context_parallel", cfg.parallel.context_parallel, cfg.parallel.context_parallel != 1, "1"),
-        ):
+        )
+        for key, got, bad, expected in baseline_checks:
             if bad:
                 raise ValueError(
                     f"config key {key!r}: got {got!r} with rl.advantage {rl.advantage!r}, expected {expected} (the "

@@ -90,7 +90,11 @@ def check_policy_loss(name: str | None, args: Mapping[str, Any] | None) -> None:
 def apply_recipe_options(algo: algos.Algorithm, rl: Any) -> algos.Algorithm:
     """``algo`` with ``rl.policy_loss`` (and its args), ``rl.entropy_coef`` and ``rl.advantage`` applied."""
     if rl.advantage is not None:
-        shaping = algos.token_rewards_shaping if algo.shaping is None else algos.chain(algo.shaping, algos.token_rewards_shaping)
+        shaping = (
+            algos.token_rewards_shaping
+            if algo.shaping is None
+            else algos.chain(algo.shaping, algos.token_rewards_shaping)
+        )
         algo = algo._replace(advantage_estimator=ADVANTAGES[rl.advantage], shaping=shaping)
     if rl.policy_loss is not None:
         algo = algo._replace(policy_loss=policy_loss(rl.policy_loss, rl.policy_loss_args))

@@ -9,8 +9,8 @@ uninterrupted one.
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +42,8 @@ def run_extras(cfg: Config, task: Any) -> dict[str, Any]:
     (``data.curriculum``: the prompt source itself, :class:`rlcore.train.CurriculumPrompts`),
     ``entropy_target`` (``rl.entropy_target``: :class:`rlcore.train.entropy_target.EntropyTarget`).
     """
-    rl, out = cfg.rl, {}
+    rl = cfg.rl
+    out: dict[str, Any] = {}
     if rl.replay is not None:
         out["replay"] = Replay(parse_replay(rl.replay))
     if callable(getattr(task, "checkpoint_state", None)):  # the curriculum, under the refill wrapper or not
@@ -108,9 +109,7 @@ def save_run_async(
     )
 
 
-def restore_run(
-    out: Path, models: Models, opt: Optimiser, cfg: Config, extras: Mapping[str, Any] | None = None
-) -> int:
+def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config, extras: Mapping[str, Any] | None = None) -> int:
     """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step.
 
     Each of ``extras`` continues from its saved state (one the checkpoint does not hold, a part turned
