@@ -63,10 +63,12 @@ def test_gdpo_with_one_reward_is_grpo_in_the_trainer(tmp_path):
         assert torch.equal(x, y), k
 
 
-def test_gdpo_with_two_rewards_runs_from_the_config(tmp_path):
-    cfg = _cfg(tmp_path, TWO, "rl.algo=gdpo", "trainer.reward_workers=1")
+def test_gdpo_with_two_rewards_and_refills_runs_from_the_config(tmp_path):
+    # With filter-and-refill: the component scores of the refills join the picked groups' rows.
+    cfg = _cfg(tmp_path, TWO, "rl.algo=gdpo", "trainer.reward_workers=1", "rl.max_refill_draws=1")
     records = train(cfg).records
     assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert all("refill/shortfall" in r for r in records)
     assert {"reward/answer_match", "reward/length"} <= set(records[0])
 
 
