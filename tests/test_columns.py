@@ -295,7 +295,9 @@ def test_the_schema_declares_what_the_graphs_use_and_nothing_else(shipped_graphs
     used = set().union(*(_used(g) for g in graphs.values()), *puts.values())
     # rlcore.agent.multi_turn_stage also writes num_env_errors and truncated, which the trainer only logs.
     # prompt_step is written with deploy.carry_over only (no shipped config): tests/test_carry_over.py's run puts it.
-    declared = set(COLUMNS.names) - {"prompt_step"}
+    # score_parts (rl.algo gdpo) and sum_pi_squared (rl.advantage optimal_token_baseline) neither: the runs of
+    # tests/test_gdpo_trainer.py and tests/test_token_baseline_trainer.py put them.
+    declared = set(COLUMNS.names) - {"prompt_step", "score_parts", "sum_pi_squared"}
     assert used | set(STAGE_OUTPUTS) == declared, (
         sorted(declared - used - set(STAGE_OUTPUTS)),
         sorted(used - declared),

@@ -100,6 +100,7 @@ from rlcore.algos.recipes import (
     scoring_needs,
     sft,
     token_advantages,
+    token_baseline_advantages,
     token_rewards_shaping,
 )
 from rlcore.algos.replay import ReplayState, replay_init, replay_insert, replay_serve
@@ -228,6 +229,7 @@ __all__: list[str] = [
     "simpo_loss",
     "staleness_weights",
     "token_advantages",
+    "token_baseline_advantages",
     "token_rewards_shaping",
     "truncated_is_weights",
     "value_loss",

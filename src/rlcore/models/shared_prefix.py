@@ -158,6 +158,7 @@ def shared_prefix_logprobs(
     group: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
 ) -> Any:
     """Response log-probs ``[B, R]`` (and entropies) from one shared-prompt forward; 0 off the response mask.
 
@@ -172,6 +173,7 @@ def shared_prefix_logprobs(
       group: ``[B]`` rows with equal values have the same prompt (:func:`shares_prompts`).
       temperature: the sampling temperature.
       with_entropy: also return the per-token entropy.
+      with_sum_pi_squared: also return each position's ``sum_v pi(v)^2`` (no gradient).
     """
     responses, mask = batch["responses"], batch["mask"]
     ids, positions, layout, src, dst = _layout(batch["prompts"], batch["prompt_mask"], responses, mask, group)
@@ -182,8 +184,9 @@ def shared_prefix_logprobs(
         responses.reshape(-1).index_select(0, dst),
         temperature=temperature,
         with_entropy=with_entropy,
+        with_sum_pi_squared=with_sum_pi_squared,
     )
     values = out if isinstance(out, tuple) else (out,)
     shape = responses.shape
     placed = [v.new_zeros(shape.numel()).index_copy(0, dst, v).view(shape).float() for v in values]
-    return (placed[0], placed[1]) if with_entropy else placed[0]
+    return tuple(placed) if with_entropy or with_sum_pi_squared else placed[0]

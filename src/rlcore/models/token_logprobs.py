@@ -49,7 +49,8 @@ def token_logprobs(
     chunk_size: int = ...,
     vocab_chunk_size: int = ...,
     with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    with_sum_pi_squared: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 def token_logprobs(
@@ -61,7 +62,8 @@ def token_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    with_sum_pi_squared: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Log-prob of every token given its prefix, from one padding-free forward pass.
 
     The per-token log-likelihood ``log pi(x_t | x_<t)`` of PPO-style RL post-training
@@ -85,9 +87,11 @@ def token_logprobs(
       chunk_size: tokens per block of the fused log-prob kernel.
       vocab_chunk_size: vocabulary entries per block.
       with_entropy: also return the entropy of each token's predictive distribution.
+      with_sum_pi_squared: also return ``sum_v pi(v)^2`` of each token's predictive
+        distribution (no gradient; :func:`rlcore.ops.linear_logprobs`).
 
     Returns:
-      ``logp [B, T]`` (or ``(logp, entropy)``), aligned with the tokens they score: 0 at
+      ``logp [B, T]`` (or ``(logp, entropy?, sum_pi_squared?)`` when an option is on), aligned with the tokens they score: 0 at
       the first real token of each sequence and at padding. Differentiable in ``params``.
     """
     output_weight = getattr(apply, "output_weight", None)
@@ -113,6 +117,7 @@ def token_logprobs(
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
         with_entropy=with_entropy,
+        with_sum_pi_squared=with_sum_pi_squared,
     )
     # Position i predicts token i + 1: move each value onto the token it scores. The
     # value rolled onto a sequence's first token came from the previous sequence's
@@ -121,4 +126,4 @@ def token_logprobs(
     aligned = [
         unpack(torch.where(first, 0.0, torch.roll(v, 1)), packed) for v in (out if isinstance(out, tuple) else (out,))
     ]
-    return (aligned[0], aligned[1]) if with_entropy else aligned[0]
+    return tuple(aligned) if with_entropy or with_sum_pi_squared else aligned[0]

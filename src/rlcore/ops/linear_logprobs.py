@@ -61,7 +61,7 @@ def _label_in_block(labels: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tenso
     return local.clamp(0, v1 - v0 - 1).unsqueeze(-1), inside.unsqueeze(-1)
 
 
-_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
+_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
 def _forward_block(
@@ -72,8 +72,9 @@ def _forward_block(
     state: _State | None,
     temperature: float,
     want_entropy: bool,
+    want_sps: bool = False,
 ) -> _State:
-    """Fold vocabulary block ``[v0, v0 + len(w))`` into the running ``(m, sum e^y, sum e^y y, z_label)``.
+    """Fold vocabulary block ``[v0, v0 + len(w))`` into the running ``(m, sum e^y, sum e^y y, z_label, sum e^2y)``.
 
     ``y = (z - m) / T`` is taken against the running max ``m`` of the raw logits. The
     block's ``[chunk, block]`` temporaries die on return.
@@ -89,9 +90,10 @@ def _forward_block(
     ey = torch.exp(y)
     total = ey.sum(-1, keepdim=True)
     pz = (ey.unsqueeze(-2) @ y.unsqueeze(-1)).squeeze(-1) if want_entropy else None
+    sq = (ey.unsqueeze(-2) @ ey.unsqueeze(-1)).squeeze(-1) if want_sps else None
     if state is None:
-        return m, total, pz, z_y
-    m_old, total_old, pz_old, z_label = state
+        return m, total, pz, z_y, sq
+    m_old, total_old, pz_old, z_label, sq_old = state
     # Move the running sums from the old pivot to the new one:
     # sum e^(y - d) = a sum e^y and sum e^(y - d) (y - d) = a (sum e^y y - d sum e^y),
     # with d = (m - m_old) / T >= 0 and a = e^-d.
@@ -100,7 +102,10 @@ def _forward_block(
     if want_entropy:
         assert pz is not None and pz_old is not None, "want_entropy: every block folds sum e^y y"
         pz = a * (pz_old - d * total_old) + pz
-    return m, a * total_old + total, pz, torch.where(inside, z_y, z_label)
+    if want_sps:  # sum e^(2(y - d)) = a^2 sum e^2y
+        assert sq is not None and sq_old is not None, "want_sps: every block folds sum e^2y"
+        sq = a * a * sq_old + sq
+    return m, a * total_old + total, pz, torch.where(inside, z_y, z_label), sq
 
 
 def _forward(
@@ -111,32 +116,42 @@ def _forward(
     chunk_size: int,
     vocab_chunk_size: int,
     want_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per token: the max ``m`` of the raw logits, ``lse = log sum exp((z - m) / T)``, logp, H."""
+    want_sps: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per token: the max ``m`` of the raw logits, ``lse = log sum exp((z - m) / T)``, logp, H, sum p^2."""
     n, vocab = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     rowmax = hidden.new_empty(n, 1, dtype=acc)
     lse = hidden.new_empty(n, 1, dtype=acc)
     logp = hidden.new_empty(n, dtype=acc)
     ent = hidden.new_empty(n, dtype=acc) if want_entropy else None
+    sps = hidden.new_empty(n, dtype=acc) if want_sps else None
     for s, e in chunks(n, chunk_size):
         h = _operand(hidden[s:e], acc)
         state: _State | None = None
         for v0, v1 in chunks(vocab, vocab_chunk_size):
-            state = _forward_block(h, _operand(weight[v0:v1], acc), labels[s:e], v0, state, temperature, want_entropy)
+            state = _forward_block(
+                h, _operand(weight[v0:v1], acc), labels[s:e], v0, state, temperature, want_entropy, want_sps
+            )
         assert state is not None, "the vocabulary is checked non-empty"
-        m, total, pz, z_label = state
+        m, total, pz, z_label, sq = state
         lse_c = total.log()
         rowmax[s:e], lse[s:e] = m, lse_c
         logp[s:e] = ((z_label - m) / temperature - lse_c).squeeze(-1)
         if ent is not None:
             assert pz is not None, "want_entropy: the blocks folded sum e^y y"
             ent[s:e] = (lse_c - pz / total).squeeze(-1)
-    return rowmax, lse, logp, ent
+        if sps is not None:
+            assert sq is not None, "want_sps: the blocks folded sum e^2y"
+            sps[s:e] = (sq / (total * total)).squeeze(-1)
+    return rowmax, lse, logp, ent, sps
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """Outputs ``(logp, entropy?, rowmax, lse)``; the last two are internal, for the backward."""
+    """Outputs ``(logp, entropy?, sum_pi_squared?, rowmax, lse)``; the last two are internal, for the backward.
+
+    ``sum_pi_squared`` has no gradient (a statistic of the policy, read by an advantage estimator).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -147,19 +162,20 @@ class _LinearLogprobs(torch.autograd.Function):
         chunk_size: int,
         vocab_chunk_size: int,
         want_entropy: bool,
+        want_sps: bool,
     ) -> tuple[torch.Tensor, ...]:
-        rowmax, lse, logp, ent = _forward(
-            hidden, weight, labels, temperature, chunk_size, vocab_chunk_size, want_entropy
+        rowmax, lse, logp, ent, sps = _forward(
+            hidden, weight, labels, temperature, chunk_size, vocab_chunk_size, want_entropy, want_sps
         )
-        return tuple(t for t in (logp, ent) if t is not None) + (rowmax, lse)
+        return tuple(t for t in (logp, ent, sps) if t is not None) + (rowmax, lse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
-        hidden, weight, labels, temperature, chunk_size, vocab_chunk_size, want_entropy = inputs
+        hidden, weight, labels, temperature, chunk_size, vocab_chunk_size, want_entropy, want_sps = inputs
         ctx.opts = (temperature, chunk_size, vocab_chunk_size)
         ctx.want_entropy = want_entropy
         rowmax, lse = output[-2:]
-        ctx.mark_non_differentiable(rowmax, lse)
+        ctx.mark_non_differentiable(rowmax, lse, *output[-3:-2] if want_sps else ())
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, labels, rowmax, lse, output[1] if want_entropy else None)
 
@@ -170,12 +186,12 @@ class _LinearLogprobs(torch.autograd.Function):
         g_ent = grads[1] if ctx.want_entropy else None
         need_h, need_w = ctx.needs_input_grad[:2]
         if (g_logp is None and g_ent is None) or not (need_h or need_w):
-            return (None,) * 7
+            return (None,) * 8
         temperature, chunk, vocab_chunk = ctx.opts
         gh, gw = _backward(
             hidden, weight, labels, rowmax, lse, ent, g_logp, g_ent, temperature, chunk, vocab_chunk, need_h, need_w
         )
-        return (gh, gw) + (None,) * 5
+        return (gh, gw) + (None,) * 6
 
 
 def _backward_block(
@@ -300,7 +316,8 @@ def linear_logprobs(
     chunk_size: int = ...,
     vocab_chunk_size: int = ...,
     with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    with_sum_pi_squared: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 def linear_logprobs(
@@ -312,7 +329,8 @@ def linear_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    with_sum_pi_squared: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of ``labels`` under ``softmax(hidden @ weight.T / T)``, never building the logits.
 
     The LM head of a causal LM (logits = last hidden state times the output-embedding
@@ -324,7 +342,8 @@ def linear_logprobs(
     their gradients stay per token):
 
         z_t = hidden_t @ weight.T / T,   logp_t = z_t[y_t] - logsumexp(z_t),
-        H_t = -sum_v softmax(z_t)[v] log softmax(z_t)[v].
+        H_t = -sum_v softmax(z_t)[v] log softmax(z_t)[v],
+        S_t = sum_v softmax(z_t)[v]^2        (with_sum_pi_squared; no gradient).
 
     Extra memory is a few ``[chunk_size, vocab_chunk_size]`` float32 blocks plus the
     gradient buffers (float32 accumulators for narrower dtypes), never ``[N, V]``.
@@ -339,10 +358,15 @@ def linear_logprobs(
       chunk_size: tokens per block.
       vocab_chunk_size: vocabulary entries per block.
       with_entropy: also return the entropy.
+      with_sum_pi_squared: also return ``S_t``, the squared norm of the token's
+        distribution (the optimal token baseline reads it,
+        :func:`rlcore.algos.optimal_token_baseline_advantages`): one more running sum
+        per vocabulary block, folded online like the normaliser; nothing when not asked.
 
     Returns:
-      ``logp [...]``, or ``(logp [...], entropy [...])``, in ``hidden.dtype``;
-      differentiable in ``hidden`` and ``weight``.
+      ``logp [...]``, or a tuple ``(logp, entropy?, sum_pi_squared?)`` of ``[...]`` tensors
+      when either option is on, in ``hidden.dtype``; ``logp`` and ``entropy``
+      differentiable in ``hidden`` and ``weight``, ``sum_pi_squared`` not.
 
     >>> hidden = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
     >>> weight = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
@@ -368,10 +392,18 @@ def linear_logprobs(
     check_chunk_size(vocab_chunk_size, name="vocab_chunk_size")
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = _LinearLogprobs.apply(
-        flat, weight, labels.reshape(-1), float(temperature), chunk_size, vocab_chunk_size, with_entropy
+        flat,
+        weight,
+        labels.reshape(-1),
+        float(temperature),
+        chunk_size,
+        vocab_chunk_size,
+        with_entropy,
+        with_sum_pi_squared,
     )
     lead = hidden.shape[:-1]
     logp = poison_invalid(out[0].to(hidden.dtype).reshape(lead), labels, vocab)
-    if not with_entropy:
+    if not (with_entropy or with_sum_pi_squared):
         return logp
-    return logp, out[1].to(hidden.dtype).reshape(lead)
+    extra = out[1 : 1 + with_entropy + with_sum_pi_squared]
+    return (logp, *(t.to(hidden.dtype).reshape(lead) for t in extra))

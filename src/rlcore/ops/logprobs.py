@@ -95,9 +95,9 @@ def _shifted(chunk: torch.Tensor, m: torch.Tensor, temperature: float, out: torc
 
 
 def _forward_chunk(
-    chunk: torch.Tensor, labels: torch.Tensor | None, temperature: float, want_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(rowmax, lse, logp, entropy)`` of one chunk; its ``[chunk, V]`` temporaries die on return."""
+    chunk: torch.Tensor, labels: torch.Tensor | None, temperature: float, want_entropy: bool, want_sps: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(rowmax, lse, logp, entropy, sum p^2)`` of one chunk; its ``[chunk, V]`` temporaries die on return."""
     acc = acc_dtype(chunk.dtype)
     m = chunk.amax(-1, keepdim=True).to(acc)
     z = _shifted(chunk, m, temperature, torch.empty(chunk.shape, dtype=acc, device=chunk.device))
@@ -106,11 +106,12 @@ def _forward_chunk(
     total = ez.sum(-1, keepdim=True)
     lse = total.log()
     logp = (z_y - lse).squeeze(-1) if z_y is not None else None
+    sps = ((ez.unsqueeze(-2) @ ez.unsqueeze(-1)).squeeze(-1) / (total * total)).squeeze(-1) if want_sps else None
     if not want_entropy:
-        return m, lse, logp, None
+        return m, lse, logp, None, sps
     # H = lse - sum(p * z), with p * z taken as 0 where p == 0 (z == -inf).
     pz = (ez.unsqueeze(-2) @ _finite_or_zero_(z).unsqueeze(-1)).squeeze(-1) / total
-    return m, lse, logp, (lse - pz).squeeze(-1)
+    return m, lse, logp, (lse - pz).squeeze(-1), sps
 
 
 def _forward(
@@ -119,7 +120,8 @@ def _forward(
     temperature: float,
     chunk_size: int,
     want_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    want_sps: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Per token: the row max ``m``, ``lse = logsumexp((x - m) / T)``, and the requested outputs."""
     n = logits.shape[0]
     acc = acc_dtype(logits.dtype)
@@ -127,9 +129,10 @@ def _forward(
     lse = logits.new_empty(n, 1, dtype=acc)
     logp = logits.new_empty(n, dtype=acc) if labels is not None else None
     ent = logits.new_empty(n, dtype=acc) if want_entropy else None
+    sps = logits.new_empty(n, dtype=acc) if want_sps else None
     for s, e in chunks(n, chunk_size):
         lab = labels[s:e] if labels is not None else None
-        m_c, lse_c, logp_c, ent_c = _forward_chunk(logits[s:e], lab, temperature, want_entropy)
+        m_c, lse_c, logp_c, ent_c, sps_c = _forward_chunk(logits[s:e], lab, temperature, want_entropy, want_sps)
         rowmax[s:e], lse[s:e] = m_c, lse_c
         if logp is not None:
             assert logp_c is not None, "labels given: the chunk computed logp"
@@ -137,11 +140,15 @@ def _forward(
         if ent is not None:
             assert ent_c is not None, "want_entropy: the chunk computed the entropy"
             ent[s:e] = ent_c
-    return rowmax, lse, logp, ent
+        if sps is not None:
+            assert sps_c is not None, "want_sps: the chunk computed sum p^2"
+            sps[s:e] = sps_c
+    return rowmax, lse, logp, ent, sps
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Outputs ``(logp?, entropy?, rowmax, lse)`` in the accumulation dtype; the last two are internal."""
+    """Outputs ``(logp?, entropy?, sum_pi_squared?, rowmax, lse)`` in the accumulation dtype; the last two are
+    internal, and ``sum_pi_squared`` has no gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -150,18 +157,19 @@ class _TokenLogprobs(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         want_entropy: bool,
+        want_sps: bool,
     ) -> tuple[torch.Tensor, ...]:
-        rowmax, lse, logp, ent = _forward(logits, labels, temperature, chunk_size, want_entropy)
-        return tuple(t for t in (logp, ent) if t is not None) + (rowmax, lse)
+        rowmax, lse, logp, ent, sps = _forward(logits, labels, temperature, chunk_size, want_entropy, want_sps)
+        return tuple(t for t in (logp, ent, sps) if t is not None) + (rowmax, lse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
-        logits, labels, temperature, chunk_size, want_entropy = inputs
+        logits, labels, temperature, chunk_size, want_entropy, want_sps = inputs
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.has_logp, ctx.want_entropy = labels is not None, want_entropy
         rowmax, lse = output[-2:]
-        ent = output[-3] if want_entropy else None
-        ctx.mark_non_differentiable(rowmax, lse)
+        ent = output[int(labels is not None)] if want_entropy else None
+        ctx.mark_non_differentiable(rowmax, lse, *output[-3:-2] if want_sps else ())
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels, rowmax, lse, ent)
 
@@ -171,9 +179,9 @@ class _TokenLogprobs(torch.autograd.Function):
         g_logp = grads[0] if ctx.has_logp else None
         g_ent = grads[int(ctx.has_logp)] if ctx.want_entropy else None
         if g_logp is None and g_ent is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         grad = _backward(logits, labels, rowmax, lse, ent, g_logp, g_ent, ctx.temperature, ctx.chunk_size)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def _backward_chunk(
@@ -278,7 +286,8 @@ def logprobs_from_logits(
     temperature: float = ...,
     chunk_size: int = ...,
     with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    with_sum_pi_squared: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 def logprobs_from_logits(
@@ -288,7 +297,8 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    with_sum_pi_squared: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Log-probability of each label token (and the entropy of each token's distribution).
 
     The softmax policy of an autoregressive LM, as used by every policy-gradient loss
@@ -296,6 +306,7 @@ def logprobs_from_logits(
     sampling temperature as in vLLM and verl (logits divided by ``T``):
 
         logp_t = x_t[y_t] - logsumexp(x_t),      H_t = -sum_v p_t[v] log p_t[v],
+        S_t = sum_v p_t[v]^2   (with_sum_pi_squared),
         with x_t = logits_t / T and p_t = softmax(x_t).
 
     Computed in chunks of ``chunk_size`` tokens with float32 accumulation; the
@@ -314,10 +325,13 @@ def logprobs_from_logits(
       temperature: sampling temperature ``T > 0``.
       chunk_size: tokens per chunk.
       with_entropy: also return the entropy (one pass and one gradient buffer for both).
+      with_sum_pi_squared: also return ``S_t`` (no gradient), which the optimal token
+        baseline reads (:func:`rlcore.algos.optimal_token_baseline_advantages`); computed
+        only when asked.
 
     Returns:
-      ``logp [...]``, or ``(logp [...], entropy [...])``, in ``logits.dtype``.
-      Differentiable in ``logits``.
+      ``logp [...]``, or a tuple ``(logp, entropy?, sum_pi_squared?)`` when either option
+      is on, in ``logits.dtype``. ``logp`` and ``entropy`` are differentiable in ``logits``.
 
     >>> logits = torch.tensor([[0.0, 0.0], [0.0, 2.0]])
     >>> logprobs_from_logits(logits, torch.tensor([0, 1]))
@@ -330,12 +344,15 @@ def logprobs_from_logits(
     check_labels(labels, logits.shape[-1], lead=logits.shape[:-1], lead_name="logits")
     check_temperature(temperature)
     check_chunk_size(chunk_size)
-    out = _TokenLogprobs.apply(flat, labels.reshape(-1), float(temperature), chunk_size, with_entropy)
+    out = _TokenLogprobs.apply(
+        flat, labels.reshape(-1), float(temperature), chunk_size, with_entropy, with_sum_pi_squared
+    )
     lead = logits.shape[:-1]
     logp = poison_invalid(out[0].to(logits.dtype).reshape(lead), labels, logits.shape[-1])
-    if not with_entropy:
+    if not (with_entropy or with_sum_pi_squared):
         return logp
-    return logp, out[1].to(logits.dtype).reshape(lead)
+    extra = out[1 : 1 + with_entropy + with_sum_pi_squared]
+    return (logp, *(t.to(logits.dtype).reshape(lead) for t in extra))
 
 
 def entropy_from_logits(
@@ -366,5 +383,5 @@ def entropy_from_logits(
     flat = _flatten_logits(logits)
     check_temperature(temperature)
     check_chunk_size(chunk_size)
-    out = _TokenLogprobs.apply(flat, None, float(temperature), chunk_size, True)
+    out = _TokenLogprobs.apply(flat, None, float(temperature), chunk_size, True, False)
     return out[0].to(logits.dtype).reshape(logits.shape[:-1])

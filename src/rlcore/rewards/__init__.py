@@ -13,6 +13,7 @@ from rlcore.rewards.registry import (
     register_reward,
     reward_log_values,
     reward_metrics,
+    reward_weights,
 )
 from rlcore.rewards.reward_model import RewardModel, ranking_accuracy
 from rlcore.rewards.rules import AnswerMatch, FormatMatch, LengthReward, extract_answer
@@ -44,4 +45,5 @@ __all__ = [
     "reward_log_values",
     "reward_metrics",
     "reward_name",
+    "reward_weights",
 ]

@@ -42,7 +42,7 @@ def _sendable(err: BaseException, where: str) -> BaseException:
         return RewardError(f"{where} raised {type(err).__name__}: {err}")
 
 
-def _worker(conn: multiprocessing.connection.Connection, payload: bytes, name: str) -> None:
+def _worker(conn: multiprocessing.connection.Connection, payload: bytes, name: str, components: bool) -> None:
     # Ctrl-C reaches the whole process group; the pool stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The kernel signal is tied to the pool dispatcher thread that starts this worker, which lives as long as the pool.
@@ -61,8 +61,8 @@ def _worker(conn: multiprocessing.connection.Connection, payload: bytes, name: s
         try:
             # Lists cross the process boundary more cheaply than tensors (no shared-memory handles). The
             # reward's counters (timeouts, ...) travel back with the scores: they would be lost in here.
-            scored, counts = _score(reward, prompts, responses, batch, columns)
-            msg: tuple[str, Any] = ("ok", (scored.tolist(), counts))
+            scored, counts, parts = _score(reward, prompts, responses, batch, columns, components=components)
+            msg: tuple[str, Any] = ("ok", (scored.tolist(), counts, None if parts is None else parts.tolist()))
         except Exception as err:
             msg = ("raised", _sendable(err, f"reward {name!r} on batch {batch!r}"))
         conn.send(msg)
@@ -97,21 +97,30 @@ def _breakdown_keys(reward: Any) -> list[str]:
 
 
 def _score(
-    reward: Any, prompts: Sequence[str], responses: Sequence[str], batch: Any, columns: dict
-) -> tuple[torch.Tensor, dict[str, float]]:
+    reward: Any, prompts: Sequence[str], responses: Sequence[str], batch: Any, columns: dict, *, components: bool
+) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
     """One call's scores and counters: the reward's own (:func:`reward_metrics`) and, for a
     :class:`Weighted`, each component's raw scores summed (``name/score_sum``, ``name/scored``)
-    -- of this call only, whoever else calls the same reward object (a validation, a thread)."""
+    -- of this call only, whoever else calls the same reward object (a validation, a thread).
+    With ``components``, also each component's unweighted scores ``[B, K]`` (a reward that is
+    not a :class:`Weighted` is one component), else None."""
     if not isinstance(reward, Weighted):
         scores = evaluate(reward, prompts, responses, batch=batch, **columns)
-        return scores, reward_metrics(reward)
+        return scores, reward_metrics(reward), scores[:, None].clone() if components else None
     call = _Parts(reward, batch)
     scores = evaluate(call, prompts, responses, batch=batch, **columns)
     counts = reward_metrics(reward)
     for key, part in call.parts.items():
         counts[f"{key}/score_sum"] = float(part.double().sum())
         counts[f"{key}/scored"] = float(len(responses))
-    return scores, counts
+    parts = torch.stack([p.float() for p in call.parts.values()], -1) if components else None
+    return scores, counts, parts
+
+
+def _result(scores: Any, parts: Any) -> Any:
+    """What a future holds: the scores ``[B]``, or ``(scores, parts [B, K])`` when the pool gives the components."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    return scores if parts is None else (scores, torch.as_tensor(parts, dtype=torch.float32).reshape(len(scores), -1))
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -177,8 +186,10 @@ class _Dispatcher:
         timeout: float | None,
         counters: _Counters,
         max_restarts: int = 0,
+        components: bool = False,
     ):
         self._payload, self._name, self._num_workers, self._timeout = payload, name, num_workers, timeout
+        self._components = components
         self._counters = counters
         self.max_restarts = max_restarts
         self.restart_causes: list[str] = []  # appended by the dispatcher thread only
@@ -224,7 +235,7 @@ class _Dispatcher:
     def _start(self) -> _Worker:
         parent_end, child_end = self._ctx.Pipe()
         process = self._ctx.Process(
-            target=_worker, args=(child_end, self._payload, self._name), name="rlcore-reward-worker"
+            target=_worker, args=(child_end, self._payload, self._name, self._components), name="rlcore-reward-worker"
         )
         process.start()
         child_end.close()
@@ -325,9 +336,9 @@ class _Dispatcher:
         elif w.job is not None:
             job, w.job = w.job, None
             if kind == "ok":
-                scores, counts = value
+                scores, counts, parts = value
                 self._counters.add(job.batch, counts)
-                _settle(job.future, result=torch.tensor(scores, dtype=torch.float32))
+                _settle(job.future, result=_result(scores, parts))
             else:
                 _settle(job.future, error=value)
 
@@ -395,7 +406,8 @@ class _Dispatcher:
 class RewardPool:
     """Score batches in worker processes while the trainer keeps computing.
 
-    ``submit`` returns at once with a future of the float32 scores ``[B]``; rule rewards
+    ``submit`` returns at once with a future of the float32 scores ``[B]`` (with
+    ``components``, of ``(scores [B], parts [B, K])``: see below); rule rewards
     that parse text (regexes, a sandboxed verifier) then overlap the reference and
     old-policy forward passes instead of stalling them. Workers are started with
     ``spawn`` (safe with torch's threads); the reward is pickled once, when each worker
@@ -425,6 +437,10 @@ class RewardPool:
         (0: its batch fails). Each replacement is warned about with its cause and counted
         (:attr:`restarts`, :attr:`restart_causes`); past the bound the batch fails as without
         restarts, its error saying so. A worker that dies while idle counts too.
+      components: each future holds ``(scores, parts)``, ``parts`` ``[B, K]`` float32 the
+        unweighted scores of each component of a :class:`rlcore.rewards.Weighted` (one column
+        per entry of a config's ``rewards`` list; any other reward is one column), for an
+        estimator that normalises each component on its own (GDPO).
 
     The reward's counters (``pop_metrics`` of its components, e.g. the verified-maths
     timeouts: :func:`rlcore.rewards.reward_metrics`) are collected after each call, in
@@ -448,6 +464,7 @@ class RewardPool:
         timeout: float | None = None,
         samples: int = 0,
         max_restarts: int = 0,
+        components: bool = False,
     ):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers: got {num_workers!r}, expected an int >= 0")
@@ -462,7 +479,9 @@ class RewardPool:
             or timeout <= 0
         ):
             raise ValueError(f"timeout: got {timeout!r}, expected a finite number of seconds > 0, or None")
-        self.reward, self.num_workers, self.timeout = reward, num_workers, timeout
+        if not isinstance(components, bool):
+            raise ValueError(f"components: got {components!r}, expected a bool")
+        self.reward, self.num_workers, self.timeout, self.components = reward, num_workers, timeout, components
         self._name = reward_name(reward)
         self._submitted = 0
         self._dispatcher: _Dispatcher | None = None
@@ -480,7 +499,9 @@ class RewardPool:
                     f"reward: {self._name!r} cannot be pickled for a worker process ({err}); "
                     "define it at module level, or use num_workers=0"
                 ) from err
-            self._dispatcher = _Dispatcher(payload, self._name, num_workers, timeout, self._counters, max_restarts)
+            self._dispatcher = _Dispatcher(
+                payload, self._name, num_workers, timeout, self._counters, max_restarts, components
+            )
             # Close at interpreter exit before multiprocessing joins its children, and when
             # the pool is garbage-collected without close().
             atexit.register(self._dispatcher.close)
@@ -501,7 +522,7 @@ class RewardPool:
         return f"reward {self._name!r} on batch {label}"
 
     def submit(self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any) -> Future:
-        """Start scoring one batch; ``.result()`` is the float32 tensor ``[B]``.
+        """Start scoring one batch; ``.result()`` is the float32 tensor ``[B]`` (``(scores, parts)`` with ``components``).
 
         ``batch`` (e.g. the step) names the batch in errors.
         """
@@ -564,7 +585,8 @@ class RewardPool:
                 return
             error = done.exception()
             if error is None and picked:
-                self._store(batch, rows, picked, done.result(), answers is not None)
+                scored = done.result()
+                self._store(batch, rows, picked, scored[0] if self.components else scored, answers is not None)
             _settle(outer, result=done.result() if error is None else None, error=error)
 
         inner.add_done_callback(keep)
@@ -620,11 +642,11 @@ class RewardPool:
         future.add_done_callback(lambda _: timer.cancel())
         return future
 
-    def _evaluate(self, prompts: list[str], responses: list[str], batch: Any, columns: dict) -> torch.Tensor:
+    def _evaluate(self, prompts: list[str], responses: list[str], batch: Any, columns: dict) -> Any:
         """One call in this process; its counters go to ``batch`` (calls running at once may mix theirs)."""
-        scores, counts = _score(self.reward, prompts, responses, batch, columns)
+        scores, counts, parts = _score(self.reward, prompts, responses, batch, columns, components=self.components)
         self._counters.add(batch, counts)
-        return scores
+        return scores if parts is None else (scores, parts)
 
     def pop_metrics(self, batch: Any = None) -> dict[str, float]:
         """The reward's counters summed over the finished calls of ``batch`` (every counter name, 0 when none); resets them.
@@ -640,9 +662,7 @@ class RewardPool:
         """
         return self._counters.pop(batch)
 
-    def __call__(
-        self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any
-    ) -> torch.Tensor:
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], *, batch: Any = None, **columns: Any) -> Any:
         return self.submit(prompts, responses, batch=batch, **columns).result()
 
     def close(self) -> None:

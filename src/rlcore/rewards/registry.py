@@ -41,6 +41,7 @@ __all__ = [
     "register_reward",
     "reward_log_values",
     "reward_metrics",
+    "reward_weights",
 ]
 
 # DeepSeek-R1's format (arXiv:2501.12948): reasoning in <think>, the answer in <answer>.
@@ -255,6 +256,15 @@ def build_reward(spec: Any, *, base_dir: str | os.PathLike | None = None, what: 
     entries = _entries(spec, what)
     rewards = [ConfiguredReward(entry, base_dir=base_dir, what=f"{what}[{i}]") for i, entry in enumerate(entries)]
     return Weighted([(r.weight, r) for r in rewards])
+
+
+def reward_weights(spec: Any, *, what: str = "rewards") -> list[float]:
+    """The weight of each entry of a config's rewards list (1 where unset), in order, without building a reward.
+
+    >>> reward_weights([{"reward": "length", "weight": 0.5}, "format"])
+    [0.5, 1.0]
+    """
+    return [float(entry.get("weight", 1.0)) for entry in _entries(spec, what)]
 
 
 def _components(reward: Any) -> list[tuple[str, Any]]:

@@ -9,6 +9,7 @@ import torch
 
 from rlcore import algos
 from rlcore.models import AdaptersOff, is_lora, load_causal_lm
+from rlcore.rewards import reward_weights
 from rlcore.train.config import Config
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.lora import attach_lora
@@ -64,6 +65,9 @@ def build_algorithm(cfg: Config) -> algos.Recipe:
         return algos.dpo() if beta is None else algos.dpo(beta=beta)
     if rl.algo == "opd":  # the teacher is the reference model (build_reference)
         algo = algos.on_policy_distillation(teacher_coef=rl.teacher_coef, task_coef=rl.task_coef, loss=rl.opd_loss)
+    elif rl.algo == "gdpo":  # one score column per entry of the rewards list, weighted after normalisation
+        algo = algos.gdpo(weights=None if cfg.rewards is None else reward_weights(cfg.rewards))
+        algo = algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
     elif rl.algo in ("grpo", "ppo", "rloo", "reinforce_pp"):
         recipe = getattr(algos, rl.algo)
         algo = recipe() if beta is None else recipe(kl_coef=beta)

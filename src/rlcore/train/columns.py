@@ -72,8 +72,20 @@ COLUMNS = Schema(
         Column("truncated", torch.bool, "scalar", "multi-turn: the trajectory hit a token or turn budget"),
         # The reward and the scoring forwards.
         Column("scores", _F, "scalar", "the row's outcome reward"),
+        Column(
+            "score_parts",
+            _F,
+            "token",
+            "GDPO: each reward component's unweighted score [N, K], one per entry of the rewards list",
+        ),
         Column("old_logp", _F, "token", "log-probs of the response tokens under the policy that sampled them"),
         Column("entropy", _F, "token", "the policy's entropy at each response position"),
+        Column(
+            "sum_pi_squared",
+            _F,
+            "token",
+            "the old policy's sum_v pi(v)^2 at each response position (the optimal token baseline reads it)",
+        ),
         Column("ref_logp", _F, "token", "log-probs of the response tokens under the reference policy"),
         Column("old_values", _F, "token", "the critic's values before each response token (PPO)"),
         # The recipe's advantages stage.

@@ -133,6 +133,17 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              token reverse KL as a loss term beside GRPO on the task reward)
     rl.teacher_coef, rl.task_coef            with opd: the weights of the teacher's signal and of the task reward
                                              (task_coef 0: pure distillation; defaults 1 and 1)
+    rl.advantage                             optimal_token_baseline: the recipe's advantages replaced by the optimal
+                                             token baseline (verl's), a per-position group baseline weighted by each
+                                             path's gradient variance; the old-policy forward also gives sum_pi_squared
+                                             (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp; null: the recipe's own)
+    rl.entropy_target                        an adaptive entropy bonus (Skywork-OR1): a target entropy in nats per
+                                             token, or {target, delta, init_coef, max_coef}; the bonus's coefficient
+                                             rises by delta each step the logged entropy is below target (falls
+                                             above), in [0, max_coef]; entropy/coef logged; saved with the checkpoint
+    rl.algo gdpo                             GDPO: the reward pool gives each entry of the rewards list's score (the
+                                             score_parts column); each is normalised within its group, then they are
+                                             summed with the entries' weights and whitened over the batch
 """
 
 from __future__ import annotations
@@ -154,6 +165,7 @@ import yaml
 from rlcore.agent import parse_multi_turn
 from rlcore.data.curriculum import parse_curriculum
 from rlcore.train.context_parallel import check_context_parallel_model
+from rlcore.train.entropy_target import parse_entropy_target
 from rlcore.train.parallel import check_parallel_sizes
 from rlcore.train.preemption import STOP_SIGNALS
 from rlcore.train.recipe_options import check_policy_loss
@@ -162,11 +174,13 @@ from rlcore.train.vllm_engine import parse_vllm_options
 
 __all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd", "gdpo")
 # Recipes that learn from a dataset's finished rows, never from samples (rl.algo sft and rm need data.path).
 _DATASET_ONLY = ("sft", "rm")
 # Recipes without a policy ratio, KL or advantages: DPO and the supervised ones.
 _NOT_POLICY_GRADIENT = ("dpo", *_DATASET_ONLY)
+# Recipes whose advantages rl.advantage may replace (no critic, no teacher, one score per row).
+_TOKEN_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp")
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -181,7 +195,9 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd"] = "grpo"
+    algo: Literal[
+        "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd", "gdpo"
+    ] = "grpo"
     batch_size: int = 8
     mini_batch_size: int = 8
     # The YAML's ``rl.num_rollouts`` (the seed's name); the library's name is ``n_samples``.
@@ -212,6 +228,8 @@ class RLConfig:
     policy_loss: Literal["ppo_clip", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov"] | None = None
     policy_loss_args: dict | None = None
     entropy_coef: float = 0.0
+    advantage: Literal["optimal_token_baseline"] | None = None
+    entropy_target: float | dict | None = None
     opd_loss: Literal["reward", "reverse_kl"] = "reward"
     teacher_coef: float = 1.0
     task_coef: float = 1.0
@@ -587,6 +605,33 @@ def _check_recipe_options(cfg: Config) -> None:
                     "policy-gradient recipe's option; DPO's and the supervised recipes' losses are their own)"
                 )
     check_policy_loss(rl.policy_loss, rl.policy_loss_args)
+    if rl.entropy_target is not None:
+        parse_entropy_target(rl.entropy_target)
+        entropy_checks: tuple[tuple[str, Any, bool, str], ...] = (
+            ("rl.algo", rl.algo, rl.algo in _NOT_POLICY_GRADIENT, "a policy-gradient recipe"),
+            ("rl.entropy_coef", rl.entropy_coef, rl.entropy_coef != 0, "0 (the controller sets the coefficient)"),
+            ("parallel.context_parallel", cfg.parallel.context_parallel, cfg.parallel.context_parallel != 1, "1"),
+        )
+        for key, got, bad, expected in entropy_checks:
+            if bad:
+                raise ValueError(f"config key {key!r}: got {got!r} with rl.entropy_target set, expected {expected}")
+    if rl.advantage is not None:
+        baseline_checks: tuple[tuple[str, Any, bool, str], ...] = (
+            ("rl.algo", rl.algo, rl.algo not in _TOKEN_BASELINE_ALGOS, ", ".join(_TOKEN_BASELINE_ALGOS)),
+            ("rl.multi_turn", "a section", rl.multi_turn is not None, "null (single-turn responses)"),
+            ("parallel.context_parallel", cfg.parallel.context_parallel, cfg.parallel.context_parallel != 1, "1"),
+        )
+        for key, got, bad, expected in baseline_checks:
+            if bad:
+                raise ValueError(
+                    f"config key {key!r}: got {got!r} with rl.advantage {rl.advantage!r}, expected {expected} (the "
+                    "optimal token baseline replaces an outcome recipe's advantages, from the whole old-policy forward)"
+                )
+    if rl.algo == "gdpo" and rl.multi_turn is not None:
+        raise ValueError(
+            "config key 'rl.multi_turn': got a section with rl.algo 'gdpo', expected null (GDPO normalises each entry "
+            "of the rewards list; a multi-turn rollout's rewards come from its environments)"
+        )
     if rl.algo != "opd":
         defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
         for key in ("opd_loss", "teacher_coef", "task_coef"):
@@ -909,7 +954,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay, max_refill_draws, replay, sft_loss, rm_margin, rm_center_coef, policy_loss, policy_loss_args, entropy_coef, opd_loss, teacher_coef, task_coef
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay, max_refill_draws, replay, sft_loss, rm_margin, rm_center_coef, policy_loss, policy_loss_args, entropy_coef, advantage, entropy_target, opd_loss, teacher_coef, task_coef
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")
@@ -1084,7 +1129,7 @@ def check_launch(cfg: Config, world_size: int) -> None:
     )
     if par.context_parallel != 1:
         _check_context_parallel(cfg)
-    if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo") and cfg.rl.n_samples < 2:
+    if cfg.rl.algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "gdpo") and cfg.rl.n_samples < 2:
         raise ValueError(
             f"config key 'rl.num_rollouts': got {cfg.rl.n_samples}, expected >= 2 for {cfg.rl.algo} "
             "(group baselines need at least two samples per prompt; override rl.num_rollouts=2 or more)"

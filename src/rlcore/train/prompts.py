@@ -42,7 +42,7 @@ from rlcore.train.config import Config, max_positions
 from rlcore.train.curriculum import CurriculumPrompts
 from rlcore.train.refill import RefillPrompts
 from rlcore.train.rollout import left_pad
-from rlcore.train.stages import PAIR_TOKEN_COLUMNS, reward_stage
+from rlcore.train.stages import PAIR_TOKEN_COLUMNS, reward_columns, reward_outputs, reward_stage
 from rlcore.train.tasks import make_task
 
 __all__ = [
@@ -380,13 +380,12 @@ class DatasetPrompts(_SeededDataset):
             texts = [decode(r[m != 0].tolist()) for r, m in zip(b["responses"], b["mask"])]
             prompts = [data.prompts[i] for i in rows]
             columns = data.reward_columns(rows)
-            scores = pool.submit(prompts, texts, batch=int(b["iteration"][0]), **columns).result()
-            return {"scores": scores.float()}
+            return reward_columns(pool.submit(prompts, texts, batch=int(b["iteration"][0]), **columns).result())
 
         return stage(
             reward,
             inputs=["responses", "mask", "index", "iteration"],
-            outputs=["scores"],
+            outputs=reward_outputs(pool),
             name="reward",
             resource=resource,
         )

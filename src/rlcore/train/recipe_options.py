@@ -1,10 +1,13 @@
 """The config's recipe options: ``rl.policy_loss`` (and its ``rl.policy_loss_args``), ``rl.entropy_coef``,
-and on-policy distillation's ``rl.algo: opd``, checked and applied to the recipe ``rl.algo`` names.
+``rl.advantage``, and on-policy distillation's ``rl.algo: opd``, checked and applied to the recipe ``rl.algo`` names.
 
 * ``rl.policy_loss`` replaces the recipe's policy loss by one of :data:`POLICY_LOSSES`
   (``algo._replace(policy_loss=...)``), with that loss's published defaults;
   ``rl.policy_loss_args`` overrides its keyword hyperparameters (``{cov_fraction: 0.002}``).
 * ``rl.entropy_coef`` is the recipe's entropy bonus (subtracted from the loss).
+* ``rl.advantage: optimal_token_baseline`` replaces the recipe's advantage estimator by
+  :func:`rlcore.algos.token_baseline_advantages` (its scores put on the last token): the
+  old-policy forward then also gives ``sum_pi_squared`` (:func:`rlcore.algos.scoring_needs`).
 * ``rl.algo: opd`` is :func:`rlcore.algos.on_policy_distillation`: the teacher
   (``model.teacher``) is the run's reference model, so its log-probs fill ``ref_logp``.
 """
@@ -20,7 +23,7 @@ import torch
 
 from rlcore import algos
 
-__all__ = ["POLICY_LOSSES", "apply_recipe_options", "check_policy_loss", "policy_loss"]
+__all__ = ["ADVANTAGES", "POLICY_LOSSES", "apply_recipe_options", "check_policy_loss", "policy_loss"]
 
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {
     "ppo_clip": algos.ppo_clip_loss,
@@ -30,6 +33,8 @@ POLICY_LOSSES: dict[str, Callable[..., Any]] = {
     "clip_cov": algos.clip_cov_loss,
     "kl_cov": algos.kl_cov_loss,
 }
+# rl.advantage: the estimators that replace a recipe's own (it keeps its shaping; scores go on the last token).
+ADVANTAGES: dict[str, Callable[..., Any]] = {"optimal_token_baseline": algos.token_baseline_advantages}
 # Keywords that are data, not hyperparameters (clip_cov's ranking draws).
 _DATA_KEYWORDS = ("noise",)
 
@@ -83,7 +88,14 @@ def check_policy_loss(name: str | None, args: Mapping[str, Any] | None) -> None:
 
 
 def apply_recipe_options(algo: algos.Algorithm, rl: Any) -> algos.Algorithm:
-    """``algo`` with ``rl.policy_loss`` (and its args) and ``rl.entropy_coef`` applied."""
+    """``algo`` with ``rl.policy_loss`` (and its args), ``rl.entropy_coef`` and ``rl.advantage`` applied."""
+    if rl.advantage is not None:
+        shaping = (
+            algos.token_rewards_shaping
+            if algo.shaping is None
+            else algos.chain(algo.shaping, algos.token_rewards_shaping)
+        )
+        algo = algo._replace(advantage_estimator=ADVANTAGES[rl.advantage], shaping=shaping)
     if rl.policy_loss is not None:
         algo = algo._replace(policy_loss=policy_loss(rl.policy_loss, rl.policy_loss_args))
     if rl.entropy_coef:

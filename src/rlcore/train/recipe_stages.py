@@ -188,6 +188,10 @@ class PolicyGradientStages:
         needs = algos.scoring_needs(self.recipe)
         scored = [
             "scores",
+            # GDPO: each reward component's scores, which the stage passes as the recipe's scores [B, K].
+            *(["score_parts"] if needs.score_parts else []),
+            # The optimal token baseline: the old policy's sum_v pi(v)^2 per token, from its forward.
+            *(["sum_pi_squared"] if needs.sum_pi_squared else []),
             "mask",
             "group",
             *(["old_logp"] if needs.old_logp else []),

@@ -13,8 +13,8 @@ the proximal policy, as in the decoupled objective) (:meth:`Replay.forward`). Th
 metrics are the fresh rows' (:meth:`Replay.on_metrics`), with ``replay/served`` and
 ``replay/stored`` beside them.
 
-The buffer is this process's: it is not saved with the checkpoint (a resumed run starts
-it empty).
+The buffer is this process's; it is saved with the checkpoint (:meth:`Replay.checkpoint_state`:
+its slots and their rows), so a resumed run serves what an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -192,6 +192,26 @@ class Replay:
             return out
 
         return run
+
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        """The buffer after step ``step``: its slots' state and their rows (copies: a background save may read them)."""
+        state = self.buffer.state
+        return {
+            "priority": state.priority.clone(),
+            "uses": state.uses.clone(),
+            "filled": state.filled.clone(),
+            "rows": [None if r is None else {k: v.clone() for k, v in r.items()} for r in self.buffer.rows],
+        }
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`checkpoint_state`'s buffer (its capacity must be this one's)."""
+        rows = list(state["rows"])
+        if len(rows) != len(self.buffer.rows):
+            raise ValueError(
+                f"rl.replay.capacity: the checkpoint's buffer holds {len(rows)} slots, expected {len(self.buffer.rows)}"
+            )
+        self.buffer.state = algos.ReplayState(state["priority"], state["uses"], state["filled"])
+        self.buffer.rows = rows
 
     def on_metrics(self, on_metrics: Callable[[Batch, torch.Tensor, dict[str, Any]], Any]) -> Callable[..., Any]:
         """``on_metrics`` over the fresh rows only: the step's reward, lengths and KL are not the replayed rows'."""

@@ -1,7 +1,15 @@
-"""What a run's checkpoint holds, and the one place it is saved and restored."""
+"""What a run's checkpoint holds, and the one place it is saved and restored.
+
+Beside the models, their optimisers, the step and the random streams, a checkpoint holds
+the state of the run's stateful parts (``extras``: :func:`run_extras`, e.g. the replay
+buffer, the curriculum's pass rates, the adaptive entropy controller): each has
+``checkpoint_state(step) -> data`` and ``restore_state(data)``, so a resumed run equals an
+uninterrupted one.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +26,35 @@ from rlcore.train.checkpoint import (
     set_rng_state,
 )
 from rlcore.train.config import Config
+from rlcore.train.entropy_target import EntropyTarget, parse_entropy_target
 from rlcore.train.lora import adapter_modules
 from rlcore.train.optim import Models, Optimiser
+from rlcore.train.replay import Replay, parse_replay
 from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps
 
-__all__ = ["check_resume", "restore_run", "save_run", "save_run_async"]
+__all__ = ["check_resume", "restore_run", "run_extras", "save_run", "save_run_async"]
 
 
-def _state(step: int, models: Models, opt: Optimiser, cfg: Config) -> dict[str, Any]:
-    """What a checkpoint holds: the models with their optimisers (DCP shards), the step, the random streams."""
+def run_extras(cfg: Config, task: Any) -> dict[str, Any]:
+    """The run's stateful parts that the config asks for, by checkpoint key.
+
+    ``replay`` (``rl.replay``: :class:`rlcore.train.replay.Replay`), ``curriculum``
+    (``data.curriculum``: the prompt source itself, :class:`rlcore.train.CurriculumPrompts`),
+    ``entropy_target`` (``rl.entropy_target``: :class:`rlcore.train.entropy_target.EntropyTarget`).
+    """
+    rl = cfg.rl
+    out: dict[str, Any] = {}
+    if rl.replay is not None:
+        out["replay"] = Replay(parse_replay(rl.replay))
+    if callable(getattr(task, "checkpoint_state", None)):  # the curriculum, under the refill wrapper or not
+        out["curriculum"] = task
+    if rl.entropy_target is not None:
+        out["entropy_target"] = EntropyTarget(parse_entropy_target(rl.entropy_target))
+    return out
+
+
+def _state(step: int, models: Models, opt: Optimiser, cfg: Config, extras: Mapping[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds: the models with their optimisers (DCP shards), the step, the random streams, the extras."""
     lora = is_lora(models.policy)  # the adapters alone; the base (and reference) is the model directory's
     state: dict[str, Any] = {
         "step": step,
@@ -38,15 +66,26 @@ def _state(step: int, models: Models, opt: Optimiser, cfg: Config) -> dict[str, 
     }
     if models.critic is not None:
         state["critic"] = (models.critic, opt.opts[1])
+    if extras:
+        state["extras"] = {key: part.checkpoint_state(step) for key, part in extras.items()}
     return state
 
 
-def save_run(out: Path, step: int, models: Models, opt: Optimiser, cfg: Config, shapes: dict[str, list[int]]) -> None:
+def save_run(
+    out: Path,
+    step: int,
+    models: Models,
+    opt: Optimiser,
+    cfg: Config,
+    shapes: dict[str, list[int]],
+    extras: Mapping[str, Any] | None = None,
+) -> None:
     """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1).
 
-    ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state.
+    ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state;
+    ``extras`` (:func:`run_extras`) each give their state after ``step``.
     """
-    save_checkpoint(out, {**_state(step, models, opt, cfg), "model_shapes": shapes}, step=step + 1)
+    save_checkpoint(out, {**_state(step, models, opt, cfg, extras or {}), "model_shapes": shapes}, step=step + 1)
 
 
 def save_run_async(
@@ -59,19 +98,28 @@ def save_run_async(
     *,
     process_group: Any = None,
     stage_in_background: bool = False,
+    extras: Mapping[str, Any] | None = None,
 ) -> PendingSave:
     """:func:`save_run` in the background (:func:`rlcore.train.checkpoint.save_checkpoint_async`): returns once the
     state is copied to host memory (at once with ``stage_in_background``: then the models and optimisers must not
     change before the future's ``staged`` is done); the future is done when the version is committed."""
-    state = {**_state(step, models, opt, cfg), "model_shapes": shapes}
+    state = {**_state(step, models, opt, cfg, extras or {}), "model_shapes": shapes}
     return save_checkpoint_async(
         out, state, step=step + 1, process_group=process_group, stage_in_background=stage_in_background
     )
 
 
-def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config) -> int:
-    """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step."""
-    data = load_checkpoint(out, _state(0, models, opt, cfg))
+def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config, extras: Mapping[str, Any] | None = None) -> int:
+    """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step.
+
+    Each of ``extras`` continues from its saved state (one the checkpoint does not hold, a part turned
+    on by a changed config, starts afresh).
+    """
+    data = load_checkpoint(out, _state(0, models, opt, cfg, {}))
+    saved = data.get("extras") or {}
+    for key, part in (extras or {}).items():
+        if key in saved:
+            part.restore_state(saved[key])
     for o in opt.opts:
         # Loaded tensors may share the file's storage, which cannot be resized: the
         # co-located swap offloads the optimiser state by resizing storages to 0.

@@ -15,7 +15,9 @@ __all__ = ["ScoringPlan", "scorers", "scoring_plan"]
 _SAMPLE_ROWS = 4
 
 
-def scorers(cfg: Config, task: Any, reward: Any, world: Any) -> tuple[RewardPool, Validator | None]:
+def scorers(
+    cfg: Config, task: Any, reward: Any, world: Any, *, components: bool = False
+) -> tuple[RewardPool, Validator | None]:
     """The run's reward pool and, with ``trainer.eval_every`` and a validation set, its validator.
 
     Args:
@@ -25,6 +27,8 @@ def scorers(cfg: Config, task: Any, reward: Any, world: Any) -> tuple[RewardPool
         rows (``task.sampled`` false: offline pairs) scores nothing, so no worker starts.
       reward: a user's reward in place of the task's, or None.
       world: this process's place (the validator splits the validation set over the data-parallel ranks).
+      components: the pool also gives each reward component's scores (the recipe normalises them one by one:
+        GDPO, :func:`rlcore.algos.scoring_needs`), which the reward stage writes as ``score_parts``.
     """
     tr = cfg.trainer
     scorer = reward if reward is not None else task.reward
@@ -34,6 +38,7 @@ def scorers(cfg: Config, task: Any, reward: Any, world: Any) -> tuple[RewardPool
         timeout=tr.reward_timeout,
         samples=_SAMPLE_ROWS * bool(tr.log_samples),
         max_restarts=tr.max_worker_restarts,
+        components=components,
     )
     validator = None
     if tr.eval_every and task.val is not None:

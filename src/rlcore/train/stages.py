@@ -64,6 +64,8 @@ __all__ = [
     "response_logprobs",
     "response_sequences",
     "response_values",
+    "reward_columns",
+    "reward_outputs",
     "reward_stage",
     "rl_batch",
     "rl_forward",
@@ -106,6 +108,7 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    with_sum_pi_squared: bool = False,
 ) -> Any:
     """Log-probs (and entropies) ``[N, R]`` of the response tokens: one padding-free packed forward.
 
@@ -120,26 +123,27 @@ def response_logprobs(
       temperature: the sampling temperature.
       with_entropy: also return the per-token entropy.
       share_prompts: run each distinct prompt once (False: every row packed whole).
+      with_sum_pi_squared: also return each position's ``sum_v pi(v)^2`` (no gradient; the
+        optimal token baseline reads it).
 
     Returns:
-      ``logp [N, R]`` float32 (``(logp, entropy)`` with ``with_entropy``); 0 on padding.
+      ``logp [N, R]`` float32 (``(logp, entropy?, sum_pi_squared?)`` when an option is on); 0 on padding.
     """
+    options = {"with_entropy": with_entropy, "with_sum_pi_squared": with_sum_pi_squared}
     apply, params = model
     if share_prompts:
         group = shares_prompts(batch["prompts"], batch["prompt_mask"])
         if group is not None:  # a GRPO group's prompt runs once (rlcore.models.shared_prefix)
-            return shared_prefix_logprobs(
-                apply, params, batch, group=group, temperature=temperature, with_entropy=with_entropy
-            )
+            return shared_prefix_logprobs(apply, params, batch, group=group, temperature=temperature, **options)
     width = batch["prompts"].shape[1]
     seq = {
         "input_ids": torch.cat([batch["prompts"], batch["responses"]], 1),
         "attention_mask": torch.cat([batch["prompt_mask"].long(), (batch["mask"] != 0).long()], 1),
     }
     # token_logprobs puts each value on the token it scores: the responses are the last R columns.
-    if with_entropy:
-        logp, entropy = token_logprobs(apply, params, seq, temperature=temperature, with_entropy=True)
-        return logp[:, width:].float(), entropy[:, width:].float()
+    if with_entropy or with_sum_pi_squared:
+        out = token_logprobs(apply, params, seq, temperature=temperature, **options)
+        return tuple(v[:, width:].float() for v in out)
     return token_logprobs(apply, params, seq, temperature=temperature)[:, width:].float()
 
 
@@ -229,6 +233,19 @@ def _rows(x: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
     return [[v for v, k in zip(values, kept) if k] for values, kept in zip(x.tolist(), (keep != 0).tolist())]
 
 
+def reward_outputs(pool: Any) -> list[str]:
+    """The columns a reward stage over ``pool`` writes: ``scores``, and ``score_parts`` when the pool gives components."""
+    return ["scores", "score_parts"] if getattr(pool, "components", False) else ["scores"]
+
+
+def reward_columns(scored: Any) -> dict[str, torch.Tensor]:
+    """A :class:`rlcore.rewards.RewardPool` result as the dock's columns: ``scores`` (and ``score_parts``)."""
+    if isinstance(scored, tuple):
+        scores, parts = scored
+        return {"scores": scores.float(), "score_parts": parts.float()}
+    return {"scores": scored.float()}
+
+
 def reward_stage(
     pool: Any, decode: Callable[[list[int]], str], *, resource: str = "cpu", timeout: float | None = None
 ) -> Stage:
@@ -242,20 +259,20 @@ def reward_stage(
       resource, timeout: as in :func:`rlcore.dataflow.stage`.
 
     Returns:
-      A stage ``prompts, prompt_mask, responses, mask, answers, iteration -> scores``.
+      A stage ``prompts, prompt_mask, responses, mask, answers, iteration -> scores`` (and
+      ``score_parts``, each reward component's scores, when the pool gives them: GDPO).
     """
 
     def reward(b: Batch) -> dict[str, torch.Tensor]:
         prompts = [decode(r) for r in _rows(b["prompts"], b["prompt_mask"])]
         texts = [decode(r) for r in _rows(b["responses"], b["mask"])]
         answers = [decode(r) for r in _rows(b["answers"], b["answers_mask"])]
-        scores = pool.submit(prompts, texts, batch=int(b["iteration"][0]), answers=answers).result()
-        return {"scores": scores.float()}
+        return reward_columns(pool.submit(prompts, texts, batch=int(b["iteration"][0]), answers=answers).result())
 
     return stage(
         reward,
         inputs=["prompts", "prompt_mask", "responses", "mask", "answers", "iteration"],
-        outputs=["scores"],
+        outputs=reward_outputs(pool),
         resource=resource,
         timeout=timeout,
     )
@@ -274,7 +291,9 @@ def logprob_stage(
 
     Args:
       model: a ``transformers`` causal LM.
-      outputs: ``(logp column,)`` or ``(logp column, entropy column)``.
+      outputs: ``(logp column,)``, ``(logp column, entropy column)`` or ``(logp column,
+        entropy column, sum_pi_squared column)`` (each position's ``sum_v pi(v)^2``, which
+        the optimal token baseline reads; computed only when named).
       name: the stage name (default ``outputs[0]``).
       temperature: the sampling temperature.
       micro_batch, resource: as in :func:`rlcore.dataflow.stage`.
@@ -284,15 +303,20 @@ def logprob_stage(
     """
     lm = from_hf(model)
     outputs = tuple(outputs)
-    if len(outputs) not in (1, 2):
-        raise ValueError(f"outputs: got {outputs!r}, expected (logp,) or (logp, entropy) column names")
+    if len(outputs) not in (1, 2, 3):
+        raise ValueError(
+            f"outputs: got {outputs!r}, expected (logp,), (logp, entropy) or (logp, entropy, sum_pi_squared) "
+            "column names"
+        )
 
     def logprobs(b: Batch) -> dict[str, torch.Tensor]:
         with eval_mode(model):
             if len(outputs) == 1:
                 return {outputs[0]: response_logprobs(lm, b, temperature=temperature)}
-            logp, entropy = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
-        return {outputs[0]: logp, outputs[1]: entropy}
+            out = response_logprobs(
+                lm, b, temperature=temperature, with_entropy=True, with_sum_pi_squared=len(outputs) == 3
+            )
+        return dict(zip(outputs, out))
 
     return stage(
         logprobs,
@@ -338,7 +362,8 @@ def advantages_stage(
     The stage takes whole groups (``by_group``), renumbers the dock's ``group`` column
     to ``group_ids`` 0..G-1, calls ``algo.advantages`` and writes only its declared
     columns: ``advantages``, ``loss_mask`` (the mask after shaping) and, for GAE,
-    ``returns``.
+    ``returns``. When it reads ``score_parts`` (each reward component's scores, GDPO),
+    those are the recipe's ``scores`` ``[B, K]``.
 
     Args:
       algo: an :class:`rlcore.algos.Algorithm`.
@@ -361,7 +386,9 @@ def advantages_stage(
         raise ValueError(f"outputs: got {bad}, expected some of {list(known)}")
 
     def advantages(b: Batch) -> dict[str, torch.Tensor]:
-        batch = {c: b[c] for c in inputs if c != "group"}
+        batch = {c: b[c] for c in inputs if c not in ("group", "score_parts")}
+        if "score_parts" in inputs:
+            batch["scores"] = b["score_parts"]
         if "group" in inputs:
             batch["group_ids"] = torch.unique(b["group"], return_inverse=True)[1]
         out = algo.advantages(batch, process_group=process_group)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ class StepEnd:
         shapes: dict[str, list[int]],
         validator: Validator | None,
         stop: StopRequest | None = None,
+        extras: Mapping[str, Any] | None = None,
     ):
         tr = cfg.trainer
         self.stop = stop
@@ -82,6 +84,7 @@ class StepEnd:
         self.cfg, self.world, self.task, self.models, self.opt, self.replica = cfg, world, task, models, opt, replica
         self.deployment, self.rewards, self.steps, self.start, self.shapes = deployment, rewards, steps, start, shapes
         self.validator = validator
+        self.extras = dict(extras or {})  # saved with every checkpoint (rlcore.train.run_state.run_extras)
         self.out = Path(tr.output_dir)
         self.records: list[dict[str, Any]] = []
         leader, last = world.rank == 0, start - 1 if resume else None
@@ -102,6 +105,8 @@ class StepEnd:
         record = {"step": step, **self._metrics(step), **self.deployment.step_metrics(), **self.task.step_metrics(step)}
         if tr.max_worker_restarts and self.rewards.num_workers:  # reward worker processes replaced so far
             record["reward_worker_restarts"] = float(self.rewards.restarts)
+        if "entropy_target" in self.extras:  # rl.entropy_target: the step's entropy sets the next step's bonus
+            record.update(self.extras["entropy_target"].end_step(record["entropy"]))
         if self.validator is not None and self.validator.due(step):
             record.update(self.validator(self.models.policy if world.size == 1 else self.replica, step))
         # Every rank reads the same answer (a signal may reach the ranks at different steps).
@@ -161,10 +166,11 @@ class StepEnd:
                 self.shapes,
                 process_group=self.save_group,
                 stage_in_background=self.stage_in_background,
+                extras=self.extras,
             )
             self.staged = self.pending.staged
         else:
-            save_run(self.out, step, self.models, self.opt, self.cfg, self.shapes)
+            save_run(self.out, step, self.models, self.opt, self.cfg, self.shapes, self.extras)
         self._export()
         return time.perf_counter() - t0
 

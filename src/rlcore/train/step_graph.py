@@ -9,7 +9,7 @@ are dealt to the ranks by their tokens and the metrics are the whole batch's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, cast
 
@@ -22,7 +22,8 @@ from rlcore.train.config import Config
 from rlcore.train.context_parallel import DataParallelRecipe, cp_logprob_stage, replica_groups, replicate_stage
 from rlcore.train.optim import Models, Optimiser
 from rlcore.train.recipe_stages import StepParts, stages_for
-from rlcore.train.replay import Replay, parse_replay
+from rlcore.train.replay import Replay
+from rlcore.train.run_state import run_extras
 from rlcore.train.scoring import ScoringPlan
 from rlcore.train.stages import balanced_rows, logprob_stage, staleness_weighted, update_stage
 from rlcore.train.step_metrics import StepMetrics
@@ -32,12 +33,20 @@ __all__ = ["step_graph"]
 
 
 def _sampling_stages(
-    cfg: Config, models: Models, rollout: Stage | None, rewards: RewardPool, task: Any, world: World, plan: ScoringPlan
+    cfg: Config,
+    models: Models,
+    rollout: Stage | None,
+    rewards: RewardPool,
+    task: Any,
+    world: World,
+    plan: ScoringPlan,
+    sum_pi_squared: bool = False,
 ) -> tuple[list[Stage], list[Stage], list[str], Callable[[dict], dict] | None]:
     """Rollout and reward, the plan's scoring forwards, the columns the update reads to log them, its ``prepare``.
 
     Without a rollout a dataset gives the rows whole (offline preference pairs): no stage.
-    With ``plan.old_in_update`` the old-policy forward is the update's ``prepare``.
+    With ``plan.old_in_update`` the old-policy forward is the update's ``prepare``. With
+    ``sum_pi_squared`` (the recipe's estimator reads it) that forward also writes it.
     """
     if rollout is None:
         return [], [], ["prompt_mask", "iteration"], None
@@ -51,7 +60,8 @@ def _sampling_stages(
     logged = ["scores", "mask", "prompt_mask", "iteration", "version", "token_version", "rollout_logp"]
     prepare = None
     if plan.old_logp:
-        old = score(models.policy, temperature=rl.temperature)
+        outputs = ("old_logp", "entropy", "sum_pi_squared") if sum_pi_squared else ("old_logp", "entropy")
+        old = score(models.policy, outputs=outputs, temperature=rl.temperature)
         if plan.old_in_update:
             prepare = old.fn
         else:
@@ -76,6 +86,8 @@ def step_graph(
     world: World,
     on_step_end: Callable[[int], Any],
     plan: ScoringPlan,
+    *,
+    extras: Mapping[str, Any] | None = None,
 ) -> StageGraph:
     """The step's stages: rollout, reward and scoring forwards (when rows are sampled), the recipe's, the update.
 
@@ -93,11 +105,18 @@ def step_graph(
       world: this process's place in the mesh.
       on_step_end: called with each finished iteration (checkpoint, logs, weight sync).
       plan: the scoring forwards to run (:func:`rlcore.train.scoring_plan`).
+      extras: the run's stateful parts (:func:`rlcore.train.run_state.run_extras`, made from the config
+        when None): the ``replay`` buffer joins the update, the ``entropy_target`` sets its entropy bonus.
     """
     rl = cfg.rl
-    sampling, scoring, logged, prepare = _sampling_stages(cfg, models, rollout, rewards, task, world, plan)
+    sum_pi_squared = algos.scoring_needs(recipe).sum_pi_squared
+    sampling, scoring, logged, prepare = _sampling_stages(
+        cfg, models, rollout, rewards, task, world, plan, sum_pi_squared
+    )
     # rl.replay: stored rows join each update's (its dispatch), weighted in its forward; metrics of the fresh rows.
-    replay = Replay(parse_replay(rl.replay)) if rl.replay is not None else None
+    extras = run_extras(cfg, task) if extras is None else extras
+    replay: Replay | None = extras.get("replay")
+    entropy = extras.get("entropy_target")
     dispatch = balanced_rows(world.group) if world.group is not None else None
     on_metrics: Callable[..., Any] = steps.on_metrics
     if replay is not None:  # the config keeps it to one rank: no deal of the rows over ranks
@@ -132,6 +151,8 @@ def step_graph(
         forward = staleness_weighted(forward, steps.stale, start=steps.start)
     if replay is not None:
         forward = replay.forward(forward)
+    if entropy is not None:  # rl.entropy_target: the controller's coefficient is the recipe's bonus
+        loss = entropy.recipe(loss)
     if world.cp is None and world.group is not None:  # the metrics of the whole batch on every rank
         loss = DataParallelRecipe(loss, world.group)
     stages.append(

@@ -55,7 +55,7 @@ from rlcore.train.preemption import StopRequest, stop_on_signals
 from rlcore.train.prompts import run_prompt_source
 from rlcore.train.recipe_stages import stages_for
 from rlcore.train.rollout import InferenceEngine
-from rlcore.train.run_state import check_resume, restore_run
+from rlcore.train.run_state import check_resume, restore_run, run_extras
 from rlcore.train.rundir import prepare_run_dir
 from rlcore.train.scoring import scorers, scoring_plan
 from rlcore.train.step_end import StepEnd
@@ -166,10 +166,11 @@ def _train(
         )
     models = Models(policy, build_reference(policy, replica, world, teacher=cfg.model.teacher), critic)
     opt = Optimiser(models, cfg, world)
-    start = restore_run(out, models, opt, cfg) if resume else 0
+    extras = run_extras(cfg, task)  # the replay buffer, the curriculum, the entropy controller: saved with the run
+    start = restore_run(out, models, opt, cfg, extras) if resume else 0
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
     steps = StepMetrics.of_run(cfg, start=start, ref_every=plan.ref_every)
-    rewards, validator = scorers(cfg, task, reward, world)
+    rewards, validator = scorers(cfg, task, reward, world, components=algos.scoring_needs(recipe).score_parts)
     result = None
     # Errors, Preempted (a stop signal) and KeyboardInterrupt (Ctrl-C) unwind the stack: workers and writers stop.
     with ExitStack() as stack:
@@ -191,10 +192,11 @@ def _train(
             shapes=shapes,
             validator=validator,
             stop=stop,
+            extras=extras,
         )
         stack.callback(end.close)
         rollout, source = with_carry_over(cfg, deployment.rollout, task, rank=world.dp_rank, start=start)
-        graph = step_graph(cfg, models, recipe, opt, steps, rollout, rewards, source, world, end, plan)
+        graph = step_graph(cfg, models, recipe, opt, steps, rollout, rewards, source, world, end, plan, extras=extras)
         models.train()
         steps.last_end = time.perf_counter()
         if tr.steps > start:

@@ -17,6 +17,7 @@ from rlcore.algos.recipes.adapters import (
     overlong_shaping,
     score_scaling,
     token_advantages,
+    token_baseline_advantages,
     token_rewards_shaping,
 )
 from rlcore.algos.recipes.algorithm import Algorithm, chain
@@ -67,5 +68,6 @@ __all__ = [
     "scoring_needs",
     "sft",
     "token_advantages",
+    "token_baseline_advantages",
     "token_rewards_shaping",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlcore.algos.advantages import batch_normalize, gae
+from rlcore.algos.advantages import batch_normalize, gae, optimal_token_baseline_advantages
 from rlcore.algos.filters import dynamic_sampling_mask
 from rlcore.algos.kl import kl_in_reward, kl_penalty
 from rlcore.algos.recipes.algorithm import Batch, batch_entry, with_group
@@ -28,6 +28,7 @@ __all__ = [
     "overlong_shaping",
     "score_scaling",
     "token_advantages",
+    "token_baseline_advantages",
     "token_rewards_shaping",
 ]
 
@@ -63,6 +64,32 @@ def token_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor], pr
     rewards = batch_entry(batch, "rewards", "token rewards [B, T]")
     mask = batch_entry(batch, "mask", "the token mask")
     return {"advantages": with_group(estimator, process_group)(rewards, mask)}
+
+
+def token_baseline_advantages(batch: Batch, *, handle_zero_tail: bool = True, eps: float = 1e-8) -> Batch:
+    """The optimal token baseline (:func:`rlcore.algos.optimal_token_baseline_advantages`) on the batch's token ``rewards``.
+
+    Reads ``rewards``, ``old_logp`` and ``sum_pi_squared`` (the rollout policy's, from its
+    forward: :func:`rlcore.ops.linear_logprobs` ``with_sum_pi_squared``), ``mask`` and
+    ``group_ids``; single-turn (responses lined up by position). Put ``scores`` on the last
+    token first (:func:`token_rewards_shaping`).
+
+    >>> batch = {"rewards": torch.tensor([[0.0, 1.0], [0.0, 0.0]]), "old_logp": torch.full((2, 2), -0.7),
+    ...          "sum_pi_squared": torch.full((2, 2), 0.5), "mask": torch.ones(2, 2), "group_ids": torch.tensor([0, 0])}
+    >>> token_baseline_advantages(batch)["advantages"]
+    tensor([[ 0.5000,  0.5000],
+            [-0.5000, -0.5000]])
+    """
+    adv, _ = optimal_token_baseline_advantages(
+        batch_entry(batch, "rewards", "token rewards [B, T]"),
+        batch_entry(batch, "old_logp", "rollout-policy log-probs"),
+        batch_entry(batch, "sum_pi_squared", "the rollout policy's sum_v pi(v)^2 per token [B, T]"),
+        batch_entry(batch, "mask", "the token mask"),
+        batch_entry(batch, "group_ids", "groups [B]"),
+        handle_zero_tail=handle_zero_tail,
+        eps=eps,
+    )
+    return {"advantages": adv}
 
 
 def gae_advantages(

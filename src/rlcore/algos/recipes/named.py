@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 from rlcore.algos.advantages import gdpo_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
@@ -189,15 +190,18 @@ def rloo(*, clip: float = 0.2, kl_coef: float = 0.05) -> Algorithm:
     )
 
 
-def gdpo(*, clip: float = 0.2, eps: float = 1e-6) -> Algorithm:
+def gdpo(
+    *, clip: float = 0.2, eps: float = 1e-6, weights: Sequence[float] | None = None, batch_norm: bool = True
+) -> Algorithm:
     """GDPO: each reward component normalised within its group, summed, whitened over the batch; PPO clip.
 
     Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
     Multi-reward RL Optimization", arXiv:2601.05242 (:func:`rlcore.algos.gdpo_advantages`):
     clip 0.2, no KL loss and a token mean, as verl's GDPO example. The batch's
     ``scores`` are ``[B, K]``, one column per reward component (``[B]`` is one component).
-    Component weights: ``gdpo()._replace(advantage_estimator=partial(outcome_advantages,
-    estimator=partial(gdpo_advantages, weights=w)))``.
+    ``weights`` are the components' weights ``w_k`` (1 each when ``None``), applied after
+    each component's group normalisation; ``batch_norm=False`` skips the last whitening
+    (with one component GDPO is then exactly GRPO's group z-score).
 
     Batch: ``scores`` ``[B, K]``, ``group_ids``, ``logp``, ``old_logp``, ``mask``.
 
@@ -205,7 +209,12 @@ def gdpo(*, clip: float = 0.2, eps: float = 1e-6) -> Algorithm:
     'gdpo_advantages'
     """
     return Algorithm(
-        advantage_estimator=partial(outcome_advantages, estimator=partial(gdpo_advantages, eps=eps)),
+        advantage_estimator=partial(
+            outcome_advantages,
+            estimator=partial(
+                gdpo_advantages, eps=eps, weights=None if weights is None else list(weights), batch_norm=batch_norm
+            ),
+        ),
         policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
         agg_mode="token-mean",
     )

@@ -20,13 +20,16 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from rlcore.algos.advantages import gdpo_advantages
 from rlcore.algos.kl import KLController
 from rlcore.algos.recipes.adapters import (
     dynamic_sampling_filter,
     kl_reward_shaping,
     kl_score_shaping,
+    outcome_advantages,
     overlong_shaping,
     score_scaling,
+    token_baseline_advantages,
     token_rewards_shaping,
 )
 from rlcore.algos.recipes.algorithm import Algorithm
@@ -44,10 +47,18 @@ class ScoringNeeds(NamedTuple):
       old_logp: the recipe's advantages (its shaping) read the rollout policy's
         log-probs, so they must come from a forward before the update.
       ref_logp: the recipe reads the reference's log-probs (loss or shaping).
+      score_parts: the estimator reads each reward component's scores, ``scores`` ``[B, K]``
+        (GDPO: :func:`~rlcore.algos.gdpo_advantages` under
+        :func:`~rlcore.algos.recipes.adapters.outcome_advantages`), not their weighted sum.
+      sum_pi_squared: the estimator reads the rollout policy's ``sum_v pi(v)^2`` per token
+        from the old-policy forward (the optimal token baseline,
+        :func:`~rlcore.algos.token_baseline_advantages`), and so its ``old_logp`` too.
     """
 
     old_logp: bool
     ref_logp: bool
+    score_parts: bool = False
+    sum_pi_squared: bool = False
 
 
 def _steps(shaping: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
@@ -60,27 +71,42 @@ def _steps(shaping: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
 
 
 def scoring_needs(algo: Any) -> ScoringNeeds:
-    """Which of ``old_logp`` (before the update) and ``ref_logp`` ``algo`` reads.
+    """Which of ``old_logp`` (before the update), ``ref_logp``, the component scores and ``sum_pi_squared`` ``algo`` reads.
 
     Args:
       algo: an :class:`~rlcore.algos.Algorithm`; anything else counts as reading both.
 
     >>> from rlcore import algos
-    >>> scoring_needs(algos.grpo(kl_coef=0.0)), scoring_needs(algos.grpo())
-    (ScoringNeeds(old_logp=False, ref_logp=False), ScoringNeeds(old_logp=False, ref_logp=True))
-    >>> scoring_needs(algos.ppo())
-    ScoringNeeds(old_logp=True, ref_logp=True)
+    >>> scoring_needs(algos.grpo(kl_coef=0.0)).old_logp, scoring_needs(algos.grpo(kl_coef=0.0)).ref_logp, scoring_needs(
+    ...     algos.grpo()).ref_logp
+    (False, False, True)
+    >>> tuple(scoring_needs(algos.ppo()))
+    (True, True, False, False)
+    >>> scoring_needs(algos.gdpo()).score_parts, scoring_needs(algos.grpo()._replace(
+    ...     advantage_estimator=algos.token_baseline_advantages)).sum_pi_squared
+    (True, True)
     """
     if not isinstance(algo, Algorithm):
         return ScoringNeeds(True, True)
+    parts = _reads_score_parts(algo.advantage_estimator)
+    est = algo.advantage_estimator
+    sps = (est.func if isinstance(est, functools.partial) else est) is token_baseline_advantages
     coef = algo.kl_coef
     ref = isinstance(coef, KLController) or coef != 0
-    old = False
+    old = sps
     for step in _steps(algo.shaping) if algo.shaping is not None else ():
         fn = step.func if isinstance(step, functools.partial) else step
         if fn in _KL_SHAPING:
             reads = step.keywords.get("kl_coef", 1) != 0 if isinstance(step, functools.partial) else True
             old, ref = old or reads, ref or reads
         elif fn not in _READS_NO_LOGPS:
-            return ScoringNeeds(True, True)
-    return ScoringNeeds(old, ref)
+            return ScoringNeeds(True, True, parts, sps)
+    return ScoringNeeds(old, ref, parts, sps)
+
+
+def _reads_score_parts(estimator: Callable[..., Any]) -> bool:
+    """The estimator is :func:`outcome_advantages` over :func:`gdpo_advantages`: it normalises each component."""
+    if not (isinstance(estimator, functools.partial) and estimator.func is outcome_advantages):
+        return False
+    inner = estimator.keywords.get("estimator")
+    return (inner.func if isinstance(inner, functools.partial) else inner) is gdpo_advantages

@@ -35,7 +35,7 @@ from rlcore.testing.reference.kl import (
     kl_in_reward_ref,
     kl_penalty_ref,
 )
-from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref
+from rlcore.testing.reference.logprobs import entropy_ref, linear_logprobs_ref, logprobs_ref, sum_pi_squared_ref
 from rlcore.testing.reference.losses import (
     aggregate_ref,
     cispo_loss_ref,
@@ -193,6 +193,7 @@ __all__ = [
     "shift_labels_ref",
     "simpo_loss_ref",
     "staleness_weights_ref",
+    "sum_pi_squared_ref",
     "swap_roundtrip_ref",
     "synchronous_loop_ref",
     "train_loop_ref",

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["entropy_ref", "linear_logprobs_ref", "logprobs_ref"]
+__all__ = ["entropy_ref", "linear_logprobs_ref", "logprobs_ref", "sum_pi_squared_ref"]
 
 
 def _row_stats(row: list[float], temperature: float) -> tuple[list[float], float, float]:
@@ -43,6 +43,15 @@ def entropy_ref(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tens
     rows = logits.double().reshape(-1, logits.shape[-1]).tolist()
     ent = [_row_stats(row, temperature)[2] for row in rows]
     return torch.tensor(ent, dtype=torch.float64).reshape(logits.shape[:-1])
+
+
+def sum_pi_squared_ref(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """``sum_v softmax(logits / T)[v]^2`` of each row of ``logits [..., V]``, one entry at a time, in float64."""
+    out = []
+    for row in logits.double().reshape(-1, logits.shape[-1]).tolist():
+        x, lse, _ = _row_stats(row, temperature)
+        out.append(math.fsum(math.exp(2 * (v - lse)) for v in x))
+    return torch.tensor(out, dtype=torch.float64).reshape(logits.shape[:-1])
 
 
 def linear_logprobs_ref(
