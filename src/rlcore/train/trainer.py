@@ -166,7 +166,8 @@ def _train(
         )
     models = Models(policy, build_reference(policy, replica, world, teacher=cfg.model.teacher), critic)
     opt = Optimiser(models, cfg, world)
-    start = restore_run(out, models, opt, cfg) if resume else 0
+    restored = restore_run(out, models, opt, cfg) if resume else None
+    start = restored.step if restored is not None else 0
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
     steps = StepMetrics.of_run(cfg, start=start, ref_every=plan.ref_every)
     rewards, validator = scorers(cfg, task, reward, world)
@@ -176,6 +177,15 @@ def _train(
         stack.callback(rewards.close)
         deployment = make_deployment(cfg, models, opt, world, task, engine, replica, build_model=build_model)
         stack.callback(deployment.close)
+        carry = with_carry_over(
+            cfg,
+            deployment.rollout,
+            task,
+            rank=world.dp_rank,
+            start=start,
+            ranks=world.dp_size,
+            resume=restored.extra.get("carry") if restored is not None else None,
+        )
         end = StepEnd(
             cfg,
             world,
@@ -191,10 +201,11 @@ def _train(
             shapes=shapes,
             validator=validator,
             stop=stop,
+            saved=carry.saved,
         )
         stack.callback(end.close)
-        rollout, source = with_carry_over(cfg, deployment.rollout, task, rank=world.dp_rank, start=start)
-        graph = step_graph(cfg, models, recipe, opt, steps, rollout, rewards, source, world, end, plan)
+        source = carry.source
+        graph = step_graph(cfg, models, recipe, opt, steps, carry.rollout, rewards, source, world, end, plan)
         models.train()
         steps.last_end = time.perf_counter()
         if tr.steps > start:
