@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rlcore.dataflow import HandBack, StageGraph, run_pipeline, stage
-from rlcore.train import left_pad, load_checkpoint, load_config, train
 from rlcore.train import carry as carry_module
+from rlcore.train import left_pad, load_checkpoint, load_config, train
 from rlcore.train.carry import CarryBook, ContinuousRollout, carried
 from tiny_runs import TINY, tiny_lm
 
@@ -137,7 +137,9 @@ def test_a_resumed_run_redoes_the_rows_the_checkpoint_had_not_trained_and_no_oth
 
 def test_a_resumed_book_at_another_data_parallel_size_is_refused():
     state = CarryBook(ranks=2).state(0)
-    with pytest.raises(ValueError, match="resume: the checkpoint's carried rows .* saved at data-parallel size 2, got 1"):
+    with pytest.raises(
+        ValueError, match="resume: the checkpoint's carried rows .* saved at data-parallel size 2, got 1"
+    ):
         CarryBook.resumed(state, ranks=1)
 
 
@@ -191,7 +193,8 @@ def test_a_carry_over_run_with_a_killed_worker_then_resumed_trains_every_row_onc
     extra = ["deploy.mode=disaggregated", "deploy.async_infer=true", "deploy.staleness=2"]
     extra += ["deploy.partial_rollouts=true", "deploy.carry_over=true", "trainer.max_worker_restarts=1"]
     extra += ["trainer.export=false", f"trainer.output_dir={tmp_path}", *SHORT]
-    cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", [*TINY, "trainer.steps=2", *extra])
+    # Killed at step 0's reward; iteration 3's rollout (staleness 2: version 1 at least) comes after it.
+    cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", [*TINY, "trainer.steps=4", *extra])
     with pytest.warns(RuntimeWarning, match="restarting it"):
         first = train(cfg, reward=KillsTheWorkerOnce())
     assert [r["worker_restarts"] for r in first.records][-1] == 1.0
@@ -202,9 +205,11 @@ def test_a_carry_over_run_with_a_killed_worker_then_resumed_trains_every_row_onc
     rows = 2 * 2  # rl.batch_size x rl.num_rollouts
     assert {(s, r) for s in range(state["frontier"]) for r in range(rows)} == a | untrained and not a & untrained
     trained.clear()
-    cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", [*TINY, "trainer.steps=4", *extra])
-    second = train(cfg, resume=True, allow_config_change=True, reward=lambda prompts, responses, **c: [0.5] * len(responses))
-    assert [r["step"] for r in second.records] == [2, 3]
+    cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", [*TINY, "trainer.steps=5", *extra])
+    second = train(
+        cfg, resume=True, allow_config_change=True, reward=lambda prompts, responses, **c: [0.5] * len(responses)
+    )
+    assert [r["step"] for r in second.records] == [4]
     b = {(s, r) for _, s, r in trained}
     assert len(b) == len(trained) and not a & b  # nothing trained twice across the save and resume
     assert untrained & b  # the rows in flight at the save were redone and trained

@@ -44,7 +44,7 @@ from rlcore.models.sampling import left_pad, sample_tokens, uniform_table
 from rlcore.seeding import Purpose, RowStream
 from rlcore.train.stages import ROLLOUT_OUTPUTS
 
-__all__ = ["CARRY_OUTPUTS", "Carry", "CarryBook", "CarriedPrompts", "ContinuousRollout", "carried", "with_carry_over"]
+__all__ = ["CARRY_OUTPUTS", "CarriedPrompts", "Carry", "CarryBook", "ContinuousRollout", "carried", "with_carry_over"]
 
 Batch = dict[str, torch.Tensor]
 # What the worker returns for each row: its key (prompt step, row) and the rollout's columns.

@@ -27,7 +27,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              (token_version); the row's oldest token stays within staleness
     deploy.carry_over                        with partial_rollouts: unfinished rows stay in flight across steps
                                              (AReaL); a batch is the first rl.batch_size groups whose n samples
-                                             all finished, no token older than staleness (default false)
+                                             all finished, no token older than staleness (default false); a
+                                             checkpoint keeps the rows not yet trained, redone on resume
     deploy.stale_refills                     with rl.stale_after, disaggregated: a row the update would drop as
                                              stale is sampled again with the newest weights, at most n times
                                              (filter-and-refill: the batch keeps its size; default 0)

@@ -404,7 +404,9 @@ class SnapshotDeployment(_Synced):
         self.sync = WeightSync(self._full_weights())
         self.publish(0)
         timeout = cfg.deploy.rollout_timeout or None
-        sample = rollout_stage(_torch_engine(cfg, self.snapshot, task.tokenizer), seed=cfg.trainer.seed, timeout=timeout)
+        sample = rollout_stage(
+            _torch_engine(cfg, self.snapshot, task.tokenizer), seed=cfg.trainer.seed, timeout=timeout
+        )
         self.rollout: Stage = dataclasses.replace(
             sample, fn=partial(_at_version, sample.fn, self.pending), resource="rollout"
         )
