@@ -618,9 +618,11 @@ class WorkerDeployment(_Synced):
         super().__init__(policy, replica)
         self.max_restarts = cfg.trainer.max_worker_restarts
         self.partial = cfg.deploy.partial_rollouts
+        # A replacement's start-up is bounded as the first one's (a loaded machine imports slowly).
+        self.ready_timeout = max(120.0, cfg.deploy.rollout_timeout)
         self.worker = self._start((cfg.to_dict(), vocab_size, build_model), max(1, cfg.trainer.threads))
         try:  # a worker that fails to start (e.g. a model its engine cannot serve) is stopped, not left behind
-            self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
+            self.worker.wait_ready(timeout=self.ready_timeout)
             self.sync = WeightSync(self._full_weights())
             self.publish(0)
         except BaseException:
@@ -656,6 +658,7 @@ class WorkerDeployment(_Synced):
             threads=threads,
             join_timeout=5.0,
             max_restarts=self.max_restarts,
+            ready_timeout=self.ready_timeout,
             interruptible=self.partial,
         )
 
