@@ -1115,9 +1115,10 @@ def _check_async_ranks(cfg: Config, world_size: int) -> None:
     the metrics) then meet in one order on every rank however the rollouts overlap. So:
     each rank's rollout in its own worker (``deploy.mode: disaggregated``) or, co-located,
     on its own snapshot of the weights (:class:`rlcore.train.deploy.SnapshotDeployment`:
-    the rollout thread runs no collective), no forward of the sharded models outside the update (no KL in the reward; the old-policy forward and the
-    loss's reference run inside the update, :func:`rlcore.train.scoring_plan`), no
-    critic, and advantages that stay on the rank.
+    the rollout thread runs no collective), no forward of the sharded models outside the
+    update (no KL in the reward; the old-policy forward and the loss's reference run
+    inside the update, :func:`rlcore.train.scoring_plan`), no critic, and advantages
+    that stay on the rank.
     """
     rl, why = cfg.rl, None
     if rl.algo not in _RANK_LOCAL_ADVANTAGES or (rl.algo == "rloo" and rl.beta != 0):
