@@ -86,7 +86,6 @@ def test_async_rollout_at_two_ranks(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        (["deploy.mode=co-located"], "expected deploy.mode 'disaggregated'"),
         (["rl.algo=ppo"], "rl.algo 'ppo'"),
         (["rl.algo=reinforce_pp"], "rl.algo 'reinforce_pp'"),
         (["rl.algo=rloo"], "rl.algo 'rloo' and rl.beta 0.1"),
@@ -98,6 +97,7 @@ def test_async_ranks_refuse_what_would_run_collectives_outside_the_update(tmp_pa
         check_launch(cfg, 2)
     assert says in str(err.value)
     check_launch(_cfg(tmp_path), 2)  # the run above
+    check_launch(_cfg(tmp_path, "deploy.mode=co-located"), 2)  # each rank's rollout on its own snapshot
     check_launch(_cfg(tmp_path, "rl.algo=rloo", "rl.beta=0"), 2)
     # Several updates per batch: the old-policy forward runs inside the update, before its first step.
     check_launch(_cfg(tmp_path, *MINI_BATCHES, "rl.old_logp=forward", "rl.behaviour_weights=none"), 2)

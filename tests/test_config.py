@@ -62,15 +62,13 @@ def test_seed_example_loads_with_a_local_model(tmp_path, tiny_model_dir):
     # One sample per prompt leaves GRPO without a group baseline: refused at launch, not at load.
     with pytest.raises(ValueError, match=r"'rl.num_rollouts': got 1, expected >= 2 for grpo"):
         check_launch(cfg, 8)
-    # Asynchronous rollout over 8 ranks keeps every collective in the update: the seed's co-located replica is
-    # refused by name; each rank's rollout in its own worker launches (its four updates per batch take the
-    # old-policy forward inside the update stage).
-    two = load_config(_write(tmp_path, text), ["rl.num_rollouts=2"])
-    with pytest.raises(
-        ValueError, match=r"'deploy.async_infer': got true at world size 8 with deploy.mode 'co-located'"
-    ):
-        check_launch(two, 8)
+    # Asynchronous rollout over 8 ranks keeps every collective in the update: the seed's co-located run launches
+    # (each rank samples on its own snapshot), and so does each rank's rollout in its own worker (its four
+    # updates per batch take the old-policy forward inside the update stage).
+    check_launch(load_config(_write(tmp_path, text), ["rl.num_rollouts=2"]), 8)
     check_launch(load_config(_write(tmp_path, text), ["rl.num_rollouts=2", "deploy.mode=disaggregated"]), 8)
+    with pytest.raises(ValueError, match=r"'deploy.async_infer': got true at world size 8 with rl.algo 'ppo'"):
+        check_launch(load_config(_write(tmp_path, text), ["rl.num_rollouts=2", "rl.algo=ppo"]), 8)
     with pytest.raises(ValueError, match=r"'parallel.data_parallel': got 8, expected the launched world size 1"):
         check_launch(cfg, 1)
 

@@ -24,23 +24,27 @@ torch-engine worker (at ``deploy.staleness`` 1 nothing can be carried: use 2 or 
   whose prompts a row answers). Every row is keyed by ``(prompt_step, row)``, drawn
   from its own random stream, and trained once; the rows in flight when the run ends
   are not trained.
+* :class:`CarryBook` (in the trainer) keeps the rows sent and not yet trained: a checkpoint
+  saves them, and a resumed run, or a call after the worker was replaced
+  (``trainer.max_worker_restarts``), sends them again, redone from their first token.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from rlcore.dataflow import Stage, stage
+from rlcore.dataflow import HandBack, Stage, stage
 from rlcore.models.decoding import CachedDecoder
 from rlcore.models.sampling import left_pad, sample_tokens, uniform_table
 from rlcore.seeding import Purpose, RowStream
 from rlcore.train.stages import ROLLOUT_OUTPUTS
 
-__all__ = ["CARRY_OUTPUTS", "CarriedPrompts", "ContinuousRollout", "carried", "with_carry_over"]
+__all__ = ["CARRY_OUTPUTS", "CarriedPrompts", "Carry", "CarryBook", "ContinuousRollout", "carried", "with_carry_over"]
 
 Batch = dict[str, torch.Tensor]
 # What the worker returns for each row: its key (prompt step, row) and the rollout's columns.
@@ -269,11 +273,11 @@ class CarriedPrompts:
 
     columns = ("iteration",)
 
-    def __init__(self, task: Any):
-        self.task = task
+    def __init__(self, task: Any, book: CarryBook):
+        self.task, self.book = task, book
 
     def __getattr__(self, name: str) -> Any:
-        if name == "task":  # not set yet (a copy being built): no recursion
+        if name in ("task", "book"):  # not set yet (a copy being built): no recursion
             raise AttributeError(name)
         return getattr(self.task, name)
 
@@ -292,8 +296,85 @@ def _real(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [[t for t, m in zip(row, on) if m] for row, on in zip(ids.tolist(), mask.tolist())]
 
 
+Key = tuple[int, int]  # (prompt step, row)
+
+
+@dataclasses.dataclass
+class _Sent:
+    """A row sent to the worker and not handed over yet: what the trainer needs to send it again and to train it."""
+
+    prompt: list[int]
+    group: int
+    kept: dict[str, Any]
+
+
+class CarryBook:
+    """The trainer's account of carried rows: those sent and not yet trained, and how far the prompt steps were sent.
+
+    With ``deploy.carry_over`` a checkpoint saves :meth:`state` beside the models: after the
+    update of step ``k`` the rows not trained by then are those still in the worker and
+    those handed over for a later iteration (the rollout runs ahead of the update). A run
+    resumed from it (:func:`carried` with ``resume``) sends those rows again first, to be
+    redone from their first token with the same random streams ``(seed, sampling, step,
+    row)`` and the resumed run's weights, and goes on sending prompt steps from the same
+    frontier: no row is lost and none is trained twice. A worker replaced after its death
+    (``trainer.max_worker_restarts``) lost its rows in flight: the next call sends every
+    row not handed over again (:meth:`lost`).
+
+    Args:
+      frontier: the first prompt step not sent yet.
+      redo: ``[K, 2]`` int64 ``(prompt step, row)`` of rows to send again before anything else.
+      ranks: the data-parallel size (a resumed run must have the same: each rank's rows are its own).
+
+    Attributes:
+      resent: rows sent again so far (a resume's or a replaced worker's).
+    """
+
+    def __init__(self, *, frontier: int = 0, redo: torch.Tensor | None = None, ranks: int = 1):
+        self.lock = threading.Lock()
+        self.frontier, self.ranks = frontier, ranks
+        self.sent: dict[Key, _Sent] = {}
+        self.handed: dict[int, list[Key]] = {}  # pipeline step -> the rows handed over for it
+        self.redo: list[Key] = [] if redo is None else [(int(s), int(r)) for s, r in redo.tolist()]
+        self.resend = False
+        self.resent = 0
+
+    @classmethod
+    def resumed(cls, state: Mapping[str, Any], *, ranks: int) -> CarryBook:
+        """The book of a run resumed from ``state`` (:meth:`state`'s), at data-parallel size ``ranks``."""
+        if int(state["ranks"]) != ranks:
+            raise ValueError(
+                f"resume: the checkpoint's carried rows (deploy.carry_over) were saved at data-parallel size "
+                f"{int(state['ranks'])}, got {ranks}; expected the same size (each rank redoes its own rows)"
+            )
+        return cls(frontier=int(state["frontier"]), redo=state["rows"], ranks=ranks)
+
+    def state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint after the update of pipeline step ``step`` saves: the rows it has not trained, the frontier."""
+        with self.lock:
+            later = [k for s, keys in self.handed.items() if s > step for k in keys]
+            for s in [s for s in self.handed if s <= step]:
+                del self.handed[s]
+            keys = sorted({*self.sent, *later, *self.redo})
+            rows = torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
+            return {"frontier": self.frontier, "rows": rows, "ranks": self.ranks}
+
+    def lost(self) -> None:
+        """The worker was replaced (its rows in flight are gone): the next call sends every row not handed over."""
+        with self.lock:
+            self.resend = True
+
+
 def carried(
-    rollout: Stage, task: Any, *, rank: int, start: int, n: int, staleness: int, ahead: int | None = None
+    rollout: Stage,
+    task: Any,
+    *,
+    rank: int,
+    start: int,
+    n: int,
+    staleness: int,
+    ahead: int | None = None,
+    book: CarryBook | None = None,
 ) -> tuple[Stage, CarriedPrompts]:
     """The pipeline's rollout stage and prompt source with carry-over: each call trains whichever groups finished.
 
@@ -309,53 +390,90 @@ def carried(
         so the worker decodes more groups than a batch and hands over those that finish first.
         A row starts at once, at about version ``i - 1``, so it is due by iteration
         ``i - 1 + staleness``: more ahead than that would only draw rows again.
+      book: the rows sent and not trained (:class:`CarryBook`; a resumed run's, with the rows to
+        redo); default: a new one sending from step ``start``.
 
     Returns:
       ``(stage, source)``: the stage reads ``iteration`` (the slots' step) and writes the
       source's columns (but ``iteration``), ``prompt_step`` and the rollout's columns;
-      the source's loader gives the slots (:class:`CarriedPrompts`).
+      the source's loader gives the slots (:class:`CarriedPrompts`, its ``book`` the one given).
+      A call whose worker died (:class:`rlcore.dataflow.HandBack`) marks the book's rows lost.
     """
     ahead = max(0, staleness - 1) if ahead is None else ahead
-    load = task.loader(rank, start, n)
-    kept = [c for c in task.columns if c not in ("iteration", "row", "prompts", "prompt_mask")]
-    pending: dict[tuple[int, int], dict[str, Any]] = {}
-    sent = [0]  # the next pipeline iteration whose prompts go to the worker
+    book = CarryBook(frontier=start) if book is None else book
+    load = task.loader(rank, 0, n)  # by prompt step: a resumed run redoes rows of steps before its start
+    kept = [c for c in task.columns if c not in ("iteration", "row", "prompts", "prompt_mask", "group")]
     ragged = {}  # the kept columns the loader gives as lists of rows
 
-    def admit(i: int) -> dict[str, torch.Tensor]:
-        src = load(i)
+    def admit(step: int, only: set[int] | None = None) -> list[Key]:
+        """Prompt step ``step``'s rows (those in ``only``) into the book; their keys."""
+        src = load(step)
         for c in kept:
             ragged[c] = not isinstance(src[c], torch.Tensor)
-        steps, rows = src["iteration"].tolist(), src["row"].tolist()
+        steps, rows, groups = src["iteration"].tolist(), src["row"].tolist(), src["group"].tolist()
+        ids, on = src["prompts"].tolist(), src["prompt_mask"].tolist()
+        keys = []
         for k, (s, r) in enumerate(zip(steps, rows)):
-            prompt = [t for t, m in zip(src["prompts"][k].tolist(), src["prompt_mask"][k].tolist()) if m]
-            pending[s, r] = {"prompt": prompt, **{c: src[c][k] for c in kept}}
-        return {c: src[c] for c in ("prompts", "prompt_mask", "iteration", "row", "group")}
+            if only is None or r in only:
+                prompt = [t for t, m in zip(ids[k], on[k]) if m]
+                book.sent[s, r] = _Sent(prompt, groups[k], {c: src[c][k] for c in kept})
+                keys.append((s, r))
+        return keys
+
+    def to_send(i: int) -> list[Key]:
+        """The rows call ``i`` sends: rows to redo or resend first, then the prompt steps up to ``i + ahead``."""
+        keys: list[Key] = []
+        if book.resend:  # a replaced worker: every row it held, again
+            keys, book.resend = list(book.sent), False
+            book.resent += len(keys)
+        if book.redo:  # a resumed run: the rows the checkpoint's step had not trained
+            redo: dict[int, set[int]] = {}
+            for s, r in book.redo:
+                redo.setdefault(s, set()).add(r)
+            keys += [k for s in sorted(redo) for k in admit(s, redo[s])]
+            book.resent += len(book.redo)
+            book.redo = []
+        for s in range(book.frontier, i + ahead + 1):
+            keys += admit(s)
+        book.frontier = max(book.frontier, i + ahead + 1)
+        return keys
 
     def call(b: Batch) -> dict[str, Any]:
-        i = int(b["iteration"][0]) - start
-        new = [admit(k) for k in range(sent[0], i + ahead + 1)]
-        sent[0] = max(sent[0], i + ahead + 1)
+        i = int(b["iteration"][0])
         pad = task.tokenizer.pad_token_id
-        if new:
-            prompts, prompt_mask = left_pad([p for x in new for p in _real(x["prompts"], x["prompt_mask"])], pad)
-            send = {c: torch.cat([x[c] for x in new]) for c in ("iteration", "row", "group")}
-            send.update(prompts=prompts, prompt_mask=prompt_mask)
-        else:
-            empty = torch.zeros(0, dtype=torch.int64)
-            send = {"prompts": empty[:, None], "prompt_mask": empty[:, None], "iteration": empty, "row": empty}
-            send["group"] = empty
-        send["floor"] = torch.tensor([i - staleness])
+        with book.lock:
+            for s in [s for s in book.handed if s < i - staleness - 1]:  # trained: the bound put their update first
+                del book.handed[s]
+            keys = to_send(i)
+            if keys:
+                prompts, prompt_mask = left_pad([book.sent[k].prompt for k in keys], pad)
+            else:
+                prompts = prompt_mask = torch.zeros(0, 1, dtype=torch.int64)
+            send = {
+                "prompts": prompts,
+                "prompt_mask": prompt_mask,
+                "iteration": torch.tensor([s for s, _ in keys], dtype=torch.int64),
+                "row": torch.tensor([r for _, r in keys], dtype=torch.int64),
+                "group": torch.tensor([book.sent[k].group for k in keys], dtype=torch.int64),
+            }
+        send["floor"] = torch.tensor([i - start - staleness])
         send["want"] = torch.tensor([b["iteration"].numel() // n])
         send["policy_version"] = b["policy_version"]
-        out = dict(rollout.fn(send))
-        back = [pending.pop((s, r)) for s, r in zip(out["prompt_step"].tolist(), out["row"].tolist())]
-        prompts, prompt_mask = left_pad([p["prompt"] for p in back], pad)
+        try:
+            out = dict(rollout.fn(send))
+        except HandBack:
+            book.lost()
+            raise
+        got = list(zip(out["prompt_step"].tolist(), out["row"].tolist()))
+        with book.lock:
+            back = [book.sent.pop(k) for k in got]
+            book.handed.setdefault(i, []).extend(got)
+        prompts, prompt_mask = left_pad([p.prompt for p in back], pad)
         columns: dict[str, Any] = {"prompts": prompts, "prompt_mask": prompt_mask}
         for c in kept:
-            values = [p[c] for p in back]
+            values = [p.kept[c] for p in back]
             columns[c] = values if ragged[c] else torch.stack(values)
-        if "group" in columns:  # groups numbered in the order they came back (n rows each)
+        if "group" in task.columns:  # groups numbered in the order they came back (n rows each)
             columns["group"] = torch.arange(len(back) // n).repeat_interleave(n)
         return {**columns, **out}
 
@@ -369,12 +487,38 @@ def carried(
         role="rollout",
         timeout=rollout.timeout,
     )
-    return carry, CarriedPrompts(task)
+    return carry, CarriedPrompts(task, book)
 
 
-def with_carry_over(cfg: Any, rollout: Stage | None, task: Any, *, rank: int, start: int) -> tuple[Any, Any]:
-    """The run's rollout stage and prompt source: with ``deploy.carry_over`` the :func:`carried` pair, else as given."""
+class Carry(NamedTuple):
+    """What :func:`with_carry_over` gives the trainer: the rollout stage, the prompt source, the checkpoint's entry.
+
+    ``saved`` is ``step -> {entry: data}``, the plain-data entries a checkpoint after ``step`` holds
+    (:meth:`CarryBook.state` under ``"carry"``), or None without carry-over.
+    """
+
+    rollout: Stage | None
+    source: Any
+    saved: Callable[[int], dict[str, Any]] | None
+
+
+def with_carry_over(
+    cfg: Any, rollout: Stage | None, task: Any, *, rank: int, start: int, ranks: int = 1, resume: Any = None
+) -> Carry:
+    """The run's rollout stage and prompt source: with ``deploy.carry_over`` the :func:`carried` pair, else as given.
+
+    Args:
+      cfg: the run's config.
+      rollout, task: the deployment's rollout stage and the prompt source.
+      rank, start: the data-parallel rank and the run's first step.
+      ranks: the data-parallel size.
+      resume: the checkpoint's ``"carry"`` entry (:meth:`CarryBook.state`) of a resumed run, or None.
+    """
     if not cfg.deploy.carry_over:
-        return rollout, task
+        return Carry(rollout, task, None)
     assert rollout is not None  # carry-over is a disaggregated worker's (the config says so)
-    return carried(rollout, task, rank=rank, start=start, n=cfg.rl.n_samples, staleness=cfg.deploy.staleness)
+    book = CarryBook(frontier=start, ranks=ranks) if resume is None else CarryBook.resumed(resume, ranks=ranks)
+    stage_, source = carried(
+        rollout, task, rank=rank, start=start, n=cfg.rl.n_samples, staleness=cfg.deploy.staleness, book=book
+    )
+    return Carry(stage_, source, lambda step: {"carry": book.state(step)})

@@ -27,7 +27,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              (token_version); the row's oldest token stays within staleness
     deploy.carry_over                        with partial_rollouts: unfinished rows stay in flight across steps
                                              (AReaL); a batch is the first rl.batch_size groups whose n samples
-                                             all finished, no token older than staleness (default false)
+                                             all finished, no token older than staleness (default false); a
+                                             checkpoint keeps the rows not yet trained, redone on resume
     deploy.stale_refills                     with rl.stale_after, disaggregated: a row the update would drop as
                                              stale is sampled again with the newest weights, at most n times
                                              (filter-and-refill: the batch keeps its size; default 0)
@@ -907,11 +908,6 @@ def _check_partial_rollouts(cfg: Config) -> None:
     if not d.carry_over:
         return
     carried: list[tuple[str, Any, str]] = [
-        (
-            "trainer.max_worker_restarts",
-            cfg.trainer.max_worker_restarts,
-            "0 (a replaced worker loses the rows in flight)",
-        ),
         ("deploy.stale_refills", d.stale_refills, "0 (carried rows are never trained past the staleness bound)"),
         ("rl.multi_turn", cfg.rl.multi_turn, "null (agent trajectories are not carried)"),
     ]
@@ -1158,19 +1154,15 @@ def _check_async_ranks(cfg: Config, world_size: int) -> None:
 
     The sharded models' collectives (FSDP2's gathers, the global counts, the weight sync,
     the metrics) then meet in one order on every rank however the rollouts overlap. So:
-    each rank's rollout in its own worker (``deploy.mode: disaggregated``; a co-located
-    replica would be rewritten under a running rollout), no forward of the sharded
-    models outside the update (no KL in the reward; the old-policy forward and the
-    loss's reference run inside the update, :func:`rlcore.train.scoring_plan`), no
-    critic, and advantages that stay on the rank.
+    each rank's rollout in its own worker (``deploy.mode: disaggregated``) or, co-located,
+    on its own snapshot of the weights (:class:`rlcore.train.deploy.SnapshotDeployment`:
+    the rollout thread runs no collective), no forward of the sharded models outside the
+    update (no KL in the reward; the old-policy forward and the loss's reference run
+    inside the update, :func:`rlcore.train.scoring_plan`), no critic, and advantages
+    that stay on the rank.
     """
     rl, why = cfg.rl, None
-    if cfg.deploy.mode != "disaggregated":
-        why = (
-            f"with deploy.mode {cfg.deploy.mode!r}, expected deploy.mode 'disaggregated' (each rank's rollout in its "
-            "own worker)"
-        )
-    elif rl.algo not in _RANK_LOCAL_ADVANTAGES or (rl.algo == "rloo" and rl.beta != 0):
+    if rl.algo not in _RANK_LOCAL_ADVANTAGES or (rl.algo == "rloo" and rl.beta != 0):
         why = (
             f"with rl.algo {rl.algo!r}{'' if rl.beta is None else f' and rl.beta {rl.beta}'}, expected one of "
             f"{', '.join(_RANK_LOCAL_ADVANTAGES)} (rloo with rl.beta 0): advantages that stay on the rank, no critic "

@@ -12,6 +12,8 @@ the class from the config, in this order:
   ``deploy.backend: ray``: in a :class:`rlcore.dataflow.RayRolloutWorker` actor. The
   worker's engine (:class:`RolloutServer`) is ``deploy.engine``'s: torch or vLLM.
 * :class:`VLLMDeployment` (``deploy.engine: vllm``, co-located): vLLM in the trainer's process.
+* :class:`SnapshotDeployment` with ``deploy.async_infer`` when the policy is sharded: the
+  rollout on a snapshot of the replica, on its own thread, loading the version its rows record.
 * :class:`ReplicaDeployment` of the trainer's unsharded replica, when the policy is
   sharded or LoRA (the replica takes the merged weights).
 * :class:`ColocatedDeployment`: one process, one device, the memory plan's
@@ -25,6 +27,7 @@ numbers of forwards in its collectives): every sync sends
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import threading
@@ -72,6 +75,7 @@ __all__ = [
     "RayDeployment",
     "ReplicaDeployment",
     "RolloutServer",
+    "SnapshotDeployment",
     "VLLMDeployment",
     "WorkerDeployment",
     "in_place_rollout",
@@ -378,6 +382,43 @@ class ReplicaDeployment(_Synced):
         self._send(version, self.receiver)
 
 
+class SnapshotDeployment(_Synced):
+    """Co-located ``deploy.async_infer`` over data-parallel ranks: each rank samples on its own snapshot of the policy.
+
+    The policy is sharded (FSDP2) or tensor parallel, so no rollout may run its forwards
+    (the ranks' collectives would interleave differently). Each rank keeps a second
+    unsharded copy of the replica, the snapshot, that only the rollout touches, on a
+    resource and thread of its own (``"rollout"``), overlapping the update. :meth:`publish`
+    (the update's thread, where every collective runs: the full weights gathered once)
+    loads the trainer's replica, which validation and the export read, and keeps the
+    version's packet (:class:`PendingVersions`); each rollout call first loads into the
+    snapshot the version the scheduler stamped its rows with, so every row is sampled by
+    exactly the version it records and ``deploy.staleness`` bounds its lag.
+    """
+
+    def __init__(self, cfg: Config, policy: torch.nn.Module, replica: torch.nn.Module, task: Any):
+        super().__init__(policy, replica)
+        self.snapshot = copy.deepcopy(replica)
+        self.pending = PendingVersions(load_into(self.snapshot), copy=True)
+        self.receiver = load_into(replica)
+        self.sync = WeightSync(self._full_weights())
+        self.publish(0)
+        timeout = cfg.deploy.rollout_timeout or None
+        sample = rollout_stage(
+            _torch_engine(cfg, self.snapshot, task.tokenizer), seed=cfg.trainer.seed, timeout=timeout
+        )
+        self.rollout: Stage = dataclasses.replace(
+            sample, fn=partial(_at_version, sample.fn, self.pending), resource="rollout"
+        )
+
+    def publish(self, version: int) -> None:
+        self._send(version, self._receive)
+
+    def _receive(self, packet: WeightPacket) -> None:
+        self.receiver(packet)
+        self.pending(packet)
+
+
 class VLLMDeployment(_Synced):
     """``deploy.engine: vllm``: a :class:`~rlcore.train.VLLMEngine` in the trainer's process, fed through the one sync.
 
@@ -577,9 +618,11 @@ class WorkerDeployment(_Synced):
         super().__init__(policy, replica)
         self.max_restarts = cfg.trainer.max_worker_restarts
         self.partial = cfg.deploy.partial_rollouts
+        # A replacement's start-up is bounded as the first one's (a loaded machine imports slowly).
+        self.ready_timeout = max(120.0, cfg.deploy.rollout_timeout)
         self.worker = self._start((cfg.to_dict(), vocab_size, build_model), max(1, cfg.trainer.threads))
         try:  # a worker that fails to start (e.g. a model its engine cannot serve) is stopped, not left behind
-            self.worker.wait_ready(timeout=max(120.0, cfg.deploy.rollout_timeout))
+            self.worker.wait_ready(timeout=self.ready_timeout)
             self.sync = WeightSync(self._full_weights())
             self.publish(0)
         except BaseException:
@@ -615,6 +658,7 @@ class WorkerDeployment(_Synced):
             threads=threads,
             join_timeout=5.0,
             max_restarts=self.max_restarts,
+            ready_timeout=self.ready_timeout,
             interruptible=self.partial,
         )
 
@@ -812,6 +856,8 @@ def make_deployment(
         return kind(cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, build_model=build_model)
     if cfg.deploy.engine == "vllm":
         return VLLMDeployment(cfg, policy, replica, task)
+    if world.sharded and cfg.deploy.async_infer:  # the rollout overlaps the update: a snapshot of its own
+        return SnapshotDeployment(cfg, policy, replica, task)
     if world.sharded or is_lora(policy):
         own = _torch_engine(cfg, replica, task.tokenizer)
         return ReplicaDeployment(policy, replica, own, load_into(replica), seed=cfg.trainer.seed, timeout=timeout)

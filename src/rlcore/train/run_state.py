@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,7 +32,19 @@ from rlcore.train.optim import Models, Optimiser
 from rlcore.train.replay import Replay, parse_replay
 from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps
 
-__all__ = ["check_resume", "restore_run", "run_extras", "save_run", "save_run_async"]
+__all__ = ["Restored", "check_resume", "restore_run", "run_extras", "save_run", "save_run_async"]
+
+
+class Restored(NamedTuple):
+    """What :func:`restore_run` gives back: the next step, and the run's own data entries (``"carry"``) as saved."""
+
+    step: int
+    extra: dict[str, Any]
+
+
+def _extra_entries(cfg: Config) -> tuple[str, ...]:
+    """The plain-data entries beyond the models' a run of ``cfg`` saves (``deploy.carry_over``: the rows in flight)."""
+    return ("carry",) if cfg.deploy.carry_over else ()
 
 
 def run_extras(cfg: Config, task: Any) -> dict[str, Any]:
@@ -79,13 +91,17 @@ def save_run(
     cfg: Config,
     shapes: dict[str, list[int]],
     extras: Mapping[str, Any] | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1).
 
     ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state;
-    ``extras`` (:func:`run_extras`) each give their state after ``step``.
+    ``extras`` (:func:`run_extras`) each give their state after ``step``; ``extra``: this rank's plain-data
+    entries of the run (``"carry"``), given back by :func:`restore_run`.
     """
-    save_checkpoint(out, {**_state(step, models, opt, cfg, extras or {}), "model_shapes": shapes}, step=step + 1)
+    state = {**_state(step, models, opt, cfg, extras or {}), "model_shapes": shapes, **(extra or {})}
+    save_checkpoint(out, state, step=step + 1)
 
 
 def save_run_async(
@@ -99,23 +115,28 @@ def save_run_async(
     process_group: Any = None,
     stage_in_background: bool = False,
     extras: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> PendingSave:
     """:func:`save_run` in the background (:func:`rlcore.train.checkpoint.save_checkpoint_async`): returns once the
     state is copied to host memory (at once with ``stage_in_background``: then the models and optimisers must not
     change before the future's ``staged`` is done); the future is done when the version is committed."""
-    state = {**_state(step, models, opt, cfg, extras or {}), "model_shapes": shapes}
+    state = {**_state(step, models, opt, cfg, extras or {}), "model_shapes": shapes, **(extra or {})}
     return save_checkpoint_async(
         out, state, step=step + 1, process_group=process_group, stage_in_background=stage_in_background
     )
 
 
-def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config, extras: Mapping[str, Any] | None = None) -> int:
-    """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step.
+def restore_run(
+    out: Path, models: Models, opt: Optimiser, cfg: Config, extras: Mapping[str, Any] | None = None
+) -> Restored:
+    """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step and the
+    run's own entries (this rank's).
 
     Each of ``extras`` continues from its saved state (one the checkpoint does not hold, a part turned
     on by a changed config, starts afresh).
     """
-    data = load_checkpoint(out, _state(0, models, opt, cfg, {}))
+    names = _extra_entries(cfg)
+    data = load_checkpoint(out, {**_state(0, models, opt, cfg, {}), **dict.fromkeys(names)})
     saved = data.get("extras") or {}
     for key, part in (extras or {}).items():
         if key in saved:
@@ -128,7 +149,7 @@ def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config, extras: 
                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                     values[k] = v.clone()
     set_rng_state(data["rng"])
-    return int(data["step"]) + 1
+    return Restored(int(data["step"]) + 1, {name: data[name] for name in names})
 
 
 def check_resume(out: Path, cfg: Config, shapes: dict[str, list[int]], *, allow_change: bool = False) -> None:

@@ -167,7 +167,8 @@ def _train(
     models = Models(policy, build_reference(policy, replica, world, teacher=cfg.model.teacher), critic)
     opt = Optimiser(models, cfg, world)
     extras = run_extras(cfg, task)  # the replay buffer, the curriculum, the entropy controller: saved with the run
-    start = restore_run(out, models, opt, cfg, extras) if resume else 0
+    restored = restore_run(out, models, opt, cfg, extras) if resume else None
+    start = restored.step if restored is not None else 0
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
     steps = StepMetrics.of_run(cfg, start=start, ref_every=plan.ref_every)
     rewards, validator = scorers(cfg, task, reward, world, components=algos.scoring_needs(recipe).score_parts)
@@ -177,6 +178,15 @@ def _train(
         stack.callback(rewards.close)
         deployment = make_deployment(cfg, models, opt, world, task, engine, replica, build_model=build_model)
         stack.callback(deployment.close)
+        carry = with_carry_over(
+            cfg,
+            deployment.rollout,
+            task,
+            rank=world.dp_rank,
+            start=start,
+            ranks=world.dp_size,
+            resume=restored.extra.get("carry") if restored is not None else None,
+        )
         end = StepEnd(
             cfg,
             world,
@@ -193,10 +203,13 @@ def _train(
             validator=validator,
             stop=stop,
             extras=extras,
+            saved=carry.saved,
         )
         stack.callback(end.close)
-        rollout, source = with_carry_over(cfg, deployment.rollout, task, rank=world.dp_rank, start=start)
-        graph = step_graph(cfg, models, recipe, opt, steps, rollout, rewards, source, world, end, plan, extras=extras)
+        source = carry.source
+        graph = step_graph(
+            cfg, models, recipe, opt, steps, carry.rollout, rewards, source, world, end, plan, extras=extras
+        )
         models.train()
         steps.last_end = time.perf_counter()
         if tr.steps > start:
