@@ -502,23 +502,22 @@ class Carry(NamedTuple):
     saved: Callable[[int], dict[str, Any]] | None
 
 
-def with_carry_over(
-    cfg: Any, rollout: Stage | None, task: Any, *, rank: int, start: int, ranks: int = 1, resume: Any = None
-) -> Carry:
+def with_carry_over(cfg: Any, rollout: Stage | None, task: Any, world: Any, restored: Any) -> Carry:
     """The run's rollout stage and prompt source: with ``deploy.carry_over`` the :func:`carried` pair, else as given.
 
     Args:
       cfg: the run's config.
       rollout, task: the deployment's rollout stage and the prompt source.
-      rank, start: the data-parallel rank and the run's first step.
-      ranks: the data-parallel size.
-      resume: the checkpoint's ``"carry"`` entry (:meth:`CarryBook.state`) of a resumed run, or None.
+      world: the run's :class:`rlcore.train.World` (its data-parallel rank and size).
+      restored: the run's first step and the checkpoint's entries (:class:`rlcore.train.run_state.Restored`);
+        a resumed run's ``"carry"`` entry (:meth:`CarryBook.state`) is the rows it had in flight.
     """
     if not cfg.deploy.carry_over:
         return Carry(rollout, task, None)
     assert rollout is not None  # carry-over is a disaggregated worker's (the config says so)
+    start, ranks, resume = restored.step, world.dp_size, restored.extra.get("carry")
     book = CarryBook(frontier=start, ranks=ranks) if resume is None else CarryBook.resumed(resume, ranks=ranks)
     stage_, source = carried(
-        rollout, task, rank=rank, start=start, n=cfg.rl.n_samples, staleness=cfg.deploy.staleness, book=book
+        rollout, task, rank=world.dp_rank, start=start, n=cfg.rl.n_samples, staleness=cfg.deploy.staleness, book=book
     )
     return Carry(stage_, source, lambda step: {"carry": book.state(step)})

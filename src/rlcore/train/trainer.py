@@ -55,7 +55,7 @@ from rlcore.train.preemption import StopRequest, stop_on_signals
 from rlcore.train.prompts import run_prompt_source
 from rlcore.train.recipe_stages import stages_for
 from rlcore.train.rollout import InferenceEngine
-from rlcore.train.run_state import check_resume, restore_run, run_extras
+from rlcore.train.run_state import Restored, check_resume, restore_run, run_extras
 from rlcore.train.rundir import prepare_run_dir
 from rlcore.train.scoring import scorers, scoring_plan
 from rlcore.train.step_end import StepEnd
@@ -155,20 +155,12 @@ def _train(
     if resume:  # refused before anything loads: another config, other weights, fewer steps
         check_resume(out, cfg, shapes, allow_change=allow_config_change)
     elif tr.warmup_steps:
-        supervised_warmup(
-            policy,
-            task,
-            cfg,
-            process_group=world.group,
-            rank=world.dp_rank,
-            progress=tr.progress and world.rank == 0,
-            context_parallel=world.cp,
-        )
+        supervised_warmup(policy, task, cfg, world, progress=tr.progress and world.rank == 0)
     models = Models(policy, build_reference(policy, replica, world, teacher=cfg.model.teacher), critic)
     opt = Optimiser(models, cfg, world)
     extras = run_extras(cfg, task)  # the replay buffer, the curriculum, the entropy controller: saved with the run
-    restored = restore_run(out, models, opt, cfg, extras) if resume else None
-    start = restored.step if restored is not None else 0
+    restored = restore_run(out, models, opt, cfg, extras) if resume else Restored(0, {})
+    start = restored.step
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
     steps = StepMetrics.of_run(cfg, start=start, ref_every=plan.ref_every)
     rewards, validator = scorers(cfg, task, reward, world, components=algos.scoring_needs(recipe).score_parts)
@@ -178,15 +170,7 @@ def _train(
         stack.callback(rewards.close)
         deployment = make_deployment(cfg, models, opt, world, task, engine, replica, build_model=build_model)
         stack.callback(deployment.close)
-        carry = with_carry_over(
-            cfg,
-            deployment.rollout,
-            task,
-            rank=world.dp_rank,
-            start=start,
-            ranks=world.dp_size,
-            resume=restored.extra.get("carry") if restored is not None else None,
-        )
+        carry = with_carry_over(cfg, deployment.rollout, task, world, restored)
         end = StepEnd(
             cfg,
             world,

@@ -22,11 +22,9 @@ def supervised_warmup(
     policy: torch.nn.Module,
     task: Any,
     cfg: Config,
+    world: Any = None,
     *,
-    process_group: Any = None,
-    rank: int = 0,
     progress: bool = False,
-    context_parallel: tuple[Any, str] | None = None,
 ) -> torch.Tensor:
     """Supervised warm-up on the task's reference answers (token-mean cross-entropy over the response).
 
@@ -35,18 +33,18 @@ def supervised_warmup(
         (FSDP2 then sums the gradients over the data-parallel ranks).
       task: the task whose reference answers are the targets.
       cfg: the run's config (``trainer.warmup_*``, ``rl.weight_decay``, ``rl.grad_clip``).
-      process_group: the data-parallel group (None: one data-parallel rank). Each step
-        samples ``warmup_batch_size`` prompts per rank as one global batch and this rank
-        takes its share, so the run is the same at any data-parallel size.
-      rank: this process's rank in ``process_group``.
+      world: the run's :class:`rlcore.train.World`, or None (one process). Each step
+        samples ``warmup_batch_size`` prompts per data-parallel rank as one global batch
+        and this rank takes its share, so the run is the same at any data-parallel size;
+        with context parallelism each sequence is split over the context-parallel group
+        (every rank of it takes the same rows).
       progress: show a progress bar.
-      context_parallel: ``(group, mode)``: split each sequence over that context-parallel
-        group (every rank of it takes the same rows), or None.
 
     Returns:
       ``[warmup_steps]`` the detached loss of each step (this rank's value).
     """
     tr = cfg.trainer
+    process_group, rank, context_parallel = (world.group, world.dp_rank, world.cp) if world else (None, 0, None)
     params = [p for p in policy.parameters() if p.requires_grad]
     sharded = any(isinstance(p, DTensor) for p in params)
     apply, named = from_hf(policy)
