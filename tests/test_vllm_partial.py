@@ -11,6 +11,8 @@ weights' keys and values after a switch would be hit (and caught by the log-prob
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,16 @@ import transformers
 from rlcore.dataflow import WeightSync
 from rlcore.seeding import Purpose, RowStream
 from rlcore.testing.reference import partial_greedy_ref, response_logprobs_ref
-from rlcore.train import VLLMEngine, VLLMOptions, left_pad, load_config, read_metrics, train
+from rlcore.train import (
+    RolloutServer,
+    VLLMEngine,
+    VLLMOptions,
+    WorkerDeployment,
+    left_pad,
+    load_config,
+    read_metrics,
+    train,
+)
 from rlcore.train.step_metrics import StepMetrics
 from tiny_runs import QUIET, TINY_BATCH, TINY_ROLLOUT
 
@@ -195,24 +206,80 @@ def by_length(prompts, responses, **columns):
     return [len(r) / 6 for r in responses]
 
 
+class BehindUntilNewer:
+    """The worker's :class:`rlcore.dataflow.LatestWeights`, whose first look after the first token waits for a newer version.
+
+    Only while the call's rows are behind (the version held is older than the
+    iteration's): the trainer is then updating on the previous iteration and publishes
+    the next version (bounded wait). Every such rollout is interrupted after its first
+    token, whatever the machine's load.
+    """
+
+    def __init__(self, latest, iteration):
+        self.latest, self.iteration, self.asked = latest, iteration, 0
+
+    @property
+    def version(self):
+        return self.latest.version
+
+    @property
+    def params(self):
+        return self.latest.params
+
+    def __call__(self):
+        self.asked += 1  # 1: the server's look before it starts; 2: the engine's after the first token
+        if self.asked == 2 and self.latest.version < self.iteration:
+            end = time.monotonic() + 120
+            while time.monotonic() < end:
+                if self.latest():
+                    return True
+                time.sleep(0.01)
+        return self.latest()
+
+
+def interrupted_server(cfg_dict, vocab_size, build):
+    """In the worker: the trainer's RolloutServer (vLLM), its rollouts made to meet the next version mid-way."""
+    server = RolloutServer(cfg_dict, vocab_size, build)
+    assert isinstance(server.engine, VLLMEngine)
+
+    def generate(batch, weights, latest=None):
+        assert latest is not None  # deploy.partial_rollouts: the worker is interruptible
+        return server(batch, weights, BehindUntilNewer(latest, int(batch["iteration"][0])))
+
+    return generate
+
+
 def test_a_partial_rollout_run_on_vllm_trains_every_row_once_within_the_bound(tmp_path, monkeypatch):
-    trained: list[tuple[int, int, list[int]]] = []
+    """Each iteration's rows scored once and trained once, rows of two versions among them, every token within 1."""
+    scored: list[int] = []
+    trained: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}
     on_metrics = StepMetrics.on_metrics
 
+    def reward(prompts, responses, **columns):  # one call per iteration (rewards in the trainer's process)
+        scored.append(len(responses))
+        return by_length(prompts, responses)
+
     def record(self, b, loss, metrics):  # the rows each optimiser update trains, and their tokens' versions
-        for it, row, vs, m in zip(b["iteration"], b["row"], b["token_version"], b["mask"]):
-            trained.append((int(it), int(row), sorted(set(vs[m != 0].tolist()))))
+        for it, ids, keep, vs, m in zip(b["iteration"], b["prompts"], b["prompt_mask"], b["token_version"], b["mask"]):
+            prompt = tuple(ids[keep != 0].tolist())
+            trained.setdefault(int(it), []).append((prompt, sorted(set(vs[m != 0].tolist()))))
         on_metrics(self, b, loss, metrics)
 
     monkeypatch.setattr(StepMetrics, "on_metrics", record)
+    monkeypatch.setattr(WorkerDeployment, "server", staticmethod(interrupted_server))
     cfg = vllm_cfg(tmp_path, "trainer.steps=4", "deploy.staleness=1", *PARTIAL)
-    run = train(cfg, reward=by_length)
+    run = train(cfg, reward=reward)
     assert [r["step"] for r in run.records] == [0, 1, 2, 3]
-    rows = cfg.rl.batch_size * cfg.rl.n_samples
-    keys = [(it, row) for it, row, _ in trained]
-    assert sorted(keys) == [(it, row) for it in range(4) for row in range(rows)]  # each row once
-    for it, _, vs in trained:
-        assert vs and all(0 <= it - v <= 1 for v in vs), (it, vs)  # the bound on the oldest token
+    n, rows = cfg.rl.n_samples, cfg.rl.batch_size * cfg.rl.n_samples
+    assert scored == [rows] * 4
+    assert sorted(trained) == [0, 1, 2, 3]
+    for it, got in trained.items():
+        assert len(got) == rows  # no row trained twice, none left out (epochs 1)
+        assert all(c % n == 0 for c in Counter(p for p, _ in got).values())  # whole groups of n samples
+        for _, vs in got:
+            assert vs and all(0 <= it - v <= 1 for v in vs), (it, vs)  # the bound on the oldest token
+    two = [vs for got in trained.values() for _, vs in got if len(vs) == 2]
+    assert two and all(vs[1] == vs[0] + 1 for vs in two)  # interrupted rows: the old version, then the next
     for r in read_metrics(tmp_path / "metrics.jsonl"):
         assert 0 <= r["token_lag"] <= r["token_lag_max"] <= 1 and r["sync_bytes"] > 0
         assert r["token_lag_max"] <= r["policy_lag_max"]
