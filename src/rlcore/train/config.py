@@ -856,7 +856,7 @@ def _check_partial_rollouts(cfg: Config) -> None:
         )
     if not d.partial_rollouts:
         return
-    refused = [
+    refused: list[tuple[str, Any, bool, str]] = [
         ("deploy.async_infer", d.async_infer, not d.async_infer, "true (without it no version arrives mid-rollout)"),
         ("deploy.mode", d.mode, d.mode != "disaggregated", "'disaggregated' (the rollout worker takes new versions)"),
         ("deploy.backend", d.backend, d.backend != "local", "'local' (the Ray actor takes versions between calls)"),
@@ -872,7 +872,7 @@ def _check_partial_rollouts(cfg: Config) -> None:
             raise ValueError(f"config key {key!r}: got {got!r} with deploy.partial_rollouts true, expected {expected}")
     if not d.carry_over:
         return
-    carried = [
+    carried: list[tuple[str, Any, bool, str]] = [
         ("deploy.engine", d.engine, d.engine != "torch", "'torch' (carried rows decode on the torch engine)"),
         (
             "trainer.max_worker_restarts",
