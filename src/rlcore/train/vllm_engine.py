@@ -19,6 +19,10 @@ platform plugin with the same API) and vLLM's CPU build (``pip install -e ".[vll
   :class:`~rlcore.train.Rollout`'s definition; with truncation vLLM reports the
   renormalised, truncated distribution's log-probs. Greedy (``temperature=0``): the
   untempered log-softmax.
+* Interruptible (partial) rollouts: ``generate(refresh=, version=)`` steps the engine and,
+  when ``refresh()`` loaded a newer version, aborts the unfinished requests at that token
+  boundary and resubmits each from its prompt plus the tokens sampled so far; each token
+  records the version that sampled it (:attr:`~rlcore.train.Rollout.versions`).
 * Weights: :meth:`VLLMEngine.receiver` takes a :class:`rlcore.dataflow.WeightPacket`
   and streams its buckets, one after the other, into vLLM's in-place reload (the model's
   ``load_weights`` with layer-wise re-processing into kernel format); nothing touches the
@@ -629,7 +633,11 @@ class VLLMEngine:
                     if new is not None:  # new weights: stop here, drop the old keys and values, resume on the new ones
                         engine.abort_request(list(live), internal=False)
                         live.clear()
-                        self.llm.reset_prefix_cache()
+                        if not self.llm.reset_prefix_cache():  # only a request of another caller could hold blocks
+                            raise RuntimeError(
+                                "generate: the prefix cache could not be dropped after a weight load (another "
+                                "request holds KV blocks): the resumed requests would read the old weights' cache"
+                            )
                         version = int(new)
                         submit()
             finally:  # a refresh that raised leaves no request behind for the next call
