@@ -12,7 +12,9 @@ per second count the response tokens each engine produced (a row may stop at
 ``<eos>``); the time is the median of ``--repeats`` calls after one warm-up call.
 Printed per size: both medians, both rates, and the ratio vLLM / torch (target: at
 least 2x at 256 x 128 and above). Threads: torch's setting (``--threads``, default
-all cores), the same for both.
+all cores), the same for both. ``--stepped`` also times vLLM's interruptible path
+(``generate(refresh=)``, the engine stepped one token at a time and asked for new weights
+between steps; none arrives) and prints its time over the plain call's.
 """
 
 from __future__ import annotations
@@ -57,12 +59,17 @@ def prompts(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return left_pad([torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths], PAD)
 
 
+def _never() -> None:
+    """A refresh under which no new version ever arrives: the interruptible path's own cost."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="32x32,128x64,256x128,512x128", help="ROWSxNEW, comma-separated")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--stepped", action="store_true", help="also time vLLM's interruptible (partial) path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -92,20 +99,26 @@ def main() -> None:
             "vllm": vllm_engine.sampling(max_new_tokens=new),
             "torch": TorchEngine(policy, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=new),
         }
+        calls = {name: {} for name in engines}
+        if args.stepped:
+            engines["stepped"] = engines["vllm"]
+            calls["stepped"] = {"refresh": _never}
         seconds, tokens = {}, {}
         for name, engine in engines.items():
             out: list = []
 
-            def call(engine=engine, out=out) -> None:
+            def call(engine=engine, out=out, kw=calls[name]) -> None:
                 stream = RowStream(0, Purpose.SAMPLING, 0)
-                out[:] = [engine.generate(ids, mask, n=SAMPLES, generator=stream)]
+                out[:] = [engine.generate(ids, mask, n=SAMPLES, generator=stream, **kw)]
 
             seconds[name] = median_time(call, repeats=args.repeats, warmup=1)
             tokens[name] = int(out[0].mask.sum())
         rate = {k: tokens[k] / seconds[k] for k in engines}
+        stepped = f"   stepped / plain vllm time {seconds['stepped'] / seconds['vllm']:5.2f}x" if args.stepped else ""
         print(
             f"{rows:4d} seqs x {new:3d} new tokens   vllm {seconds['vllm']:8.3f} s {rate['vllm']:9.1f} tok/s   "
-            f"torch {seconds['torch']:8.3f} s {rate['torch']:9.1f} tok/s   ratio {rate['vllm'] / rate['torch']:5.2f}x",
+            f"torch {seconds['torch']:8.3f} s {rate['torch']:9.1f} tok/s   ratio {rate['vllm'] / rate['torch']:5.2f}x"
+            f"{stepped}",
             flush=True,
         )
     vllm_engine.close()

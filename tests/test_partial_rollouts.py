@@ -169,13 +169,9 @@ BASE = {"model": {"model_name_or_path": {"model_type": "qwen2"}}}
         ({"partial_rollouts": True}, "deploy.async_infer"),
         ({"partial_rollouts": True, "async_infer": True}, "deploy.mode"),
         ({"partial_rollouts": True, "async_infer": True, "mode": "disaggregated", "backend": "ray"}, "deploy.backend"),
-        (
-            {"partial_rollouts": True, "async_infer": True, "mode": "disaggregated", "engine": "vllm"},
-            "deploy.engine",
-        ),
     ],
 )
-def test_partial_rollouts_need_an_async_local_torch_worker(deploy, key):
+def test_partial_rollouts_need_an_async_local_worker(deploy, key):
     with pytest.raises(ValueError, match=f"config key '{key}'.*deploy.partial_rollouts true"):
         parse_config({**BASE, "deploy": deploy})
     assert parse_config(

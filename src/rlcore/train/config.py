@@ -21,11 +21,13 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              disaggregated (rollout in its own process, weights synced to it)
     deploy.async_infer                       the next iterations' rollout overlaps the current update
     deploy.staleness                         with async_infer: how many versions a rollout may lag (default 1)
-    deploy.partial_rollouts                  with async_infer, disaggregated, the torch engine: interruptible
+    deploy.partial_rollouts                  with async_infer, disaggregated, the local worker: interruptible
                                              rollouts (AReaL): a newer version reaching the worker mid-rollout
-                                             is taken between two tokens; each token records its version
+                                             is taken between two tokens (vLLM: unfinished requests aborted and
+                                             resubmitted from their token ids); each token records its version
                                              (token_version); the row's oldest token stays within staleness
-    deploy.carry_over                        with partial_rollouts: unfinished rows stay in flight across steps
+    deploy.carry_over                        with partial_rollouts, the torch engine: unfinished rows stay in
+                                             flight across steps
                                              (AReaL); a batch is the first rl.batch_size groups whose n samples
                                              all finished, no token older than staleness (default false); a
                                              checkpoint keeps the rows not yet trained, redone on resume
@@ -896,23 +898,34 @@ def _check_partial_rollouts(cfg: Config) -> None:
         )
     if not d.partial_rollouts:
         return
-    refused = [
+    refused: list[tuple[str, Any, bool, str]] = [
         ("deploy.async_infer", d.async_infer, not d.async_infer, "true (without it no version arrives mid-rollout)"),
         ("deploy.mode", d.mode, d.mode != "disaggregated", "'disaggregated' (the rollout worker takes new versions)"),
-        ("deploy.engine", d.engine, d.engine != "torch", "'torch' (vLLM's abort and resume are not wired yet)"),
         ("deploy.backend", d.backend, d.backend != "local", "'local' (the Ray actor takes versions between calls)"),
+        (
+            "rl.multi_turn",
+            "a section",
+            cfg.rl.multi_turn is not None,
+            "null (an agent rollout takes new versions between calls, not between turns)",
+        ),
     ]
     for key, got, bad, expected in refused:
         if bad:
             raise ValueError(f"config key {key!r}: got {got!r} with deploy.partial_rollouts true, expected {expected}")
     if not d.carry_over:
         return
-    carried: list[tuple[str, Any, str]] = [
-        ("deploy.stale_refills", d.stale_refills, "0 (carried rows are never trained past the staleness bound)"),
-        ("rl.multi_turn", cfg.rl.multi_turn, "null (agent trajectories are not carried)"),
+    carried: list[tuple[str, Any, bool, str]] = [
+        ("deploy.engine", d.engine, d.engine != "torch", "'torch' (carried rows decode on the torch engine)"),
+        (
+            "deploy.stale_refills",
+            d.stale_refills,
+            bool(d.stale_refills),
+            "0 (carried rows are never trained past the staleness bound)",
+        ),
+        ("rl.multi_turn", cfg.rl.multi_turn, bool(cfg.rl.multi_turn), "null (agent trajectories are not carried)"),
     ]
-    for key, got, expected in carried:
-        if got:
+    for key, got, bad, expected in carried:
+        if bad:
             raise ValueError(f"config key {key!r}: got {got!r} with deploy.carry_over true, expected {expected}")
 
 

@@ -208,7 +208,11 @@ class RolloutServer:
       vocab_size: the task tokenizer's vocabulary.
       build_model: ``(config, vocab_size) -> model`` (picklable).
 
-    With ``deploy.carry_over`` the torch engine's rows stay in flight across calls
+    ``deploy.partial_rollouts``: a version published while the engine generates is
+    loaded between two tokens (the torch engine: two decode steps; vLLM: two engine
+    steps, its unfinished requests aborted and resubmitted from their token ids) and each
+    token records the version that sampled it. With ``deploy.carry_over`` the torch
+    engine's rows stay in flight across calls
     (:class:`rlcore.train.carry.ContinuousRollout`): each call returns finished groups.
 
     Attributes:
@@ -262,7 +266,8 @@ class RolloutServer:
         self._take(latest.params)
         if self.carry is not None:  # deploy.carry_over: the rows in flight, and finished groups back
             return self.carry(batch, refresh, latest.version)
-        assert isinstance(self.engine, TorchEngine)  # the config allows partial rollouts with the torch engine only
+        # Both engines stop at a token boundary and continue from the token ids (vLLM: abort, resubmit).
+        assert isinstance(self.engine, (TorchEngine, VLLMEngine))
         r = self.engine.generate(
             batch["prompts"], batch["prompt_mask"], n=1, generator=stream, refresh=refresh, version=latest.version
         )

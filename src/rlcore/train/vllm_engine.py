@@ -19,6 +19,10 @@ platform plugin with the same API) and vLLM's CPU build (``pip install -e ".[vll
   :class:`~rlcore.train.Rollout`'s definition; with truncation vLLM reports the
   renormalised, truncated distribution's log-probs. Greedy (``temperature=0``): the
   untempered log-softmax.
+* Interruptible (partial) rollouts: ``generate(refresh=, version=)`` steps the engine and,
+  when ``refresh()`` loaded a newer version, aborts the unfinished requests at that token
+  boundary and resubmits each from its prompt plus the tokens sampled so far; each token
+  records the version that sampled it (:attr:`~rlcore.train.Rollout.versions`).
 * Weights: :meth:`VLLMEngine.receiver` takes a :class:`rlcore.dataflow.WeightPacket`
   and streams its buckets, one after the other, into vLLM's in-place reload (the model's
   ``load_weights`` with layer-wise re-processing into kernel format); nothing touches the
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -46,7 +51,7 @@ import torch
 from rlcore._checks import check_integer, check_ndim, check_same_shape
 from rlcore.agent.decode import Turn
 from rlcore.dataflow.weight_sync import WeightPacket
-from rlcore.seeding import RowStream, mix
+from rlcore.seeding import Purpose, RowStream, mix
 from rlcore.train.rollout import Rollout
 
 __all__ = ["VLLMEngine", "VLLMOptions", "import_vllm", "parse_vllm_options", "require_vllm", "sleep_mode_available"]
@@ -384,6 +389,7 @@ class VLLMEngine:
         self.config = config  # the model's Hugging Face config: vocabulary and positions for the agent rollout
         self.cached_tokens = 0  # prompt tokens served from the prefix cache by sample_turn, over the engine's life
         self._turns = 0  # sample_turn calls: the prefix of their request ids
+        self._calls = 0  # request batches of interruptible generate calls: the prefix of their request ids
         self._tmpdir: str | None = None
         self._module: torch.nn.Module | None = None
         memory: dict[str, Any] = (
@@ -470,19 +476,46 @@ class VLLMEngine:
         return torch.randint(0, 2**62, (rows,), generator=generator).tolist()
 
     def generate(
-        self, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, n: int, generator: torch.Generator | None
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        n: int,
+        generator: torch.Generator | None,
+        refresh: Callable[[], int | None] | None = None,
+        version: int = 0,
     ) -> Rollout:
         """Sample ``n`` responses per left-padded prompt; row ``i * n + j`` is sample ``j`` of prompt ``i``.
+
+        Interruptible (partial) rollouts (AReaL, Fu et al., 2025, arXiv:2505.24298), as
+        :func:`rlcore.train.generate` takes them: with ``refresh`` the requests are stepped
+        one engine step (one token per running request) at a time and ``refresh()`` is
+        asked between two steps whether it loaded new weights into this engine. When it
+        returns a version, every unfinished request is aborted at that token boundary,
+        the prefix cache (keys and values of the old weights) is dropped, and each is
+        submitted again as a new request whose prompt is its prompt plus the tokens it
+        sampled so far and whose ``max_tokens`` is what is left of ``max_new_tokens``:
+        the new weights prefill that context once and continue from the same token ids.
+        The tokens and log-probs of the pieces are concatenated; :attr:`Rollout.versions`
+        records the version that sampled each token. A resumed request draws from a seed
+        keyed by its row's seed and the position it resumes at, so a rollout with the
+        same interruption points reproduces itself; it does not reproduce the
+        uninterrupted rollout's later tokens (vLLM's per-request generator starts again).
 
         Args:
           prompts: ``[B, P]`` int64 left-padded ids; prompt_mask: ``[B, P]``, 1 on real tokens.
           n: samples per prompt.
           generator: a :class:`rlcore.seeding.RowStream` (each row's seed from its key),
             a ``torch.Generator`` (one seed per row drawn from it), or None (torch's default).
+          refresh: ``refresh() -> new version or None``, asked between two engine steps; it
+            loads the new weights into this engine itself (e.g. :meth:`load_weights`).
+            None: one uninterrupted ``LLM.generate``.
+          version: the weights version the call starts with (``Rollout.versions``' first value).
 
         Returns:
           a :class:`~rlcore.train.Rollout` with ``B * n`` rows, on ``prompts``' device;
-          ``logp`` is vLLM's log-prob of each sampled token.
+          ``logp`` is vLLM's log-prob of each sampled token (under the version that sampled
+          it); ``versions`` is set when ``refresh`` is given.
         """
         from vllm import SamplingParams
 
@@ -491,6 +524,10 @@ class VLLMEngine:
         check_same_shape("prompt_mask", prompt_mask, "prompts", prompts)
         if not _is_int(n) or n < 1:
             raise ValueError(f"n: got {n!r}, expected an int >= 1")
+        if refresh is not None and not callable(refresh):
+            raise ValueError(f"refresh: got {type(refresh).__name__}, expected a callable () -> version or None")
+        if not _is_int(version):
+            raise ValueError(f"version: got {version!r}, expected an int")
         ids = prompts.repeat_interleave(n, 0)
         keep = prompt_mask.repeat_interleave(n, 0)
         rows = ids.shape[0]
@@ -504,7 +541,6 @@ class VLLMEngine:
         seeds = self._row_seeds(rows, generator)
         common: dict[str, Any] = dict(
             n=1,
-            max_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k if self.top_k > 0 else -1,
@@ -512,27 +548,116 @@ class VLLMEngine:
             logprobs=0,
             detokenize=False,
         )
-        params = [SamplingParams(seed=s if self.temperature > 0 else None, **common) for s in seeds]
-        requests = [{"prompt_token_ids": t} for t in token_lists]
-        with _host_state_kept():
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-        responses, logp, lengths = self._collate([out.outputs[0] for out in outputs])
+        versions = None
+        if refresh is None:
+            params = [
+                SamplingParams(seed=s if self.temperature > 0 else None, max_tokens=self.max_new_tokens, **common)
+                for s in seeds
+            ]
+            requests = [{"prompt_token_ids": t} for t in token_lists]
+            with _host_state_kept():
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+            pieces = [_Piece(list(o.outputs[0].token_ids), _sampled_logp(o.outputs[0])) for o in outputs]
+        else:
+            pieces = self._interruptible(token_lists, seeds, common, refresh, version)
+            versions = [p.versions for p in pieces]
+        responses, logp, lengths = self._pad([p.tokens for p in pieces], [p.logp for p in pieces])
         mask = (torch.arange(responses.shape[1]) < lengths[:, None]).to(torch.int64)
+        per_token = None
+        if versions is not None:
+            per_token = torch.zeros_like(responses)
+            for i, vs in enumerate(versions):
+                per_token[i, : len(vs)] = torch.tensor(vs, dtype=torch.int64)
         device = prompts.device
-        return Rollout(ids, keep, responses.to(device), logp.to(device), mask.to(device))
+        return Rollout(
+            ids,
+            keep,
+            responses.to(device),
+            logp.to(device),
+            mask.to(device),
+            None if per_token is None else per_token.to(device),
+        )
 
-    def _collate(self, samples: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """vLLM's completions as right-padded ``[rows, width]`` ids and log-probs, and ``[rows]`` lengths."""
-        rows, width = len(samples), max((len(s.token_ids) for s in samples), default=0)
-        tokens = torch.full((rows, width), self.pad_token_id, dtype=torch.int64)
+    def _interruptible(
+        self,
+        contexts: list[list[int]],
+        seeds: list[int],
+        common: dict[str, Any],
+        refresh: Callable[[], int | None],
+        version: int,
+    ) -> list[_Piece]:
+        """Each row's tokens, log-probs and versions, stepped one engine step at a time and resumed on new weights."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        rows = [_Piece([], [], []) for _ in contexts]
+        live: dict[str, int] = {}  # request id -> row, the requests in the engine
+
+        def submit() -> None:
+            self._calls += 1
+            for i, row in enumerate(rows):
+                if row.finished:
+                    continue
+                made = len(row.tokens)
+                seed = seeds[i] if made == 0 else mix(seeds[i], Purpose.SAMPLING, made) >> 1
+                params = SamplingParams(
+                    seed=seed if self.temperature > 0 else None,
+                    max_tokens=self.max_new_tokens - made,
+                    output_kind=RequestOutputKind.DELTA,  # each step's new tokens only
+                    **common,
+                )
+                rid = f"rlcore-generate-{self._calls}-{i}"
+                engine.add_request(rid, {"prompt_token_ids": contexts[i] + row.tokens}, params)
+                live[rid] = i
+
+        with _host_state_kept():
+            submit()
+            try:
+                while live:
+                    for out in engine.step():
+                        i = live.get(out.request_id)
+                        if i is None:
+                            continue
+                        piece = out.outputs[0]
+                        row = rows[i]
+                        row.tokens.extend(piece.token_ids)
+                        row.logp.extend(_sampled_logp(piece))
+                        row.versions.extend([version] * len(piece.token_ids))
+                        if out.finished:
+                            row.finished = True
+                            del live[out.request_id]
+                    if not live:
+                        break
+                    new = refresh()
+                    if new is not None:  # new weights: stop here, drop the old keys and values, resume on the new ones
+                        engine.abort_request(list(live), internal=False)
+                        live.clear()
+                        if not self.llm.reset_prefix_cache():  # only a request of another caller could hold blocks
+                            raise RuntimeError(
+                                "generate: the prefix cache could not be dropped after a weight load (another "
+                                "request holds KV blocks): the resumed requests would read the old weights' cache"
+                            )
+                        version = int(new)
+                        submit()
+            finally:  # a refresh that raised leaves no request behind for the next call
+                if live:
+                    engine.abort_request(list(live), internal=False)
+        return rows
+
+    def _pad(
+        self, tokens: Sequence[Sequence[int]], logps: Sequence[Sequence[float]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of token ids and their log-probs as right-padded ``[rows, width]`` tensors, and ``[rows]`` lengths."""
+        rows, width = len(tokens), max((len(t) for t in tokens), default=0)
+        out = torch.full((rows, width), self.pad_token_id, dtype=torch.int64)
         logp = torch.zeros(rows, width, dtype=torch.float32)
         lengths = torch.zeros(rows, dtype=torch.int64)
-        for i, s in enumerate(samples):
-            n = len(s.token_ids)
-            tokens[i, :n] = torch.tensor(s.token_ids, dtype=torch.int64)
-            logp[i, :n] = torch.tensor([pos[t].logprob for pos, t in zip(s.logprobs, s.token_ids)])
-            lengths[i] = n
-        return tokens, logp, lengths
+        for i, (t, lp) in enumerate(zip(tokens, logps)):
+            out[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+            logp[i, : len(t)] = torch.tensor(lp, dtype=torch.float32)
+            lengths[i] = len(t)
+        return out, logp, lengths
 
     def sample_turn(
         self,
@@ -630,7 +755,7 @@ class VLLMEngine:
                 left = [rid for rid, i in row_of.items() if samples[i] is None]
                 if left:
                     engine.abort_request(left, internal=False)
-        tokens, logp, lengths = self._collate(samples)
+        tokens, logp, lengths = self._pad([list(s.token_ids) for s in samples], [_sampled_logp(s) for s in samples])
         return Turn(tokens, logp, lengths)
 
     # -- memory --------------------------------------------------------------------------
@@ -789,6 +914,21 @@ class VLLMEngine:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+
+@dataclasses.dataclass
+class _Piece:
+    """One row of an interruptible rollout so far: its tokens, their log-probs and versions, whether it stopped."""
+
+    tokens: list[int]
+    logp: list[float]
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+
+
+def _sampled_logp(completion: Any) -> list[float]:
+    """vLLM's log-prob of each sampled token of a completion (``logprobs=0``: the sampled token's entry)."""
+    return [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
 
 
 def _bucket_views(packet: WeightPacket, *, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
