@@ -168,9 +168,13 @@ def generalized_jsd_loss(
         raise ValueError(f"top_k: got {top_k!r}, expected None or an int in [1, {vocab}] (the vocabulary size)")
     acc = acc_dtype(student_logits.dtype)
     keep, weights, total = _keep_and_total(mask, acc)
-    # Padding may hold nan: it reaches neither a value nor a gradient.
-    student = torch.where(keep[..., None], student_logits.to(acc), 0.0) / temperature
-    teacher = torch.where(keep[..., None], teacher_logits.detach().to(acc), 0.0) / temperature
+    # Padding may hold nan: it reaches neither a value nor a gradient. The student's padding is
+    # zeroed before anything reads it; the teacher's reaches only padded positions' values, which
+    # the last where drops, and their gradients, which the student's where drops.
+    student = torch.where(keep[..., None], student_logits.to(acc), 0.0)
+    teacher = teacher_logits.detach().to(acc)
+    if temperature != 1.0:
+        student, teacher = student / temperature, teacher / temperature
     if top_k is not None:
         support = teacher.topk(top_k, dim=-1).indices
         student, teacher = student.gather(-1, support), teacher.gather(-1, support)
