@@ -419,7 +419,9 @@ def bench_policy_losses_vs_verl(repeats: int) -> None:
     def theirs(fn, config):  # type: ignore[no-untyped-def]
         def run() -> torch.Tensor:
             lp = batch["logp"].clone().requires_grad_(True)
-            fn(batch["old_logp"], lp, batch["advantages"], maskf, loss_agg_mode="token-mean", config=config)[0].backward()
+            fn(batch["old_logp"], lp, batch["advantages"], maskf, loss_agg_mode="token-mean", config=config)[
+                0
+            ].backward()
             return lp.grad
 
         return run

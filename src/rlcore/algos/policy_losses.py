@@ -128,7 +128,8 @@ def _prepare(
     # torch.where (not a multiply) keeps nan padding out of every value and every gradient.
     acc = acc_dtype(logp.dtype)
     keep = mask if mask.dtype == torch.bool else mask != 0
-    lp = old_lp = None
+    lp: torch.Tensor | None = None
+    old_lp: torch.Tensor | None = None
     with torch.no_grad():
         # A boolean mask serves as 0/1 weights as it is (no float copy).
         weights = mask if mask.dtype == torch.bool else mask.to(acc)
@@ -136,9 +137,9 @@ def _prepare(
         total = torch.count_nonzero(mask).to(acc) if mask.dtype == torch.bool else mask.sum(dtype=acc)
         # -A in one buffer; -0.0 at mask 0 negates to +0.
         neg_adv = torch.where(keep, advantages.detach().to(acc), -0.0).neg_()
-        if with_logp:
-            old_lp = torch.where(keep, old_logp.detach().to(acc), 0.0)
     if with_logp:
+        with torch.no_grad():
+            old_lp = torch.where(keep, old_logp.detach().to(acc), 0.0)
         lp = torch.where(keep, _cast(logp, acc), 0.0)
         raw = lp - old_lp
     else:
