@@ -22,6 +22,15 @@ Claims (issue 17), against verl's own vectorised implementations written out bel
     fractions and a KL estimate), the default metric set is printed beside it, then
     each side's whole composition ``torch.compile``'d.
 
+Claims (issue 28), against the peers' own code, imported when present (``_peers.py``):
+  * DPPO (TV and binary KL), DRO, Clip-Cov and KL-Cov, each + token-mean ``aggregate``,
+    forward and backward at [256, 1024], against verl 0.9.1's ``compute_policy_loss_*``;
+  * GDPO (3 components, B = 2048 in groups of 16, T = 512) and the optimal token baseline
+    (single- and multi-turn, [512, 1024]) against verl's estimators;
+  * GKD's generalised JSD (beta 0.5 and 1) forward and backward on [8, 256, 4096] logits,
+    and the reward-model loss on 8192 pairs, against TRL 1.16;
+  target for each: not slower than the peer (>= 1x).
+
 Eager rows are timed before any compiled call (a compiled function's worker threads slow
 the eager calls that follow on a busy machine).
 
@@ -398,9 +407,11 @@ POLICY_PEERS = {
 
 def bench_policy_losses_vs_verl(repeats: int) -> None:
     """Each loss + token-mean aggregation, forward and backward at [256, 1024], against verl's function
-    with ``loss_agg_mode="token-mean"`` (its metrics read to the host, as verl returns them).
-    Clip-Cov draws the tokens it cuts at random on both sides, so its agreement is checked
-    where every eligible token is cut (``cov_fraction=1``) and timed at the default."""
+    with ``loss_agg_mode="token-mean"`` (its metrics read to the host, as verl returns them). The
+    headline asks rlcore for a metric set like verl's (``ratio_stats=False``: the KL estimate and
+    the loss's own fractions); the default, which adds the ratio's mean, min and max, is printed
+    beside it. Clip-Cov draws the tokens it cuts at random on both sides, so its agreement is
+    checked where every eligible token is cut (``cov_fraction=1``) and timed at the default."""
     verl = peer("verl.trainer.ppo.core_algos")
     if verl is None:
         return
@@ -435,10 +446,12 @@ def bench_policy_losses_vs_verl(repeats: int) -> None:
         else:
             want, got = theirs(peer_fn, config())(), ours(loss, kw)()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-9)
-        fns[name], fns[f"{name}_verl"] = ours(loss, kw), theirs(peer_fn, config())
+        fns[name], fns[f"{name}_verl"] = ours(loss, {**kw, "ratio_stats": False}), theirs(peer_fn, config())
+        fns[f"{name}_all"] = ours(loss, kw)
     t = _alternate(fns, repeats * 4)
     for name in POLICY_PEERS:
         report(f"{name} loss+aggregate fwd+bwd vs verl [256,1024]", t[name], t[f"{name}_verl"], target=1.0)
+        report("  same, with ratio mean/min/max (the default)", t[f"{name}_all"], t[f"{name}_verl"])
 
 
 def bench_gdpo_vs_verl(repeats: int) -> None:
