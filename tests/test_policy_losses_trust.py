@@ -267,8 +267,8 @@ def test_kl_cov_selection_breaks_ties_by_position_on_both_paths(frac):
     adv = torch.where(torch.rand(b, t, generator=g) > 0.5, 1.0, -1.0)
     logp = torch.where(torch.rand(b, t, generator=g) > 0.5, -0.5, -2.0)
     mask = torch.rand(b, t, generator=g) > 0.2
-    loss, grad, m = _run(algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask})
-    wloss, wgrad, wm = _run(
+    loss, grad, _ = _run(algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask})
+    wloss, wgrad, _ = _run(
         algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask.double()}
     )
     torch.testing.assert_close(loss, wloss.float(), rtol=0, atol=0)
