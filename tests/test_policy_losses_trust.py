@@ -268,9 +268,7 @@ def test_kl_cov_selection_breaks_ties_by_position_on_both_paths(frac):
     logp = torch.where(torch.rand(b, t, generator=g) > 0.5, -0.5, -2.0)
     mask = torch.rand(b, t, generator=g) > 0.2
     loss, grad, _ = _run(algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask})
-    wloss, wgrad, _ = _run(
-        algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask.double()}
-    )
+    wloss, wgrad, _ = _run(algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask.double()})
     torch.testing.assert_close(loss, wloss.float(), rtol=0, atol=0)
     torch.testing.assert_close(grad, wgrad.float(), rtol=0, atol=0)
     want_loss, want_grad, _ = ref.kl_cov_loss_ref(logp, old, adv, mask, cov_fraction=frac)
