@@ -904,7 +904,7 @@ def _first_ranked(keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tenso
     above = flat > pivot
     tied = (flat == pivot).logical_and_(eligible.flatten())
     need = count - above.sum()
-    return above.logical_or_(tied.logical_and_(tied.cumsum(0) <= need)).view(keys.shape)
+    return above.logical_or_(tied.logical_and_(torch.cumsum(tied, 0, dtype=torch.int32) <= need)).view(keys.shape)
 
 
 def clip_cov_loss(
