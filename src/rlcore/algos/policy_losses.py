@@ -882,16 +882,19 @@ def _select_count(fraction: float, tok: _Tokens) -> tuple[torch.Tensor, int | No
     return count, bound
 
 
-def _first_ranked(keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor, bound: int | None) -> torch.Tensor:
+def _first_ranked(
+    keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor, bound: int | None, *, owned: bool = False
+) -> torch.Tensor:
     """The ``count`` eligible positions with the largest ``keys`` (fewer if fewer are eligible), as a bool mask.
 
     Ties go to the earlier position in row-major order. ``count`` is a device scalar, so no
     count is read back: with a static ``bound >= count`` the ``count``-th largest key is read
     from a ``topk`` of ``bound`` keys (a few hundred of a batch's tokens at the published
     fractions), every key above it is selected and the ties at it are taken in order;
-    without one, a stable sort of the whole batch ranks every position.
+    without one, a stable sort of the whole batch ranks every position. ``owned``: ``keys`` is a
+    buffer of the caller's that may be overwritten.
     """
-    flat = torch.where(eligible, keys, -torch.inf).flatten()
+    flat = (keys.masked_fill_(~eligible, -torch.inf) if owned else torch.where(eligible, keys, -torch.inf)).flatten()
     n = flat.numel()
     if n == 0:
         return eligible
@@ -993,7 +996,7 @@ def clip_cov_loss(
         eligible = (cov > cov_low).logical_and_(cov < cov_high).logical_and_(tok.keep)
         eligible.logical_and_(clip_low_t.logical_or(clip_high_t).logical_not_())
         u = torch.rand(logp.shape, device=logp.device) if noise is None else noise.detach().to(cov.dtype)
-        cut = _first_ranked(u, eligible, *_select_count(cov_fraction, tok))
+        cut = _first_ranked(u, eligible, *_select_count(cov_fraction, tok), owned=noise is None)
     loss = torch.where(cut, 0.0, ppo)
     with torch.no_grad():
         metrics = _ratio_sums(r, tok) if ratio_stats else _kl_only(r, tok)
@@ -1055,7 +1058,7 @@ def kl_cov_loss(
     ratio = tok.log_ratio.exp()
     with torch.no_grad():
         cov = _covariance(tok, _logp(logp, tok).detach())
-        selected = _first_ranked(cov, tok.keep, *_select_count(cov_fraction, tok))
+        selected = _first_ranked(cov, tok.keep, *_select_count(cov_fraction, tok), owned=True)
         coef = torch.where(selected, ratio.new_full((), kl_coef), 0.0)
     abs_log_ratio = tok.log_ratio.abs()
     loss = torch.addcmul(tok.neg_adv * ratio, coef, abs_log_ratio)
