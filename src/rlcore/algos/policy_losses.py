@@ -845,11 +845,8 @@ def dro_loss(
     log_ratio = tok.raw_log_ratio
     loss = torch.addcmul(tok.neg_adv * _logp(logp, tok), log_ratio, log_ratio, value=0.5 * beta)
     with torch.no_grad():
-        if ratio_stats:
-            metrics = _ratio_sums(tok.log_ratio.exp(), tok)
-        else:  # the ratio itself is not needed: r - 1 as expm1, one pass
-            lr = tok.log_ratio.detach()
-            metrics = {"approx_kl": _padded_mean(torch.expm1(lr).sub_(lr), tok)}
+        ratio = tok.log_ratio.exp()
+        metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok)
         flat = log_ratio.detach().flatten()
         metrics["log_ratio_sq"] = (
             (torch.dot(flat, flat) / tok.total).float()
