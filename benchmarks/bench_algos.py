@@ -22,6 +22,15 @@ Claims (issue 17), against verl's own vectorised implementations written out bel
     fractions and a KL estimate), the default metric set is printed beside it, then
     each side's whole composition ``torch.compile``'d.
 
+Claims (issue 28), against the peers' own code, imported when present (``_peers.py``):
+  * DPPO (TV and binary KL), DRO, Clip-Cov and KL-Cov, each + token-mean ``aggregate``,
+    forward and backward at [256, 1024], against verl 0.9.1's ``compute_policy_loss_*``;
+  * GDPO (3 components, B = 2048 in groups of 16, T = 512) and the optimal token baseline
+    (single- and multi-turn, [512, 1024]) against verl's estimators;
+  * GKD's generalised JSD (beta 0.5 and 1) forward and backward on [8, 256, 4096] logits,
+    and the reward-model loss on 8192 pairs, against TRL 1.16;
+  target for each: not slower than the peer (>= 1x).
+
 Eager rows are timed before any compiled call (a compiled function's worker threads slow
 the eager calls that follow on a busy machine).
 
@@ -36,15 +45,18 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from rlcore import algos, ops
 from rlcore.algos import aggregate, gae, grpo, grpo_advantages, ppo_clip_loss, rloo_advantages
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _peers import PeerConfig, actor_config, peer
 from _timing import median_time, report
 
 
@@ -352,6 +364,260 @@ def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
     report("  same, both torch.compile'd", tm["ours_c"], tm["verl_c"])
 
 
+# ------------------------------------------ issue 28: against the peers' own code (imported)
+
+
+def _token_batch(b: int, t: int, seed: int) -> dict[str, torch.Tensor]:
+    """A policy batch as both sides need it: padding zeros, log-probs < 0, one advantage per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(t) < torch.randint(t // 4, t + 1, (b, 1), generator=g)
+    logp = torch.rand(b, t, generator=g).clamp(min=1e-3).log()
+    old_logp = (logp + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-6)
+    adv = torch.randn(b, 1, generator=g).expand(b, t)
+    zero = torch.zeros(())
+    return {
+        "logp": torch.where(mask, logp, zero),
+        "old_logp": torch.where(mask, old_logp, zero),
+        "advantages": torch.where(mask, adv, zero),
+        "mask": mask,
+    }
+
+
+# name -> (verl's function, rlcore's loss, rlcore keywords, verl's actor config); the same maths on
+# both sides (the clip range, verl's ratio cap, the coefficients), each at its published default
+# where the two share one.
+POLICY_PEERS = {
+    "dppo_tv": ("compute_policy_loss_dppo_tv", algos.dppo_tv_loss, {}, lambda: actor_config(0.15)),
+    "dppo_kl": ("compute_policy_loss_dppo_kl", algos.dppo_kl_loss, {}, lambda: actor_config(0.05)),
+    "dro": ("compute_policy_loss_dro", algos.dro_loss, {"beta": 0.05}, lambda: actor_config(0.2, dro_beta=0.05)),
+    "clip_cov": (
+        "compute_policy_loss_clip_cov",
+        algos.clip_cov_loss,
+        {"clip_low": 0.2, "clip_high": 0.2},
+        lambda: actor_config(0.2, clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0),
+    ),
+    "kl_cov": (
+        "compute_policy_loss_kl_cov",
+        algos.kl_cov_loss,
+        {},
+        lambda: actor_config(0.2, kl_cov_ratio=2e-4, ppo_kl_coef=1.0),
+    ),
+}
+
+
+def bench_policy_losses_vs_verl(repeats: int) -> None:
+    """Each loss + token-mean aggregation, forward and backward at [256, 1024], against verl's function
+    with ``loss_agg_mode="token-mean"`` (its metrics read to the host, as verl returns them). The
+    headline asks rlcore for a metric set like verl's (``ratio_stats=False``: the KL estimate and
+    the loss's own fractions); the default, which adds the ratio's mean, min and max, is printed
+    beside it. Clip-Cov draws the tokens it cuts at random on both sides, so its agreement is
+    checked where every eligible token is cut (``cov_fraction=1``) and timed at the default."""
+    verl = peer("verl.trainer.ppo.core_algos")
+    if verl is None:
+        return
+    batch = _token_batch(256, 1024, seed=5)
+    mask, maskf = batch["mask"], batch["mask"].float()
+
+    def ours(fn, kw):  # type: ignore[no-untyped-def]
+        def run() -> torch.Tensor:
+            lp = batch["logp"].clone().requires_grad_(True)
+            loss_t, _ = fn(lp, batch["old_logp"], batch["advantages"], mask, **kw)
+            aggregate(loss_t, mask, mode="token-mean").backward()
+            return lp.grad
+
+        return run
+
+    def theirs(fn, config):  # type: ignore[no-untyped-def]
+        def run() -> torch.Tensor:
+            lp = batch["logp"].clone().requires_grad_(True)
+            fn(batch["old_logp"], lp, batch["advantages"], maskf, loss_agg_mode="token-mean", config=config)[
+                0
+            ].backward()
+            return lp.grad
+
+        return run
+
+    fns: dict[str, Callable[[], object]] = {}
+    for name, (peer_name, loss, kw, config) in POLICY_PEERS.items():
+        peer_fn = getattr(verl, peer_name)
+        if name == "clip_cov":
+            all_cut = actor_config(0.2, clip_cov_ratio=1.0, clip_cov_lb=1.0, clip_cov_ub=5.0)
+            want, got = theirs(peer_fn, all_cut)(), ours(loss, {**kw, "cov_fraction": 1.0})()
+        else:
+            want, got = theirs(peer_fn, config())(), ours(loss, kw)()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-9)
+        fns[name], fns[f"{name}_verl"] = ours(loss, {**kw, "ratio_stats": False}), theirs(peer_fn, config())
+        fns[f"{name}_all"] = ours(loss, kw)
+    t = _alternate(fns, repeats * 4)
+    for name in POLICY_PEERS:
+        report(f"{name} loss+aggregate fwd+bwd vs verl [256,1024]", t[name], t[f"{name}_verl"], target=1.0)
+        report("  same, with ratio mean/min/max (the default)", t[f"{name}_all"], t[f"{name}_verl"])
+
+
+def bench_gdpo_vs_verl(repeats: int) -> None:
+    """GDPO on 3 reward components, B = 2048 in groups of 16, T = 512: rlcore's estimator (per-sample
+    advantages, then broadcast to the tokens and whitened over them as verl does, so both give the
+    same [B, T]) against verl's ``compute_gdpo_outcome_advantage`` (one GRPO per component)."""
+    verl = peer("verl.trainer.ppo.core_algos")
+    if verl is None:
+        return
+    b, t, size = 2048, 512, 16
+    g = torch.Generator().manual_seed(6)
+    scores = torch.stack(
+        [torch.randint(0, 2, (b,), generator=g).float(), torch.rand(b, generator=g), torch.randn(b, generator=g)], 1
+    )
+    ids = torch.arange(b) // size
+    mask = torch.arange(t) < torch.randint(1, t + 1, (b, 1), generator=g)
+    weights = [1.0, 0.5, 0.25]
+    keys = ["acc", "fmt", "len"]
+    non_tensor = {k: scores[:, i].numpy() for i, k in enumerate(keys)}
+    peer_batch = {
+        "prompts": torch.zeros(b, 1, dtype=torch.long),
+        "attention_mask": torch.cat([torch.ones(b, 1, dtype=torch.long), mask.long()], 1),
+    }
+    config = PeerConfig(gdpo_reward_keys=keys, gdpo_reward_weights=weights)
+    index = ids.numpy()
+    maskf = mask.float()
+
+    def ours() -> torch.Tensor:
+        summed = algos.gdpo_advantages(scores, ids, weights=weights, batch_norm=False, group_size=size)
+        return ops.masked_whiten(torch.where(mask, summed[:, None], 0.0), mask) * mask
+
+    def ours_samples() -> torch.Tensor:
+        return algos.gdpo_advantages(scores, ids, weights=weights, group_size=size)
+
+    def theirs() -> torch.Tensor:
+        adv, _ = verl.compute_gdpo_outcome_advantage(
+            torch.zeros(b, t), maskf, index, config=config, non_tensor_batch=non_tensor, batch=peer_batch
+        )
+        return adv
+
+    torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-4)
+    tm = _alternate({"ours": ours, "ours_samples": ours_samples, "verl": theirs}, repeats)
+    report("gdpo_advantages vs verl gdpo [2048x3, T=512]", tm["ours"], tm["verl"], target=1.0)
+    report("  rlcore whitening samples (its default)", tm["ours_samples"], tm["verl"])
+
+
+def bench_otb_vs_verl(repeats: int) -> None:
+    """The optimal token baseline at [512, 1024] in groups of 16, single-turn and multi-turn (holes
+    in the mask), against verl's ``compute_optimal_token_baseline_advantage`` and its ``tir_`` variant."""
+    verl = peer("verl.trainer.ppo.core_algos")
+    if verl is None:
+        return
+    b, t, size = 512, 1024, 16
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(t // 4, t + 1, (b, 1), generator=g)
+    plain = torch.arange(t) < lengths
+    holes = plain & (torch.rand(b, t, generator=g) > 0.1)
+    probs = torch.rand(b, t, generator=g).clamp(min=1e-3)
+    old_logp = probs.log()
+    sum_sq = probs.square() + 0.1 * torch.rand(b, t, generator=g) * (1 - probs).square()
+    ids = torch.arange(b) // size
+    index = ids.numpy()
+    fns: dict[str, Callable[[], object]] = {}
+    for multi, mask in ((False, plain), (True, holes)):
+        rewards = torch.zeros(b, t)
+        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask
+        rewards[last] = torch.randint(0, 2, (int(last.sum()),), generator=g).float()
+        maskf = mask.float()
+        peer_fn = (
+            verl.compute_multi_turn_optimal_token_baseline_advantage
+            if multi
+            else verl.compute_optimal_token_baseline_advantage
+        )
+
+        def ours(r=rewards, m=mask, multi=multi):  # type: ignore[no-untyped-def]
+            return algos.optimal_token_baseline_advantages(
+                r, old_logp, sum_sq, m, ids, multi_turn=multi, num_groups=b // size
+            )[0]
+
+        def theirs(r=rewards, m=maskf, fn=peer_fn):  # type: ignore[no-untyped-def]
+            return fn(r, m, index, old_logp, sum_sq)[0]
+
+        torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-4)
+        key = "multi" if multi else "single"
+        fns[key], fns[f"{key}_verl"] = ours, theirs
+    tm = _alternate(fns, repeats)
+    report("optimal token baseline vs verl [512, 1024]", tm["single"], tm["single_verl"], target=1.0)
+    report("  multi-turn (tir_), 10% holes in the mask", tm["multi"], tm["multi_verl"], target=1.0)
+
+
+def bench_jsd_vs_trl(repeats: int) -> None:
+    """GKD's generalised JSD (beta 0.5, and the reverse KL at beta 1) + token mean, forward and backward
+    on [8, 256, 4096] logits, against TRL's ``GKDTrainer.generalized_jsd_loss`` (``batchmean`` over labels)."""
+    gkd = peer("trl.experimental.gkd.gkd_trainer")
+    if gkd is None:
+        return
+    b, t, v = 8, 256, 4096
+    g = torch.Generator().manual_seed(8)
+    student, teacher = 2 * torch.randn(b, t, v, generator=g), 2 * torch.randn(b, t, v, generator=g)
+    mask = torch.arange(t) < torch.randint(t // 4, t + 1, (b, 1), generator=g)
+    labels = torch.where(mask, 1, -100)
+    trl_loss = gkd.GKDTrainer.generalized_jsd_loss
+    fns: dict[str, Callable[[], object]] = {}
+    for beta in (0.5, 1.0):
+
+        def ours(beta=beta):  # type: ignore[no-untyped-def]
+            s = student.clone().requires_grad_(True)
+            loss_t, _ = algos.generalized_jsd_loss(s, teacher, mask, beta=beta)
+            aggregate(loss_t, mask, mode="token-mean").backward()
+            return s.grad
+
+        def theirs(beta=beta):  # type: ignore[no-untyped-def]
+            s = student.clone().requires_grad_(True)
+            trl_loss(s, teacher, labels=labels, beta=beta).backward()
+            return s.grad
+
+        torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-9)
+        fns[f"ours{beta}"], fns[f"trl{beta}"] = ours, theirs
+    tm = _alternate(fns, repeats)
+    report("generalized_jsd_loss fwd+bwd vs TRL [8,256,4096]", tm["ours0.5"], tm["trl0.5"], target=1.0)
+    report("  beta = 1 (reverse KL)", tm["ours1.0"], tm["trl1.0"], target=1.0)
+
+
+def bench_reward_loss_vs_trl(repeats: int) -> None:
+    """The reward-model loss (Bradley-Terry with margins and centring, and its metrics), forward and
+    backward on 8192 pairs, against TRL's ``RewardTrainer.compute_loss`` (its model a lookup of the
+    same rewards, its metrics read to the host as TRL logs them)."""
+    reward = peer("trl.trainer.reward_trainer")
+    if reward is None:
+        return
+    pairs = 8192
+    g = torch.Generator().manual_seed(9)
+    chosen, rejected = 3 * torch.randn(pairs, generator=g), 3 * torch.randn(pairs, generator=g)
+    margin = torch.rand(pairs, generator=g)
+    recipe = algos.rm(center_coef=0.01)
+    fake = types.SimpleNamespace(
+        model=types.SimpleNamespace(training=True),
+        args=types.SimpleNamespace(center_rewards_coefficient=0.01),
+        accelerator=types.SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+
+    def ours() -> torch.Tensor:
+        c, r = chosen.clone().requires_grad_(True), rejected.clone().requires_grad_(True)
+        batch = {"chosen_rewards": c, "rejected_rewards": r, "margins": margin}
+        recipe.loss(batch, **recipe.global_counts(batch))[0].backward()
+        return c.grad
+
+    def theirs() -> torch.Tensor:
+        c, r = chosen.clone().requires_grad_(True), rejected.clone().requires_grad_(True)
+        fake._metrics.clear()
+
+        def model(**_):  # type: ignore[no-untyped-def]
+            return types.SimpleNamespace(logits=torch.cat([c, r])[:, None])
+
+        inputs = {"attention_mask": torch.ones(2 * pairs, 1, dtype=torch.long), "margin": margin}
+        reward.RewardTrainer.compute_loss(fake, model, inputs).backward()
+        return c.grad
+
+    torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-9)
+    tm = _alternate({"ours": ours, "trl": theirs}, repeats * 20)
+    report("reward-model loss fwd+bwd vs TRL RewardTrainer (8192)", tm["ours"], tm["trl"], target=1.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each loop baseline")
@@ -371,6 +637,12 @@ def main() -> None:
         # against verl's vectorised implementations (issue 17)
         bench_grpo_vs_vectorised,
         bench_ppo_loss_vs_vanilla,
+        # issue 28: newer estimators and losses against the peers' own code (skipped when absent)
+        bench_policy_losses_vs_verl,
+        bench_gdpo_vs_verl,
+        bench_otb_vs_verl,
+        bench_jsd_vs_trl,
+        bench_reward_loss_vs_trl,
     ]
     for bench in benchmarks:
         if args.only in bench.__name__:

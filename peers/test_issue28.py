@@ -230,6 +230,20 @@ def test_generalized_jsd_matches_trl(trl_gkd, seed, beta, temperature, data):
     torch.testing.assert_close(algos.aggregate(ours, mask, mode="token-mean"), batchmean, rtol=1e-9, atol=1e-12)
 
 
+def test_trl_jsd_is_nan_at_a_masked_vocabulary_entry(trl_gkd):
+    """TRL's ``F.kl_div`` forms ``exp(t) * (t - s)``, which is ``0 * nan`` where both logits are
+    -inf (a masked vocabulary entry): its loss is nan at every beta. rlcore drops the entry
+    (p = 0 adds 0) and agrees with TRL on the vocabulary without it."""
+    student = torch.tensor([[[0.0, 1.0, -torch.inf]]])
+    teacher = torch.tensor([[[0.5, 0.0, -torch.inf]]])
+    trl_fn = trl_gkd.GKDTrainer.generalized_jsd_loss
+    for beta in (0.0, 0.5, 1.0):
+        assert torch.isnan(trl_fn(student, teacher, beta=beta, reduction="none").sum(-1)).all()
+        ours, _ = algos.generalized_jsd_loss(student, teacher, torch.ones(1, 1), beta=beta)
+        want = trl_fn(student[..., :2], teacher[..., :2], beta=beta, reduction="none").sum(-1)
+        torch.testing.assert_close(ours, want)
+
+
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 999), margin=st.booleans(), center=st.sampled_from([None, 0.01, 1.0]))
 def test_bradley_terry_matches_trl_reward_trainer(trl_reward, seed, margin, center):

@@ -147,6 +147,27 @@ def test_generalized_jsd_invariances(pair, beta, shift):
     assert torch.all(same.abs() < 1e-12) and torch.all(base >= -1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_generalized_jsd_a_masked_vocabulary_entry_adds_nothing(dtype, beta):
+    """A logit of -inf on both sides (a masked vocabulary entry, p = 0) leaves the value and the
+    gradient of the other entries as without it, and gets gradient 0 (not nan)."""
+    g = torch.Generator().manual_seed(6)
+    student = torch.randn(2, 3, 5, generator=g).to(dtype)
+    teacher = torch.randn(2, 3, 5, generator=g).to(dtype)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    masked_s = torch.cat([student, torch.full((2, 3, 1), -torch.inf, dtype=dtype)], -1).requires_grad_(True)
+    masked_t = torch.cat([teacher, torch.full((2, 3, 1), -torch.inf, dtype=dtype)], -1)
+    plain_s = student.clone().requires_grad_(True)
+    loss, _ = algos.generalized_jsd_loss(masked_s, masked_t, mask, beta=beta)
+    want, _ = algos.generalized_jsd_loss(plain_s, teacher, mask, beta=beta)
+    loss.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(masked_s.grad[..., :-1], plain_s.grad)
+    assert torch.all(masked_s.grad[..., -1] == 0)
+
+
 @pytest.mark.parametrize(("beta", "top_k"), [(0.0, None), (0.5, None), (1.0, None), (0.3, 2)])
 def test_generalized_jsd_gradcheck_float64(beta, top_k):
     g = torch.Generator().manual_seed(5)

@@ -239,6 +239,46 @@ def test_clip_cov_draws_uniformly_among_eligible_tokens():
     assert torch.all((counts[:4] > 30) & (counts[:4] < 70)), counts
 
 
+@pytest.mark.parametrize("name", list(IMPL))
+@settings(max_examples=10, deadline=None)
+@given(batch=policy_batches(drifts=("small", "large")), seed=st.integers(0, 9))
+def test_ratio_stats_off_drops_only_the_ratio_extremes(name, batch, seed):
+    kw = {**DEFAULTS.get(name, {})}
+    if name == "clip_cov":
+        kw["noise"] = torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(seed))
+    loss, grad, metrics = _run(IMPL[name], batch, **kw)
+    lean_loss, lean_grad, lean = _run(IMPL[name], batch, **kw, ratio_stats=False)
+    torch.testing.assert_close(lean_loss, loss, rtol=0, atol=0)
+    torch.testing.assert_close(lean_grad, grad, rtol=0, atol=0)
+    assert set(lean) == set(metrics) - {"ratio_mean", "ratio_min", "ratio_max"}
+    for key, value in lean.items():
+        torch.testing.assert_close(value, metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("frac", [0.05, 0.3, 0.5])
+def test_kl_cov_selection_breaks_ties_by_position_on_both_paths(frac):
+    """Equal covariances are penalised in row-major order; the top-k path (a boolean mask) and the
+    whole-batch sort (a weighted mask) select the same tokens, ties included."""
+    g = torch.Generator().manual_seed(0)
+    b, t = 6, 10
+    logp = torch.rand(b, t, generator=g).clamp(min=0.05).log()
+    old = logp - 0.3 * torch.randn(b, t, generator=g)
+    # Two advantage levels and two log-prob levels: four covariance values, many ties each.
+    adv = torch.where(torch.rand(b, t, generator=g) > 0.5, 1.0, -1.0)
+    logp = torch.where(torch.rand(b, t, generator=g) > 0.5, -0.5, -2.0)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    loss, grad, _ = _run(algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask})
+    wloss, wgrad, _ = _run(algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask.double()})
+    torch.testing.assert_close(loss, wloss.float(), rtol=0, atol=0)
+    torch.testing.assert_close(grad, wgrad.float(), rtol=0, atol=0)
+    want_loss, want_grad, _ = ref.kl_cov_loss_ref(logp, old, adv, mask, cov_fraction=frac)
+    loss, grad, _ = _run(
+        algos.kl_cov_loss, {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask}, cov_fraction=frac
+    )
+    assert_close(loss, want_loss, dtype=torch.float32)
+    assert_close(grad, want_grad, dtype=torch.float32)
+
+
 # DPPO's weight is a stop-gradient ratio (as CISPO's): its loss value is not the function
 # whose gradient it returns, so finite differences do not apply; the loop reference checks it.
 @pytest.mark.parametrize("name", ["dro", "clip_cov", "kl_cov"])

@@ -103,9 +103,18 @@ def reverse_kl_distill_loss(
 
 
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    """``sum_v p (log p - log q)`` over the last axis; a token with ``p = 0`` adds 0."""
+    """``sum_v p (log p - log q)`` over the last axis; a token with ``p = 0`` adds 0, to the value and the gradient.
+
+    The difference is zeroed where ``p = 0`` before it is multiplied: ``0 * (-inf)`` would be
+    ``nan`` in the gradient (a logit of ``-inf``, a masked vocabulary entry, has ``p = 0``).
+    """
     p = p_log.exp()
-    return torch.where(p > 0, p * (p_log - q_log), 0.0).sum(-1)
+    return (p * torch.where(p > 0, p_log - q_log, 0.0)).sum(-1)
+
+
+def _kl_finite(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """``sum_v p (log p - log q)`` for finite log-probabilities (where ``p`` underflows to 0, the term is 0)."""
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
 
 
 def generalized_jsd_loss(
@@ -136,7 +145,9 @@ def generalized_jsd_loss(
     1), so the loss's scale jumps by a factor ``1 / beta`` at ``beta = 0`` (``1 / (1 -
     beta)`` at 1). With ``top_k`` both distributions are restricted to the teacher's
     ``k`` most likely tokens at each position and renormalised there. Computed in
-    float32 (float64 for float64 logits) over the whole ``[B, T, V]``.
+    float32 (float64 for float64 logits) over the whole ``[B, T, V]``. A logit of ``-inf``
+    on both sides (a masked vocabulary entry) adds 0 and gets gradient 0 (TRL's loss is
+    ``nan`` there).
 
     Args:
       student_logits: ``[B, T, V]`` the student's logits (with gradient).
@@ -168,9 +179,13 @@ def generalized_jsd_loss(
         raise ValueError(f"top_k: got {top_k!r}, expected None or an int in [1, {vocab}] (the vocabulary size)")
     acc = acc_dtype(student_logits.dtype)
     keep, weights, total = _keep_and_total(mask, acc)
-    # Padding may hold nan: it reaches neither a value nor a gradient.
-    student = torch.where(keep[..., None], student_logits.to(acc), 0.0) / temperature
-    teacher = torch.where(keep[..., None], teacher_logits.detach().to(acc), 0.0) / temperature
+    # Padding may hold nan: it reaches neither a value nor a gradient. The student's padding is
+    # zeroed before anything reads it; the teacher's reaches only padded positions' values, which
+    # the last where drops, and their gradients, which the student's where drops.
+    student = torch.where(keep[..., None], student_logits.to(acc), 0.0)
+    teacher = teacher_logits.detach().to(acc)
+    if temperature != 1.0:
+        student, teacher = student / temperature, teacher / temperature
     if top_k is not None:
         support = teacher.topk(top_k, dim=-1).indices
         student, teacher = student.gather(-1, support), teacher.gather(-1, support)
@@ -180,8 +195,13 @@ def generalized_jsd_loss(
     elif beta == 1.0:
         jsd = _kl(s, t)
     else:
+        # Between the endpoints M covers both supports, so every term is finite: a log-prob of
+        # -inf (p = 0) is raised to the lowest finite value, where it adds 0 and gets gradient 0
+        # (logaddexp of two -inf would give nan gradients).
+        lowest = torch.finfo(s.dtype).min
+        s, t = s.clamp(min=lowest), t.clamp(min=lowest)
         m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
-        jsd = beta * _kl(t, m) + (1.0 - beta) * _kl(s, m)
+        jsd = beta * _kl_finite(t, m) + (1.0 - beta) * _kl_finite(s, m)
     loss = torch.where(keep, jsd, 0.0)
     metrics = {"jsd": ((loss.detach() * weights).sum() / total).float()}
     return loss.to(student_logits.dtype), metrics

@@ -109,25 +109,49 @@ class _Tokens(NamedTuple):
     log_ratio: torch.Tensor  # logp - old_logp clamped to +-20 (beyond it the gradient is 0), differentiable
     neg_adv: torch.Tensor  # -advantages, detached: every loss is linear in it, and +0 at mask 0 stays +0
     counted: torch.Tensor  # total weight as it is (0 for an empty mask)
+    raw_log_ratio: torch.Tensor  # logp - old_logp unclamped, differentiable, 0 where the mask is 0
+    lp: torch.Tensor | None  # logp, differentiable, 0 where the mask is 0 (with_logp only)
+    old_lp: torch.Tensor | None  # old_logp, detached, 0 where the mask is 0 (with_logp only)
 
 
-def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> _Tokens:
+def _prepare(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    with_logp: bool = False,
+) -> _Tokens:
+    """The per-token inputs every loss starts from; ``with_logp`` also keeps ``logp`` and ``old_logp``
+    (zeroed), for losses that read them beside the ratio: the log-ratio is then their difference,
+    one graph node fewer than zeroing ``logp`` twice."""
     # torch.where (not a multiply) keeps nan padding out of every value and every gradient.
     acc = acc_dtype(logp.dtype)
     keep = mask if mask.dtype == torch.bool else mask != 0
+    lp: torch.Tensor | None = None
+    old_lp: torch.Tensor | None = None
     with torch.no_grad():
         # A boolean mask serves as 0/1 weights as it is (no float copy).
         weights = mask if mask.dtype == torch.bool else mask.to(acc)
         # A count, not a sum with a dtype (which first copies the whole mask to that dtype).
         total = torch.count_nonzero(mask).to(acc) if mask.dtype == torch.bool else mask.sum(dtype=acc)
-        neg_adv = torch.where(keep, -advantages.detach().to(acc), 0.0)
-    raw = torch.where(keep, _cast(logp, acc) - old_logp.detach().to(acc), 0.0)
+        # -A in one buffer; -0.0 at mask 0 negates to +0.
+        neg_adv = torch.where(keep, advantages.detach().to(acc), -0.0).neg_()
+    if with_logp:
+        with torch.no_grad():
+            old_lp = torch.where(keep, old_logp.detach().to(acc), 0.0)
+        lp = torch.where(keep, _cast(logp, acc), 0.0)
+        raw = lp - old_lp
+    else:
+        raw = torch.where(keep, _cast(logp, acc) - old_logp.detach().to(acc), 0.0)
     log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, neg_adv, total)
+    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, neg_adv, total, raw, lp, old_lp)
 
 
 def _logp(logp: torch.Tensor, tok: _Tokens) -> torch.Tensor:
     """``logp`` in the accumulation dtype, differentiable, 0 where the mask is 0."""
+    if tok.lp is not None:
+        return tok.lp
     return torch.where(tok.keep, _cast(logp, tok.neg_adv.dtype), 0.0)
 
 
@@ -139,6 +163,18 @@ def _mean(x: torch.Tensor, tok: _Tokens) -> torch.Tensor:
     ``nan`` guard of :func:`rlcore.ops.masked_sum`, which costs several passes per metric.
     """
     return ((x * tok.weights).sum() / tok.total).float()
+
+
+def _padded_mean(x: torch.Tensor, tok: _Tokens) -> torch.Tensor:
+    """:func:`_mean` of a metric input that is 0 at every mask-0 position: with a boolean mask, a plain sum.
+
+    The inputs of :func:`_prepare` are 0 there, and so is anything that vanishes at 0
+    (``log_ratio ** 2``, a product with ``neg_adv``): summing all tokens is the masked
+    sum, with no weights to convert and multiply.
+    """
+    if tok.weights.dtype == torch.bool:
+        return (x.sum() / tok.total).float()
+    return _mean(x, tok)
 
 
 def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, tok: _Tokens) -> Metrics:
@@ -583,8 +619,9 @@ def _binary_kl(old_lp: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     """
     old_lp, lp = old_lp.clamp(max=0.0), lp.clamp(max=0.0)
     q = old_lp.exp()
-    tail = (1.0 - q) * (torch.log(-torch.expm1(old_lp)) - torch.log(-torch.expm1(lp)))
-    return q * (old_lp - lp) + torch.where(old_lp < 0, tail, 0.0)
+    # (1 - q) (log(1 - q) - log(1 - p)), in place (a hot path: no gradient flows through it).
+    tail = torch.expm1(old_lp).neg_().log_().sub_(torch.expm1(lp).neg_().log_()).mul_(1.0 - q)
+    return tail.masked_fill_(old_lp >= 0, 0.0).addcmul_(q, old_lp - lp)
 
 
 def _dppo(
@@ -597,34 +634,37 @@ def _dppo(
     clip_low: float,
     clip_high: float,
     ratio_cap: float | None,
+    ratio_stats: bool,
 ) -> tuple[torch.Tensor, Metrics]:
     _check(logp, old_logp, advantages, mask)
     _check_clip("clip_low", clip_low)
     _check_clip("clip_high", clip_high)
     if ratio_cap is not None:
         check_positive("ratio_cap", ratio_cap, finite=True)
-    tok = _prepare(logp, old_logp, advantages, mask)
+    tok = _prepare(logp, old_logp, advantages, mask, with_logp=True)
     nadv = tok.neg_adv  # -A
     lp = _logp(logp, tok)
     with torch.no_grad():
-        old_lp = torch.where(tok.keep, old_logp.detach().to(lp.dtype), 0.0)
+        old_lp = tok.old_lp
+        assert old_lp is not None
         new_lp = lp.detach()
         if divergence == "tv":
-            step = _probs_in_range(new_lp) - _probs_in_range(old_lp)  # p - p_old
+            step = _probs_in_range(new_lp).sub_(_probs_in_range(old_lp))  # p - p_old
             up_ok, down_ok = step <= clip_high, step >= -clip_low
         else:
             kl = _binary_kl(old_lp, new_lp)
-            up_ok = (kl <= clip_high) | (new_lp <= old_lp)
-            down_ok = (kl <= clip_low) | (new_lp >= old_lp)
-        inside = tok.keep & torch.where(nadv < 0, up_ok, down_ok)  # A > 0 may not push p up too far, A <= 0 down
+            up_ok = (kl <= clip_high).logical_or_(new_lp <= old_lp)
+            down_ok = (kl <= clip_low).logical_or_(new_lp >= old_lp)
+        # A > 0 may not push p up too far, A <= 0 not down.
+        inside = torch.where(nadv < 0, up_ok, down_ok).logical_and_(tok.keep)
         ratio = tok.log_ratio.detach().exp()
-        weight = ratio if ratio_cap is None else ratio.clamp(max=ratio_cap)
-    loss = torch.where(inside, weight * nadv * lp, 0.0)
+        coef = nadv * ratio if ratio_cap is None else ratio.clamp(max=ratio_cap).mul_(nadv)  # -sg(min(r, C)) A
+    loss = torch.where(inside, coef * lp, 0.0)
     with torch.no_grad():
-        metrics = _ratio_metrics(ratio, tok.log_ratio, tok)
-        metrics["trust_region_frac"] = _mean(tok.keep & ~inside, tok)
-        capped = torch.zeros_like(inside) if ratio_cap is None else inside & (ratio > ratio_cap)
-        metrics["cap_frac"] = _mean(capped, tok)
+        metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok)
+        metrics["trust_region_frac"] = _frac(inside.logical_not().logical_and_(tok.keep), tok)
+        capped = torch.zeros_like(inside) if ratio_cap is None else inside.logical_and(ratio > ratio_cap)
+        metrics["cap_frac"] = _frac(capped, tok)
     return _cast(loss, logp.dtype), metrics
 
 
@@ -637,6 +677,7 @@ def dppo_tv_loss(
     clip_low: float = 0.15,
     clip_high: float = 0.15,
     ratio_cap: float | None = 20.0,
+    ratio_stats: bool = True,
 ) -> tuple[torch.Tensor, Metrics]:
     """Per-token DPPO-Binary-TV loss: the policy gradient masked by a total-variation trust region.
 
@@ -666,6 +707,8 @@ def dppo_tv_loss(
       clip_low: the bound ``delta_low`` (>= 0) on a decrease of ``p`` where ``A <= 0``.
       clip_high: the bound ``delta_high`` (>= 0) on an increase of ``p`` where ``A > 0``.
       ratio_cap: ``C`` (> 0), the truncation of the importance weight, or ``None``.
+      ratio_stats: also report ``ratio_mean``, ``ratio_min`` and ``ratio_max`` (as in
+        :func:`ppo_clip_loss`: a hot loop that does not log them can pass False).
 
     Returns:
       ``(loss_t, metrics)``; ``trust_region_frac`` is the fraction of counted tokens
@@ -696,6 +739,7 @@ def dppo_tv_loss(
         clip_low=clip_low,
         clip_high=clip_high,
         ratio_cap=ratio_cap,
+        ratio_stats=ratio_stats,
     )
 
 
@@ -708,6 +752,7 @@ def dppo_kl_loss(
     clip_low: float = 0.05,
     clip_high: float = 0.05,
     ratio_cap: float | None = 20.0,
+    ratio_stats: bool = True,
 ) -> tuple[torch.Tensor, Metrics]:
     """Per-token DPPO-Binary-KL loss: the policy gradient masked by a binary-KL trust region.
 
@@ -734,6 +779,7 @@ def dppo_kl_loss(
       clip_low: the KL bound (>= 0) where ``A <= 0``.
       clip_high: the KL bound (>= 0) where ``A > 0``.
       ratio_cap: ``C`` (> 0), the truncation of the importance weight, or ``None``.
+      ratio_stats: also report the ratio's mean, min and max (see :func:`dppo_tv_loss`).
 
     Returns:
       ``(loss_t, metrics)`` as :func:`dppo_tv_loss`.
@@ -752,6 +798,7 @@ def dppo_kl_loss(
         clip_low=clip_low,
         clip_high=clip_high,
         ratio_cap=ratio_cap,
+        ratio_stats=ratio_stats,
     )
 
 
@@ -762,6 +809,7 @@ def dro_loss(
     mask: torch.Tensor,
     *,
     beta: float,
+    ratio_stats: bool = True,
 ) -> tuple[torch.Tensor, Metrics]:
     """Per-token DRO loss: the policy gradient plus a quadratic penalty on the log-ratio.
 
@@ -781,6 +829,7 @@ def dro_loss(
     Args:
       logp, old_logp, advantages, mask: ``[B, T]`` as in :func:`ppo_clip_loss`.
       beta: the penalty's coefficient (> 0).
+      ratio_stats: also report the ratio's mean, min and max (see :func:`dppo_tv_loss`).
 
     Returns:
       ``(loss_t, metrics)``: ``approx_kl``, ratio stats, and ``log_ratio_sq``, the mean
@@ -792,39 +841,70 @@ def dro_loss(
     """
     _check(logp, old_logp, advantages, mask)
     check_positive("beta", beta, finite=True)
-    tok = _prepare(logp, old_logp, advantages, mask)
-    lp = _logp(logp, tok)
-    log_ratio = lp - torch.where(tok.keep, old_logp.detach().to(lp.dtype), 0.0)
-    loss = tok.neg_adv * lp + (0.5 * beta) * log_ratio.square()
+    tok = _prepare(logp, old_logp, advantages, mask, with_logp=True)
+    log_ratio = tok.raw_log_ratio
+    loss = torch.addcmul(tok.neg_adv * _logp(logp, tok), log_ratio, log_ratio, value=0.5 * beta)
     with torch.no_grad():
-        metrics = _ratio_metrics(tok.log_ratio.exp(), tok.log_ratio, tok)
-        metrics["log_ratio_sq"] = _mean(log_ratio.detach().square(), tok)
+        ratio = tok.log_ratio.exp()
+        metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok)
+        flat = log_ratio.detach().flatten()
+        metrics["log_ratio_sq"] = (
+            (torch.dot(flat, flat) / tok.total).float()
+            if tok.weights.dtype == torch.bool
+            else _mean(log_ratio.detach().square(), tok)
+        )
     return _cast(loss, logp.dtype), metrics
 
 
 def _covariance(tok: _Tokens, lp: torch.Tensor) -> torch.Tensor:
-    """Each counted token's ``(A_t - mean A) (logp_t - mean logp)``, means over the counted tokens (mask weights)."""
-    adv = -tok.neg_adv
-    mean_adv = (adv * tok.weights).sum() / tok.total
-    mean_lp = (lp * tok.weights).sum() / tok.total
-    return (adv - mean_adv) * (lp - mean_lp)
+    """Each counted token's ``(A_t - mean A) (logp_t - mean logp)``, means over the counted tokens (mask weights).
+
+    ``lp`` is 0 where the mask is 0, like ``neg_adv``: with a boolean mask the masked sums are plain sums.
+    """
+    nadv = tok.neg_adv
+    if tok.weights.dtype == torch.bool:
+        sum_nadv, sum_lp = nadv.sum(), lp.sum()
+    else:
+        sum_nadv, sum_lp = (nadv * tok.weights).sum(), (lp * tok.weights).sum()
+    # A - mean A = -(nadv - mean nadv), exactly.
+    return (nadv - sum_nadv / tok.total).mul_(lp - sum_lp / tok.total).neg_()
 
 
-def _select_count(fraction: float, tok: _Tokens) -> torch.Tensor:
-    """``max(floor(fraction * n), 1)`` for ``n`` the counted weight, as a float64 device scalar (no host read)."""
-    return torch.clamp(torch.floor(fraction * tok.counted.double()), min=1.0)
+def _select_count(fraction: float, tok: _Tokens) -> tuple[torch.Tensor, int | None]:
+    """``(count, bound)``: ``count = max(floor(fraction * n), 1)`` for ``n`` the counted weight, as a float64
+    device scalar (no host read), and a bound on it known from the shape (``None`` when the mask's
+    weights may exceed 1, so that ``n`` is not bounded by the number of tokens)."""
+    count = torch.clamp(torch.floor(fraction * tok.counted.double()), min=1.0)
+    bound = max(math.floor(fraction * tok.keep.numel()), 1) if tok.weights.dtype == torch.bool else None
+    return count, bound
 
 
-def _first_ranked(keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def _first_ranked(
+    keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor, bound: int | None, *, owned: bool = False
+) -> torch.Tensor:
     """The ``count`` eligible positions with the largest ``keys`` (fewer if fewer are eligible), as a bool mask.
 
-    ``count`` is a device scalar: a stable sort of the whole batch ranks every position
-    (ties go to the earlier position in row-major order), so no count is read back.
+    Ties go to the earlier position in row-major order. ``count`` is a device scalar, so no
+    count is read back: with a static ``bound >= count`` the ``count``-th largest key is read
+    from a ``topk`` of ``bound`` keys (a few hundred of a batch's tokens at the published
+    fractions), every key above it is selected and the ties at it are taken in order;
+    without one, a stable sort of the whole batch ranks every position. ``owned``: ``keys`` is a
+    buffer of the caller's that may be overwritten.
     """
-    flat = torch.where(eligible, keys, -torch.inf).flatten()
-    order = torch.argsort(flat, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
-    return eligible & (rank.view(keys.shape) < count)
+    flat = (keys.masked_fill_(~eligible, -torch.inf) if owned else torch.where(eligible, keys, -torch.inf)).flatten()
+    n = flat.numel()
+    if n == 0:
+        return eligible
+    if bound is None or bound >= n:
+        order = torch.argsort(flat, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=flat.device))
+        return eligible & (rank.view(keys.shape) < count)
+    top = flat.topk(bound).values  # sorted, largest first
+    pivot = top.gather(0, (count.long() - 1).clamp(0, bound - 1).view(1))  # the count-th largest key
+    above = flat > pivot
+    tied = (flat == pivot).logical_and_(eligible.flatten())
+    need = count - above.sum()
+    return above.logical_or_(tied.logical_and_(torch.cumsum(tied, 0, dtype=torch.int32) <= need)).view(keys.shape)
 
 
 def clip_cov_loss(
@@ -839,6 +919,7 @@ def clip_cov_loss(
     cov_low: float = 1.0,
     cov_high: float = 5.0,
     noise: torch.Tensor | None = None,
+    ratio_stats: bool = True,
 ) -> tuple[torch.Tensor, Metrics]:
     """Per-token Clip-Cov loss: PPO-clip with the gradient of a few high-covariance tokens removed.
 
@@ -871,6 +952,7 @@ def clip_cov_loss(
       cov_fraction: ``r``, the fraction of counted tokens whose gradient is cut, in ``(0, 1]``.
       cov_low, cov_high: the covariance band of the tokens eligible for the cut.
       noise: ``[B, T]`` uniform draws ranking the eligible tokens, or ``None``.
+      ratio_stats: also report the ratio's mean, min and max (see :func:`dppo_tv_loss`).
 
     Returns:
       ``(loss_t, metrics)``: PPO's ``clip_frac_low`` / ``clip_frac_high``, ``cov_frac``
@@ -906,17 +988,18 @@ def clip_cov_loss(
     ppo = nadv * ratio.clamp(lower, upper)
     with torch.no_grad():
         r = ratio.detach()
-        clip_low_t, clip_high_t = adv_neg & (r < lo), adv_pos & (r > hi)
+        clip_low_t, clip_high_t = adv_neg.logical_and(r < lo), adv_pos.logical_and(r > hi)
         cov = _covariance(tok, _logp(logp, tok).detach())
-        eligible = tok.keep & ~clip_low_t & ~clip_high_t & (cov > cov_low) & (cov < cov_high)
+        eligible = (cov > cov_low).logical_and_(cov < cov_high).logical_and_(tok.keep)
+        eligible.logical_and_(clip_low_t.logical_or(clip_high_t).logical_not_())
         u = torch.rand(logp.shape, device=logp.device) if noise is None else noise.detach().to(cov.dtype)
-        cut = _first_ranked(u, eligible, _select_count(cov_fraction, tok))
+        cut = _first_ranked(u, eligible, *_select_count(cov_fraction, tok), owned=noise is None)
     loss = torch.where(cut, 0.0, ppo)
     with torch.no_grad():
-        metrics = _ratio_metrics(r, tok.log_ratio, tok)
-        metrics["clip_frac_low"] = _mean(clip_low_t, tok)
-        metrics["clip_frac_high"] = _mean(clip_high_t, tok)
-        metrics["cov_frac"] = _mean(cut, tok)
+        metrics = _ratio_sums(r, tok) if ratio_stats else _kl_only(r, tok)
+        metrics["clip_frac_low"] = _frac(clip_low_t, tok)
+        metrics["clip_frac_high"] = _frac(clip_high_t, tok)
+        metrics["cov_frac"] = _frac(cut, tok)
     return _cast(loss, logp.dtype), metrics
 
 
@@ -928,6 +1011,7 @@ def kl_cov_loss(
     *,
     cov_fraction: float = 2e-4,
     kl_coef: float = 1.0,
+    ratio_stats: bool = True,
 ) -> tuple[torch.Tensor, Metrics]:
     """Per-token KL-Cov loss: the unclipped surrogate, with a KL penalty on the highest-covariance tokens.
 
@@ -952,6 +1036,7 @@ def kl_cov_loss(
       logp, old_logp, advantages, mask: ``[B, T]`` as in :func:`ppo_clip_loss`.
       cov_fraction: ``k``, the fraction of counted tokens penalised, in ``(0, 1]``.
       kl_coef: ``beta`` (>= 0), the penalty's coefficient.
+      ratio_stats: also report the ratio's mean, min and max (see :func:`dppo_tv_loss`).
 
     Returns:
       ``(loss_t, metrics)``: ``cov_frac`` (the fraction penalised), ``abs_log_ratio`` (the
@@ -970,10 +1055,13 @@ def kl_cov_loss(
     ratio = tok.log_ratio.exp()
     with torch.no_grad():
         cov = _covariance(tok, _logp(logp, tok).detach())
-        selected = _first_ranked(cov, tok.keep, _select_count(cov_fraction, tok))
-    loss = tok.neg_adv * ratio + torch.where(selected, kl_coef * tok.log_ratio.abs(), 0.0)
+        selected = _first_ranked(cov, tok.keep, *_select_count(cov_fraction, tok), owned=True)
+        coef = torch.where(selected, ratio.new_full((), kl_coef), 0.0)
+    abs_log_ratio = tok.log_ratio.abs()
+    loss = torch.addcmul(tok.neg_adv * ratio, coef, abs_log_ratio)
     with torch.no_grad():
-        metrics = _ratio_metrics(ratio.detach(), tok.log_ratio, tok)
-        metrics["cov_frac"] = _mean(selected, tok)
-        metrics["abs_log_ratio"] = _mean(tok.log_ratio.detach().abs(), tok)
+        r = ratio.detach()
+        metrics = _ratio_sums(r, tok) if ratio_stats else _kl_only(r, tok)
+        metrics["cov_frac"] = _frac(selected, tok)
+        metrics["abs_log_ratio"] = _padded_mean(abs_log_ratio.detach(), tok)
     return _cast(loss, logp.dtype), metrics

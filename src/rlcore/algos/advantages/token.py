@@ -284,13 +284,15 @@ def optimal_token_baseline_advantages(
         raise ValueError(f"num_groups: got {num_groups!r}, expected a non-negative int (or None for B)")
     check_group_ids(group_ids, num_groups)
     acc = acc_dtype(rewards.dtype)
-    keep = mask != 0
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    drop = ~keep
     r = torch.where(keep, rewards.to(acc), 0.0)
     returns = r.flip(-1).cumsum(-1).flip(-1)
-    w = 1.0 - 2.0 * old_logp.to(acc).exp() + sum_pi_squared.to(acc)
+    # Fresh buffers from here on: updated in place.
+    w = old_logp.detach().to(acc).exp().mul_(-2.0).add_(1.0).add_(sum_pi_squared.to(acc))  # 1 - 2 pi + sum pi^2
     if is_weights is not None:
-        w = w * is_weights.detach().to(acc).square()
-    path = torch.where(keep, w, 0.0).cumsum(-1)  # W_t
+        w.mul_(is_weights.detach().to(acc).square())
+    path = w.masked_fill_(drop, 0.0).cumsum(-1)  # W_t
     if multi_turn:
         counted = keep.cumsum(-1)
         slot = torch.where(keep, counted - 1, rewards.shape[1])
@@ -300,17 +302,16 @@ def optimal_token_baseline_advantages(
     else:
         g_al, w_al, k_al = returns, path, keep
         members = torch.ones(rewards.shape[0], dtype=acc, device=rewards.device)
-    on = k_al.to(acc)
-    num = segment_sum(g_al * w_al * on, group_ids, num_segments=num_groups)[group_ids]
-    den = segment_sum(w_al * on, group_ids, num_segments=num_groups)[group_ids]
-    sole = (segment_sum(members, group_ids, num_segments=num_groups)[group_ids] == 1)[:, None]
+    w_on = torch.where(k_al, w_al, 0.0)
+    # The baseline is a [G, T] table, read out to the responses once.
+    num = segment_sum(g_al * w_on, group_ids, num_segments=num_groups)
+    den = segment_sum(w_on, group_ids, num_segments=num_groups)
+    sole = (segment_sum(members, group_ids, num_segments=num_groups) == 1)[:, None]
     if handle_zero_tail:
-        sole = sole | (segment_sum(on, group_ids, num_segments=num_groups)[group_ids] == 1)
-    baseline = torch.where(sole, 0.0, num / (den + eps))
+        sole = sole | (segment_sum(k_al.to(acc), group_ids, num_segments=num_groups) == 1)
+    index = group_ids if group_ids.dtype in (torch.int32, torch.int64) else group_ids.long()
+    baseline = torch.where(sole, 0.0, num / (den + eps)).index_select(0, index)
     adv = g_al - baseline
     if multi_turn:
         adv = adv.gather(1, torch.where(keep, slot, 0))
-    return (
-        torch.where(keep, adv, 0.0).to(rewards.dtype),
-        torch.where(keep, returns, 0.0).to(rewards.dtype),
-    )
+    return adv.masked_fill_(drop, 0.0).to(rewards.dtype), returns.masked_fill_(drop, 0.0).to(rewards.dtype)
