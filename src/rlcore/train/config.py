@@ -130,7 +130,11 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              LM directory with the student's vocabulary) scores its tokens as the run's
                                              reference model (kl is then the student's KL to the teacher); or a YAML
                                              config (relative to this file) that trains the teacher first, once, into
-                                             output_dir/teacher (rlcore.train.teacher)
+                                             output_dir/teacher (rlcore.train.chain)
+    model.init_from                          a YAML config (relative to this file) trained first, once, into
+                                             output_dir/init_from; its export is the model this run starts from
+                                             (it must build this run's model.model_name_or_path; e.g. an RM or
+                                             GRPO run from the SFT config's model; rlcore.train.chain)
     rl.opd_loss                              with opd: reward (the teacher's log-prob as a dense per-token reward,
                                              minus the student's, whitened, PPO-clipped) or reverse_kl (the sampled-
                                              token reverse KL as a loss term beside GRPO on the task reward)
@@ -163,13 +167,24 @@ from rlcore.train.recipe_options import check_policy_loss
 from rlcore.train.replay import parse_replay
 from rlcore.train.vllm_engine import parse_vllm_options
 
-__all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
+__all__ = [
+    "ALGOS",
+    "CHAINED_CONFIG_SUFFIXES",
+    "Config",
+    "apply_overrides",
+    "check_launch",
+    "load_config",
+    "max_positions",
+    "parse_config",
+]
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd")
 # Recipes that learn from a dataset's finished rows, never from samples (rl.algo sft and rm need data.path).
 _DATASET_ONLY = ("sft", "rm")
 # Recipes without a policy ratio, KL or advantages: DPO and the supervised ones.
 _NOT_POLICY_GRADIENT = ("dpo", *_DATASET_ONLY)
+# model.teacher / model.init_from naming one of these is a config that trains the model first (rlcore.train.chain).
+CHAINED_CONFIG_SUFFIXES = (".yaml", ".yml")
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -180,6 +195,7 @@ class ModelConfig:
     use_flash_attention: bool = False
     lora: dict | None = None
     teacher: str | None = None
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,6 +512,7 @@ def _validate(cfg: Config) -> None:
     _check_engine(cfg)
     _check_partial_rollouts(cfg)
     _check_recipe_options(cfg)
+    _check_init_from(cfg.model.init_from)
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
@@ -619,6 +636,15 @@ def _check_recipe_options(cfg: Config) -> None:
         raise ValueError(
             "config key 'model.lora': got a section with rl.algo 'opd', expected null (the teacher takes the "
             "reference's place, which LoRA keeps as the policy with its adapters off)"
+        )
+
+
+def _check_init_from(init_from: Any) -> None:
+    """``model.init_from``: null or a YAML config's path (the config is read, and trained, at launch)."""
+    if init_from is not None and not (isinstance(init_from, str) and init_from.endswith(CHAINED_CONFIG_SUFFIXES)):
+        raise ValueError(
+            f"config key 'model.init_from': got {init_from!r}, expected null or a YAML config's path (.yaml, .yml) "
+            "that trains the model this run starts from (give a model directory as model.model_name_or_path)"
         )
 
 
@@ -991,19 +1017,23 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
             "(model, rl, parallel, deploy, data, trainer)"
         )
     base_dir = os.path.dirname(os.path.abspath(path))
-    # The file's data paths (and a teacher config) are relative to it; an override's (--dataset) to the working directory.
-    resolved = _resolve_teacher_config(_resolve_data_files(raw, base_dir), base_dir)
+    # The file's data paths (and chained configs) are relative to it; an override's (--dataset) to the working directory.
+    resolved = _resolve_chained_configs(_resolve_data_files(raw, base_dir), base_dir)
     return parse_config(_resolve_reward_files(apply_overrides(resolved, overrides), base_dir))
 
 
-def _resolve_teacher_config(raw: Mapping[str, Any], base_dir: str) -> dict[str, Any]:
-    """``model.teacher`` given as a relative YAML path (a config that trains the teacher), made relative to the config's folder."""
+def _resolve_chained_configs(raw: Mapping[str, Any], base_dir: str) -> dict[str, Any]:
+    """``model.teacher`` / ``model.init_from`` given as relative YAML paths (configs trained first), made relative to the config's folder."""
     out = dict(raw)
     model = raw.get("model")
-    teacher = model.get("teacher") if isinstance(model, Mapping) else None
-    relative = isinstance(teacher, str) and teacher.endswith((".yaml", ".yml")) and not os.path.isabs(teacher)
-    if isinstance(model, Mapping) and relative:
-        out["model"] = {**model, "teacher": os.path.join(base_dir, str(teacher))}
+    if not isinstance(model, Mapping):
+        return out
+    resolved = dict(model)
+    for key in ("teacher", "init_from"):
+        path = model.get(key)
+        if isinstance(path, str) and path.endswith(CHAINED_CONFIG_SUFFIXES) and not os.path.isabs(path):
+            resolved[key] = os.path.join(base_dir, path)
+    out["model"] = resolved
     return out
 
 
