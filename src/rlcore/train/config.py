@@ -87,6 +87,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     model.lora                               {r, alpha, dropout, target_modules}: train LoRA adapters only
     trainer.eval_every, trainer.eval_samples validation every n steps: mean reward, pass@1 (greedy) and
                                              pass@k (k sampled); trainer.eval_threshold: a correct score's floor
+    data.val_size                            with a built-in task (single-turn): the validation set of
+                                             trainer.eval_every, this many prompts drawn once from the task's own
+                                             stream (default 256)
     trainer.export                           every save also writes output_dir/hf (save_pretrained)
     trainer.log_samples                      every n steps, a few prompt / response / score rows to
                                              output_dir/samples.jsonl (0: none)
@@ -282,6 +285,7 @@ class DataConfig:
     curriculum: dict | None = None
     response_key: str = "response"
     messages_key: str | None = None
+    val_size: int = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -676,6 +680,12 @@ def _check_data_keys(data: DataConfig, algo: str) -> None:
                 f"config key 'data.letters': got {data.letters!r}, expected distinct characters other than '>' "
                 "(the prompt's separator)"
             )
+    _positive("data.val_size", data.val_size)
+    if data.path is not None and data.val_size != DataConfig.val_size:
+        raise ValueError(
+            f"config key 'data.val_size': got {data.val_size!r} with data.path {data.path!r}, expected it unset "
+            "(the built-in task's validation set; a dataset's is data.val_path)"
+        )
     if data.path is None:  # the built-in task: a dataset's keys would be ignored without a word
         for key in ("tokenizer", "val_path", "max_prompt_length", "max_response_length", "system_prompt"):
             if getattr(data, key) is not None:
