@@ -2,11 +2,12 @@
 
 Runs the main job unchanged, then with ``rl.policy_loss: clip_cov`` at the authors'
 ``cov_fraction`` (2e-4) and at a larger one (the main job's batches hold about a thousand
-tokens, so 2e-4 cuts one token a step), all from the same seed in this one process, and
-prints each run's logged ``entropy`` and ``reward``: means over the first 10%, the last
-10% and the whole run.
+tokens, so 2e-4 cuts one token a step), and with each ``--args`` mapping of
+``rl.policy_loss_args`` (e.g. ``--args "{cov_fraction: 0.2, cov_low: 0.25}"``), all from
+the same seed in this one process, and prints each run's logged ``entropy`` and
+``reward``: means over the first 10%, the last 10% and the whole run.
 
-    python benchmarks/clip_cov_entropy.py [key=value ...] [--fractions 0.0002 0.02]
+    python benchmarks/clip_cov_entropy.py [key=value ...] [--fractions 0.0002 0.02] [--args MAPPING ...]
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ from rlcore.train import load_config, train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _summary(records: list[dict], key: str) -> dict[str, float]:
+def _summary(records: list[dict], key: str) -> dict:
     values = [r[key] for r in records]
     tenth = max(1, len(values) // 10)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {"first10": mean(values[:tenth]), "last10": mean(values[-tenth:]), "all": mean(values)}
+    tenths = [round(mean(values[i : i + tenth]), 3) for i in range(0, len(values) - tenth + 1, tenth)]
+    return {"first10": mean(values[:tenth]), "last10": mean(values[-tenth:]), "all": mean(values), "tenths": tenths}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fractions", type=float, nargs="*", default=[2e-4, 0.02])
+    parser.add_argument("--args", action="append", default=[], help="a clip_cov rl.policy_loss_args mapping")
+    parser.add_argument("--no-grpo", action="store_true", help="leave out the plain GRPO run")
     parser.add_argument("--out", default="outputs/clip_cov_entropy")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (one runs best on a shared machine)")
     parser.add_argument("overrides", nargs="*")
@@ -44,13 +48,14 @@ def main() -> None:
         f"trainer.threads={args.threads}",
         *args.overrides,
     ]
-    runs = {"grpo": []}
+    runs: dict[str, list[str]] = {} if args.no_grpo else {"grpo": []}
     runs.update(
         {
             f"clip_cov r={r:g}": ["rl.policy_loss=clip_cov", f"rl.policy_loss_args={{cov_fraction: {r}}}"]
             for r in args.fractions
         }
     )
+    runs.update({f"clip_cov {a}": ["rl.policy_loss=clip_cov", f"rl.policy_loss_args={a}"] for a in args.args})
     for i, (name, extra) in enumerate(runs.items()):
         cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", [*common, f"trainer.output_dir={args.out}/{i}", *extra])
         records = train(cfg, overwrite=True).records

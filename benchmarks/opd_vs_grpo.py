@@ -89,7 +89,9 @@ def main() -> None:
     ]
     student = ROOT / "configs" / "opd_tiny.yaml"
     main_job = load_config(ROOT / "configs" / "grpo_tiny.yaml")
-    target = greedy_accuracy(load_causal_lm(teacher_dir, dtype="fp32"), load_config(student, common))
+    target = greedy_accuracy(
+        load_causal_lm(teacher_dir, dtype="fp32"), load_config(student, [*common, "trainer.eval_every=1"])
+    )
     print(json.dumps({"teacher_greedy": target}), flush=True)
     runs = {
         "opd": [*common, f"trainer.output_dir={args.out}/opd", *args.overrides, *args.opd],
