@@ -5,7 +5,8 @@ Runs the main job unchanged, then with ``rl.policy_loss: clip_cov`` at the autho
 tokens, so 2e-4 cuts one token a step), and with each ``--args`` mapping of
 ``rl.policy_loss_args`` (e.g. ``--args "{cov_fraction: 0.2, cov_low: 0.25}"``), all from
 the same seed in this one process, and prints each run's logged ``entropy`` and
-``reward``: means over the first 10%, the last 10% and the whole run.
+``reward``: means over the first 10%, the last 10%, the whole run and each tenth of it.
+The curves (a moving mean over 20 steps) go to ``<out>/entropy.png``.
 
     python benchmarks/clip_cov_entropy.py [key=value ...] [--fractions 0.0002 0.02] [--args MAPPING ...]
 """
@@ -29,6 +30,29 @@ def _summary(records: list[dict], key: str) -> dict:
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     tenths = [round(mean(values[i : i + tenth]), 3) for i in range(0, len(values) - tenth + 1, tenth)]
     return {"first10": mean(values[:tenth]), "last10": mean(values[-tenth:]), "all": mean(values), "tenths": tenths}
+
+
+def _plot(curves: dict[str, list[dict]], path: Path, window: int = 20) -> None:
+    """Entropy and reward of each run against the step, a moving mean over ``window`` steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, records in curves.items():
+        for ax, key in zip(axes, ("entropy", "reward")):
+            values = torch.tensor([r[key] for r in records], dtype=torch.float64)
+            smooth = values.unfold(0, window, 1).mean(-1) if len(values) >= window else values
+            ax.plot(range(len(values) - len(smooth) + 1, len(values) + 1), smooth.numpy(), label=name)
+            ax.set_xlabel("step")
+            ax.set_ylabel(key)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("configs/grpo_tiny.yaml: plain GRPO against rl.policy_loss clip_cov")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -56,13 +80,15 @@ def main() -> None:
         }
     )
     runs.update({f"clip_cov {a}": ["rl.policy_loss=clip_cov", f"rl.policy_loss_args={a}"] for a in args.args})
+    curves = {}
     for i, (name, extra) in enumerate(runs.items()):
         cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", [*common, f"trainer.output_dir={args.out}/{i}", *extra])
-        records = train(cfg, overwrite=True).records
+        records = curves[name] = train(cfg, overwrite=True).records
         line = {"run": name, "entropy": _summary(records, "entropy"), "reward": _summary(records, "reward")}
         if "cov_frac" in records[-1]:
             line["cov_frac"] = _summary(records, "cov_frac")["all"]
         print(json.dumps(line), flush=True)
+    _plot(curves, Path(args.out) / "entropy.png")
 
 
 if __name__ == "__main__":
