@@ -6,7 +6,9 @@ tokens, so 2e-4 cuts one token a step), and with each ``--args`` mapping of
 ``rl.policy_loss_args`` (e.g. ``--args "{cov_fraction: 0.2, cov_low: 0.25}"``), all from
 the same seed in this one process, and prints each run's logged ``entropy`` and
 ``reward``: means over the first 10%, the last 10%, the whole run and each tenth of it.
-The curves (a moving mean over 20 steps) go to ``<out>/entropy.png``.
+The curves (a moving mean over 20 steps) go to ``<out>/entropy.png``. With
+``trainer.eval_every=100`` each run also prints its greedy accuracy on the task's
+validation set every 100 steps (the sampled reward at T 2.5 falls with the entropy kept).
 
     python benchmarks/clip_cov_entropy.py [key=value ...] [--fractions 0.0002 0.02] [--args MAPPING ...]
 """
@@ -85,6 +87,9 @@ def main() -> None:
         cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", [*common, f"trainer.output_dir={args.out}/{i}", *extra])
         records = curves[name] = train(cfg, overwrite=True).records
         line = {"run": name, "entropy": _summary(records, "entropy"), "reward": _summary(records, "reward")}
+        greedy = [r["val/pass@1"] for r in records if "val/pass@1" in r]
+        if greedy:  # with trainer.eval_every: greedy accuracy on the task's validation set
+            line["greedy"] = [round(g, 3) for g in greedy]
         if "cov_frac" in records[-1]:
             line["cov_frac"] = _summary(records, "cov_frac")["all"]
         print(json.dumps(line), flush=True)
