@@ -268,6 +268,7 @@ def shipped_graphs(tmp_path_factory):
                     "trainer.log_ref_kl_every=1",
                     "rl.batch_size=2",
                     "rl.mini_batch_size=2",
+                    "model.init_from=null",  # rm_tiny's SFT model first: its graph is sft_tiny's, checked here too
                     f"trainer.output_dir={out}",
                     *QUIET,
                 ],

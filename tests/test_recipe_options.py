@@ -189,5 +189,5 @@ def test_a_teacher_config_is_trained_once_into_the_run_folder(tmp_path, monkeypa
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("rl: {bacth_size: 2}\n")
-    with pytest.raises(ValueError, match=r"model.teacher': the teacher's config .*bacth_size"):
+    with pytest.raises(ValueError, match=r"model.teacher': the config .*bacth_size"):
         train(_run(tmp_path / "other", f"model.teacher={bad}"))

@@ -57,7 +57,8 @@ def test_sft_config_trains_on_demonstrations_and_exports_a_causal_lm(tmp_path):
 
 
 def test_rm_config_trains_and_the_export_loads_as_the_reward_model_reward(tmp_path):
-    cfg = load_config(CONFIGS / "rm_tiny.yaml", [f"trainer.output_dir={tmp_path}", "trainer.steps=3", *QUICK])
+    overrides = [f"trainer.output_dir={tmp_path}", "trainer.steps=3", "model.init_from=null", *QUICK]
+    cfg = load_config(CONFIGS / "rm_tiny.yaml", overrides)
     run = train(cfg)
     assert [set(r) >= {"loss", "accuracies", "margins"} for r in run.records] == [True] * 3
     assert run.critic is not None

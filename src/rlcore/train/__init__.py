@@ -73,6 +73,7 @@ from rlcore.train.prompts import (
     make_prompt_source,
     source_tokenizer,
     task_options,
+    task_validation_set,
 )
 from rlcore.train.recipe_stages import (
     PolicyGradientStages,
@@ -249,6 +250,7 @@ __all__ += [
     "prepare_run_dir",
     "source_tokenizer",
     "task_options",
+    "task_validation_set",
     "validation_keys",
 ]
 # The stages each kind of recipe adds to the step, found by the recipe's type.

@@ -87,6 +87,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     model.lora                               {r, alpha, dropout, target_modules}: train LoRA adapters only
     trainer.eval_every, trainer.eval_samples validation every n steps: mean reward, pass@1 (greedy) and
                                              pass@k (k sampled); trainer.eval_threshold: a correct score's floor
+    data.val_size                            with a built-in task (single-turn): the validation set of
+                                             trainer.eval_every, this many prompts drawn once from the task's own
+                                             stream (default 256)
     trainer.export                           every save also writes output_dir/hf (save_pretrained)
     trainer.log_samples                      every n steps, a few prompt / response / score rows to
                                              output_dir/samples.jsonl (0: none)
@@ -130,7 +133,11 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              LM directory with the student's vocabulary) scores its tokens as the run's
                                              reference model (kl is then the student's KL to the teacher); or a YAML
                                              config (relative to this file) that trains the teacher first, once, into
-                                             output_dir/teacher (rlcore.train.teacher)
+                                             output_dir/teacher (rlcore.train.chain)
+    model.init_from                          a YAML config (relative to this file) trained first, once, into
+                                             output_dir/init_from; its export is the model this run starts from
+                                             (it must build this run's model.model_name_or_path; e.g. an RM or
+                                             GRPO run from the SFT config's model; rlcore.train.chain)
     rl.opd_loss                              with opd: reward (the teacher's log-prob as a dense per-token reward,
                                              minus the student's, whitened, PPO-clipped) or reverse_kl (the sampled-
                                              token reverse KL as a loss term beside GRPO on the task reward)
@@ -175,7 +182,16 @@ from rlcore.train.recipe_options import check_policy_loss
 from rlcore.train.replay import parse_replay
 from rlcore.train.vllm_engine import parse_vllm_options
 
-__all__ = ["ALGOS", "Config", "apply_overrides", "check_launch", "load_config", "max_positions", "parse_config"]
+__all__ = [
+    "ALGOS",
+    "CHAINED_CONFIG_SUFFIXES",
+    "Config",
+    "apply_overrides",
+    "check_launch",
+    "load_config",
+    "max_positions",
+    "parse_config",
+]
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "dpo", "sft", "rm", "opd", "gdpo")
 # Recipes that learn from a dataset's finished rows, never from samples (rl.algo sft and rm need data.path).
@@ -184,6 +200,8 @@ _DATASET_ONLY = ("sft", "rm")
 _NOT_POLICY_GRADIENT = ("dpo", *_DATASET_ONLY)
 # Recipes whose advantages rl.advantage may replace (no critic, no teacher, one score per row).
 _TOKEN_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp")
+# model.teacher / model.init_from naming one of these is a config that trains the model first (rlcore.train.chain).
+CHAINED_CONFIG_SUFFIXES = (".yaml", ".yml")
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -194,6 +212,7 @@ class ModelConfig:
     use_flash_attention: bool = False
     lora: dict | None = None
     teacher: str | None = None
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +303,7 @@ class DataConfig:
     curriculum: dict | None = None
     response_key: str = "response"
     messages_key: str | None = None
+    val_size: int = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,6 +533,7 @@ def _validate(cfg: Config) -> None:
     _check_engine(cfg)
     _check_partial_rollouts(cfg)
     _check_recipe_options(cfg)
+    _check_init_from(cfg.model.init_from)
     path = cfg.model.model_name_or_path
     if isinstance(path, dict):
         if "model_type" not in path:
@@ -666,6 +687,15 @@ def _check_recipe_options(cfg: Config) -> None:
         )
 
 
+def _check_init_from(init_from: Any) -> None:
+    """``model.init_from``: null or a YAML config's path (the config is read, and trained, at launch)."""
+    if init_from is not None and not (isinstance(init_from, str) and init_from.endswith(CHAINED_CONFIG_SUFFIXES)):
+        raise ValueError(
+            f"config key 'model.init_from': got {init_from!r}, expected null or a YAML config's path (.yaml, .yml) "
+            "that trains the model this run starts from (give a model directory as model.model_name_or_path)"
+        )
+
+
 def _check_stop_signals(names: list) -> None:
     """``trainer.stop_signals``: distinct names of :data:`rlcore.train.preemption.STOP_SIGNALS` this platform has."""
     known = [n for n in STOP_SIGNALS if hasattr(signal, n)]
@@ -694,6 +724,12 @@ def _check_data_keys(data: DataConfig, algo: str) -> None:
                 f"config key 'data.letters': got {data.letters!r}, expected distinct characters other than '>' "
                 "(the prompt's separator)"
             )
+    _positive("data.val_size", data.val_size)
+    if data.path is not None and data.val_size != DataConfig.val_size:
+        raise ValueError(
+            f"config key 'data.val_size': got {data.val_size!r} with data.path {data.path!r}, expected it unset "
+            "(the built-in task's validation set; a dataset's is data.val_path)"
+        )
     if data.path is None:  # the built-in task: a dataset's keys would be ignored without a word
         for key in ("tokenizer", "val_path", "max_prompt_length", "max_response_length", "system_prompt"):
             if getattr(data, key) is not None:
@@ -1041,19 +1077,23 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
             "(model, rl, parallel, deploy, data, trainer)"
         )
     base_dir = os.path.dirname(os.path.abspath(path))
-    # The file's data paths (and a teacher config) are relative to it; an override's (--dataset) to the working directory.
-    resolved = _resolve_teacher_config(_resolve_data_files(raw, base_dir), base_dir)
+    # The file's data paths (and chained configs) are relative to it; an override's (--dataset) to the working directory.
+    resolved = _resolve_chained_configs(_resolve_data_files(raw, base_dir), base_dir)
     return parse_config(_resolve_reward_files(apply_overrides(resolved, overrides), base_dir))
 
 
-def _resolve_teacher_config(raw: Mapping[str, Any], base_dir: str) -> dict[str, Any]:
-    """``model.teacher`` given as a relative YAML path (a config that trains the teacher), made relative to the config's folder."""
+def _resolve_chained_configs(raw: Mapping[str, Any], base_dir: str) -> dict[str, Any]:
+    """``model.teacher`` / ``model.init_from`` given as relative YAML paths (configs trained first), made relative to the config's folder."""
     out = dict(raw)
     model = raw.get("model")
-    teacher = model.get("teacher") if isinstance(model, Mapping) else None
-    relative = isinstance(teacher, str) and teacher.endswith((".yaml", ".yml")) and not os.path.isabs(teacher)
-    if isinstance(model, Mapping) and relative:
-        out["model"] = {**model, "teacher": os.path.join(base_dir, str(teacher))}
+    if not isinstance(model, Mapping):
+        return out
+    resolved = dict(model)
+    for key in ("teacher", "init_from"):
+        path = model.get(key)
+        if isinstance(path, str) and path.endswith(CHAINED_CONFIG_SUFFIXES) and not os.path.isabs(path):
+            resolved[key] = os.path.join(base_dir, path)
+    out["model"] = resolved
     return out
 
 

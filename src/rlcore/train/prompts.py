@@ -57,6 +57,7 @@ __all__ = [
     "run_prompt_source",
     "source_tokenizer",
     "task_options",
+    "task_validation_set",
 ]
 
 
@@ -167,17 +168,36 @@ def _config_reward(cfg: Config, default: Any) -> Any:
 PROMPT_COLUMNS = COLUMNS.select("prompts", "prompt_mask", "answers", "group", "iteration", "row")
 
 
+def task_validation_set(task: Any, *, size: int, seed: int, name: str = "task") -> PromptSet:
+    """``size`` prompts of a built-in task, drawn from the stream ``(seed, Purpose.EVAL_PROMPTS, 0)``, as a validation set.
+
+    The stream is not the training prompts' (``Purpose.DATA``), so the set is the same
+    whatever the run's length, batch size or number of ranks; a small task's prompts may
+    also occur in training (reversal of 2-4 letters over 6 has 1548 distinct prompts).
+
+    >>> from rlcore.train.tasks import Reversal
+    >>> val = task_validation_set(Reversal(length=3, letters="ab"), size=2, seed=0)
+    >>> [a == p[:-1][::-1] for p, a in zip(val.prompts, val.columns["answers"])]
+    [True, True]
+    """
+    samples = task.sample(size, seeding.generator(seed, seeding.Purpose.EVAL_PROMPTS, 0))
+    prompts = tuple(s["prompt"] for s in samples)
+    ids = tuple(tuple(task.tokenizer.encode(p)) for p in prompts)
+    return PromptSet(prompts, prompts, ids, {"answers": tuple(s["answer"] for s in samples)}, f"data.task {name}")
+
+
 class TaskPrompts:
     """A built-in generated task (``data.task``) as a prompt source; its rule reward unless ``rewards`` is set.
 
-    ``warmup_batch`` is the task's own supervised traces (``samples -> {"input_ids",
+    With ``trainer.eval_every`` (and single-turn rollouts) ``val`` holds ``data.val_size``
+    prompts of the task drawn once from their own stream (:func:`task_validation_set`), so
+    a run's ``val/pass@1`` is its greedy accuracy on a fixed set. ``warmup_batch`` is the task's own supervised traces (``samples -> {"input_ids",
     "attention_mask", "mask"}``, e.g. the tool-using traces of
     :class:`rlcore.agent.Multiplication`) that the trainer's warm-up trains on, or None
     when the task has none (the warm-up then trains prompt + reference answer).
     """
 
     dataset = None
-    val: PromptSet | None = None
     hf_tokenizer: Any = None
     # The loader's columns (the trainer's prompt loader serves a built-in task).
     columns = PROMPT_COLUMNS
@@ -189,6 +209,12 @@ class TaskPrompts:
         self.task = make_task(cfg.data.task, **options)
         self.tokenizer = self.task.tokenizer
         self.reward = _config_reward(cfg, self.task.reward)
+        validates = cfg.trainer.eval_every and cfg.rl.multi_turn is None  # multi-turn: its own greedy evaluation
+        self.val: PromptSet | None = (
+            task_validation_set(self.task, size=cfg.data.val_size, seed=self.seed, name=cfg.data.task)
+            if validates
+            else None
+        )
         traces = getattr(self.task, "warmup_batch", None)
         self.warmup_batch: Callable[[Sequence[Any]], dict[str, torch.Tensor]] | None = (
             traces if callable(traces) else None

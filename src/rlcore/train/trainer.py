@@ -47,6 +47,7 @@ from rlcore import algos
 from rlcore.dataflow import TaskRecord, run_pipeline
 from rlcore.train.build import build_algorithm, build_model, build_models, build_reference
 from rlcore.train.carry import with_carry_over
+from rlcore.train.chain import made_by_configs
 from rlcore.train.config import Config
 from rlcore.train.deploy import make_deployment
 from rlcore.train.metrics import plot_run
@@ -61,7 +62,6 @@ from rlcore.train.scoring import scorers, scoring_plan
 from rlcore.train.step_end import StepEnd
 from rlcore.train.step_graph import step_graph
 from rlcore.train.step_metrics import StepMetrics
-from rlcore.train.teacher import made_teacher
 from rlcore.train.warmup import supervised_warmup
 from rlcore.train.world import World, check_run, local_device, process_settings
 
@@ -112,7 +112,8 @@ def train(
       Preempted: a signal of ``trainer.stop_signals`` arrived; the step under way finished and
         is saved (``resume=True`` continues), :func:`rlcore.train.preemption.stop_on_signals`.
     """
-    cfg = made_teacher(cfg, resume=resume, overwrite=overwrite)  # model.teacher given as a config: trained first
+    # model.teacher / model.init_from given as configs: their models are trained first.
+    cfg = made_by_configs(cfg, resume=resume, overwrite=overwrite)
     tr = cfg.trainer
     process_settings(cfg)
     check_run(cfg, engine=engine is not None)
