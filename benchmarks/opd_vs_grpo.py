@@ -7,7 +7,10 @@ the main job). Every ``--every`` steps it measures the student's greedy accuracy
 set of held-out prompts, and prints both curves and the first step at which each reaches
 ``--fraction`` of the teacher's greedy accuracy. Everything runs in this one process
 (runs resume from their checkpoints between measurements: a resumed run equals an
-uninterrupted one), on the CPU; nothing is downloaded.
+uninterrupted one bit for bit, whatever the measurement interval, tests/test_chunked_resume.py),
+on the CPU; nothing is downloaded. The thread count and the machine's instruction set change
+the rounding, and GRPO on this tiny model amplifies it: compare curves measured with the same
+``--threads`` on the same machine.
 
     python benchmarks/opd_vs_grpo.py [--steps 1000] [--every 50] [key=value ...]
 
@@ -102,6 +105,7 @@ def main() -> None:
     target = greedy_accuracy(teacher, teacher_cfg)
     print(json.dumps({"teacher_greedy": target}), flush=True)
     common = [
+        threads,  # else the students run at the config's trainer.threads, whatever --threads says
         "trainer.progress=false",
         "trainer.plot=false",
         "trainer.reward_workers=0",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from rlcore.train.checkpoint import (
 from rlcore.train.config import Config
 from rlcore.train.lora import adapter_modules
 from rlcore.train.optim import Models, Optimiser
-from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps
+from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps, inexact_resume
 
 __all__ = ["check_resume", "restore_run", "save_run", "save_run_async"]
 
@@ -86,7 +87,8 @@ def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config) -> int:
 def check_resume(out: Path, cfg: Config, shapes: dict[str, list[int]], *, allow_change: bool = False) -> None:
     """Refuse a resume, before anything loads, whose checkpoint has another config (unless
     ``allow_change``), other tensor shapes (the model directory may hold other weights now)
-    or more steps than ``trainer.steps``."""
+    or more steps than ``trainer.steps``; warn (``RuntimeWarning``) when the config has state the
+    checkpoint does not hold (:func:`rlcore.train.rundir.inexact_resume`): the run goes on, not exactly."""
     saved = load_checkpoint(out)
     check_resume_config(saved.get("config"), cfg.to_dict(), allow_change=allow_change)
     checkpoint = out / "checkpoint"
@@ -94,3 +96,11 @@ def check_resume(out: Path, cfg: Config, shapes: dict[str, list[int]], *, allow_
         saved.get("model_shapes"), shapes, checkpoint=checkpoint, model=str(cfg.model.model_name_or_path)
     )
     check_resume_steps(saved.get("step"), cfg.trainer.steps, checkpoint=checkpoint)
+    lost = inexact_resume(cfg.to_dict())
+    if lost:
+        warnings.warn(
+            f"resume from {str(checkpoint)!r} is not exact (it will differ from an uninterrupted run): "
+            + "; ".join(lost),
+            RuntimeWarning,
+            stacklevel=2,
+        )
