@@ -95,6 +95,7 @@ from rlcore.train.rundir import (
     check_resume_shapes,
     check_resume_steps,
     config_changes,
+    inexact_resume,
     prepare_run_dir,
 )
 from rlcore.train.scoring import ScoringPlan, scoring_plan
@@ -246,6 +247,7 @@ __all__ += [
     "check_resume_steps",
     "config_changes",
     "export_checkpoint",
+    "inexact_resume",
     "make_prompt_source",
     "prepare_run_dir",
     "source_tokenizer",

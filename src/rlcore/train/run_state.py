@@ -9,6 +9,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from rlcore.train.entropy_target import EntropyTarget, parse_entropy_target
 from rlcore.train.lora import adapter_modules
 from rlcore.train.optim import Models, Optimiser
 from rlcore.train.replay import Replay, parse_replay
-from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps
+from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps, inexact_resume
 
 __all__ = ["Restored", "check_resume", "restore_run", "run_extras", "save_run", "save_run_async"]
 
@@ -155,7 +156,8 @@ def restore_run(
 def check_resume(out: Path, cfg: Config, shapes: dict[str, list[int]], *, allow_change: bool = False) -> None:
     """Refuse a resume, before anything loads, whose checkpoint has another config (unless
     ``allow_change``), other tensor shapes (the model directory may hold other weights now)
-    or more steps than ``trainer.steps``."""
+    or more steps than ``trainer.steps``; warn (``RuntimeWarning``) when the config has state the
+    checkpoint does not hold (:func:`rlcore.train.rundir.inexact_resume`): the run goes on, not exactly."""
     saved = load_checkpoint(out)
     check_resume_config(saved.get("config"), cfg.to_dict(), allow_change=allow_change)
     checkpoint = out / "checkpoint"
@@ -163,3 +165,11 @@ def check_resume(out: Path, cfg: Config, shapes: dict[str, list[int]], *, allow_
         saved.get("model_shapes"), shapes, checkpoint=checkpoint, model=str(cfg.model.model_name_or_path)
     )
     check_resume_steps(saved.get("step"), cfg.trainer.steps, checkpoint=checkpoint)
+    lost = inexact_resume(cfg.to_dict())
+    if lost:
+        warnings.warn(
+            f"resume from {str(checkpoint)!r} is not exact (it will differ from an uninterrupted run): "
+            + "; ".join(lost),
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -9,6 +9,9 @@ run-length and bookkeeping keys (``trainer.steps``, ``trainer.output_dir``, ...)
 :func:`check_resume_shapes` compares the model's tensor shapes a checkpoint recorded with
 those of the model the config builds now (the same directory may hold other weights);
 :func:`check_resume_steps` refuses a resume to fewer steps than the checkpoint holds.
+:func:`inexact_resume` names the options whose state the checkpoint does not hold: with
+none of them on, a resume in the blocking pipeline equals the uninterrupted run bit for bit,
+whatever ``trainer.steps`` and ``trainer.save_every`` each part ran with.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "check_resume_shapes",
     "check_resume_steps",
     "config_changes",
+    "inexact_resume",
     "prepare_run_dir",
 ]
 
@@ -230,3 +234,41 @@ def check_resume_steps(saved_step: Any, steps: int, *, checkpoint: str | os.Path
             f"resume: trainer.steps is {steps}, but checkpoint {str(checkpoint)!r} already holds {done} steps; set "
             f"trainer.steps above {done} to train further (a resume does not go back to an earlier step)"
         )
+
+
+def inexact_resume(config: Mapping[str, Any]) -> list[str]:
+    """The options of ``config`` whose state a checkpoint does not hold, each with what a resume loses.
+
+    Nothing else in a run depends on where it was cut: the learning rate is constant (no
+    schedule over ``trainer.steps``), the prompts, the samples and the validation are keyed
+    by the global step, the optimiser moments, the global random stream and the run's
+    stateful parts (the replay buffer, the curriculum's pass rates, the entropy controller:
+    :func:`rlcore.train.run_state.run_extras`) are saved with the step. So with none of
+    these options on, a run resumed in parts (each with its own ``trainer.steps`` and
+    ``trainer.save_every``) equals the uninterrupted run bit for bit in the blocking pipeline.
+
+    Args:
+      config: the run's config as a dict (:meth:`rlcore.train.config.Config.to_dict`).
+
+    Returns:
+      One line per option that is on (empty: the resume is exact).
+
+    >>> inexact_resume({"rl": {"replay": {"capacity": 8}}, "deploy": {"mode": "co-located"}})
+    []
+    >>> inexact_resume({"deploy": {"async_infer": True, "mode": "disaggregated"}})[0].split(":")[0]
+    'deploy.async_infer (disaggregated)'
+    """
+    deploy = dict(config.get("deploy") or {})
+    reasons = []
+    if deploy.get("async_infer") and deploy.get("mode") == "disaggregated":
+        reasons.append(
+            "deploy.async_infer (disaggregated): the rollouts running ahead of the update are not saved; "
+            "after the resume the first deploy.staleness steps sample from the restored weights, where the "
+            "uninterrupted run sampled them from older ones"
+            + (
+                " (deploy.carry_over: the rows in flight are redone from their first token, none lost)"
+                if deploy.get("carry_over")
+                else ""
+            )
+        )
+    return reasons
