@@ -34,6 +34,7 @@ from rlcore.models.ring_attention import ring_attention
 from rlcore.models.sampling import filter_logits, left_pad, sample_tokens, uniform_table
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
 from rlcore.models.shared_prefix import SharedPrefix, shared_prefix_logprobs, shares_prompts
+from rlcore.models.static_cache import StaticDecodeStep, supports_static_decode
 from rlcore.models.token_logprobs import token_logprobs
 from rlcore.models.ulysses import ulysses_attention
 
@@ -50,6 +51,7 @@ __all__ = [
     "SequenceShards",
     "ShardedLogprobs",
     "SharedPrefix",
+    "StaticDecodeStep",
     "TokenIds",
     "adapter_state_dict",
     "adapters_disabled",
@@ -79,6 +81,7 @@ __all__ = [
     "sharded_token_logprobs",
     "shared_prefix_logprobs",
     "shares_prompts",
+    "supports_static_decode",
     "token_ids",
     "token_logprobs",
     "ulysses_attention",

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from rlcore.models.shared_prefix import shares_prompts
+from rlcore.models.static_cache import StaticDecodeStep, static_decode_step
 
 __all__ = ["CachedDecoder"]
 
@@ -23,7 +24,10 @@ class CachedDecoder:
     runs one cached forward with position ids counted from each row's first real
     token and the attention mask grown by one column. transformers 5 renamed
     ``past_key_values`` to ``cache`` (argument and output field): the model's own
-    name is used.
+    name is used. For a Llama-family model (:func:`rlcore.models.static_cache.supports_static_decode`)
+    the steps after the prompt run :class:`rlcore.models.static_cache.StaticDecodeStep`
+    instead of the model's forward: the same arithmetic through the same sub-modules, over
+    a preallocated cache, without the forward's per-call set-up.
 
     Args:
       model: ``model(input_ids=, attention_mask=, position_ids=, <cache>=, use_cache=True)``
@@ -31,15 +35,32 @@ class CachedDecoder:
       ids: ``[B, L]`` left-padded ids; attention: ``[B, L]`` (1 on real tokens).
       active: which rows of a larger starting batch ``ids`` holds (the :attr:`active` of a
         decoder this one replaces), default all.
+      static: run the steps with :class:`~rlcore.models.static_cache.StaticDecodeStep` (None:
+        where the model supports it; False: always the model's own forward).
     """
 
-    def __init__(self, model: Any, ids: torch.Tensor, attention: torch.Tensor, *, active: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model: Any,
+        ids: torch.Tensor,
+        attention: torch.Tensor,
+        *,
+        active: torch.Tensor | None = None,
+        static: bool | None = None,
+    ):
         self.model = model
         self.field = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.attention = attention.to(torch.long)
         positions = (self.attention.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1:] + 1
         self._logits, self._cache = self._prefill(ids, positions)
+        self._step: StaticDecodeStep | None = None
+        if static is not False:
+            self._step = static_decode_step(model, self._cache, self.attention)
+            if self._step is not None:
+                self._cache = None  # its entries were copied into the step's buffers
+            elif static:
+                raise ValueError(f"static: got True for {type(model).__name__}, expected a supports_static_decode model")
         # The starting rows still in the batch, in order (a decoder rebuilt for rows that are left names them).
         self.active = torch.arange(ids.shape[0], device=ids.device) if active is None else active
 
@@ -55,6 +76,10 @@ class CachedDecoder:
         rows = token.shape[0]
         ones = torch.ones(rows, 1, dtype=self.attention.dtype, device=self.attention.device)
         self.attention = torch.cat([self.attention, ones], dim=1)
+        if self._step is not None:
+            self._logits = self._step(token, self.next_position)
+            self.next_position = self.next_position + 1
+            return
         out = self.model(
             input_ids=token[:, None],
             attention_mask=self.attention,
@@ -85,7 +110,10 @@ class CachedDecoder:
         self.attention = self.attention.index_select(0, rows)
         self.next_position = self.next_position.index_select(0, rows)
         self._logits = self._logits.index_select(0, rows)
-        self._cache = _gather_cache(self._cache, rows)
+        if self._step is not None:
+            self._step.select(rows)
+        else:
+            self._cache = _gather_cache(self._cache, rows)
         return left
 
     def _prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
