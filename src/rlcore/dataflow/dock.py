@@ -73,6 +73,13 @@ def _as_indexes(name: str, indexes: Any) -> torch.Tensor:
     raise ValueError(f"{name}: got {type(indexes).__name__}, expected a 1-D integer tensor or a sequence of ints")
 
 
+def _as_run(name: str, indexes: Any) -> torch.Tensor | range:
+    """``indexes`` as :func:`_as_indexes` gives them, but a step-1 ``range`` (a run) kept as it is: no tensor built."""
+    if isinstance(indexes, range) and indexes.step == 1 and -(2**63) <= indexes.start and indexes.stop < 2**63:
+        return indexes if indexes.stop >= indexes.start else range(indexes.start, indexes.start)
+    return _run(_as_indexes(name, indexes))
+
+
 def _run(rows: torch.Tensor) -> torch.Tensor | range:
     """``rows`` as a ``range`` when they are one increasing run (``a, a + 1, ..., b - 1``), else as they are.
 
@@ -1089,24 +1096,24 @@ class TransferDock:
         whose row count differs from ``len(indexes)``, rows whose dtype / trailing
         shape differ from earlier puts of that column, or a cell already put.
         """
-        idx = _as_indexes("indexes", indexes)
+        run = _as_run("indexes", indexes)
         if not isinstance(columns, Mapping) or not columns:
             raise ValueError(f"columns: got {type(columns).__name__}, expected a non-empty dict of column -> rows")
         rows = {c: _rows(c, v) for c, v in columns.items()}
         for column, values in rows.items():
-            if len(values) != idx.numel():
-                raise ValueError(f"columns[{column!r}]: got {len(values)} rows, expected {idx.numel()} (one per index)")
-        if idx.numel() == 0:
+            if len(values) != len(run):
+                raise ValueError(f"columns[{column!r}]: got {len(values)} rows, expected {len(run)} (one per index)")
+        if len(run) == 0:
             return
         # A column given as one tensor has one spec and one length for all its rows: no per-row pass.
         specs = {c: _tensor_spec(v) if isinstance(v, torch.Tensor) else _row_spec(c, v) for c, v in rows.items()}
-        run = indexes if isinstance(indexes, range) and indexes.step == 1 else _run(idx)
         self._wait_call(self.controller, "try_begin_put", None, specs, run)
         try:
-            routes = [(0, [])] if len(self.warehouses) == 1 else self._by_warehouse(idx)
+            routes = [(0, [])] if len(self.warehouses) == 1 else self._by_warehouse(_tensor(run))
             if len(routes) == 1:  # one warehouse holds every row: the rows go in the caller's order
                 calls = [self._put_call(routes[0][0], rows, run)]
             else:
+                idx = _tensor(run)
                 calls = [
                     self._put_call(
                         w,
@@ -1167,14 +1174,13 @@ class TransferDock:
         meanwhile (the reset waits for it). A consumer that takes rows and then cannot
         process them gives them back with :meth:`nack`.
         """
-        idx = None if indexes is None else _as_indexes("indexes", indexes)
+        run = None if indexes is None else _as_run("indexes", indexes)
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise ValueError(f"columns: got {columns!r}, expected a list of column names")
         columns = list(columns)
         _check_timeout("timeout", timeout)
         # No timeout: a get of explicit indexes waits as long as needed, one of a count returns at once.
-        wait = timeout if timeout is not None else None if idx is not None else 0.0
-        run = None if idx is None else indexes if isinstance(indexes, range) and indexes.step == 1 else _run(idx)
+        wait = timeout if timeout is not None else None if run is not None else 0.0
         options = dict(by_group=by_group, balance=balance, indexes=run)
         rows = self._wait_call(self.controller, "try_sample", wait, consumer, columns, count, **options)
         if rows is None or rows.numel() == 0:
