@@ -146,3 +146,22 @@ def test_an_unknown_cache_is_refused():
     assert static_decode_step(model, object(), torch.ones(1, 2)) is None
     with pytest.raises(ValueError, match="cache: got object"):
         StaticDecodeStep(model, object(), torch.ones(1, 2))
+
+
+def test_lora_adapters_are_applied():
+    from rlcore.models import apply_lora
+
+    model = apply_lora(_model("qwen2", seed=2), r=4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that change the output
+    model.eval()
+    assert supports_static_decode(model)
+    prompts = [[3, 4, 5], [6, 7]]
+    with torch.no_grad():
+        ours = _decode_logits(model, prompts, 4, -1, None, 0)
+        theirs = _decode_logits(model, prompts, 4, -1, False, 0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours[-1], _decode_logits(_model("qwen2", seed=2), prompts, 4, -1, None, 0)[-1])

@@ -39,10 +39,12 @@ def _hooked(module: torch.nn.Module) -> bool:
 def supports_static_decode(model: Any) -> bool:
     """Whether :class:`StaticDecodeStep` computes ``model``'s decode step exactly as its own forward does.
 
-    True for a ``transformers`` Llama, Qwen2, Qwen3 or Mistral causal LM with full attention
-    in every layer, plain (not sharded, not hooked) modules, no tensor-parallel pretraining
+    True for a ``transformers`` Llama, Qwen2, Qwen3 or Mistral causal LM (or a ``peft`` model
+    over one: its adapters sit in the projections the step calls) with full attention in
+    every layer, plain (not sharded, not hooked) modules, no tensor-parallel pretraining
     split and no attention dropout in training mode.
     """
+    model = _base(model)
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
     if config is None or inner is None or getattr(config, "model_type", None) not in _LAYOUTS:
@@ -71,6 +73,12 @@ def supports_static_decode(model: Any) -> bool:
     if _hooked(model) or _hooked(inner):
         return False
     return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _base(model: Any) -> Any:
+    """The causal LM under a ``peft`` wrapper (adapters injected into its modules), else ``model``."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -112,7 +120,7 @@ class StaticDecodeStep:
         layers = _cache_layers(cache)
         if layers is None:
             raise ValueError(f"cache: got {type(cache).__name__}, expected a transformers cache with per-layer keys")
-        self.model = model
+        self.model = model = _base(model)
         self.inner = model.model
         rows, length = attention.shape
         capacity = length + _GROW
