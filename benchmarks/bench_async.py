@@ -1,7 +1,7 @@
 """Asynchronous RL on heavy-tailed response lengths: the synchronous trainer against async and partial rollouts.
 
 Run: python benchmarks/bench_async.py [--steps 120] [--warmup-steps 150] [--median 8] [--sigma 1.0] [--cap 20]
-     [--variants sync,async1,async2,async4,partial,carry]
+     [--variants sync,async1,async2,async4,partial,carry] [--seeds 0,1,2] [--val-size 512] [--eval-samples 8]
      python benchmarks/bench_async.py --sim-only      (the simulated schedule at AReaL's scale alone)
 
 1. Real, on this machine. The main job's task and model (``configs/grpo_tiny.yaml``,
@@ -31,8 +31,21 @@ Run: python benchmarks/bench_async.py [--steps 120] [--warmup-steps 150] [--medi
 
    Samples per second over the RL steps (the sum of the steps' wall times; warm-up and
    worker start-up excluded), each variant's ratio to the synchronous one, the final
-   reward (mean of the last 10% of steps) and its difference from the synchronous one,
-   and the mean row and token lags.
+   reward and its difference from the synchronous one, and the mean row and token lags.
+   Every variant trains the same number of samples (``--steps`` x the batch). The final
+   reward is the final weights' (``val/reward`` of :class:`rlcore.train.validation.Validator`:
+   ``--val-size`` held-out prompts x ``--eval-samples`` answers at the rollout's
+   temperature, the same prompts and random streams for every variant). The rollout
+   reward of the last 10% of steps is printed beside it: it scores rows sampled by
+   weights up to ``deploy.staleness`` versions old, so on a rising curve it lags the
+   synchronous run's by about the mean lag times the curve's slope.
+   Each variant runs once per seed of ``--seeds`` (``trainer.seed``: the warm-up, the
+   data order and the sampling; the synchronous run is deterministic, the async ones
+   are not: a version reaches the worker when it is ready). One seed is one draw: runs
+   that differ only in rounding (the synchronous run on 1 thread instead of 2, or async
+   at staleness 0) ended up to 0.03 apart in the final reward. The summary prints the
+   mean over the seeds +- the sample standard deviation; ratios and reward differences
+   are taken per seed against that seed's synchronous run, then averaged.
 
 2. Simulated at AReaL's scale (:func:`rlcore.dataflow.simulate`, the pipeline's own
    scheduling rules on a virtual clock). AReaL (Fu et al., 2025, arXiv:2505.24298)
@@ -175,7 +188,7 @@ def _config(out: str, overrides: list[str]) -> Any:
 
 
 def run(out: str, overrides: list[str]) -> dict[str, float]:
-    """samples/s over the RL steps, final reward (last 10% of steps), mean row and token lags."""
+    """samples/s over the RL steps, the final weights' reward, the rollout reward of the last 10% of steps, lags."""
     cfg = _config(out, overrides)
     if cfg.deploy.mode == "disaggregated":
         records = train(cfg).records
@@ -196,7 +209,8 @@ def run(out: str, overrides: list[str]) -> dict[str, float]:
     k = max(1, len(records) // 10)
     return {
         "rate": samples / sum(r["step_time_s"] for r in records),
-        "reward": sum(r["reward"] for r in records[-k:]) / k,
+        "reward": records[-1]["val/reward"],
+        "rollout_reward": sum(r["reward"] for r in records[-k:]) / k,
         "lag": statistics.mean(r["policy_lag"] for r in records),
         "token_lag": statistics.mean(r.get("token_lag", r["policy_lag"]) for r in records),
     }
@@ -228,27 +242,54 @@ def real(args: argparse.Namespace) -> None:
     if "sync" not in chosen or any(v not in every for v in chosen):
         raise SystemExit(f"--variants: got {args.variants!r}, expected 'sync' and some of {list(every)}")
     variants = dict(every[v] for v in chosen)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    sync = every["sync"][0]
+    evaluation = [
+        f"trainer.eval_every={args.steps}",
+        f"data.val_size={args.val_size}",
+        f"trainer.eval_samples={args.eval_samples}",
+    ]
     WorkerDeployment.server = TailServer  # the worker builds the tail engine
     try:
-        results = {}
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         with tempfile.TemporaryDirectory() as out:
-            for i, (name, overrides) in enumerate(variants.items()):
-                results[name] = run(f"{out}/{i}", [*common, *overrides])
-                r = results[name]
-                print(f"{name:<46} {r['rate']:8.1f} samples/s   final reward {r['reward']:.3f}", flush=True)
+            for seed in seeds:  # seeds outside, variants inside: a change in the machine's load spreads over all
+                for i, (name, overrides) in enumerate(variants.items()):
+                    r = run(f"{out}/{seed}-{i}", [*common, *evaluation, f"trainer.seed={seed}", *overrides])
+                    results[name].append(r)
+                    print(
+                        f"seed {seed} {name:<46} {r['rate']:8.1f} samples/s   final reward {r['reward']:.3f}   "
+                        f"rollout reward {r['rollout_reward']:.3f}",
+                        flush=True,
+                    )
     finally:
         WorkerDeployment.server = RolloutServer
-    base = results["synchronous (blocking, 2 threads)"]
     print(
-        f"\nload average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.steps} RL steps; tail: median "
-        f"{args.median} tokens, sigma {args.sigma}, cap {args.cap}x"
+        f"\nload average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.steps} RL steps; seeds {args.seeds}; "
+        f"tail: median {args.median} tokens, sigma {args.sigma}, cap {args.cap}x; final reward: the final weights on "
+        f"{args.val_size} held-out prompts x {args.eval_samples}; rollout reward: the last 10% of steps' rows"
     )
-    for name, r in results.items():
+    print(f"mean +- standard deviation over {len(seeds)} seed(s); ratio and diffs per seed against its synchronous run")
+    for name, rs in results.items():
+        ratio = [r["rate"] / b["rate"] for r, b in zip(rs, results[sync])]
+        diff = [r["reward"] - b["reward"] for r, b in zip(rs, results[sync])]
+        rdiff = [r["rollout_reward"] - b["rollout_reward"] for r, b in zip(rs, results[sync])]
         print(
-            f"{name:<46} {r['rate']:8.1f} samples/s  ratio {r['rate'] / base['rate']:5.2f}x  final reward "
-            f"{r['reward']:.3f} (diff {r['reward'] - base['reward']:+.3f})  lag row {r['lag']:.2f} token "
-            f"{r['token_lag']:.2f}"
+            f"{name:<46} {spread([r['rate'] for r in rs], '8.1f')} samples/s  ratio {spread(ratio, '.2f')}x  "
+            f"final reward {spread([r['reward'] for r in rs], '.3f')} (diff {spread(diff, '+.3f')})  rollout reward "
+            f"{spread([r['rollout_reward'] for r in rs], '.3f')} (diff {spread(rdiff, '+.3f')})  lag row "
+            f"{statistics.mean(r['lag'] for r in rs):.2f} token {statistics.mean(r['token_lag'] for r in rs):.2f}"
         )
+
+
+def spread(xs: list[float], fmt: str) -> str:
+    """``mean +- sample standard deviation`` of ``xs`` (the mean alone for one value).
+
+    >>> spread([1.0, 2.0, 3.0], ".2f")
+    '2.00 +- 1.00'
+    """
+    mean = format(statistics.mean(xs), fmt)
+    return mean if len(xs) < 2 else f"{mean} +- {format(statistics.stdev(xs), fmt.lstrip('+').lstrip('0123456789'))}"
 
 
 def _graph(rollout_batch: int) -> StageGraph:
@@ -327,6 +368,9 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=20.0)
     parser.add_argument("--partial-staleness", type=int, default=2)
     parser.add_argument("--variants", default="sync,async1,async2,async4,partial,carry")
+    parser.add_argument("--seeds", default="0,1,2", help="trainer.seed of each run, comma-separated")
+    parser.add_argument("--val-size", type=int, default=512, help="held-out prompts scoring the final weights")
+    parser.add_argument("--eval-samples", type=int, default=8, help="answers per held-out prompt")
     parser.add_argument("--sim-only", action="store_true")
     parser.add_argument("--sim-nodes", type=int, default=16)
     parser.add_argument("--sim-prompts", type=int, default=512)
