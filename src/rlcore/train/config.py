@@ -146,7 +146,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     rl.advantage                             optimal_token_baseline: the recipe's advantages replaced by the optimal
                                              token baseline (verl's), a per-position group baseline weighted by each
                                              path's gradient variance; the old-policy forward also gives sum_pi_squared
-                                             (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp; null: the recipe's own)
+                                             (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp; null: the recipe's own);
+                                             with rl.multi_turn verl's multi-turn variant: each trajectory's policy
+                                             tokens lined up by count, tool / observation tokens left out
     rl.entropy_target                        an adaptive entropy bonus (Skywork-OR1): a target entropy in nats per
                                              token, or {target, delta, init_coef, max_coef}; the bonus's coefficient
                                              rises by delta each step the logged entropy is below target (falls
@@ -642,7 +644,6 @@ def _check_recipe_options(cfg: Config) -> None:
     if rl.advantage is not None:
         baseline_checks: tuple[tuple[str, Any, bool, str], ...] = (
             ("rl.algo", rl.algo, rl.algo not in _TOKEN_BASELINE_ALGOS, ", ".join(_TOKEN_BASELINE_ALGOS)),
-            ("rl.multi_turn", "a section", rl.multi_turn is not None, "null (single-turn responses)"),
             ("parallel.context_parallel", cfg.parallel.context_parallel, cfg.parallel.context_parallel != 1, "1"),
         )
         for key, got, bad, expected in baseline_checks:
