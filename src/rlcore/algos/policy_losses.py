@@ -219,11 +219,12 @@ def _ratio_sums(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
     }
 
 
-def _kl_only(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
-    """``approx_kl`` alone (see :func:`_ratio_sums`)."""
+def _kl_only(ratio: torch.Tensor, tok: _Tokens, *, owned: bool = False) -> Metrics:
+    """``approx_kl`` alone (see :func:`_ratio_sums`); ``owned``: ``ratio`` is the caller's spent buffer, used in place."""
     if tok.weights.dtype != torch.bool:
         return {"approx_kl": _mean(ratio - 1.0 - tok.log_ratio, tok)}
-    return {"approx_kl": ((ratio - 1.0).sub_(tok.log_ratio).sum() / tok.total).float()}
+    excess = ratio.sub_(1.0) if owned else ratio - 1.0
+    return {"approx_kl": (excess.sub_(tok.log_ratio).sum() / tok.total).float()}
 
 
 def ppo_clip_loss(
@@ -861,7 +862,7 @@ def dro_loss(
             squares = _mean(log_ratio.square(), tok)
         log_ratio.clamp_(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         ratio = log_ratio.exp()
-        metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok)
+        metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok, owned=True)
         metrics["log_ratio_sq"] = squares
     return _cast(loss, logp.dtype), metrics
 
