@@ -81,3 +81,28 @@ def test_the_advantages_stage_gives_gdpo_the_components():
     out = stage.fn({"scores": parts.sum(-1), "score_parts": parts, "mask": torch.ones(8, 3), "group": group})
     want = algos.gdpo_advantages(parts, torch.tensor([1, 1, 1, 1, 0, 0, 0, 0]), weights=[0.5, 2.0])
     assert torch.equal(out["advantages"], want[:, None].expand(8, 3))
+
+
+def test_rl_gdpo_batch_norm_sets_the_last_whitening():
+    """On by default (as verl's gdpo); off gives the weighted sum of the group z-scores; only with rl.algo gdpo."""
+    raw = {"model": {"model_name_or_path": INLINE}, "rl": {"algo": "gdpo"}, "rewards": ["length", "answer_match"]}
+    g = torch.Generator().manual_seed(1)
+    parts = torch.randint(0, 3, (8, 2), generator=g).float()
+    parts[:, 1] += 2 * torch.rand(8, generator=g)
+    rows = {"scores": parts.sum(-1), "score_parts": parts, "mask": torch.ones(8, 3),
+            "group": torch.tensor([5, 5, 5, 5, 2, 2, 2, 2])}  # fmt: skip
+    ids = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0])
+    for value, want in ((None, True), (True, True), (False, False)):
+        rl = raw["rl"] if value is None else {**raw["rl"], "gdpo_batch_norm": value}
+        cfg = parse_config({**raw, "rl": rl})
+        assert cfg.rl.gdpo_batch_norm is want
+        stage = advantages_stage(build_algorithm(cfg), inputs=tuple(rows))
+        expected = algos.gdpo_advantages(parts, ids, batch_norm=want)
+        assert torch.equal(stage.fn(rows)["advantages"], expected[:, None].expand(8, 3))
+    whitened = algos.gdpo_advantages(parts, ids)
+    assert float(whitened.mean()) == pytest.approx(0, abs=1e-6) and float(whitened.std()) == pytest.approx(1, abs=1e-4)
+    assert not torch.allclose(whitened, algos.gdpo_advantages(parts, ids, batch_norm=False))
+    with pytest.raises(ValueError, match="config key 'rl.gdpo_batch_norm': got False with rl.algo 'grpo'"):
+        parse_config({**raw, "rl": {"algo": "grpo", "gdpo_batch_norm": False}})
+    with pytest.raises(ValueError, match="config key 'rl.gdpo_batch_norm': got str 'no', expected bool"):
+        parse_config({**raw, "rl": {"algo": "gdpo", "gdpo_batch_norm": "no"}})

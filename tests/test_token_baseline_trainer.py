@@ -2,7 +2,9 @@
 
 The ops give ``sum_v pi(v)^2`` only when asked (the loop reference agrees; logp, entropy
 and their gradients are unchanged; no host sync); the old-policy stage writes it; the
-trainer's advantages are the pure function of the same inputs; a short run trains."""
+trainer's advantages are the pure function of the same inputs; a short run trains, and so
+does a multi-turn agent run, whose advantages are the multi-turn variant's (observation
+tokens left out)."""
 
 from pathlib import Path
 
@@ -178,7 +180,6 @@ def test_optimal_token_baseline_runs_from_the_config(tmp_path):
     [
         ({"algo": "ppo"}, "rl.algo"),
         ({"algo": "gdpo"}, "rl.algo"),
-        ({"multi_turn": {}}, "rl.multi_turn"),
         ({"advantage": "otb"}, "rl.advantage"),
     ],
 )
@@ -189,3 +190,100 @@ def test_bad_combinations_name_their_key(rl, key):
     }
     with pytest.raises(ValueError, match=f"config key '{key}'"):
         parse_config(raw)
+
+
+AGENT = ROOT / "configs" / "agent_calc_tiny.yaml"
+AGENT_TINY = [
+    "model.model_name_or_path.hidden_size=32",
+    "model.model_name_or_path.intermediate_size=64",
+    "model.model_name_or_path.num_hidden_layers=1",
+    "rl.batch_size=2",
+    "rl.mini_batch_size=2",
+    "rl.num_rollouts=4",
+    "data.digits=2",
+    "rl.multi_turn.max_new_tokens=12",
+    "rl.multi_turn.max_total_tokens=32",
+    "rl.multi_turn.eval_every=0",
+    "trainer.warmup_steps=4",
+    "trainer.warmup_batch_size=8",
+    "trainer.progress=false",
+    "trainer.plot=false",
+    "trainer.steps=2",
+    "rl.advantage=optimal_token_baseline",
+]
+
+
+def _trajectories(seed=0):
+    """Two groups of three trajectories: policy turns (mask 1) with tool outputs between them (mask 0),
+    each turn's reward on its last policy token; junk (nan) at the observation tokens' rewards."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor(
+        [
+            [1, 1, 0, 0, 1, 1, 1, 0],
+            [1, 1, 1, 0, 0, 0, 1, 1],
+            [1, 1, 1, 1, 0, 0, 0, 0],
+            [1, 0, 0, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 1, 1, 0, 0],
+            [1, 1, 0, 1, 0, 1, 0, 1],
+        ],
+        dtype=torch.float32,
+    )
+    rewards = torch.zeros(6, 8)
+    rewards[torch.arange(6), (mask * torch.arange(1, 9)).argmax(1)] = torch.rand(6, generator=g).round()
+    rewards[0, 1], rewards[3, 0] = 0.5, -0.25  # a reward at the end of an earlier turn
+    return {
+        "scores": rewards.sum(1),
+        "rewards": torch.where(mask != 0, rewards, torch.nan),
+        "mask": mask,
+        "group": torch.tensor([5, 5, 5, 2, 2, 2]),
+        "old_logp": -torch.rand(6, 8, generator=g) * 2,
+        "sum_pi_squared": torch.rand(6, 8, generator=g) * 0.5 + 0.1,
+    }
+
+
+def test_multi_turn_advantages_are_the_multi_turn_pure_function(tmp_path):
+    cfg = load_config(AGENT, [*AGENT_TINY, f"trainer.output_dir={tmp_path}"])
+    algo = build_algorithm(cfg)
+    assert algos.scoring_needs(algo).sum_pi_squared and scoring_plan(cfg, algo).old_logp
+    rows = _trajectories()
+    got = advantages_stage(algo, inputs=tuple(rows)).fn(rows)
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    args = (rows["rewards"], rows["old_logp"], rows["sum_pi_squared"], rows["mask"], group_ids)
+    want, _ = algos.optimal_token_baseline_advantages(*args, multi_turn=True)
+    assert torch.equal(got["advantages"], want) and torch.equal(got["loss_mask"], rows["mask"])
+    single, _ = algos.optimal_token_baseline_advantages(*args)
+    assert not torch.allclose(want, single)  # the trajectories are lined up by policy token, not by position
+    # The observation tokens' values take no part: any old_logp / sum_pi_squared there gives the same advantages.
+    holes = rows["mask"] == 0
+    junk = {
+        **rows,
+        "old_logp": rows["old_logp"].masked_fill(holes, -9.0),
+        "sum_pi_squared": rows["sum_pi_squared"].masked_fill(holes, 0.9),
+    }
+    assert torch.equal(advantages_stage(algo, inputs=tuple(junk)).fn(junk)["advantages"], want)
+
+
+ENVS = """
+from rlcore.agent import ToolEnv
+
+
+def make(tools, **options):
+    # Rewards that differ between a prompt's trajectories (the answer's length), so advantages are not all 0.
+    return ToolEnv(tools, reward=lambda sample, text: len(text) % 3 / 2, **options)
+"""
+
+
+def test_optimal_token_baseline_trains_a_multi_turn_run(tmp_path):
+    (tmp_path / "envs.py").write_text(ENVS)
+    overrides = [
+        f"rl.multi_turn.env={tmp_path / 'envs.py'}:make",
+        "trainer.log_ref_kl_every=1",  # the logged KL to the start (the warmed-up policy) shows the update moved it
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
+    records = train(load_config(AGENT, [*AGENT_TINY, *overrides])).records
+    assert len(records) == 2
+    for r in records:
+        assert all(torch.isfinite(torch.tensor(r[k])) for k in ("loss", "reward", "kl")), r
+        assert r["observation_tokens"] >= 0 and r["policy_tokens"] > 0
+    # Step 0 samples from the warmed-up weights (KL 0); its update moved them, so step 1's KL is not 0.
+    assert records[0]["kl"] == pytest.approx(0, abs=1e-9) and records[1]["kl"] > 1e-7

@@ -53,7 +53,8 @@ def _row_sums(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     every training step.
     """
     if mask.dtype == torch.bool:
-        return torch.where(mask, loss, 0.0).sum(-1)
+        # A 0-dim zero of the loss's dtype: torch.where with a Python float takes a casting loop on the CPU.
+        return torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)).sum(-1)
     return masked_sum(loss, mask, dim=-1)
 
 

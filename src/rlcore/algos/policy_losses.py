@@ -109,7 +109,6 @@ class _Tokens(NamedTuple):
     log_ratio: torch.Tensor  # logp - old_logp clamped to +-20 (beyond it the gradient is 0), differentiable
     neg_adv: torch.Tensor  # -advantages, detached: every loss is linear in it, and +0 at mask 0 stays +0
     counted: torch.Tensor  # total weight as it is (0 for an empty mask)
-    raw_log_ratio: torch.Tensor  # logp - old_logp unclamped, differentiable, 0 where the mask is 0
     lp: torch.Tensor | None  # logp, differentiable, 0 where the mask is 0 (with_logp only)
     old_lp: torch.Tensor | None  # old_logp, detached, 0 where the mask is 0 (with_logp only)
 
@@ -145,7 +144,7 @@ def _prepare(
     else:
         raw = torch.where(keep, _cast(logp, acc) - old_logp.detach().to(acc), 0.0)
     log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, neg_adv, total, raw, lp, old_lp)
+    return _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, neg_adv, total, lp, old_lp)
 
 
 def _logp(logp: torch.Tensor, tok: _Tokens) -> torch.Tensor:
@@ -220,11 +219,12 @@ def _ratio_sums(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
     }
 
 
-def _kl_only(ratio: torch.Tensor, tok: _Tokens) -> Metrics:
-    """``approx_kl`` alone (see :func:`_ratio_sums`)."""
+def _kl_only(ratio: torch.Tensor, tok: _Tokens, *, owned: bool = False) -> Metrics:
+    """``approx_kl`` alone (see :func:`_ratio_sums`); ``owned``: ``ratio`` is the caller's spent buffer, used in place."""
     if tok.weights.dtype != torch.bool:
         return {"approx_kl": _mean(ratio - 1.0 - tok.log_ratio, tok)}
-    return {"approx_kl": ((ratio - 1.0).sub_(tok.log_ratio).sum() / tok.total).float()}
+    excess = ratio.sub_(1.0) if owned else ratio - 1.0
+    return {"approx_kl": (excess.sub_(tok.log_ratio).sum() / tok.total).float()}
 
 
 def ppo_clip_loss(
@@ -841,19 +841,67 @@ def dro_loss(
     """
     _check(logp, old_logp, advantages, mask)
     check_positive("beta", beta, finite=True)
-    tok = _prepare(logp, old_logp, advantages, mask, with_logp=True)
-    log_ratio = tok.raw_log_ratio
-    loss = torch.addcmul(tok.neg_adv * _logp(logp, tok), log_ratio, log_ratio, value=0.5 * beta)
+    acc = acc_dtype(logp.dtype)
+    keep = mask if mask.dtype == torch.bool else mask != 0
     with torch.no_grad():
-        ratio = tok.log_ratio.exp()
-        metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok)
-        flat = log_ratio.detach().flatten()
-        metrics["log_ratio_sq"] = (
-            (torch.dot(flat, flat) / tok.total).float()
-            if tok.weights.dtype == torch.bool
-            else _mean(log_ratio.detach().square(), tok)
-        )
+        weights = mask if mask.dtype == torch.bool else mask.to(acc)
+        total = torch.count_nonzero(mask).to(acc) if mask.dtype == torch.bool else mask.sum(dtype=acc)
+        # Zeros as 0-dim tensors of the data's dtype: torch.where with a Python float takes a
+        # casting loop on the CPU, about twice as slow.
+        zero = torch.zeros((), dtype=acc, device=logp.device)
+        neg_adv = torch.where(keep, advantages.detach().to(acc), zero.neg()).neg_()
+        old_lp = torch.where(keep, old_logp.detach().to(acc), zero)
+    loss, log_ratio = _DroLoss.apply(logp, keep, old_lp, neg_adv, zero, beta)
+    with torch.no_grad():
+        # log_ratio is this function's own buffer (the backward keeps the slope, not it): clamped in place.
+        tok = _Tokens(keep, weights, torch.where(total > 0, total, 1.0), log_ratio, neg_adv, total, None, None)
+        if tok.weights.dtype == torch.bool:
+            flat = log_ratio.flatten()
+            squares = (torch.dot(flat, flat) / tok.total).float()
+        else:
+            squares = _mean(log_ratio.square(), tok)
+        log_ratio.clamp_(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        ratio = log_ratio.exp()
+        metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok, owned=True)
+        metrics["log_ratio_sq"] = squares
     return _cast(loss, logp.dtype), metrics
+
+
+class _DroLoss(torch.autograd.Function):
+    """DRO's per-token loss and the log-ratio, both 0 at padding; the backward is one product.
+
+    The gradient of ``-A lp + beta / 2 l^2`` is ``(-A + beta l) d lp``: the forward keeps that
+    slope (0 at padding) and the backward multiplies by it. Autograd of the formula keeps
+    ``lp`` and ``l`` and takes five full-size passes backward (the square's two products, the
+    advantage's, their sum and the padding ``where``); the loss is a few elementwise ops
+    (verl's has six), so those passes were most of its cost.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        logp: torch.Tensor,
+        keep: torch.Tensor,
+        old_lp: torch.Tensor,
+        neg_adv: torch.Tensor,
+        zero: torch.Tensor,
+        beta: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # torch.where (not a multiply) keeps nan padding out of the loss and the slope.
+        lp = torch.where(keep, logp.to(neg_adv.dtype), zero)
+        log_ratio = lp - old_lp
+        return lp.mul_(neg_adv).addcmul_(log_ratio, log_ratio, value=0.5 * beta), log_ratio
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+        logp, _, _, neg_adv, _, beta = inputs
+        ctx.dtype = logp.dtype
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(torch.add(neg_adv, output[1], alpha=beta))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _: torch.Tensor):  # type: ignore[no-untyped-def,override]
+        (slope,) = ctx.saved_tensors
+        return saturating_cast(g * slope, ctx.dtype), None, None, None, None, None
 
 
 def _covariance(tok: _Tokens, lp: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,8 @@ def build_algorithm(cfg: Config) -> algos.Recipe:
     if rl.algo == "opd":  # the teacher is the reference model (build_reference)
         algo = algos.on_policy_distillation(teacher_coef=rl.teacher_coef, task_coef=rl.task_coef, loss=rl.opd_loss)
     elif rl.algo == "gdpo":  # one score column per entry of the rewards list, weighted after normalisation
-        algo = algos.gdpo(weights=None if cfg.rewards is None else reward_weights(cfg.rewards))
+        weights = None if cfg.rewards is None else reward_weights(cfg.rewards)
+        algo = algos.gdpo(weights=weights, batch_norm=rl.gdpo_batch_norm)
         algo = algo if not beta else algo._replace(kl=partial(algos.kl_penalty, estimator="k3"), kl_coef=beta)
     elif rl.algo in ("grpo", "ppo", "rloo", "reinforce_pp"):
         recipe = getattr(algos, rl.algo)

@@ -146,7 +146,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     rl.advantage                             optimal_token_baseline: the recipe's advantages replaced by the optimal
                                              token baseline (verl's), a per-position group baseline weighted by each
                                              path's gradient variance; the old-policy forward also gives sum_pi_squared
-                                             (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp; null: the recipe's own)
+                                             (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp; null: the recipe's own);
+                                             with rl.multi_turn verl's multi-turn variant: each trajectory's policy
+                                             tokens lined up by count, tool / observation tokens left out
     rl.entropy_target                        an adaptive entropy bonus (Skywork-OR1): a target entropy in nats per
                                              token, or {target, delta, init_coef, max_coef}; the bonus's coefficient
                                              rises by delta each step the logged entropy is below target (falls
@@ -154,6 +156,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     rl.algo gdpo                             GDPO: the reward pool gives each entry of the rewards list's score (the
                                              score_parts column); each is normalised within its group, then they are
                                              summed with the entries' weights and whitened over the batch
+    rl.gdpo_batch_norm                       with gdpo: whiten the combined advantages over the batch (default true,
+                                             as verl's gdpo; false: the weighted sum of the group z-scores as it is)
 """
 
 from __future__ import annotations
@@ -255,6 +259,7 @@ class RLConfig:
     opd_loss: Literal["reward", "reverse_kl"] = "reward"
     teacher_coef: float = 1.0
     task_coef: float = 1.0
+    gdpo_batch_norm: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,7 +647,6 @@ def _check_recipe_options(cfg: Config) -> None:
     if rl.advantage is not None:
         baseline_checks: tuple[tuple[str, Any, bool, str], ...] = (
             ("rl.algo", rl.algo, rl.algo not in _TOKEN_BASELINE_ALGOS, ", ".join(_TOKEN_BASELINE_ALGOS)),
-            ("rl.multi_turn", "a section", rl.multi_turn is not None, "null (single-turn responses)"),
             ("parallel.context_parallel", cfg.parallel.context_parallel, cfg.parallel.context_parallel != 1, "1"),
         )
         for key, got, bad, expected in baseline_checks:
@@ -655,6 +659,11 @@ def _check_recipe_options(cfg: Config) -> None:
         raise ValueError(
             "config key 'rl.multi_turn': got a section with rl.algo 'gdpo', expected null (GDPO normalises each entry "
             "of the rewards list; a multi-turn rollout's rewards come from its environments)"
+        )
+    if rl.algo != "gdpo" and not rl.gdpo_batch_norm:
+        raise ValueError(
+            f"config key 'rl.gdpo_batch_norm': got False with rl.algo {rl.algo!r}, expected it unset "
+            "(an option of rl.algo 'gdpo')"
         )
     if rl.algo != "opd":
         defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
@@ -999,7 +1008,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay, max_refill_draws, replay, sft_loss, rm_margin, rm_center_coef, policy_loss, policy_loss_args, entropy_coef, advantage, entropy_target, opd_loss, teacher_coef, task_coef
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay, max_refill_draws, replay, sft_loss, rm_margin, rm_center_coef, policy_loss, policy_loss_args, entropy_coef, advantage, entropy_target, opd_loss, teacher_coef, task_coef, gdpo_batch_norm
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")

@@ -8,6 +8,9 @@
 * ``rl.advantage: optimal_token_baseline`` replaces the recipe's advantage estimator by
   :func:`rlcore.algos.token_baseline_advantages` (its scores put on the last token): the
   old-policy forward then also gives ``sum_pi_squared`` (:func:`rlcore.algos.scoring_needs`).
+  With ``rl.multi_turn`` it is verl's multi-turn variant (``multi_turn=True``): each turn's
+  reward on its last policy token, the trajectories' policy tokens lined up by count and
+  the tool / observation tokens (mask 0) left out of the baseline.
 * ``rl.algo: opd`` is :func:`rlcore.algos.on_policy_distillation`: the teacher
   (``model.teacher``) is the run's reference model, so its log-probs fill ``ref_logp``.
 """
@@ -95,7 +98,10 @@ def apply_recipe_options(algo: algos.Algorithm, rl: Any) -> algos.Algorithm:
             if algo.shaping is None
             else algos.chain(algo.shaping, algos.token_rewards_shaping)
         )
-        algo = algo._replace(advantage_estimator=ADVANTAGES[rl.advantage], shaping=shaping)
+        estimator = ADVANTAGES[rl.advantage]
+        if rl.multi_turn is not None:  # trajectories: the k-th policy tokens lined up, observations left out
+            estimator = partial(estimator, multi_turn=True)
+        algo = algo._replace(advantage_estimator=estimator, shaping=shaping)
     if rl.policy_loss is not None:
         algo = algo._replace(policy_loss=policy_loss(rl.policy_loss, rl.policy_loss_args))
     if rl.entropy_coef:

@@ -66,13 +66,18 @@ def token_advantages(batch: Batch, *, estimator: Callable[..., torch.Tensor], pr
     return {"advantages": with_group(estimator, process_group)(rewards, mask)}
 
 
-def token_baseline_advantages(batch: Batch, *, handle_zero_tail: bool = True, eps: float = 1e-8) -> Batch:
+def token_baseline_advantages(
+    batch: Batch, *, handle_zero_tail: bool = True, multi_turn: bool = False, eps: float = 1e-8
+) -> Batch:
     """The optimal token baseline (:func:`rlcore.algos.optimal_token_baseline_advantages`) on the batch's token ``rewards``.
 
     Reads ``rewards``, ``old_logp`` and ``sum_pi_squared`` (the rollout policy's, from its
     forward: :func:`rlcore.ops.linear_logprobs` ``with_sum_pi_squared``), ``mask`` and
-    ``group_ids``; single-turn (responses lined up by position). Put ``scores`` on the last
-    token first (:func:`token_rewards_shaping`).
+    ``group_ids``. Single-turn lines the responses up by position; ``multi_turn=True``
+    (verl's ``tir_optimal_token_baseline``) lines up the ``k``-th policy token of each
+    trajectory, so the observation tokens (mask 0 inside a response) take no part in the
+    returns, the path variances or the baseline. Put ``scores`` on the last token first
+    (:func:`token_rewards_shaping`), or give each turn's reward as ``rewards``.
 
     >>> batch = {"rewards": torch.tensor([[0.0, 1.0], [0.0, 0.0]]), "old_logp": torch.full((2, 2), -0.7),
     ...          "sum_pi_squared": torch.full((2, 2), 0.5), "mask": torch.ones(2, 2), "group_ids": torch.tensor([0, 0])}
@@ -87,6 +92,7 @@ def token_baseline_advantages(batch: Batch, *, handle_zero_tail: bool = True, ep
         batch_entry(batch, "mask", "the token mask"),
         batch_entry(batch, "group_ids", "groups [B]"),
         handle_zero_tail=handle_zero_tail,
+        multi_turn=multi_turn,
         eps=eps,
     )
     return {"advantages": adv}
