@@ -896,10 +896,13 @@ class _DroLoss(torch.autograd.Function):
         logp, _, _, neg_adv, _, beta = inputs
         ctx.dtype = logp.dtype
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # no [B, T] of zeros for the log-ratio's (unused) gradient
         ctx.save_for_backward(torch.add(neg_adv, output[1], alpha=beta))
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor, _: torch.Tensor):  # type: ignore[no-untyped-def,override]
+    def backward(ctx, g: torch.Tensor | None, _: torch.Tensor | None):  # type: ignore[no-untyped-def,override]
+        if g is None:  # the loss took no part in what was differentiated
+            return None, None, None, None, None, None
         (slope,) = ctx.saved_tensors
         return saturating_cast(g * slope, ctx.dtype), None, None, None, None, None
 
