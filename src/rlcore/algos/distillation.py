@@ -109,7 +109,41 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     ``nan`` in the gradient (a logit of ``-inf``, a masked vocabulary entry, has ``p = 0``).
     """
     p = p_log.exp()
-    return (p * torch.where(p > 0, p_log - q_log, 0.0)).sum(-1)
+    # A 0-dim zero of the data's dtype: torch.where with a Python float takes a slower casting loop on the CPU.
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    return (p * torch.where(p > 0, p_log - q_log, zero)).sum(-1)
+
+
+class _ReverseKL(torch.autograd.Function):
+    """``KL(S || T)`` per position from the student's logits ``z`` and the teacher's log-probs; one fused backward.
+
+    With ``p = softmax(z)`` and ``d = log p - log q`` (0 where ``p = 0``), the gradient is
+    ``p * (d - KL)``: the forward keeps ``p`` and ``d``, and the backward is that product,
+    where autograd of the formula takes a pass per op of the exp, the guard, the product
+    and the log-softmax.
+    """
+
+    @staticmethod
+    def forward(z: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        s = z.log_softmax(-1)
+        p = s.exp()
+        zero = torch.zeros((), dtype=p.dtype, device=p.device)
+        d = torch.where(p > 0, s.sub_(q_log), zero)
+        return (p * d).sum(-1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+        z, q_log = inputs
+        ctx.save_for_backward(z, q_log, output)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[no-untyped-def,override]
+        z, q_log, kl = ctx.saved_tensors
+        s = z.log_softmax(-1)  # recomputed: two [B, T, V] saved would double the loss's memory
+        p = s.exp()
+        zero = torch.zeros((), dtype=p.dtype, device=p.device)
+        d = torch.where(p > 0, s.sub_(q_log).sub_(kl[..., None]), zero)
+        return d.mul_(p).mul_(g[..., None]), None
 
 
 def _kl_finite(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
@@ -182,19 +216,21 @@ def generalized_jsd_loss(
     # Padding may hold nan: it reaches neither a value nor a gradient. The student's padding is
     # zeroed before anything reads it; the teacher's reaches only padded positions' values, which
     # the last where drops, and their gradients, which the student's where drops.
-    student = torch.where(keep[..., None], student_logits.to(acc), 0.0)
+    zero = torch.zeros((), dtype=acc, device=student_logits.device)  # not a Python float: see _kl
+    student = torch.where(keep[..., None], student_logits.to(acc), zero)
     teacher = teacher_logits.detach().to(acc)
     if temperature != 1.0:
         student, teacher = student / temperature, teacher / temperature
     if top_k is not None:
         support = teacher.topk(top_k, dim=-1).indices
         student, teacher = student.gather(-1, support), teacher.gather(-1, support)
-    s, t = student.log_softmax(-1), teacher.log_softmax(-1)
+    t = teacher.log_softmax(-1)
     if beta == 0.0:
-        jsd = _kl(t, s)
+        jsd = _kl(t, student.log_softmax(-1))
     elif beta == 1.0:
-        jsd = _kl(s, t)
+        jsd = _ReverseKL.apply(student, t)
     else:
+        s = student.log_softmax(-1)
         # Between the endpoints M covers both supports, so every term is finite: a log-prob of
         # -inf (p = 0) is raised to the lowest finite value, where it adds 0 and gets gradient 0
         # (logaddexp of two -inf would give nan gradients).
