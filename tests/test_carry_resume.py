@@ -79,7 +79,7 @@ def run(worker, *, start, iterations, book, save_at=None):
 
     def end(i):
         if start + i == save_at:  # as a checkpoint at this step's end takes it
-            saved.update(book.state(start + i))
+            saved.update(book.checkpoint_state(start + i))
 
     up = stage(
         update,
@@ -124,10 +124,11 @@ def test_a_resumed_run_redoes_the_rows_the_checkpoint_had_not_trained_and_no_oth
     kept = {k for k, (i, _) in before.items() if i <= 2}  # what the checkpoint's run had trained
     assert untrained == keys_of(range(state["frontier"])) - kept  # in flight or handed over past the save
     # A new process: a fresh worker, the book from the checkpoint's state.
-    second, resumed = pool(), CarryBook.resumed(state, ranks=1)
+    second, resumed = pool(), CarryBook(ranks=1)
+    resumed.restore_state(state)
     after, _ = run(lambda b, v: second(b, lambda: None, v), start=3, iterations=5, book=resumed)
     assert not set(after) & kept  # nothing trained twice
-    in_flight = {tuple(k) for k in resumed.state(7)["rows"].tolist()}
+    in_flight = {tuple(k) for k in resumed.checkpoint_state(7)["rows"].tolist()}
     assert untrained <= set(after) | in_flight and not set(after) & in_flight  # nothing lost
     assert keys_of(range(resumed.frontier)) == kept | set(after) | in_flight
     assert resumed.resent == len(untrained)
@@ -136,11 +137,13 @@ def test_a_resumed_run_redoes_the_rows_the_checkpoint_had_not_trained_and_no_oth
 
 
 def test_a_resumed_book_at_another_data_parallel_size_is_refused():
-    state = CarryBook(ranks=2).state(0)
+    state = CarryBook(frontier=5, ranks=2).checkpoint_state(0)
+    book = CarryBook(ranks=1)
     with pytest.raises(
         ValueError, match="resume: the checkpoint's carried rows .* saved at data-parallel size 2, got 1"
     ):
-        CarryBook.resumed(state, ranks=1)
+        book.restore_state(state)
+    assert book.frontier == 0 and book.redo == []  # unchanged
 
 
 def test_a_replaced_worker_is_sent_every_row_it_held_again():
@@ -155,7 +158,7 @@ def test_a_replaced_worker_is_sent_every_row_it_held_again():
     book = CarryBook()
     trained, _ = run(worker, start=0, iterations=6, book=book)
     assert len(workers) == 2 and book.resent > 0
-    in_flight = {tuple(k) for k in book.state(5)["rows"].tolist()}
+    in_flight = {tuple(k) for k in book.checkpoint_state(5)["rows"].tolist()}
     assert keys_of(range(book.frontier)) == set(trained) | in_flight and not set(trained) & in_flight
 
 
@@ -198,7 +201,7 @@ def test_a_carry_over_run_with_a_killed_worker_then_resumed_trains_every_row_onc
     with pytest.warns(RuntimeWarning, match="restarting it"):
         first = train(cfg, reward=KillsTheWorkerOnce())
     assert [r["worker_restarts"] for r in first.records][-1] == 1.0
-    state = load_checkpoint(tmp_path)["carry"]
+    state = load_checkpoint(tmp_path)["extras"]["carry"]
     untrained = {tuple(k) for k in state["rows"].tolist()}
     a = {(s, r) for _, s, r in trained}
     assert len(a) == len(trained)  # none trained twice in the run with the restart
@@ -213,5 +216,5 @@ def test_a_carry_over_run_with_a_killed_worker_then_resumed_trains_every_row_onc
     b = {(s, r) for _, s, r in trained}
     assert len(b) == len(trained) and not a & b  # nothing trained twice across the save and resume
     assert untrained & b  # the rows in flight at the save were redone and trained
-    end = {tuple(k) for k in load_checkpoint(tmp_path)["carry"]["rows"].tolist()}
+    end = {tuple(k) for k in load_checkpoint(tmp_path)["extras"]["carry"]["rows"].tolist()}
     assert untrained <= b | end  # nothing lost

@@ -311,10 +311,12 @@ class _Sent:
 class CarryBook:
     """The trainer's account of carried rows: those sent and not yet trained, and how far the prompt steps were sent.
 
-    With ``deploy.carry_over`` a checkpoint saves :meth:`state` beside the models: after the
-    update of step ``k`` the rows not trained by then are those still in the worker and
-    those handed over for a later iteration (the rollout runs ahead of the update). A run
-    resumed from it (:func:`carried` with ``resume``) sends those rows again first, to be
+    With ``deploy.carry_over`` it is one of the run's stateful parts
+    (:func:`rlcore.train.run_state.run_extras`, key ``"carry"``): a checkpoint saves
+    :meth:`checkpoint_state` beside the models. After the update of step ``k`` the rows not
+    trained by then are those still in the worker and those handed over for a later
+    iteration (the rollout runs ahead of the update). A run resumed from it
+    (:meth:`restore_state`) sends those rows again first, to be
     redone from their first token with the same random streams ``(seed, sampling, step,
     row)`` and the resumed run's weights, and goes on sending prompt steps from the same
     frontier: no row is lost and none is trained twice. A worker replaced after its death
@@ -323,34 +325,26 @@ class CarryBook:
 
     Args:
       frontier: the first prompt step not sent yet.
-      redo: ``[K, 2]`` int64 ``(prompt step, row)`` of rows to send again before anything else.
       ranks: the data-parallel size (a resumed run must have the same: each rank's rows are its own).
 
     Attributes:
       resent: rows sent again so far (a resume's or a replaced worker's).
     """
 
-    def __init__(self, *, frontier: int = 0, redo: torch.Tensor | None = None, ranks: int = 1):
+    def __init__(self, *, frontier: int = 0, ranks: int = 1):
         self.lock = threading.Lock()
         self.frontier, self.ranks = frontier, ranks
         self.sent: dict[Key, _Sent] = {}
         self.handed: dict[int, list[Key]] = {}  # pipeline step -> the rows handed over for it
-        self.redo: list[Key] = [] if redo is None else [(int(s), int(r)) for s, r in redo.tolist()]
+        self.redo: list[Key] = []  # rows to send again before anything else (a resumed run's)
         self.resend = False
         self.resent = 0
 
-    @classmethod
-    def resumed(cls, state: Mapping[str, Any], *, ranks: int) -> CarryBook:
-        """The book of a run resumed from ``state`` (:meth:`state`'s), at data-parallel size ``ranks``."""
-        if int(state["ranks"]) != ranks:
-            raise ValueError(
-                f"resume: the checkpoint's carried rows (deploy.carry_over) were saved at data-parallel size "
-                f"{int(state['ranks'])}, got {ranks}; expected the same size (each rank redoes its own rows)"
-            )
-        return cls(frontier=int(state["frontier"]), redo=state["rows"], ranks=ranks)
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint after the update of pipeline step ``step`` saves: the rows it has not trained, the frontier.
 
-    def state(self, step: int) -> dict[str, Any]:
-        """What a checkpoint after the update of pipeline step ``step`` saves: the rows it has not trained, the frontier."""
+        A checkpoint holds it per data-parallel rank (its plain data is written per rank): each rank's rows are its own.
+        """
         with self.lock:
             later = [k for s, keys in self.handed.items() if s > step for k in keys]
             for s in [s for s in self.handed if s <= step]:
@@ -358,6 +352,21 @@ class CarryBook:
             keys = sorted({*self.sent, *later, *self.redo})
             rows = torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
             return {"frontier": self.frontier, "rows": rows, "ranks": self.ranks}
+
+    def restore_state(self, data: Mapping[str, Any]) -> None:
+        """Continue from ``data`` (:meth:`checkpoint_state`'s): its rows are sent again first, then its frontier on.
+
+        Raises:
+          ValueError: ``data`` was saved at another data-parallel size (the book is left unchanged).
+        """
+        if int(data["ranks"]) != self.ranks:
+            raise ValueError(
+                f"resume: the checkpoint's carried rows (deploy.carry_over) were saved at data-parallel size "
+                f"{int(data['ranks'])}, got {self.ranks}; expected the same size (each rank redoes its own rows)"
+            )
+        with self.lock:
+            self.frontier = int(data["frontier"])
+            self.redo = [(int(s), int(r)) for s, r in data["rows"].tolist()]
 
     def lost(self) -> None:
         """The worker was replaced (its rows in flight are gone): the next call sends every row not handed over."""
@@ -391,7 +400,7 @@ def carried(
         A row starts at once, at about version ``i - 1``, so it is due by iteration
         ``i - 1 + staleness``: more ahead than that would only draw rows again.
       book: the rows sent and not trained (:class:`CarryBook`; a resumed run's, with the rows to
-        redo); default: a new one sending from step ``start``.
+        redo); default: a new one. Prompt steps are sent from ``start`` at the earliest.
 
     Returns:
       ``(stage, source)``: the stage reads ``iteration`` (the slots' step) and writes the
@@ -400,7 +409,8 @@ def carried(
       A call whose worker died (:class:`rlcore.dataflow.HandBack`) marks the book's rows lost.
     """
     ahead = max(0, staleness - 1) if ahead is None else ahead
-    book = CarryBook(frontier=start) if book is None else book
+    book = CarryBook() if book is None else book
+    book.frontier = max(book.frontier, start)  # a book restored from no checkpoint starts at the run's start
     load = task.loader(rank, 0, n)  # by prompt step: a resumed run redoes rows of steps before its start
     kept = [c for c in task.columns if c not in ("iteration", "row", "prompts", "prompt_mask", "group")]
     ragged = {}  # the kept columns the loader gives as lists of rows
@@ -491,33 +501,35 @@ def carried(
 
 
 class Carry(NamedTuple):
-    """What :func:`with_carry_over` gives the trainer: the rollout stage, the prompt source, the checkpoint's entry.
-
-    ``saved`` is ``step -> {entry: data}``, the plain-data entries a checkpoint after ``step`` holds
-    (:meth:`CarryBook.state` under ``"carry"``), or None without carry-over.
-    """
+    """What :func:`with_carry_over` gives the trainer: the rollout stage and the prompt source."""
 
     rollout: Stage | None
     source: Any
-    saved: Callable[[int], dict[str, Any]] | None
 
 
-def with_carry_over(cfg: Any, rollout: Stage | None, task: Any, world: Any, restored: Any) -> Carry:
+def with_carry_over(
+    cfg: Any, rollout: Stage | None, task: Any, world: Any, start: int, extras: Mapping[str, Any]
+) -> Carry:
     """The run's rollout stage and prompt source: with ``deploy.carry_over`` the :func:`carried` pair, else as given.
 
     Args:
       cfg: the run's config.
       rollout, task: the deployment's rollout stage and the prompt source.
-      world: the run's :class:`rlcore.train.World` (its data-parallel rank and size).
-      restored: the run's first step and the checkpoint's entries (:class:`rlcore.train.run_state.Restored`);
-        a resumed run's ``"carry"`` entry (:meth:`CarryBook.state`) is the rows it had in flight.
+      world: the run's :class:`rlcore.train.World` (its data-parallel rank).
+      start: the run's first step.
+      extras: the run's stateful parts (:func:`rlcore.train.run_state.run_extras`): with carry-over,
+        ``"carry"`` is the run's :class:`CarryBook` (a resumed run's restored, with the rows it had in flight).
     """
     if not cfg.deploy.carry_over:
-        return Carry(rollout, task, None)
+        return Carry(rollout, task)
     assert rollout is not None  # carry-over is a disaggregated worker's (the config says so)
-    start, ranks, resume = restored.step, world.dp_size, restored.extra.get("carry")
-    book = CarryBook(frontier=start, ranks=ranks) if resume is None else CarryBook.resumed(resume, ranks=ranks)
     stage_, source = carried(
-        rollout, task, rank=world.dp_rank, start=start, n=cfg.rl.n_samples, staleness=cfg.deploy.staleness, book=book
+        rollout,
+        task,
+        rank=world.dp_rank,
+        start=start,
+        n=cfg.rl.n_samples,
+        staleness=cfg.deploy.staleness,
+        book=extras["carry"],
     )
-    return Carry(stage_, source, lambda step: {"carry": book.state(step)})
+    return Carry(stage_, source)

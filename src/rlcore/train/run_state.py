@@ -12,12 +12,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from rlcore.models import is_lora
+from rlcore.train.carry import CarryBook
 from rlcore.train.checkpoint import (
     PendingSave,
     load_checkpoint,
@@ -33,27 +34,17 @@ from rlcore.train.optim import Models, Optimiser
 from rlcore.train.replay import Replay, parse_replay
 from rlcore.train.rundir import check_resume_config, check_resume_shapes, check_resume_steps, inexact_resume
 
-__all__ = ["Restored", "check_resume", "restore_run", "run_extras", "save_run", "save_run_async"]
+__all__ = ["check_resume", "restore_run", "run_extras", "save_run", "save_run_async"]
 
 
-class Restored(NamedTuple):
-    """What :func:`restore_run` gives back: the next step, and the run's own data entries (``"carry"``) as saved."""
-
-    step: int
-    extra: dict[str, Any]
-
-
-def _extra_entries(cfg: Config) -> tuple[str, ...]:
-    """The plain-data entries beyond the models' a run of ``cfg`` saves (``deploy.carry_over``: the rows in flight)."""
-    return ("carry",) if cfg.deploy.carry_over else ()
-
-
-def run_extras(cfg: Config, task: Any) -> dict[str, Any]:
+def run_extras(cfg: Config, task: Any, *, ranks: int = 1) -> dict[str, Any]:
     """The run's stateful parts that the config asks for, by checkpoint key.
 
     ``replay`` (``rl.replay``: :class:`rlcore.train.replay.Replay`), ``curriculum``
     (``data.curriculum``: the prompt source itself, :class:`rlcore.train.CurriculumPrompts`),
-    ``entropy_target`` (``rl.entropy_target``: :class:`rlcore.train.entropy_target.EntropyTarget`).
+    ``entropy_target`` (``rl.entropy_target``: :class:`rlcore.train.entropy_target.EntropyTarget`),
+    ``carry`` (``deploy.carry_over``: the rows sent and not trained, :class:`rlcore.train.carry.CarryBook`,
+    at data-parallel size ``ranks``). A checkpoint holds their states per rank (each rank's own rows in flight).
     """
     rl = cfg.rl
     out: dict[str, Any] = {}
@@ -63,6 +54,8 @@ def run_extras(cfg: Config, task: Any) -> dict[str, Any]:
         out["curriculum"] = task
     if rl.entropy_target is not None:
         out["entropy_target"] = EntropyTarget(parse_entropy_target(rl.entropy_target))
+    if cfg.deploy.carry_over:
+        out["carry"] = CarryBook(ranks=ranks)
     return out
 
 
@@ -84,6 +77,13 @@ def _state(step: int, models: Models, opt: Optimiser, cfg: Config, extras: Mappi
     return state
 
 
+def _saved_state(
+    step: int, models: Models, opt: Optimiser, cfg: Config, shapes: dict[str, list[int]], extras: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What :func:`save_run` and :func:`save_run_async` write: the state, with the model's tensor shapes beside it."""
+    return {**_state(step, models, opt, cfg, extras), "model_shapes": shapes}
+
+
 def save_run(
     out: Path,
     step: int,
@@ -92,17 +92,13 @@ def save_run(
     cfg: Config,
     shapes: dict[str, list[int]],
     extras: Mapping[str, Any] | None = None,
-    *,
-    extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Every rank calls it: DCP writes each rank's shards (a run saved at 2 ranks resumes at 1).
 
     ``shapes`` (the model's tensor shapes, checked by a resume before anything loads) is saved beside the state;
-    ``extras`` (:func:`run_extras`) each give their state after ``step``; ``extra``: this rank's plain-data
-    entries of the run (``"carry"``), given back by :func:`restore_run`.
+    ``extras`` (:func:`run_extras`) each give their state after ``step`` (this rank's).
     """
-    state = {**_state(step, models, opt, cfg, extras or {}), "model_shapes": shapes, **(extra or {})}
-    save_checkpoint(out, state, step=step + 1)
+    save_checkpoint(out, _saved_state(step, models, opt, cfg, shapes, extras or {}), step=step + 1)
 
 
 def save_run_async(
@@ -112,32 +108,30 @@ def save_run_async(
     opt: Optimiser,
     cfg: Config,
     shapes: dict[str, list[int]],
+    extras: Mapping[str, Any] | None = None,
     *,
     process_group: Any = None,
     stage_in_background: bool = False,
-    extras: Mapping[str, Any] | None = None,
-    extra: Mapping[str, Any] | None = None,
 ) -> PendingSave:
     """:func:`save_run` in the background (:func:`rlcore.train.checkpoint.save_checkpoint_async`): returns once the
     state is copied to host memory (at once with ``stage_in_background``: then the models and optimisers must not
     change before the future's ``staged`` is done); the future is done when the version is committed."""
-    state = {**_state(step, models, opt, cfg, extras or {}), "model_shapes": shapes, **(extra or {})}
     return save_checkpoint_async(
-        out, state, step=step + 1, process_group=process_group, stage_in_background=stage_in_background
+        out,
+        _saved_state(step, models, opt, cfg, shapes, extras or {}),
+        step=step + 1,
+        process_group=process_group,
+        stage_in_background=stage_in_background,
     )
 
 
-def restore_run(
-    out: Path, models: Models, opt: Optimiser, cfg: Config, extras: Mapping[str, Any] | None = None
-) -> Restored:
-    """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step and the
-    run's own entries (this rank's).
+def restore_run(out: Path, models: Models, opt: Optimiser, cfg: Config, extras: Mapping[str, Any] | None = None) -> int:
+    """Load the committed checkpoint into the (sharded) models and optimisers, in place; the next step.
 
-    Each of ``extras`` continues from its saved state (one the checkpoint does not hold, a part turned
-    on by a changed config, starts afresh).
+    Each of ``extras`` continues from its saved state, this rank's (one the checkpoint does not hold, a
+    part turned on by a changed config, starts afresh).
     """
-    names = _extra_entries(cfg)
-    data = load_checkpoint(out, {**_state(0, models, opt, cfg, {}), **dict.fromkeys(names)})
+    data = load_checkpoint(out, _state(0, models, opt, cfg, {}))
     saved = data.get("extras") or {}
     for key, part in (extras or {}).items():
         if key in saved:
@@ -150,7 +144,7 @@ def restore_run(
                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                     values[k] = v.clone()
     set_rng_state(data["rng"])
-    return Restored(int(data["step"]) + 1, {name: data[name] for name in names})
+    return int(data["step"]) + 1
 
 
 def check_resume(out: Path, cfg: Config, shapes: dict[str, list[int]], *, allow_change: bool = False) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -68,10 +68,8 @@ class StepEnd:
         validator: Validator | None,
         stop: StopRequest | None = None,
         extras: Mapping[str, Any] | None = None,
-        saved: Callable[[int], dict[str, Any]] | None = None,
     ):
         tr = cfg.trainer
-        self.saved = saved  # step -> the run's own data entries its checkpoint holds (deploy.carry_over's rows)
         self.stop = stop
         self.pending: Future[Path] | None = None
         self.staged: Future[None] | None = None  # the copy the next optimiser step waits for
@@ -158,7 +156,6 @@ class StepEnd:
         """Save the run after ``step`` (every rank: DCP writes its shards); the seconds it held the step up."""
         t0 = time.perf_counter()
         self.wait_saved()
-        extra = self.saved(step) if self.saved is not None else None
         if self.cfg.trainer.async_save:
             self.pending = save_run_async(
                 self.out,
@@ -167,14 +164,13 @@ class StepEnd:
                 self.opt,
                 self.cfg,
                 self.shapes,
+                self.extras,
                 process_group=self.save_group,
                 stage_in_background=self.stage_in_background,
-                extras=self.extras,
-                extra=extra,
             )
             self.staged = self.pending.staged
         else:
-            save_run(self.out, step, self.models, self.opt, self.cfg, self.shapes, self.extras, extra=extra)
+            save_run(self.out, step, self.models, self.opt, self.cfg, self.shapes, self.extras)
         self._export()
         return time.perf_counter() - t0
 

@@ -56,7 +56,7 @@ from rlcore.train.preemption import StopRequest, stop_on_signals
 from rlcore.train.prompts import run_prompt_source
 from rlcore.train.recipe_stages import stages_for
 from rlcore.train.rollout import InferenceEngine
-from rlcore.train.run_state import Restored, check_resume, restore_run, run_extras
+from rlcore.train.run_state import check_resume, restore_run, run_extras
 from rlcore.train.rundir import prepare_run_dir
 from rlcore.train.scoring import scorers, scoring_plan
 from rlcore.train.step_end import StepEnd
@@ -159,9 +159,9 @@ def _train(
         supervised_warmup(policy, task, cfg, world, progress=tr.progress and world.rank == 0)
     models = Models(policy, build_reference(policy, replica, world, teacher=cfg.model.teacher), critic)
     opt = Optimiser(models, cfg, world)
-    extras = run_extras(cfg, task)  # the replay buffer, the curriculum, the entropy controller: saved with the run
-    restored = restore_run(out, models, opt, cfg, extras) if resume else Restored(0, {})
-    start = restored.step
+    # The replay buffer, the curriculum, the entropy controller, the carried rows: saved with the run.
+    extras = run_extras(cfg, task, ranks=world.dp_size)
+    start = restore_run(out, models, opt, cfg, extras) if resume else 0
     plan = scoring_plan(cfg, recipe, context_parallel=world.cp is not None)
     steps = StepMetrics.of_run(cfg, start=start, ref_every=plan.ref_every)
     rewards, validator = scorers(cfg, task, reward, world, components=algos.scoring_needs(recipe).score_parts)
@@ -171,7 +171,7 @@ def _train(
         stack.callback(rewards.close)
         deployment = make_deployment(cfg, models, opt, world, task, engine, replica, build_model=build_model)
         stack.callback(deployment.close)
-        carry = with_carry_over(cfg, deployment.rollout, task, world, restored)
+        carry = with_carry_over(cfg, deployment.rollout, task, world, start, extras)
         end = StepEnd(
             cfg,
             world,
@@ -188,7 +188,6 @@ def _train(
             validator=validator,
             stop=stop,
             extras=extras,
-            saved=carry.saved,
         )
         stack.callback(end.close)
         source = carry.source
