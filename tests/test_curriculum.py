@@ -4,9 +4,7 @@ and a short trainer run on a prompt dataset with it on."""
 from __future__ import annotations
 
 import doctest
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,22 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlcore.data.curriculum
+from dataset_runs import reversal_run
 from rlcore import seeding
 from rlcore.data import curriculum_draw, curriculum_probs, difficulty_bands, parse_curriculum, pass_rate_update
 from rlcore.testing import assert_close, assert_no_host_sync
 from rlcore.testing import reference as ref
-from rlcore.train import apply_overrides, parse_config, train
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-_TINY_MODEL = {
-    "model_type": "qwen2",
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 32,
-}
+from rlcore.train import train
 
 
 def test_doctests():
@@ -123,35 +111,18 @@ def test_curriculum_config_and_bad_input():
 
 
 def test_grpo_trains_on_a_dataset_with_the_curriculum_and_refills(tmp_path):
-    # The reversal prompts of the shipped preference set, their chosen answers as the reference answers.
-    rows = [json.loads(line) for line in (CONFIGS / "data" / "reversal_prefs.jsonl").read_text().splitlines()[:12]]
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["chosen"]}) + "\n" for r in rows))
-    raw = apply_overrides(
-        {"model": {"model_name_or_path": _TINY_MODEL}, "rewards": ["answer_match"]},
+    cfg = reversal_run(
+        tmp_path,
+        tmp_path / "out",
+        4,
         [
-            f"data.path={data}",
-            f"data.tokenizer={CONFIGS / 'data' / 'reversal_tokenizer'}",
-            "data.apply_chat_template=false",
-            f"trainer.output_dir={tmp_path / 'out'}",
-            "rl.batch_size=2",
-            "rl.mini_batch_size=2",
-            "rl.num_rollouts=2",
-            "rl.max_new_tokens=3",
-            "trainer.steps=4",
-            "trainer.warmup_steps=0",
-            "trainer.reward_workers=0",
-            "trainer.threads=1",
-            "trainer.progress=false",
-            "trainer.plot=false",
-            "trainer.export=false",
             "data.curriculum.edges=[0.3]",
             "data.curriculum.weights=[1.0, 1.0]",
             "data.curriculum.decay=0.0",
             "rl.max_refill_draws=1",  # composed: the refills are drawn from the dataset by the curriculum's source
         ],
     )
-    run = train(parse_config(raw))
+    run = train(cfg)
     assert len(run.records) == 4
     last = run.records[-1]
     # The prompts drawn in steps 0 and 1 scored 0 (a random model): step 3's draw sees them in the hard band.

@@ -4,48 +4,28 @@ A run resumed from a checkpoint with all three on equals an uninterrupted one, r
 record and weight for weight; each part's saved state restores exactly; bad config is
 refused naming its key."""
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
+from dataset_runs import reversal_run
 from rlcore.data import parse_curriculum
-from rlcore.train import apply_overrides, load_checkpoint, parse_config, train
+from rlcore.train import load_checkpoint, parse_config, train
 from rlcore.train.curriculum import CurriculumPrompts
 from rlcore.train.entropy_target import EntropyTarget, parse_entropy_target
 from rlcore.train.replay import Replay, parse_replay
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-_TINY_MODEL = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-               "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}  # fmt: skip
 TIME_KEYS = ("_s", "tokens_per_s_device", "busy", "bubble", "sync", "stall")
 
 
 def _cfg(tmp_path, out, steps):
-    rows = [json.loads(line) for line in (CONFIGS / "data" / "reversal_prefs.jsonl").read_text().splitlines()[:12]]
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["chosen"]}) + "\n" for r in rows))
-    raw = apply_overrides(
-        {"model": {"model_name_or_path": _TINY_MODEL}, "rewards": ["answer_match"]},
+    return reversal_run(
+        tmp_path,
+        out,
+        steps,
         [
-            f"data.path={data}",
-            f"data.tokenizer={CONFIGS / 'data' / 'reversal_tokenizer'}",
-            "data.apply_chat_template=false",
-            f"trainer.output_dir={out}",
-            "rl.batch_size=2",
-            "rl.mini_batch_size=2",
-            "rl.num_rollouts=2",
-            "rl.max_new_tokens=3",
             "rl.lr=0.001",
-            f"trainer.steps={steps}",
-            "trainer.warmup_steps=0",
-            "trainer.reward_workers=0",
-            "trainer.threads=1",
-            "trainer.progress=false",
-            "trainer.plot=false",
-            "trainer.export=false",
             "data.curriculum.edges=[0.3]",
             "data.curriculum.weights=[1.0, 1.0]",
             "data.curriculum.decay=0.5",
@@ -53,7 +33,6 @@ def _cfg(tmp_path, out, steps):
             "rl.entropy_target={target: 50.0, delta: 0.01, max_coef: 0.1}",  # always below: the bonus grows each step
         ],
     )
-    return parse_config(raw)
 
 
 def _curve(records):
