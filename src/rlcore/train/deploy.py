@@ -736,7 +736,9 @@ class RayDeployment(WorkerDeployment):
     """
 
     def _start(self, args: tuple, threads: int) -> RolloutWorker | RayRolloutWorker:
-        return RayRolloutWorker(self.server, args=args, threads=threads, max_restarts=self.max_restarts)
+        return RayRolloutWorker(
+            self.server, args=args, threads=threads, max_restarts=self.max_restarts, ready_timeout=self.ready_timeout
+        )
 
 
 class ColocatedDeployment(_Placed):
