@@ -90,7 +90,13 @@ def test_generate_draws_the_same_tokens(kind, monkeypatch):
 
     def run():
         return generate(
-            model, ids, mask, eos_token_id=1, max_new_tokens=12, n=4, temperature=1.3,
+            model,
+            ids,
+            mask,
+            eos_token_id=1,
+            max_new_tokens=12,
+            n=4,
+            temperature=1.3,
             generator=torch.Generator().manual_seed(5),
         )
 

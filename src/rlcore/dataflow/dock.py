@@ -75,7 +75,7 @@ def _as_indexes(name: str, indexes: Any) -> torch.Tensor:
 
 def _as_run(name: str, indexes: Any) -> torch.Tensor | range:
     """``indexes`` as :func:`_as_indexes` gives them, but a step-1 ``range`` (a run) kept as it is: no tensor built."""
-    if isinstance(indexes, range) and indexes.step == 1 and -(2**63) <= indexes.start and indexes.stop < 2**63:
+    if isinstance(indexes, range) and indexes.step == 1 and indexes.start >= -(2**63) and indexes.stop < 2**63:
         return indexes if indexes.stop >= indexes.start else range(indexes.start, indexes.start)
     return _run(_as_indexes(name, indexes))
 

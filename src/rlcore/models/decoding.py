@@ -60,7 +60,9 @@ class CachedDecoder:
             if self._step is not None:
                 self._cache = None  # its entries were copied into the step's buffers
             elif static:
-                raise ValueError(f"static: got True for {type(model).__name__}, expected a supports_static_decode model")
+                raise ValueError(
+                    f"static: got True for {type(model).__name__}, expected a supports_static_decode model"
+                )
         # The starting rows still in the batch, in order (a decoder rebuilt for rows that are left names them).
         self.active = torch.arange(ids.shape[0], device=ids.device) if active is None else active
 
