@@ -102,6 +102,12 @@ def reverse_kl_distill_loss(
     return loss.to(logp.dtype), metrics
 
 
+def _zero_where_not(cond: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``cond``, else 0 (a 0-dim zero of ``x``'s dtype: ``torch.where`` with a Python float
+    takes a slower casting loop on the CPU)."""
+    return torch.where(cond, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     """``sum_v p (log p - log q)`` over the last axis; a token with ``p = 0`` adds 0, to the value and the gradient.
 
@@ -109,27 +115,23 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     ``nan`` in the gradient (a logit of ``-inf``, a masked vocabulary entry, has ``p = 0``).
     """
     p = p_log.exp()
-    # A 0-dim zero of the data's dtype: torch.where with a Python float takes a slower casting loop on the CPU.
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    return (p * torch.where(p > 0, p_log - q_log, zero)).sum(-1)
+    return (p * _zero_where_not(p > 0, p_log - q_log)).sum(-1)
 
 
 class _ReverseKL(torch.autograd.Function):
-    """``KL(S || T)`` per position from the student's logits ``z`` and the teacher's log-probs; one fused backward.
+    """``KL(S || T)`` per position (:func:`_kl`) from the student's logits ``z`` and the teacher's log-probs,
+    with one fused backward.
 
     With ``p = softmax(z)`` and ``d = log p - log q`` (0 where ``p = 0``), the gradient is
-    ``p * (d - KL)``: the forward keeps ``p`` and ``d``, and the backward is that product,
-    where autograd of the formula takes a pass per op of the exp, the guard, the product
-    and the log-softmax.
+    ``p * (d - KL)``. The forward saves only its inputs and the KL, and the backward
+    recomputes ``p`` and ``d`` and takes that product, where autograd of the formula keeps
+    several ``[B, T, V]`` tensors and takes a pass per op of the exp, the guard, the
+    product and the log-softmax.
     """
 
     @staticmethod
     def forward(z: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        s = z.log_softmax(-1)
-        p = s.exp()
-        zero = torch.zeros((), dtype=p.dtype, device=p.device)
-        d = torch.where(p > 0, s.sub_(q_log), zero)
-        return (p * d).sum(-1)
+        return _kl(z.log_softmax(-1), q_log)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
@@ -139,10 +141,9 @@ class _ReverseKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[no-untyped-def,override]
         z, q_log, kl = ctx.saved_tensors
-        s = z.log_softmax(-1)  # recomputed: two [B, T, V] saved would double the loss's memory
+        s = z.log_softmax(-1)
         p = s.exp()
-        zero = torch.zeros((), dtype=p.dtype, device=p.device)
-        d = torch.where(p > 0, s.sub_(q_log).sub_(kl[..., None]), zero)
+        d = _zero_where_not(p > 0, s.sub_(q_log).sub_(kl[..., None]))
         return d.mul_(p).mul_(g[..., None]), None
 
 
@@ -216,8 +217,7 @@ def generalized_jsd_loss(
     # Padding may hold nan: it reaches neither a value nor a gradient. The student's padding is
     # zeroed before anything reads it; the teacher's reaches only padded positions' values, which
     # the last where drops, and their gradients, which the student's where drops.
-    zero = torch.zeros((), dtype=acc, device=student_logits.device)  # not a Python float: see _kl
-    student = torch.where(keep[..., None], student_logits.to(acc), zero)
+    student = _zero_where_not(keep[..., None], student_logits.to(acc))
     teacher = teacher_logits.detach().to(acc)
     if temperature != 1.0:
         student, teacher = student / temperature, teacher / temperature
