@@ -870,3 +870,11 @@ def test_warehouse_gets_of_runs_and_rows_match_a_dict_of_rows(ops) -> None:
         flat, lengths = house.get(["x"], index)["x"]
         assert lengths == [3] * len(wanted)
         assert torch.equal(flat.view(len(wanted), 3), torch.stack([ref[r] for r in wanted]))
+
+
+def test_a_run_out_of_range_is_refused_from_its_bounds():
+    dock = TransferDock(2, 2, consumers=["c"], columns=["x"])  # capacity 4
+    with pytest.raises(ValueError, match=r"indexes: got row\(s\) \[4, 5, 6, 7, 8\], expected indexes in \[0, 4\)"):
+        dock.get("c", ["x"], indexes=range(2, 10**15))  # not walked element by element
+    with pytest.raises(ValueError, match=r"got row\(s\) \[-2, -1\]"):
+        dock.get("c", ["x"], indexes=range(-2, 3))

@@ -284,7 +284,9 @@ class DockController:
     def _check_in_range(self, name: str, indexes: torch.Tensor | range) -> None:
         if isinstance(indexes, range):  # a run: increasing, so no repeats
             if len(indexes) and (indexes.start < 0 or indexes.stop > self.capacity):
-                bad = [i for i in indexes if not 0 <= i < self.capacity][:5]
+                below = range(indexes.start, min(indexes.stop, 0))
+                above = range(max(indexes.start, self.capacity), indexes.stop)
+                bad = [*below[:5], *above[:5]][:5]  # from the run's bounds: a huge run is not walked
                 raise ValueError(f"{name}: got row(s) {bad}, expected indexes in [0, {self.capacity})")
             return
         if not indexes.numel():

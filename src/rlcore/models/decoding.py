@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from rlcore.models.shared_prefix import shares_prompts
-from rlcore.models.static_cache import StaticDecodeStep, static_decode_step
+from rlcore.models.static_cache import static_decode_step, supports_static_decode
 
 __all__ = ["CachedDecoder"]
 
@@ -48,21 +48,17 @@ class CachedDecoder:
         active: torch.Tensor | None = None,
         static: bool | None = None,
     ):
+        if static and not supports_static_decode(model):
+            raise ValueError(f"static: got True for {type(model).__name__}, expected a supports_static_decode model")
         self.model = model
         self.field = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.attention = attention.to(torch.long)
         positions = (self.attention.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1:] + 1
         self._logits, self._cache = self._prefill(ids, positions)
-        self._step: StaticDecodeStep | None = None
-        if static is not False:
-            self._step = static_decode_step(model, self._cache, self.attention)
-            if self._step is not None:
-                self._cache = None  # its entries were copied into the step's buffers
-            elif static:
-                raise ValueError(
-                    f"static: got True for {type(model).__name__}, expected a supports_static_decode model"
-                )
+        self._step = None if static is False else static_decode_step(model, self._cache, self.attention)
+        if self._step is not None:
+            self._cache = None  # its entries were copied into the step's buffers
         # The starting rows still in the batch, in order (a decoder rebuilt for rows that are left names them).
         self.active = torch.arange(ids.shape[0], device=ids.device) if active is None else active
 
@@ -80,16 +76,15 @@ class CachedDecoder:
         self.attention = torch.cat([self.attention, ones], dim=1)
         if self._step is not None:
             self._logits = self._step(token, self.next_position)
-            self.next_position = self.next_position + 1
-            return
-        out = self.model(
-            input_ids=token[:, None],
-            attention_mask=self.attention,
-            position_ids=self.next_position,
-            use_cache=True,
-            **{self.field: self._cache},
-        )
-        self._logits, self._cache = out.logits[:, -1], getattr(out, self.field)
+        else:
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=self.attention,
+                position_ids=self.next_position,
+                use_cache=True,
+                **{self.field: self._cache},
+            )
+            self._logits, self._cache = out.logits[:, -1], getattr(out, self.field)
         self.next_position = self.next_position + 1
 
     def drop(self, done: torch.Tensor) -> int:
