@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcore.models import CachedDecoder
-from rlcore.models.static_cache import StaticDecodeStep, static_decode_step, supports_static_decode
+from rlcore.models.static_cache import StaticDecodeStep, supports_static_decode
 from rlcore.train import generate, left_pad
 
 VOCAB = 20
@@ -101,7 +101,7 @@ def test_generate_draws_the_same_tokens(kind, monkeypatch):
         )
 
     ours = run()
-    monkeypatch.setattr("rlcore.models.decoding.static_decode_step", lambda *a: None)
+    monkeypatch.setattr("rlcore.models.decoding.supports_static_decode", lambda model: False)
     theirs = run()
     assert torch.equal(ours.responses, theirs.responses)
     torch.testing.assert_close(ours.logp, theirs.logp, atol=1e-5, rtol=1e-5)
@@ -149,7 +149,6 @@ def test_forcing_the_static_step_on_an_unsupported_model_is_refused():
 
 def test_an_unknown_cache_is_refused():
     model = MODELS["qwen2"]
-    assert static_decode_step(model, object(), torch.ones(1, 2)) is None
     with pytest.raises(ValueError, match="cache: got object"):
         StaticDecodeStep(model, object(), torch.ones(1, 2))
 
@@ -171,3 +170,26 @@ def test_lora_adapters_are_applied():
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ours[-1], _decode_logits(_model("qwen2", seed=2), prompts, 4, -1, None, 0)[-1])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_shared_prompt_prefill_equals_the_models_own_forward(kind):
+    """GRPO groups (rows repeating a left-padded prompt) share one static prefill; every row's logits and
+    later steps equal the model's own forward, and no cached key or value is left non-finite (padding included)."""
+    model = MODELS[kind]
+    prompts = [[3, 4, 5, 6], [7], [8, 9]]
+    ids, attention = left_pad(prompts, 0)
+    ids, attention = ids.repeat_interleave(3, 0), attention.repeat_interleave(3, 0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        ours = CachedDecoder(model, ids, attention)
+        theirs = CachedDecoder(model, ids, attention, static=False)
+        assert ours._step is not None and theirs._step is None
+        filled = ours._step.length
+        assert all(torch.isfinite(t[:, :, :filled]).all() for t in ours._step.keys + ours._step.values)
+        for _ in range(3):
+            torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
+            token = torch.randint(1, VOCAB, (ids.shape[0],), generator=gen)
+            ours.feed(token)
+            theirs.feed(token)
+        torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)

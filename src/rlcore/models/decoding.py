@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from rlcore.models.shared_prefix import shares_prompts
-from rlcore.models.static_cache import static_decode_step, supports_static_decode
+from rlcore.models.static_cache import StaticDecodeStep, supports_static_decode
 
 __all__ = ["CachedDecoder"]
 
@@ -25,7 +25,7 @@ class CachedDecoder:
     token and the attention mask grown by one column. transformers 5 renamed
     ``past_key_values`` to ``cache`` (argument and output field): the model's own
     name is used. For a Llama-family model (:func:`rlcore.models.static_cache.supports_static_decode`)
-    the steps after the prompt run :class:`rlcore.models.static_cache.StaticDecodeStep`
+    the prompt and every step run :class:`rlcore.models.static_cache.StaticDecodeStep`
     instead of the model's forward: the same arithmetic through the same sub-modules, over
     a preallocated cache, without the forward's per-call set-up.
 
@@ -35,7 +35,7 @@ class CachedDecoder:
       ids: ``[B, L]`` left-padded ids; attention: ``[B, L]`` (1 on real tokens).
       active: which rows of a larger starting batch ``ids`` holds (the :attr:`active` of a
         decoder this one replaces), default all.
-      static: run the steps with :class:`~rlcore.models.static_cache.StaticDecodeStep` (None:
+      static: run the prompt and the steps with :class:`~rlcore.models.static_cache.StaticDecodeStep` (None:
         where the model supports it; False: always the model's own forward).
     """
 
@@ -55,10 +55,18 @@ class CachedDecoder:
         self.attention = attention.to(torch.long)
         positions = (self.attention.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1:] + 1
-        self._logits, self._cache = self._prefill(ids, positions)
-        self._step = None if static is False else static_decode_step(model, self._cache, self.attention)
-        if self._step is not None:
-            self._cache = None  # its entries were copied into the step's buffers
+        self._step: StaticDecodeStep | None = None
+        self._cache: Any = None
+        if static is not False and supports_static_decode(model):
+            groups, first = self._prompt_groups(ids)
+            if first is None:
+                self._step, self._logits = StaticDecodeStep.prefill(model, ids, self.attention, positions)
+            else:
+                self._step, self._logits = StaticDecodeStep.prefill(
+                    model, ids[first], self.attention[first], positions[first], groups
+                )
+        else:
+            self._logits, self._cache = self._prefill(ids, positions)
         # The starting rows still in the batch, in order (a decoder rebuilt for rows that are left names them).
         self.active = torch.arange(ids.shape[0], device=ids.device) if active is None else active
 
@@ -113,20 +121,27 @@ class CachedDecoder:
             self._cache = _gather_cache(self._cache, rows)
         return left
 
+    def _prompt_groups(self, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(group of each row, first row of each group)``, or ``(None, None)`` when no two rows share a prompt."""
+        inverse = shares_prompts(ids, self.attention)
+        if inverse is None:
+            return None, None
+        rows = ids.shape[0]
+        distinct = int(inverse.max()) + 1  # sync-ok: the decode loop sizes the prefill on the host
+        first = torch.full((distinct,), rows, dtype=torch.long, device=ids.device)
+        first.scatter_reduce_(0, inverse, torch.arange(rows, device=ids.device), reduce="amin")
+        return inverse, first
+
     def _prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The prompt forward: each distinct prompt once, its cache entries and last logits then given to its rows.
 
         ``Cache.reorder_cache`` (beam search's row gather) copies the entries, so the
         decode steps see exactly what a forward over all rows would give them.
         """
-        inverse = shares_prompts(ids, self.attention)
-        if inverse is None:
+        inverse, first = self._prompt_groups(ids)
+        if inverse is None or first is None:
             out = self.model(input_ids=ids, attention_mask=self.attention, position_ids=positions, use_cache=True)
             return out.logits[:, -1], getattr(out, self.field)
-        rows = ids.shape[0]
-        distinct = int(inverse.max()) + 1  # sync-ok: the decode loop sizes the prefill on the host
-        first = torch.full((distinct,), rows, dtype=torch.long, device=ids.device)
-        first.scatter_reduce_(0, inverse, torch.arange(rows, device=ids.device), reduce="amin")
         out = self.model(
             input_ids=ids[first], attention_mask=self.attention[first], position_ids=positions[first], use_cache=True
         )

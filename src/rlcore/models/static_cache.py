@@ -1,4 +1,4 @@
-"""One decode step of a Llama-family decoder over a preallocated KV cache, without the model's per-call set-up.
+"""The prompt forward and decode steps of a Llama-family decoder over a preallocated KV cache, without set-up per call.
 
 A ``transformers`` forward of one token per row re-does, at every step, work that does
 not change between steps: the attention mask is rebuilt from the whole ``[B, T]``
@@ -9,7 +9,9 @@ set-up is a third of the decode's time on a CPU. :class:`StaticDecodeStep` runs 
 same arithmetic through the model's own sub-modules (its norms, projections, rotary
 embedding, activation and output head, so adapters wrapping a projection keep
 working), with keys and values written in place into buffers with room to grow and a
-boolean padding mask kept beside them.
+boolean padding mask kept beside them. :meth:`StaticDecodeStep.prefill` runs the prompt
+the same way (one causal-and-padding mask, only the last position through the head) and
+writes its keys and values straight into those buffers.
 
 It serves the decoder layouts of Llama, Qwen2, Qwen3 (per-head query and key norms) and
 Mistral with full attention; :func:`supports_static_decode` says whether a model is one
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-__all__ = ["StaticDecodeStep", "static_decode_step", "supports_static_decode"]
+__all__ = ["StaticDecodeStep", "supports_static_decode"]
 
 _LAYOUTS = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 # Room added to the cache when it is full: at least this many columns (doubling beyond).
@@ -91,16 +93,22 @@ def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     return None
 
 
-def static_decode_step(model: Any, cache: Any, attention: torch.Tensor) -> StaticDecodeStep | None:
-    """A :class:`StaticDecodeStep` continuing from ``cache``, or None where ``model`` or its cache is not supported."""
-    if not supports_static_decode(model) or _cache_layers(cache) is None:
-        return None
-    return StaticDecodeStep(model, cache, attention)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attend(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+    """Queries and keys ``[..., heads, T, head_dim]`` after the per-head norms (Qwen3) and the rotary embedding."""
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def _mlp(layer: Any, hidden: torch.Tensor) -> torch.Tensor:
+    mlp = layer.mlp
+    x = layer.post_attention_layernorm(hidden)
+    return hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
 class StaticDecodeStep:
@@ -137,6 +145,58 @@ class StaticDecodeStep:
         self.valid[:, :length] = attention.bool()
         self.length = length
 
+    @classmethod
+    def prefill(
+        cls,
+        model: Any,
+        ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        groups: torch.Tensor | None = None,
+    ) -> tuple[StaticDecodeStep, torch.Tensor]:
+        """The prompt forward into a new step's buffers: ``(step, logits [B, V] of each row's next token)``.
+
+        The same arithmetic as the model's own forward over the left-padded prompts, on
+        the same sub-modules, with one boolean causal-and-padding mask; only the last
+        position goes through the norm and the output head (the model's forward takes
+        them at every position and keeps the last). A padding query has no key to attend:
+        it attends every position instead (as ``transformers``' mask does), which keeps its
+        (never read) keys and values finite.
+
+        Args:
+          model: a :func:`supports_static_decode` causal LM.
+          ids, attention, positions: ``[P, L]`` left-padded prompts, their padding mask and
+            position ids.
+          groups: ``[B]``, the prompt row of each batch row (rows sharing a prompt share its
+            forward, as :func:`rlcore.models.shared_prefix.shares_prompts` finds them); None:
+            one row per prompt.
+        """
+        base = _base(model)
+        inner = base.model
+        rows, length = ids.shape
+        valid = attention.bool()
+        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril_()
+        mask = causal[None] & valid[:, None, :]  # [P, L(query), L(key)]
+        mask |= ~mask.any(-1, keepdim=True)
+        mask = mask[:, None]
+        hidden = inner.embed_tokens(ids)  # [P, L, H]
+        cos, sin = inner.rotary_emb(hidden, positions)  # [P, L, head_dim]
+        cos, sin = cos[:, None], sin[:, None]
+        cache = []
+        for layer in inner.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            shape = (rows, length, -1, attn.head_dim)
+            q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            q, k, v = _attend(attn, q, k, v, cos, sin)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+            hidden = _mlp(layer, hidden + attn.o_proj(out.transpose(1, 2).reshape(rows, length, -1)))
+            cache.append((k, v) if groups is None else (k.index_select(0, groups), v.index_select(0, groups)))
+        logits = base.lm_head(inner.norm(hidden[:, -1]))
+        if groups is not None:
+            logits, attention = logits.index_select(0, groups), attention.index_select(0, groups)
+        return cls(model, cache, attention), logits
+
     def _grow(self) -> None:
         """Room for more columns: the buffers are copied into ones twice as wide (at least ``_GROW`` more)."""
         more = max(_GROW, self.length)
@@ -169,23 +229,17 @@ class StaticDecodeStep:
         cos, sin = inner.rotary_emb(hidden, position)  # [B, 1, head_dim]
         rows = token.shape[0]
         for layer, keys, values in zip(inner.layers, self.keys, self.values):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            d = attn.head_dim
-            q = attn.q_proj(x).view(rows, -1, d)
-            k = attn.k_proj(x).view(rows, -1, d)
-            v = attn.v_proj(x).view(rows, -1, d)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            shape = (rows, -1, attn.head_dim)
+            q, k, v = _attend(
+                attn, attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape), cos, sin
+            )
             keys[:, :, at] = k
             values[:, :, at] = v
             out = F.scaled_dot_product_attention(
                 q[:, :, None], keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=attn.scaling, enable_gqa=True
             )
-            hidden = hidden + attn.o_proj(out.reshape(rows, -1))
-            x = layer.post_attention_layernorm(hidden)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            hidden = _mlp(layer, hidden + attn.o_proj(out.reshape(rows, -1)))
         self.length = end
         return self.model.lm_head(inner.norm(hidden))
