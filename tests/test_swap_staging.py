@@ -206,3 +206,18 @@ def _leaves(tree, prefix=""):
             yield from _leaves(v, f"{prefix}.{k}")
     elif isinstance(tree, torch.Tensor):
         yield prefix, tree
+
+
+def test_an_offload_that_misses_a_saved_tensor_fails_the_save_by_name_and_keeps_the_previous_version(tmp_path):
+    model, _, opt = _trained()
+    staging = _staging(model, opt)
+    first = save_checkpoint_async(tmp_path, {"policy": (model, opt), "step": 7}, step=7, staging=staging)
+    staging.fence()
+    first.result(timeout=60)
+    pending = save_checkpoint_async(tmp_path, {"policy": (model, opt), "step": 8}, step=8, staging=staging)
+    handle = offload(dict(model.named_parameters()))  # the optimiser state stays: the save cannot be served
+    staging.offloaded([handle])
+    reload(handle)
+    with pytest.raises(checkpoint_module.CheckpointError, match="on a storage the offload did not move"):
+        pending.result(timeout=60)
+    assert load_checkpoint(tmp_path)["step"] == 7

@@ -65,7 +65,8 @@ class _Snapshot:
     def __init__(self, leaves: list[Any], spec: Any, moved: dict[int, _Moved], rest: dict[int, torch.Tensor]):
         self.leaves, self.spec, self.moved = leaves, spec, moved
         self.future: Future[dict[str, Any]] = Future()
-        self.served = threading.Event()  # the moved tensors' copies are in ``leaves``
+        self.served = threading.Event()  # the moved tensors' copies are in ``leaves`` (or ``error`` says why not)
+        self.error: BaseException | None = None
         self.rest_copied = threading.Event()
         self.ready: Any = None  # an accelerator event after the offload's copies, synchronised before the write
         self.thread = threading.Thread(target=self._assemble, args=(rest,), name="rlcore-swap-staging", daemon=True)
@@ -80,6 +81,8 @@ class _Snapshot:
             finally:
                 self.rest_copied.set()
             self.served.wait()
+            if self.error is not None:
+                raise self.error
             if self.ready is not None:
                 self.ready.synchronize()
             self.future.set_result(tree_unflatten(self.spec, self.leaves))
@@ -96,7 +99,7 @@ class _Snapshot:
                     )
                 self.leaves[i] = m.view(copies[id(m.leaf)])
         except BaseException as err:
-            self.future.set_exception(err)
+            self.error = err
         finally:
             self.moved.clear()
             self.served.set()
