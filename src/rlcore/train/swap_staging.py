@@ -107,7 +107,7 @@ class _Snapshot:
     def take_live(self) -> None:
         """The moved tensors copied from the live state (no offload served the save before it changes)."""
         for i, m in self.moved.items():
-            self.leaves[i] = m.view(m.leaf.detach()).clone()
+            self.leaves[i] = _copy(m.view(m.leaf.detach()))
         self.moved.clear()
         self.served.set()
 
