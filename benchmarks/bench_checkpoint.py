@@ -16,8 +16,17 @@ change nothing), then ``optimizer.step()``.
   the call returns at once, the copy to host memory runs during the phases, and the
   optimiser step waits for it (the trainer's step pre-hook). The stall is the call plus
   that wait.
-* the same save staging inside the call (``stage_in_background=False``): the stall is
-  the call (the copy of the whole state).
+* the co-located step, where the phase switch to the rollout moves the training state
+  (the memory plan's swap: the parameters and the optimiser state offloaded to host
+  memory, reloaded for the update; ``rlcore.memory.offload`` / ``reload``): the save
+  takes its copy from the swap's own host copies
+  (:class:`rlcore.train.swap_staging.SwapStaging`, what the trainer does there): the call
+  copies nothing, the offload serves it, and the optimiser step's fence finds it taken.
+  The stall is the call plus the fence's wait; the swap's seconds are printed with the
+  save served and without (the save adds no copy to the swap).
+* the same co-located step with the save staging inside the call
+  (``stage_in_background=False``, before the swap copy): the stall is the call (the
+  copy of the whole state).
 * baseline: :func:`rlcore.train.save_checkpoint`, the same state written and committed
   before it returns.
 
@@ -43,8 +52,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import report
+from rlcore.memory import offload, reload
+from rlcore.pytree import tree_leaves
 from rlcore.train import save_checkpoint
 from rlcore.train.checkpoint import save_checkpoint_async
+from rlcore.train.swap_staging import SwapStaging
 
 
 def state(hidden: int, layers: int) -> dict:
@@ -86,6 +98,39 @@ def step(out: str, saved: dict, i: int, hidden: int, tokens: int, background: bo
     return stall, work
 
 
+def moved(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """What the co-located phase switch offloads for the rollout: the parameters and the optimiser state."""
+    return {"params": dict(model.named_parameters()), "optimizer": list(opt.state.values())}
+
+
+def colocated_step(
+    out: str, saved: dict, i: int, hidden: int, tokens: int, swap_copy: bool
+) -> tuple[float, float, float]:
+    """A save, then the co-located step: the swap out and back, the phases, the optimiser step.
+
+    The save's copy is the swap's (``swap_copy``) or taken inside the call. Returns the
+    seconds the save stalled training, the phases' seconds and the swap's seconds.
+    """
+    model, opt = saved["policy"]
+    staging = SwapStaging(lambda: [t for t in tree_leaves(moved(model, opt)) if isinstance(t, torch.Tensor)])
+    start = time.perf_counter()
+    pending = save_checkpoint_async(out, {**saved, "step": i}, staging=staging if swap_copy else None)
+    stall = time.perf_counter() - start
+    start = time.perf_counter()
+    handle = offload(moved(model, opt))  # the switch to the rollout phase
+    staging.offloaded([handle])
+    reload(handle)  # the switch back to training (the rollout runs on weights built from the swap)
+    swap = time.perf_counter() - start
+    work = phases(model, hidden, tokens)
+    start = time.perf_counter()
+    staging.fence()  # the optimiser step's pre-hook
+    pending.staged.result()
+    stall += time.perf_counter() - start
+    opt.step()
+    pending.result()
+    return stall, work, swap
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -98,27 +143,38 @@ def main() -> None:
     params = sum(p.numel() for p in saved["policy"][0].parameters())
     print(f"{params / 1e9:.2f}B parameters, {3 * 4 * params / 2**30:.1f} GiB with the AdamW moments", flush=True)
     with tempfile.TemporaryDirectory() as out:
-        behind, inside, syncs, work, alone = [], [], [], [], []
+        behind, swapped, inside, syncs, work, alone = [], [], [], [], [], []
+        swaps, swaps_alone = [], []
         for i in range(args.repeats + 1):  # the first of each is a warm-up
             stall, seconds = step(out, saved, i, args.hidden, args.tokens, background=True)
-            in_call, quiet = step(out, saved, i, args.hidden, args.tokens, background=False)
+            served, _, swap = colocated_step(out, saved, i, args.hidden, args.tokens, swap_copy=True)
+            in_call, quiet, swap_alone = colocated_step(out, saved, i, args.hidden, args.tokens, swap_copy=False)
             start = time.perf_counter()
             save_checkpoint(out, {**saved, "step": i})
             sync = time.perf_counter() - start
             if i:
                 behind.append(stall)
+                swapped.append(served)
                 inside.append(in_call)
                 syncs.append(sync)
                 work.append(seconds)
                 alone.append(quiet)
+                swaps.append(swap)
+                swaps_alone.append(swap_alone)
         print(
             f"phases before the optimiser step: {statistics.median(work):.2f} s beside the copy, "
             f"{statistics.median(alone):.2f} s without (medians)",
             flush=True,
         )
+        print(
+            f"co-located swap out and back: {statistics.median(swaps):.2f} s serving the save, "
+            f"{statistics.median(swaps_alone):.2f} s without (medians)",
+            flush=True,
+        )
         sync = statistics.median(syncs)
         report("save stall: copy in the background vs sync", statistics.median(behind), sync, target=10)
-        report("save stall: copy in the call vs sync", statistics.median(inside), sync, target=10)
+        report("save stall: co-located, the swap's copy vs sync", statistics.median(swapped), sync, target=10)
+        report("save stall: co-located, copy in the call vs sync", statistics.median(inside), sync, target=10)
 
 
 if __name__ == "__main__":

@@ -345,3 +345,43 @@ def test_reprobe_a_hold_that_a_backend_thread_drops_a_moment_later_does_not_bloc
     assert x.untyped_storage().nbytes() == 0
     reload(handle)
     assert torch.equal(x, torch.arange(4.0))
+
+
+@settings(deadline=None)
+@given(tensor_trees())
+def test_host_copies_hold_each_leaf_as_offloaded_and_outlive_the_reload(tree):
+    from rlcore.memory import host_copies
+
+    leaves = [x for x in _leaves(tree) if x.untyped_storage().nbytes()]  # offload skips empty storages
+    want = [x.clone() for x in leaves]
+    handle = offload(tree)
+    copies = host_copies(handle)
+    assert [id(leaf) for leaf, _ in copies] == list(dict.fromkeys(id(x) for x in leaves))
+    by_id = {id(leaf): host for leaf, host in copies}
+    reload(handle)
+    with torch.no_grad():  # training goes on after the reload: the copies keep the offloaded bytes
+        for x in leaves:
+            if x.numel():
+                x.copy_(torch.ones_like(x) if x.dtype != torch.bool else ~x)
+    for x, w in zip(leaves, want):
+        host = by_id[id(x)]
+        assert host.device.type == "cpu" and host.shape == x.shape and host.dtype == x.dtype
+        assert torch.equal(host, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_copies_of_views_and_tied_leaves_share_one_host_copy(dtype):
+    from rlcore.memory import host_copies
+
+    base = torch.randn(4, 6).to(dtype)
+    tree = {"w": base, "t": base.t(), "row": base[1], "tied": base}
+    want = {k: v.clone() for k, v in tree.items()}
+    handle = offload(tree)
+    copies = host_copies(handle)
+    assert len(copies) == 3  # "tied" is the same tensor as "w"
+    for leaf, host in copies:
+        name = next(k for k, v in tree.items() if v is leaf)
+        assert host.stride() == want[name].stride() and torch.equal(host, want[name])
+    storages = {host.untyped_storage().data_ptr() for _, host in copies}
+    assert len(storages) == 1  # views into the one host bucket, nothing copied again
+    reload(handle)

@@ -10,7 +10,7 @@ from rlcore.memory.allgather_swap import (
 )
 from rlcore.memory.phases import ColocatedSwitch, in_phase
 from rlcore.memory.plan import ORDERS, RESIDENCIES, MemoryPlan, StateGroup, Step, Transition, colocated_plan
-from rlcore.memory.swap import SwapHandle, offload, reload
+from rlcore.memory.swap import SwapHandle, host_copies, offload, reload
 
 __all__ = [
     "ORDERS",
@@ -28,6 +28,7 @@ __all__ = [
     "colocated_plan",
     "enter_rollout",
     "enter_train",
+    "host_copies",
     "in_phase",
     "offload",
     "reload",

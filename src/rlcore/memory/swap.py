@@ -50,7 +50,7 @@ import torch
 
 from rlcore.pytree import tree_leaves
 
-__all__ = ["SwapHandle", "offload", "reload"]
+__all__ = ["SwapHandle", "host_copies", "offload", "reload"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -413,3 +413,39 @@ def reload(handle: SwapHandle, *, non_blocking: bool = True) -> Any:
         _unguard(record)
     handle.reloaded = True
     return handle.tree
+
+
+def host_copies(handle: SwapHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each offloaded tensor leaf of ``handle``'s tree with its host copy: views into the host buckets, no copy made.
+
+    A copy has the leaf's shape, strides and dtype and holds the leaf's data as it was
+    offloaded. Nothing writes the buckets after the offload (:func:`reload` only reads
+    them, the next offload fills buckets of its own), so a copy kept after the reload is
+    a snapshot of the tree at the offload, e.g. for a checkpoint written in the background
+    while training changes the tree. On an accelerator the offload's copies are queued on
+    the current stream: synchronise it (or an event recorded after the offload) before
+    reading them. Each leaf comes once (a tensor listed twice, tied weights); views of one
+    storage are views of one host range.
+
+    Args:
+      handle: what :func:`offload` returned, before or after its reload.
+
+    Returns:
+      ``(leaf, copy)`` per distinct leaf, in the tree's order.
+
+    >>> w = torch.arange(4.0)
+    >>> h = offload({"w": w})
+    >>> (leaf, copy), = host_copies(h)
+    >>> _ = reload(h); _ = w.zero_()
+    >>> leaf is w, copy
+    (True, tensor([0., 1., 2., 3.]))
+    """
+    if not isinstance(handle, SwapHandle):
+        raise ValueError(f"handle: got {type(handle).__name__}, expected a SwapHandle from offload")
+    where = {id(e.storage): e for e in handle.entries}
+    out = []
+    for record in handle.guarded:
+        e = where[id(record.storage)]
+        bucket = handle.buckets[e.dtype]
+        out.append((record.tensor, bucket.as_strided(record.twin.shape, record.stride, e.offset + record.offset)))
+    return out

@@ -28,7 +28,7 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -402,6 +402,7 @@ def save_checkpoint_async(
     step: int | None = None,
     process_group: Any = None,
     stage_in_background: bool = False,
+    staging: Callable[[dict[str, Any]], Future[dict[str, Any]]] | None = None,
 ) -> PendingSave:
     """:func:`save_checkpoint` off the critical path: the tensors are copied to host memory, then written and
     committed in the background (``torch.distributed.checkpoint.async_save``).
@@ -411,7 +412,11 @@ def save_checkpoint_async(
     too (DCP's ``DefaultStager`` with asynchronous staging) and the call returns at once:
     the caller may read the tensors meanwhile (a rollout, a forward) but must not change
     them (an optimiser step, a swap) before the returned future's ``staged`` is done; the
-    version then holds the state as it was at the call, bit for bit.
+    version then holds the state as it was at the call, bit for bit. With ``staging``
+    the copy is the caller's: ``staging(tensors)`` gets the modules' and optimisers'
+    state dicts (live tensors, which the call drops at once) and returns the future of
+    their copy, which the background write waits for and writes as it is
+    (:class:`rlcore.train.swap_staging.SwapStaging`: the copy a phase switch makes anyway).
 
     The version counts only when committed: every rank's shards
     written, then the manifest, then ``latest`` replaced atomically, as in
@@ -429,6 +434,7 @@ def save_checkpoint_async(
       process_group: the group the background save synchronises over.
       stage_in_background: copy the tensors in the background as well; wait for
         ``staged`` before changing them.
+      staging: the copy taken by the caller, as above (not with ``stage_in_background``).
 
     Returns:
       a :class:`PendingSave`: a ``concurrent.futures.Future`` of the committed version's
@@ -444,6 +450,8 @@ def save_checkpoint_async(
     >>> pending.result().name, bool(load_checkpoint(d)["model"]["weight"].any())
     ('v000001', True)
     """
+    if staging is not None and stage_in_background:
+        raise ValueError("staging: got a staging together with stage_in_background=True, expected one of the two")
     kinds, collective, rank, root = _prepare_save(output_dir, state, step)
     if collective and process_group is None:
         process_group = dist.new_group(backend="gloo")
@@ -451,20 +459,23 @@ def save_checkpoint_async(
     path = root / name
     done = PendingSave()
     stager = _stager() if stage_in_background else None
+    writes: Any = None
+    copied: Future[dict[str, Any]] | None = None
     try:
         tensors = _write_data(path, state, kinds, rank)
-        with _quiet_single_process(not collective):
-            writes = (
-                dcp.async_save(
+        if tensors and staging is not None:
+            # Written by the commit thread once copied: DCP's own staging would copy it again, in the call.
+            copied = staging(tensors)
+        elif tensors:
+            with _quiet_single_process(not collective):
+                writes = dcp.async_save(
                     tensors,
                     storage_writer=dcp.FileSystemWriter(path, sync_files=True),
                     process_group=process_group if collective else None,
                     async_stager=stager,
                     no_dist=not collective,
                 )
-                if tensors
-                else None
-            )
+        del tensors  # no reference to the live state outlives the call (a swap would find it)
     except BaseException:
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -473,17 +484,25 @@ def save_checkpoint_async(
         if stager is not None:
             stager.close()
         raise
-    staging = getattr(writes, "staging_completion", None)
-    if staging is None:
+    staged = copied if copied is not None else getattr(writes, "staging_completion", None)
+    if staged is None:
         done.staged.set_result(None)
     else:  # done (or failed: the write's future says why) once the copy is taken
-        staging.add_done_callback(lambda _: done.staged.set_result(None))
+        staged.add_done_callback(lambda _: done.staged.set_result(None))
     world = dist.get_world_size() if collective else 1
 
     def finish() -> None:
         failed: CheckpointError | None = None
         try:
-            if writes is not None:
+            if copied is not None:
+                with _quiet_single_process(not collective):
+                    dcp.save(
+                        copied.result(),
+                        storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                        process_group=process_group if collective else None,
+                        no_dist=not collective,
+                    )
+            elif writes is not None:
                 # Rank 0 (DCP's coordinator) gets its result only once every rank's shards are written. An
                 # asynchronous stager's response (newer torch) carries the upload's future.
                 upload: Any = getattr(writes, "upload_completion", writes)

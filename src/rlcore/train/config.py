@@ -58,7 +58,8 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     trainer.async_save                       checkpoints are written in the background (DCP async_save) while
                                              training goes on; committed only once complete (default true);
                                              without a phase switch the copy to host memory too, up to the
-                                             next optimiser step
+                                             next optimiser step; with the co-located swap the copy is the
+                                             swap's own offload to host memory
     trainer.max_worker_restarts              times a dead disaggregated rollout worker (process or Ray actor) is
                                              replaced (its weights re-sent, its rows redone), and, separately,
                                              times a reward worker that died or ran past trainer.reward_timeout

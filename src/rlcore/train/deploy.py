@@ -53,8 +53,9 @@ from rlcore.dataflow import (
     unpack_weights,
 )
 from rlcore.device import memory_stats
-from rlcore.memory import ColocatedSwitch, TrainState, allgather_swap_plan
+from rlcore.memory import ColocatedSwitch, RolloutState, TrainState, allgather_swap_plan
 from rlcore.models import is_lora
+from rlcore.pytree import tree_leaves
 from rlcore.seeding import Purpose, RowStream
 from rlcore.train.agent_stages import ROLLOUT_COLUMNS as AGENT_COLUMNS
 from rlcore.train.agent_stages import ROLLOUT_INPUTS as AGENT_INPUTS
@@ -65,6 +66,7 @@ from rlcore.train.parallel import full_state_dict
 from rlcore.train.prompts import make_prompt_source, source_tokenizer, task_options
 from rlcore.train.rollout import InferenceEngine, TorchEngine
 from rlcore.train.stages import ROLLOUT_OUTPUTS, rollout_columns, rollout_stage
+from rlcore.train.swap_staging import SwapStaging
 from rlcore.train.vllm_engine import VLLMEngine, parse_vllm_options, sleep_mode_available
 
 __all__ = [
@@ -97,6 +99,8 @@ class Deployment(Protocol):
       rollout: the pipeline's rollout stage (``prompts, prompt_mask, iteration ->
         responses, mask, version``), or None without rollouts.
       switch: the scheduler's phase-switch hook, or None when no phase switch moves memory.
+      staging: where a background save takes its copy of the state that ``switch`` moves
+        (:class:`rlcore.train.swap_staging.SwapStaging`: the switch's own host copies), or None.
     """
 
     @property
@@ -104,6 +108,9 @@ class Deployment(Protocol):
 
     @property
     def switch(self) -> Switch | None: ...
+
+    @property
+    def staging(self) -> SwapStaging | None: ...
 
     def publish(self, version: int) -> None:
         """Send the policy's weights as ``version`` (after each update: collective when sharded)."""
@@ -293,6 +300,7 @@ class NoRollout:
     """The deployment of a run without rollouts (offline DPO on a preference dataset): nothing to place or sync."""
 
     switch = None
+    staging = None
     rollout = None
 
     def publish(self, version: int) -> None:
@@ -312,6 +320,7 @@ class _Placed:
     """What every deployment with a rollout shares: the log of weight syncs and the step's memory figures."""
 
     switch: Switch | None = None
+    staging: SwapStaging | None = None
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -799,6 +808,9 @@ class ColocatedDeployment(_Placed):
             rank=dist.get_rank(),
         )
         state = TrainState(named)
+        # A background save's copy of the moved state is the offload's (the optimiser's state as of the save).
+        staging = SwapStaging(lambda: [*named.values(), *tree_leaves(list(optimiser.state.values()))])
+        self.staging = staging
 
         def bind(weights: dict[str, torch.Tensor]) -> None:
             for name, p in engine_params.items():
@@ -819,6 +831,8 @@ class ColocatedDeployment(_Placed):
                 t0 = time.perf_counter()
                 swap(resource, src, dst)
                 self._record_sync(time.perf_counter() - t0, sum(b.nbytes for b in plan.reshard.buckets))
+                assert isinstance(swap.state, RolloutState)
+                staging.offloaded([h for group in swap.state.handles.values() for h in group])
             else:
                 swap(resource, src, dst)
 

@@ -10,7 +10,8 @@ uninterrupted one.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -112,16 +113,19 @@ def save_run_async(
     *,
     process_group: Any = None,
     stage_in_background: bool = False,
+    staging: Callable[[dict[str, Any]], Future[dict[str, Any]]] | None = None,
 ) -> PendingSave:
     """:func:`save_run` in the background (:func:`rlcore.train.checkpoint.save_checkpoint_async`): returns once the
     state is copied to host memory (at once with ``stage_in_background``: then the models and optimisers must not
-    change before the future's ``staged`` is done); the future is done when the version is committed."""
+    change before the future's ``staged`` is done; with ``staging`` the copy is the phase switch's, as
+    :func:`rlcore.train.checkpoint.save_checkpoint_async` says); the future is done when the version is committed."""
     return save_checkpoint_async(
         out,
         _saved_state(step, models, opt, cfg, shapes, extras or {}),
         step=step + 1,
         process_group=process_group,
         stage_in_background=stage_in_background,
+        staging=staging,
     )
 
 

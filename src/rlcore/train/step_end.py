@@ -42,7 +42,11 @@ class StepEnd:
     memory runs in the background, through the next step's rollout, scoring and forwards:
     only the optimiser step changes the state, and the first one after the save waits for
     the copy (a step pre-hook). ``checkpoint_stall_s`` counts that wait in the step it
-    held up, beside the step's own save call.
+    held up, beside the step's own save call. When the switch moves the state (the
+    co-located swap), the save copies nothing either: its copy is the one the next switch
+    to the rollout phase makes anyway (``deployment.staging``,
+    :class:`rlcore.train.swap_staging.SwapStaging`), or, should an optimiser step or the
+    end of the run come first, one taken then.
 
     When ``stop`` is set on any rank (a signal of ``trainer.stop_signals``), the ranks agree
     to stop at this step: it is saved, the save is waited for, and :class:`Preempted` is
@@ -75,9 +79,10 @@ class StepEnd:
         self.staged: Future[None] | None = None  # the copy the next optimiser step waits for
         self.staging_wait = 0.0
         self.stage_in_background = tr.async_save and deployment.switch is None
-        self.hooks = (
-            [o.register_step_pre_hook(self._before_update) for o in opt.opts] if self.stage_in_background else []
-        )
+        # A switch that moves the state gives a background save its copy (the swap's), fenced like the background copy.
+        self.staging = deployment.staging if tr.async_save else None
+        fenced = self.stage_in_background or self.staging is not None
+        self.hooks = [o.register_step_pre_hook(self._before_update) for o in opt.opts] if fenced else []
         # The background saves synchronise over a group of their own (gloo: DCP's async save needs a CPU
         # backend), so that their collectives never interleave with the training's.
         self.save_group = dist.new_group(backend="gloo") if tr.async_save and dist.is_initialized() else None
@@ -167,6 +172,7 @@ class StepEnd:
                 self.extras,
                 process_group=self.save_group,
                 stage_in_background=self.stage_in_background,
+                staging=self.staging,
             )
             self.staged = self.pending.staged
         else:
@@ -179,6 +185,8 @@ class StepEnd:
         staged, self.staged = self.staged, None
         if staged is not None:
             t0 = time.perf_counter()
+            if self.staging is not None:
+                self.staging.fence()  # no switch has moved the state since the save: its copy is taken now
             staged.result()  # a failed copy also fails the save: wait_saved raises it
             self.staging_wait += time.perf_counter() - t0
 
@@ -186,6 +194,8 @@ class StepEnd:
         """Wait until the background save in flight (if any) is committed; its error is raised here."""
         pending, self.pending, self.staged = self.pending, None, None
         if pending is not None:
+            if self.staging is not None:
+                self.staging.fence()  # the copy may still wait for a switch that will not come
             pending.result()
 
     def _export(self) -> None:
