@@ -1,7 +1,8 @@
 """Rollout throughput: VLLMEngine (vLLM, in-process) against TorchEngine (rlcore's KV-cached decode loop).
 
 Run: python benchmarks/bench_rollout.py [--sizes 32x32,128x64,256x128,512x128] [--dtype float32] [--repeats 3]
-(one size alone: ``--sizes 256x128``)
+[--vllm KEY=VALUE ...] (one size alone: ``--sizes 256x128``; ``--vllm enforce_eager=false``: any
+``deploy.vllm`` key, read as the trainer reads it)
 
 Both engines sample the same random Qwen2 (4 layers, hidden 512, 8 heads of 64, MLP
 1536, vocabulary 2048, float32 by default) from the same left-padded prompts (8 to 24
@@ -9,10 +10,14 @@ tokens), temperature 1, keyed by the same row streams, each size ``ROWSxNEW``: R
 sequences (prompts x 8 samples) of up to NEW new tokens. vLLM holds the weights the
 trainer would publish: they reach it through ``rlcore.dataflow.WeightSync``. Tokens
 per second count the response tokens each engine produced (a row may stop at
-``<eos>``); the time is the median of ``--repeats`` calls after one warm-up call.
+``<eos>``); the time is the median of ``--repeats`` calls after one warm-up call each,
+the two engines' calls alternated so that a load on the machine falls on both.
 Printed per size: both medians, both rates, and the ratio vLLM / torch (target: at
-least 2x at 256 x 128 and above). Threads: torch's setting (``--threads``, default
-all cores), the same for both. ``--stepped`` also times vLLM's interruptible path
+least 2x at 256 x 128 and above), then the sizes between which the ratio crosses 1.
+The engine's build (with ``enforce_eager=false``: vLLM's compile) and its first call
+are timed apart. Threads: torch's setting (``--threads``, default all cores), the same
+for both (the in-process engine computes on torch's threads, so vLLM's thread binding,
+``VLLM_CPU_OMP_THREADS_BIND``, does not apply). ``--stepped`` also times vLLM's interruptible path
 (``generate(refresh=)``, the engine stepped one token at a time and asked for new weights
 between steps; none arrives) and prints its time over the plain call's.
 """
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 import transformers
@@ -30,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _timing import median_time
 from rlcore.dataflow import WeightSync
 from rlcore.seeding import Purpose, RowStream
-from rlcore.train import TorchEngine, VLLMEngine, VLLMOptions, left_pad
+from rlcore.train import TorchEngine, VLLMEngine, left_pad, parse_vllm_options
 
 EOS, PAD, VOCAB, SAMPLES = 1, 0, 2048, 8
 LAYERS, HIDDEN, HEADS, HEAD_DIM = 4, 512, 8, 64
@@ -59,6 +66,21 @@ def prompts(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return left_pad([torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths], PAD)
 
 
+def _value(text: str) -> object:
+    """A ``--vllm`` value as YAML would read it: an int, a float, true / false / null, else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("null", "none"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _never() -> None:
     """A refresh under which no new version ever arrives: the interruptible path's own cost."""
 
@@ -70,6 +92,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--stepped", action="store_true", help="also time vLLM's interruptible (partial) path")
+    parser.add_argument(
+        "--vllm", action="append", default=[], metavar="KEY=VALUE", help="a deploy.vllm option (repeatable)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -80,19 +105,29 @@ def main() -> None:
     # (a resumed seeded request fails on the CPU build), whole blocks per sequence.
     blocks = -(-(24 + max(n for _, n in sizes)) // BLOCK)
     kv_token_bytes = 2 * LAYERS * HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
-    options = VLLMOptions(
-        kv_cache_memory_bytes=int(1.25 * longest_rows * blocks * BLOCK * kv_token_bytes),
-        max_num_seqs=longest_rows,
-        block_size=BLOCK,
-    )
+    raw = {
+        "kv_cache_memory_bytes": int(1.25 * longest_rows * blocks * BLOCK * kv_token_bytes),
+        "max_num_seqs": longest_rows,
+        "block_size": BLOCK,
+    }
+    for item in args.vllm:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--vllm: got {item!r}, expected KEY=VALUE")
+        raw[key] = _value(value)
+    options = parse_vllm_options(raw, key="--vllm")
+    start = time.perf_counter()
     vllm_engine = VLLMEngine.from_module(policy, eos_token_id=EOS, pad_token_id=PAD, options=options)
+    built = time.perf_counter() - start
     record = WeightSync(dict(policy.named_parameters())).sync(1, vllm_engine.receiver())
     print(
         f"model: {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}, {args.dtype}; {args.threads} threads; "
+        f"vLLM built in {built:.1f} s ({options}); "
         f"weights synced to vLLM in {record.seconds:.3f} s ({record.nbytes / 2**20:.1f} MiB); "
-        f"medians of {args.repeats} after 1 warm-up",
+        f"medians of {args.repeats} alternated calls after 1 warm-up each",
         flush=True,
     )
+    ratios = []
     for rows, new in sizes:
         ids, mask = prompts(rows)
         engines = {
@@ -103,7 +138,7 @@ def main() -> None:
         if args.stepped:
             engines["stepped"] = engines["vllm"]
             calls["stepped"] = {"refresh": _never}
-        seconds, tokens = {}, {}
+        runs, outs, first = {}, {}, {}
         for name, engine in engines.items():
             out: list = []
 
@@ -111,16 +146,26 @@ def main() -> None:
                 stream = RowStream(0, Purpose.SAMPLING, 0)
                 out[:] = [engine.generate(ids, mask, n=SAMPLES, generator=stream, **kw)]
 
-            seconds[name] = median_time(call, repeats=args.repeats, warmup=1)
-            tokens[name] = int(out[0].mask.sum())
+            runs[name], outs[name] = call, out
+            first[name] = median_time(call, repeats=1, warmup=0)
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            for name, call in runs.items():
+                times[name].append(median_time(call, repeats=1, warmup=0))
+        seconds = {name: statistics.median(t) for name, t in times.items()}
+        tokens = {name: int(out[0].mask.sum()) for name, out in outs.items()}
         rate = {k: tokens[k] / seconds[k] for k in engines}
         stepped = f"   stepped / plain vllm time {seconds['stepped'] / seconds['vllm']:5.2f}x" if args.stepped else ""
         print(
             f"{rows:4d} seqs x {new:3d} new tokens   vllm {seconds['vllm']:8.3f} s {rate['vllm']:9.1f} tok/s   "
             f"torch {seconds['torch']:8.3f} s {rate['torch']:9.1f} tok/s   ratio {rate['vllm'] / rate['torch']:5.2f}x"
-            f"{stepped}",
+            f"   (first calls: vllm {first['vllm']:.2f} s, torch {first['torch']:.2f} s){stepped}",
             flush=True,
         )
+        ratios.append((f"{rows}x{new}", rate["vllm"] / rate["torch"]))
+    for (a, ra), (b, rb) in zip(ratios, ratios[1:]):
+        if (ra - 1) * (rb - 1) < 0:
+            print(f"the ratio crosses 1 between {a} ({ra:.2f}x) and {b} ({rb:.2f}x)", flush=True)
     vllm_engine.close()
 
 
