@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dist_helpers
 import rlcore.train.checkpoint as checkpoint_module
+from kept_checkpoints import assert_kept_equals_sync
 from rlcore.train import CHECKPOINT_NAME, load_checkpoint, load_config, read_metrics, save_checkpoint, train
 from rlcore.train.checkpoint import save_checkpoint_async
 from tiny_runs import TINY
@@ -112,23 +113,8 @@ def test_a_copy_staged_in_the_background_is_taken_before_the_next_optimiser_step
     train(cfg(tmp_path / "a", 3, "trainer.save_every=1"))
     assert sorted(p.name for p in kept.iterdir()) == ["step000001", "step000002", "step000003"]
     train(cfg(tmp_path / "b", 2, "trainer.async_save=false"))
-    ours, sync = tmp_path / "ours", tmp_path / "b" / CHECKPOINT_NAME
-    shutil.copytree(kept / "step000002", ours / CHECKPOINT_NAME / "step000002")
-    (ours / CHECKPOINT_NAME / "latest").write_text("step000002\n")
-    a, b = load_checkpoint(ours), load_checkpoint(sync.parent)
-    for name in ("policy", "reference"):
-        flat_a, flat_b = dict(_leaves(a[name])), dict(_leaves(b[name]))
-        assert flat_a.keys() == flat_b.keys() and flat_a
-        for k, v in flat_a.items():
-            assert torch.equal(v, flat_b[k]), (name, k)
-
-
-def _leaves(tree, prefix=""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{prefix}.{k}")
-    elif isinstance(tree, torch.Tensor):
-        yield prefix, tree
+    ours = tmp_path / "ours"
+    assert_kept_equals_sync(kept / "step000002", ours, tmp_path / "b")
 
 
 def _blocked_writes(monkeypatch, gate: threading.Event, fail: bool = False):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import rlcore.train.checkpoint as checkpoint_module
+from kept_checkpoints import assert_kept_equals_sync
 from rlcore.memory import offload, reload
 from rlcore.pytree import tree_leaves
 from rlcore.train import CHECKPOINT_NAME, load_checkpoint, load_config, read_metrics, train
@@ -183,29 +184,14 @@ def test_colocated_swap_checkpoints_equal_synchronous_saves_and_resume_exactly(t
     assert offloads == [False, True, True]  # the saves after steps 0 and 1 took the swap's copies
     assert all(r["checkpoint_stall_s"] > 0 for r in whole.records)
     train(_cfg(tmp_path / "b", 2, "trainer.async_save=false"))
-    ours, sync = tmp_path / "ours", tmp_path / "b" / CHECKPOINT_NAME
-    shutil.copytree(kept / "step000002", ours / CHECKPOINT_NAME / "step000002")
-    (ours / CHECKPOINT_NAME / "latest").write_text("step000002\n")
-    a, b = load_checkpoint(ours), load_checkpoint(sync.parent)
-    for name in ("policy", "reference"):
-        flat_a, flat_b = dict(_leaves(a[name])), dict(_leaves(b[name]))
-        assert flat_a.keys() == flat_b.keys() and flat_a
-        for k, v in flat_a.items():
-            assert torch.equal(v, flat_b[k]), (name, k)
+    ours = tmp_path / "ours"
+    assert_kept_equals_sync(kept / "step000002", ours, tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / CHECKPOINT_NAME)
     shutil.copytree(ours / CHECKPOINT_NAME, tmp_path / "b" / CHECKPOINT_NAME)
     resumed = train(_cfg(tmp_path / "b", 3), resume=True)
     for (k, x), y in zip(whole.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(x, y), k
     assert [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")] == [r["loss"] for r in whole.records]
-
-
-def _leaves(tree, prefix=""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{prefix}.{k}")
-    elif isinstance(tree, torch.Tensor):
-        yield prefix, tree
 
 
 def test_an_offload_that_misses_a_saved_tensor_fails_the_save_by_name_and_keeps_the_previous_version(tmp_path):
