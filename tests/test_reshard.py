@@ -111,7 +111,9 @@ def _worker(rank, world, tmp, checks):
 def run_group(world, checks, tmp):
     """Run every check on one spawned gloo group of ``world`` CPU processes; rank -> {check: outcome}."""
     os.makedirs(tmp, exist_ok=True)
-    dist_helpers.spawn(_worker, (world, str(tmp), checks), nprocs=world)
+    # Every reshard check and swap run of the session in one group: beside the other multi-process files on 2 slow
+    # cores it has taken over 300 s, so its bound is wider than a single check's.
+    dist_helpers.spawn(_worker, (world, str(tmp), checks), nprocs=world, timeout=900)
     out = {}
     for r in range(world):
         path = os.path.join(tmp, f"result_{r}.json")

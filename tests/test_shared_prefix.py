@@ -158,18 +158,15 @@ def test_shares_prompts_takes_runs_of_neighbours_and_else_searches_every_row(mod
 def test_the_prefill_runs_each_distinct_prompt_once_and_samples_the_same(model, monkeypatch):
     batch = _grouped(seed=5, groups=3, n=4)
     sizes = []
-    real_forward = model.forward
-
-    def counted(*args, **kwargs):
-        sizes.append(kwargs["input_ids"].shape[0])
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", counted)
+    # Rows entering the model at each forward, the prompt's and each step's (the static decode path calls the
+    # embedding, not the model's forward).
+    hook = model.model.embed_tokens.register_forward_pre_hook(lambda module, args: sizes.append(args[0].shape[0]))
     kwargs = dict(eos_token_id=1, max_new_tokens=5, temperature=1.3)
     shared = generate(
         model, batch["prompts"], batch["prompt_mask"], generator=torch.Generator().manual_seed(7), **kwargs
     )
-    assert sizes[0] == 3 and all(s == 12 for s in sizes[1:])  # the prefill: one row per prompt
+    hook.remove()
+    assert sizes[0] == 3 and len(sizes) > 1 and all(s == 12 for s in sizes[1:])  # the prefill: one row per prompt
     monkeypatch.setattr(decoding, "shares_prompts", lambda ids, attention: None)  # every row's prompt runs
     whole = generate(
         model, batch["prompts"], batch["prompt_mask"], generator=torch.Generator().manual_seed(7), **kwargs
