@@ -32,6 +32,7 @@ import time
 
 import torch
 import transformers
+import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import median_time
@@ -64,21 +65,6 @@ def prompts(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(8, 25, (rows // SAMPLES,), generator=g).tolist()
     return left_pad([torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths], PAD)
-
-
-def _value(text: str) -> object:
-    """A ``--vllm`` value as YAML would read it: an int, a float, true / false / null, else the string."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("null", "none"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def _never() -> None:
@@ -114,7 +100,7 @@ def main() -> None:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--vllm: got {item!r}, expected KEY=VALUE")
-        raw[key] = _value(value)
+        raw[key] = yaml.safe_load(value) if value.strip() else None  # as the config overrides read it
     options = parse_vllm_options(raw, key="--vllm")
     start = time.perf_counter()
     vllm_engine = VLLMEngine.from_module(policy, eos_token_id=EOS, pad_token_id=PAD, options=options)

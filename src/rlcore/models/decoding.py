@@ -48,7 +48,8 @@ class CachedDecoder:
         active: torch.Tensor | None = None,
         static: bool | None = None,
     ):
-        if static and not supports_static_decode(model):
+        use_static = static is not False and supports_static_decode(model)
+        if static and not use_static:
             raise ValueError(f"static: got True for {type(model).__name__}, expected a supports_static_decode model")
         self.model = model
         self.field = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -57,11 +58,12 @@ class CachedDecoder:
         self.next_position = positions[:, -1:] + 1
         self._step: StaticDecodeStep | None = None
         self._cache: Any = None
-        if static is not False and supports_static_decode(model):
-            groups, first = self._prompt_groups(ids)
-            if first is None:
+        if use_static:
+            shared = self._prompt_groups(ids)
+            if shared is None:
                 self._step, self._logits = StaticDecodeStep.prefill(model, ids, self.attention, positions)
             else:
+                groups, first = shared
                 self._step, self._logits = StaticDecodeStep.prefill(
                     model, ids[first], self.attention[first], positions[first], groups
                 )
@@ -121,11 +123,11 @@ class CachedDecoder:
             self._cache = _gather_cache(self._cache, rows)
         return left
 
-    def _prompt_groups(self, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(group of each row, first row of each group)``, or ``(None, None)`` when no two rows share a prompt."""
+    def _prompt_groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(group of each row, first row of each group)``, or None when no two rows share a prompt."""
         inverse = shares_prompts(ids, self.attention)
         if inverse is None:
-            return None, None
+            return None
         rows = ids.shape[0]
         distinct = int(inverse.max()) + 1  # sync-ok: the decode loop sizes the prefill on the host
         first = torch.full((distinct,), rows, dtype=torch.long, device=ids.device)
@@ -138,10 +140,11 @@ class CachedDecoder:
         ``Cache.reorder_cache`` (beam search's row gather) copies the entries, so the
         decode steps see exactly what a forward over all rows would give them.
         """
-        inverse, first = self._prompt_groups(ids)
-        if inverse is None or first is None:
+        shared = self._prompt_groups(ids)
+        if shared is None:
             out = self.model(input_ids=ids, attention_mask=self.attention, position_ids=positions, use_cache=True)
             return out.logits[:, -1], getattr(out, self.field)
+        inverse, first = shared
         out = self.model(
             input_ids=ids[first], attention_mask=self.attention[first], position_ids=positions[first], use_cache=True
         )

@@ -98,11 +98,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _attend(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+def _rotary(
+    attn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys ``[..., heads, T, head_dim]`` after the per-head norms (Qwen3) and the rotary embedding."""
     if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _mlp(layer: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -188,7 +190,7 @@ class StaticDecodeStep:
             x = layer.input_layernorm(hidden)
             shape = (rows, length, -1, attn.head_dim)
             q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-            q, k, v = _attend(attn, q, k, v, cos, sin)
+            q, k = _rotary(attn, q, k, cos, sin)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
             hidden = _mlp(layer, hidden + attn.o_proj(out.transpose(1, 2).reshape(rows, length, -1)))
             cache.append((k, v) if groups is None else (k.index_select(0, groups), v.index_select(0, groups)))
@@ -232,9 +234,8 @@ class StaticDecodeStep:
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             shape = (rows, -1, attn.head_dim)
-            q, k, v = _attend(
-                attn, attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape), cos, sin
-            )
+            q, k = _rotary(attn, attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), cos, sin)
+            v = attn.v_proj(x).view(shape)
             keys[:, :, at] = k
             values[:, :, at] = v
             out = F.scaled_dot_product_attention(
