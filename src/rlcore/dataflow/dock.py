@@ -7,12 +7,15 @@ RL loop (rollout, reward, reference / old log-probs, values, advantages, update)
 ready. The table has ``num_prompts * n_samples`` rows; the ``n_samples`` rows of one
 prompt are contiguous and form a group.
 
-* The :class:`DockController` keeps only metadata, as tensors: one readiness bitmap,
+* The :class:`DockController` keeps only metadata, as NumPy arrays: one readiness bitmap,
   put stamp and length vector per column, one consumption bitmap per consumer, and
   per-row ``age`` / ``completed`` flags for partial rollouts, plus per-group counts of
   ready and taken rows kept in step with the bitmaps. A ``get`` selects rows with
-  tensor ops over the table (no Python loop over rows) under that consumer's lock;
-  consumers never wait on each other, and puts take a lock of their own.
+  array ops over the table (no Python loop over rows) under that consumer's lock;
+  consumers never wait on each other, and puts take a lock of their own. NumPy rather
+  than torch: each of these ops touches a few hundred flags, where torch's dispatch and
+  its release of the GIL around every op cost more than the op, on the path between two
+  stage calls of the device.
 * Each :class:`Warehouse` holds the unpadded per-row tensors of one contiguous,
   disjoint index range. The controller tells a client where rows live
   (:meth:`DockController.layout`) and the client moves payloads to and from the
@@ -31,6 +34,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlcore._checks import check_choice, check_ndim, check_positive
@@ -87,23 +91,34 @@ def _run(rows: torch.Tensor) -> torch.Tensor | range:
     gathers: a whole-iteration get of the blocking pipeline costs a few ops, not a few
     per column.
     """
-    m = rows.numel()
+    a = rows.numpy()
+    m = a.size
     if m == 0:
         return rows
-    lo, hi = int(rows[0]), int(rows[-1])
-    if hi - lo + 1 != m or (m > 1 and not bool((rows[1:] > rows[:-1]).all())):
+    lo, hi = int(a[0]), int(a[-1])
+    if hi - lo + 1 != m or (m > 1 and not bool((a[1:] > a[:-1]).all())):
         return rows
     return range(lo, hi + 1)
 
 
-def _where(rows: torch.Tensor | range) -> torch.Tensor | slice:
-    """What indexes a per-row tensor at ``rows``: a slice for a run, else the index tensor."""
-    return slice(rows.start, rows.stop) if isinstance(rows, range) else rows
+def _at(rows: torch.Tensor | range) -> np.ndarray | slice:
+    """What indexes a per-row metadata array at ``rows``: a slice for a run, else the indexes (a NumPy view)."""
+    return slice(rows.start, rows.stop) if isinstance(rows, range) else rows.numpy()
+
+
+def _array(rows: torch.Tensor | range) -> np.ndarray:
+    """``rows`` as a 1-D int64 NumPy array."""
+    return np.arange(rows.start, rows.stop, dtype=np.int64) if isinstance(rows, range) else rows.numpy()
 
 
 def _tensor(rows: torch.Tensor | range) -> torch.Tensor:
     """``rows`` as a 1-D int64 tensor."""
-    return torch.arange(rows.start, rows.stop, dtype=torch.int64) if isinstance(rows, range) else rows
+    return torch.from_numpy(_array(rows)) if isinstance(rows, range) else rows
+
+
+def _copy(a: np.ndarray) -> torch.Tensor:
+    """A metadata array as a tensor of its own (the controller's arrays change in place)."""
+    return torch.from_numpy(a.copy())
 
 
 def _check_timeout(name: str, timeout: Any) -> None:
@@ -123,7 +138,7 @@ def _rows(column: str, value: Any) -> torch.Tensor | list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             raise ValueError(f"columns[{column!r}]: got a 0-d tensor, expected one row per index along dim 0")
-        return value.detach()
+        return value.detach() if value.requires_grad else value
     if isinstance(value, (list, tuple)):
         rows = list(value)
         for i, row in enumerate(rows):
@@ -157,9 +172,9 @@ def _tensor_lengths(value: torch.Tensor) -> int:
     return value.shape[1] if value.dim() > 1 else 0
 
 
-def _row_lengths(rows: list[torch.Tensor]) -> torch.Tensor:
+def _row_lengths(rows: list[torch.Tensor]) -> list[int]:
     """Tokens per row: the first dimension of each row, 0 for 0-d (per-sample scalar) rows."""
-    return torch.tensor([row.shape[0] if row.dim() else 0 for row in rows], dtype=torch.int64)
+    return [row.shape[0] if row.dim() else 0 for row in rows]
 
 
 class DockController:
@@ -220,20 +235,20 @@ class DockController:
         self._gate = threading.Lock()  # leases and the pending reset
         self._leases = 0
         self._resetting: str | None = None
-        self._ready: dict[str, torch.Tensor] = {}
-        self._stamp: dict[str, torch.Tensor] = {}
-        self._lengths: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, torch.Tensor] = {}  # cells reserved by a put in flight
+        self._ready: dict[str, np.ndarray] = {}
+        self._stamp: dict[str, np.ndarray] = {}
+        self._lengths: dict[str, np.ndarray] = {}
+        self._pending: dict[str, np.ndarray] = {}  # cells reserved by a put in flight
         self._specs: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}
-        self._consumed: dict[str, torch.Tensor] = {}
+        self._consumed: dict[str, np.ndarray] = {}
         # Per-group counts of ready / taken rows, kept in step with the bitmaps, so a
         # whole-group get reads num_prompts entries rather than reducing capacity ones.
-        self._group_ready: dict[str, torch.Tensor] = {}
-        self._group_taken: dict[str, torch.Tensor] = {}
+        self._group_ready: dict[str, np.ndarray] = {}
+        self._group_taken: dict[str, np.ndarray] = {}
         self._conds: dict[str, threading.Condition] = {}
-        self.age = torch.zeros(capacity, dtype=torch.int64)
-        self._group_age = torch.zeros(num_prompts, dtype=torch.int64)  # ages change only at reset
-        self.completed = torch.ones(capacity, dtype=torch.bool)
+        self.age = np.zeros(capacity, dtype=np.int64)
+        self._group_age = np.zeros(num_prompts, dtype=np.int64)  # ages change only at reset
+        self.completed = np.ones(capacity, dtype=np.bool_)
         for name, names in (("columns", columns), ("consumers", consumers)):
             if isinstance(names, str):
                 raise ValueError(f"{name}: got the string {names!r}, expected a list of names")
@@ -265,19 +280,19 @@ class DockController:
         with self._registry_lock:
             if name in self._conds:
                 return
-            self._consumed[name] = torch.zeros(self.capacity, dtype=torch.bool)
-            self._group_taken[name] = torch.zeros(self.num_prompts, dtype=torch.int32)
+            self._consumed[name] = np.zeros(self.capacity, dtype=np.bool_)
+            self._group_taken[name] = np.zeros(self.num_prompts, dtype=np.int32)
             self._conds[name] = threading.Condition(threading.Lock())
 
     def _add_column(self, name: str) -> None:
         if not isinstance(name, str):
             raise ValueError(f"columns: got a {type(name).__name__} name, expected str")
         if name not in self._ready:
-            self._stamp[name] = torch.zeros(self.capacity, dtype=torch.int64)
-            self._lengths[name] = torch.zeros(self.capacity, dtype=torch.int64)
-            self._ready[name] = torch.zeros(self.capacity, dtype=torch.bool)
-            self._pending[name] = torch.zeros(self.capacity, dtype=torch.bool)
-            self._group_ready[name] = torch.zeros(self.num_prompts, dtype=torch.int32)
+            self._stamp[name] = np.zeros(self.capacity, dtype=np.int64)
+            self._lengths[name] = np.zeros(self.capacity, dtype=np.int64)
+            self._ready[name] = np.zeros(self.capacity, dtype=np.bool_)
+            self._pending[name] = np.zeros(self.capacity, dtype=np.bool_)
+            self._group_ready[name] = np.zeros(self.num_prompts, dtype=np.int32)
 
     # ------------------------------------------------------------------ checks
 
@@ -289,14 +304,14 @@ class DockController:
                 bad = [*below[:5], *above[:5]][:5]  # from the run's bounds: a huge run is not walked
                 raise ValueError(f"{name}: got row(s) {bad}, expected indexes in [0, {self.capacity})")
             return
-        if not indexes.numel():
+        a = indexes.numpy()
+        if not a.size:
             return
-        low, high = indexes.aminmax()
-        if int(low) < 0 or int(high) >= self.capacity:
-            bad = indexes[(indexes < 0) | (indexes >= self.capacity)][:5].tolist()
+        if int(a.min()) < 0 or int(a.max()) >= self.capacity:
+            bad = a[(a < 0) | (a >= self.capacity)][:5].tolist()
             raise ValueError(f"{name}: got row(s) {bad}, expected indexes in [0, {self.capacity})")
-        increasing = indexes.numel() == 1 or bool((indexes[1:] > indexes[:-1]).all())
-        if not increasing and indexes.unique().numel() != indexes.numel():
+        increasing = a.size == 1 or bool((a[1:] > a[:-1]).all())
+        if not increasing and np.unique(a).size != a.size:
             raise ValueError(f"{name}: got repeated rows, expected each row at most once")
 
     def _check_consumer(self, consumer: str) -> threading.Condition:
@@ -390,13 +405,13 @@ class DockController:
                         f"columns[{column!r}]: got dtype {spec[0]}, {spec[1]} dims, trailing shape {spec[2]}; "
                         f"expected dtype {known[0]}, {known[1]} dims, trailing shape {known[2]} (earlier puts)"
                     )
-            at = _where(indexes)
+            at = _at(indexes)
             for column in specs:
                 if column not in self._ready:
                     continue
                 busy = self._ready[column][at] | self._pending[column][at]
-                if bool(busy.any()):
-                    bad = _tensor(indexes)[busy][:5].tolist()
+                if busy.any():
+                    bad = _array(indexes)[busy][:5].tolist()
                     raise ValueError(
                         f"indexes: got row(s) {bad} whose column {column!r} is already ready or being put, "
                         f"expected rows not holding {column!r} yet (a cell is put once per iteration; reset() "
@@ -419,10 +434,10 @@ class DockController:
     def commit_put(self, lengths: Mapping[str, torch.Tensor | int], indexes: torch.Tensor | range) -> None:
         """Mark the cells of a begun put ready (its payloads reached the warehouses), end its lease, wake consumers.
 
-        ``lengths``: per column, each row's length, or one length for every row.
+        ``lengths``: per column, each row's length (a sequence or tensor), or one length for every row.
         """
         stamp = next(self._stamps)
-        at = _where(indexes)
+        at = _at(indexes)
         n = self.n_samples
         # The begun put reserved its cells, none ready: each row makes its group one row readier.
         whole = (
@@ -431,22 +446,22 @@ class DockController:
             else None
         )
         with self._put_lock:
-            groups = None if whole is not None else _tensor(indexes) // n
+            groups = None if whole is not None else _array(indexes) // n
             for column, lens in lengths.items():
-                self._lengths[column][at] = lens
+                self._lengths[column][at] = lens.numpy() if isinstance(lens, torch.Tensor) else lens
                 self._stamp[column][at] = stamp
                 if groups is None:
                     self._group_ready[column][whole] += n
                 else:
                     fresh = ~self._ready[column][at]
-                    self._group_ready[column].index_add_(0, groups, fresh.to(torch.int32))
+                    np.add.at(self._group_ready[column], groups, fresh.astype(np.int32))
                 self._ready[column][at] = True
                 self._pending[column][at] = False
         self.release()
 
     def abort_put(self, columns: Sequence[str], indexes: torch.Tensor | range) -> None:
         """Give up a begun put whose payloads did not all arrive: free its cells and end its lease."""
-        at = _where(indexes)
+        at = _at(indexes)
         with self._put_lock:
             for column in columns:
                 self._pending[column][at] = False
@@ -465,12 +480,12 @@ class DockController:
                 f"completed: got {got}, expected a torch.bool tensor of shape {tuple(indexes.shape)} (that of indexes)"
             )
         with self._put_lock:
-            self.completed[indexes] = completed.to("cpu")
+            self.completed[indexes.numpy()] = completed.cpu().numpy()
 
     # ------------------------------------------------------------------ get side
 
-    def _unit_view(self, x: torch.Tensor, by_group: bool) -> torch.Tensor:
-        return x.view(self.num_prompts, self.n_samples) if by_group else x.view(-1, 1)
+    def _unit_view(self, x: np.ndarray, by_group: bool) -> np.ndarray:
+        return x.reshape(self.num_prompts, self.n_samples) if by_group else x.reshape(-1, 1)
 
     def _select(
         self, consumer: str, columns: Sequence[str], need: int, by_group: bool, balance: str
@@ -478,40 +493,40 @@ class DockController:
         """``need`` eligible units in priority order as row indexes, or None when fewer are eligible."""
         if by_group:
             counts = [self._group_ready[c] for c in columns]
-            full = (counts[0] if len(columns) == 1 else torch.stack(counts).amin(0)) == self.n_samples
+            full = (counts[0] if len(columns) == 1 else np.stack(counts).min(0)) == self.n_samples
             eligible = full & (self._group_taken[consumer] == 0)
         else:
-            ready = (
-                self._ready[columns[0]] if len(columns) == 1 else torch.stack([self._ready[c] for c in columns]).all(0)
-            )
+            ready = self._ready[columns[0]] if len(columns) == 1 else np.stack([self._ready[c] for c in columns]).all(0)
             eligible = ready & ~self._consumed[consumer]
-        if int(eligible.sum()) < need:
+        if int(np.count_nonzero(eligible)) < need:
             return None
         age = self._group_age if by_group else self.age
         if balance == "random":
             # Oldest first, ties broken uniformly at random; topk keeps it one pass over the units.
-            noise = torch.rand(eligible.numel(), generator=self._generator)
-            units = torch.where(eligible, age + noise, -1.0).topk(need).indices
+            noise = torch.rand(eligible.size, generator=self._generator)
+            scores = torch.where(torch.from_numpy(eligible), torch.from_numpy(age) + noise, -1.0)
+            units = scores.topk(need).indices.numpy()
         else:
-            candidates = eligible.nonzero().squeeze(1)  # sync-ok: host-side controller, CPU tensors
+            candidates = np.flatnonzero(eligible)
             age = age[candidates]
             if balance == "fifo":
-                stamp = torch.stack([self._stamp[c] for c in columns]).amax(0)
-                rank = self._unit_view(stamp, by_group).amax(1)[candidates]
+                stamp = np.stack([self._stamp[c] for c in columns]).max(0)
+                rank = self._unit_view(stamp, by_group).max(1)[candidates]
             else:
-                tokens = torch.stack([self._lengths[c] for c in columns]).sum(0)
+                tokens = np.stack([self._lengths[c] for c in columns]).sum(0)
                 tokens = self._unit_view(tokens, by_group).sum(1)[candidates]
-                by_len = torch.sort(tokens, descending=True, stable=True).indices
+                by_len = np.argsort(-tokens, kind="stable")  # longest first, ties in row order
                 # Interleave longest and shortest: every prefix pairs long with short units,
                 # so consecutive gets carry similar token totals.
-                m = by_len.numel()
-                alternate = torch.stack([torch.arange(m), m - 1 - torch.arange(m)], 1).flatten()[:m]
-                rank = torch.empty(m, dtype=torch.int64)
-                rank[by_len[alternate]] = torch.arange(m)
-            units = candidates[torch.sort(age * _AGE_STEP - rank, descending=True, stable=True).indices[:need]]
-        if not by_group:
-            return units
-        return (units[:, None] * self.n_samples + torch.arange(self.n_samples)).flatten()
+                m = by_len.size
+                alternate = np.stack([np.arange(m), m - 1 - np.arange(m)], 1).ravel()[:m]
+                rank = np.empty(m, dtype=np.int64)
+                rank[by_len[alternate]] = np.arange(m)
+            # Highest key first, ties in row order (a stable sort of the negated keys).
+            units = candidates[np.argsort(rank - age * _AGE_STEP, kind="stable")[:need]]
+        if by_group:
+            units = (units[:, None] * self.n_samples + np.arange(self.n_samples)).ravel()
+        return torch.from_numpy(units.astype(np.int64, copy=False))
 
     def check_sample(
         self,
@@ -540,7 +555,7 @@ class DockController:
                 if isinstance(indexes, range):
                     partial = bool(indexes.start % self.n_samples or indexes.stop % self.n_samples)
                 else:
-                    per_group = torch.bincount(indexes // self.n_samples, minlength=self.num_prompts)
+                    per_group = np.bincount(indexes.numpy() // self.n_samples, minlength=self.num_prompts)
                     partial = bool(((per_group != 0) & (per_group != self.n_samples)).any())
                 if partial:
                     raise ValueError(
@@ -574,14 +589,14 @@ class DockController:
             if indexes is not None:
                 if len(indexes) == 0:
                     return _tensor(indexes)
-                at = _where(indexes)
+                at = _at(indexes)
                 consumed = self._consumed[consumer][at]
-                if bool(consumed.any()):
-                    taken = _tensor(indexes)[consumed][:5].tolist()
+                if consumed.any():
+                    taken = _array(indexes)[consumed][:5].tolist()
                     raise ValueError(
                         f"indexes: got row(s) {taken} already taken by {consumer!r}, expected rows it has not taken"
                     )
-                if not bool(torch.stack([self._ready[c][at] for c in columns]).all()):
+                if not all(self._ready[c][at].all() for c in columns):
                     return None
                 rows = indexes
             else:
@@ -622,13 +637,12 @@ class DockController:
 
     def _take(self, consumer: str, rows: torch.Tensor | range) -> None:
         """Mark ``rows`` taken by ``consumer`` (its lock held)."""
-        self._consumed[consumer][_where(rows)] = True
+        self._consumed[consumer][_at(rows)] = True
         n = self.n_samples
         if isinstance(rows, range) and rows.start % n == 0 and rows.stop % n == 0:  # whole groups
             self._group_taken[consumer][rows.start // n : rows.stop // n] += n
             return
-        rows = _tensor(rows)
-        self._group_taken[consumer].index_add_(0, rows // n, torch.ones_like(rows, dtype=torch.int32))
+        np.add.at(self._group_taken[consumer], _array(rows) // n, 1)
 
     def nack(self, consumer: str, indexes: torch.Tensor) -> None:
         """Give back rows ``consumer`` took but could not process: they are delivered to it again.
@@ -638,15 +652,14 @@ class DockController:
         """
         cond = self._check_consumer(consumer)
         self._check_in_range("indexes", indexes)
+        rows = indexes.numpy()
         with cond:
-            held = self._consumed[consumer][indexes]
-            if not bool(held.all()):
-                bad = indexes[~held][:5].tolist()
+            held = self._consumed[consumer][rows]
+            if not held.all():
+                bad = rows[~held][:5].tolist()
                 raise ValueError(f"indexes: got row(s) {bad} not taken by {consumer!r}, expected rows it holds")
-            self._consumed[consumer][indexes] = False
-            self._group_taken[consumer].index_add_(
-                0, indexes // self.n_samples, torch.full_like(indexes, -1, dtype=torch.int32)
-            )
+            self._consumed[consumer][rows] = False
+            np.add.at(self._group_taken[consumer], rows // self.n_samples, -1)
         self._bump()
 
     def all_consumed(self, consumer: str) -> bool:
@@ -723,20 +736,20 @@ class DockController:
             try:
                 incomplete = ~self.completed
                 for column, ready in self._ready.items():
-                    kept = incomplete if column in keep else torch.zeros_like(incomplete)
+                    kept = incomplete if column in keep else np.zeros_like(incomplete)
                     ready &= kept
                     self._lengths[column] *= kept
                     self._stamp[column] *= kept
                 for column, ready in self._ready.items():
-                    self._group_ready[column] = ready.view(self.num_prompts, self.n_samples).sum(1, dtype=torch.int32)
+                    self._group_ready[column] = ready.reshape(self.num_prompts, self.n_samples).sum(1, dtype=np.int32)
                 for consumer, consumed in self._consumed.items():
-                    consumed.zero_()
-                    self._group_taken[consumer].zero_()
-                self.age = torch.where(incomplete, self.age + 1, 0)
-                self._group_age = self.age.view(self.num_prompts, self.n_samples).amax(1)
-                self.completed = torch.ones_like(self.completed)
-                cleared = (~incomplete).nonzero().squeeze(1)  # sync-ok: host-side controller
-                kept_rows = incomplete.nonzero().squeeze(1)  # sync-ok: host-side controller
+                    consumed.fill(False)
+                    self._group_taken[consumer].fill(0)
+                self.age = np.where(incomplete, self.age + 1, 0)
+                self._group_age = self.age.reshape(self.num_prompts, self.n_samples).max(1)
+                self.completed = np.ones_like(self.completed)
+                cleared = torch.from_numpy(np.flatnonzero(~incomplete))
+                kept_rows = torch.from_numpy(np.flatnonzero(incomplete))
             finally:
                 for cond in reversed(conds):
                     cond.release()
@@ -747,29 +760,29 @@ class DockController:
         with self._put_lock:
             if not self._ready:
                 return torch.arange(self.capacity)
-            used = torch.stack(list(self._ready.values())).any(0)
-        return (~used).nonzero().squeeze(1)  # sync-ok: host-side controller
+            used = np.stack(list(self._ready.values())).any(0)
+        return torch.from_numpy(np.flatnonzero(~used))
 
     def state(self) -> dict[str, Any]:
         """A copy of all metadata: per-column ready / stamp / lengths, per-consumer consumed, ages, flags."""
         with self._put_lock, self._registry_lock:
             return {
-                "ready": {c: t.clone() for c, t in self._ready.items()},
-                "stamp": {c: t.clone() for c, t in self._stamp.items()},
-                "lengths": {c: t.clone() for c, t in self._lengths.items()},
+                "ready": {c: _copy(a) for c, a in self._ready.items()},
+                "stamp": {c: _copy(a) for c, a in self._stamp.items()},
+                "lengths": {c: _copy(a) for c, a in self._lengths.items()},
                 "specs": dict(self._specs),
-                "consumed": {c: t.clone() for c, t in self._consumed.items()},
-                "age": self.age.clone(),
-                "completed": self.completed.clone(),
+                "consumed": {c: _copy(a) for c, a in self._consumed.items()},
+                "age": _copy(self.age),
+                "completed": _copy(self.completed),
             }
 
     def ages(self) -> torch.Tensor:
         """Per-row age: iterations a partial rollout has survived."""
-        return self.age.clone()
+        return _copy(self.age)
 
     def completed_flags(self) -> torch.Tensor:
         """Per-row completed flags (True unless a producer flagged the row incomplete)."""
-        return self.completed.clone()
+        return _copy(self.completed)
 
 
 class Warehouse:
@@ -792,8 +805,8 @@ class Warehouse:
         self.start = start
         self.stop = stop
         self._data: dict[str, list[torch.Tensor | None]] = {}  # per-row tensors (rows not in a block)
-        self._block: dict[str, torch.Tensor] = {}  # per row: its block, or -1
-        self._row: dict[str, torch.Tensor] = {}  # per row: its row in the block
+        self._block: dict[str, np.ndarray] = {}  # per row: its block, or -1
+        self._row: dict[str, np.ndarray] = {}  # per row: its row in the block
         self._blocks: dict[str, list[torch.Tensor]] = {}
         # Per column: the blocks put at a run of local rows, ``(first, stop, block)``: a get of a run inside one
         # is a slice, found without reading ``_block`` / ``_row``.
@@ -804,20 +817,20 @@ class Warehouse:
         if column not in self._data:
             size = self.stop - self.start
             self._data[column], self._blocks[column], self._spans[column] = [None] * size, [], []
-            self._block[column] = torch.full((size,), -1, dtype=torch.int64)
-            self._row[column] = torch.zeros(size, dtype=torch.int64)
+            self._block[column] = np.full(size, -1, dtype=np.int64)
+            self._row[column] = np.zeros(size, dtype=np.int64)
         return self._data[column]
 
     def put(self, columns: Mapping[str, torch.Tensor | list[torch.Tensor]], indexes: torch.Tensor | range) -> None:
         """Store the rows of each column (a tensor, rows along dim 0, or a list of rows) at ``indexes`` (global rows)."""
         run = indexes if isinstance(indexes, range) else _run(indexes)
-        local: torch.Tensor | slice
+        local: np.ndarray | slice
         if isinstance(run, range):
             first, stop = run.start - self.start, run.stop - self.start
             local = slice(first, stop)
         else:
-            local = run - self.start
-            first, stop = (int(local.min()), int(local.max()) + 1) if local.numel() else (0, 0)
+            local = run.numpy() - self.start
+            first, stop = (int(local.min()), int(local.max()) + 1) if local.size else (0, 0)
         with self._lock:
             for column, rows in columns.items():
                 data = self._column(column)
@@ -826,7 +839,7 @@ class Warehouse:
                 if isinstance(rows, torch.Tensor):
                     blocks = self._blocks[column]
                     self._block[column][local] = len(blocks)
-                    self._row[column][local] = torch.arange(len(rows))
+                    self._row[column][local] = np.arange(len(rows))
                     if isinstance(run, range):
                         spans.append((first, stop, len(blocks)))
                     blocks.append(rows)
@@ -844,10 +857,15 @@ class Warehouse:
     def get(
         self, columns: Sequence[str], indexes: torch.Tensor | range
     ) -> dict[str, tuple[torch.Tensor, list[int] | None]]:
-        """The stored rows of ``columns`` at ``indexes``, in that order, flattened by :func:`flatten_rows` (fresh tensors)."""
+        """The stored rows of ``columns`` at ``indexes``, in that order, as fresh tensors: per column ``(rows, lengths)``.
+
+        Rows read from one block come as they are, ``[m, width, ...]`` with ``lengths`` the
+        width (``[m]`` with None for per-row scalars); other rows come flattened by
+        :func:`flatten_rows`. :func:`_flat_rows` gives either as flat rows.
+        """
         m = len(indexes)
         first = indexes.start - self.start if isinstance(indexes, range) else None
-        local = None if isinstance(indexes, range) else indexes - self.start
+        local = None if isinstance(indexes, range) else indexes.numpy() - self.start
         out: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
         with self._lock:
             for c in columns:
@@ -855,16 +873,16 @@ class Warehouse:
                     span = next((sp for sp in self._spans[c] if sp[0] <= first and first + m <= sp[1]), None)
                     if span is not None:  # a run inside one block's run: one copy of its slice
                         k = first - span[0]
-                        out[c] = flatten_rows(self._blocks[c][span[2]][k : k + m].clone())
+                        out[c] = _block_rows(self._blocks[c][span[2]], k, m)
                         continue
                 if local is None:
-                    local = _tensor(indexes) - self.start
+                    local = _array(indexes) - self.start
                 block, row, blocks = self._block[c][local], self._row[c][local], self._blocks[c]
                 if m:
                     b, k = int(block[0]), int(row[0])
-                    if b >= 0 and bool((block == b).all()) and bool((row == torch.arange(k, k + m)).all()):
+                    if b >= 0 and (block == b).all() and (row == np.arange(k, k + m)).all():
                         # A run of consecutive rows of one block: one copy of its slice.
-                        out[c] = flatten_rows(blocks[b][k : k + m].clone())
+                        out[c] = _block_rows(blocks[b], k, m)
                         continue
                 data = self._data[c]
                 rows = [
@@ -875,7 +893,11 @@ class Warehouse:
 
     def clear(self, cleared: torch.Tensor, kept: torch.Tensor, keep: Sequence[str]) -> None:
         """Drop every column of ``cleared`` rows and all but ``keep`` of ``kept`` rows."""
-        inside = lambda rows: (rows[(rows >= self.start) & (rows < self.stop)] - self.start).tolist()  # noqa: E731
+
+        def inside(rows: torch.Tensor) -> list[int]:
+            a = rows.numpy()
+            return (a[(a >= self.start) & (a < self.stop)] - self.start).tolist()
+
         gone, partial = inside(cleared), inside(kept)
         with self._lock:
             for column, data in self._data.items():
@@ -885,9 +907,23 @@ class Warehouse:
                         data[i] = blocks[int(block[i])][int(row[i])]
                 for i in gone if column in keep else gone + partial:
                     data[i] = None
-                block.fill_(-1)
+                block.fill(-1)
                 blocks.clear()
                 self._spans[column].clear()
+
+
+def _block_rows(block: torch.Tensor, k: int, m: int) -> tuple[torch.Tensor, int | None]:
+    """Rows ``k .. k + m - 1`` of a block, copied: ``(rows, width)``, or ``(rows, None)`` for per-row scalars."""
+    rows = (block if k == 0 and m == block.shape[0] else block[k : k + m]).clone()
+    return rows, (block.shape[1] if block.dim() > 1 else None)
+
+
+def _flat_rows(part: tuple[torch.Tensor, int | list[int] | None]) -> tuple[torch.Tensor, list[int] | None]:
+    """A warehouse's ``(rows, lengths)`` for one column as :func:`flatten_rows` gives them (a block's rows flattened)."""
+    rows, lengths = part
+    if isinstance(lengths, int):
+        return flatten_rows(rows)
+    return rows, lengths
 
 
 def flatten_rows(rows: list[torch.Tensor] | torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
@@ -915,10 +951,9 @@ def _check_free(columns: Sequence[str], column: str, key: str) -> None:
         raise ValueError(f"columns: got both {column!r} and {key!r}, expected {key!r} free for the batch layout")
 
 
-def _rows_in_order(column: str, size: int, pieces: Sequence[tuple[list[int], Mapping[str, Any]]]) -> list[torch.Tensor]:
+def _rows_in_order(size: int, parts: Sequence[tuple[list[int], tuple[torch.Tensor, list[int]]]]) -> list[torch.Tensor]:
     rows: list[Any] = [None] * size
-    for positions, part in pieces:
-        flat, lengths = part[column]
+    for positions, (flat, lengths) in parts:
         for pos, row in zip(positions, flat.split(lengths)):
             rows[pos] = row
     return rows
@@ -953,8 +988,16 @@ def _collate(
                 out[positions] = part[column][0]
             batch[column] = out
             continue
+        mask_key = f"{column}_mask"
+        if in_order and isinstance(lengths, int) and not packed:  # one block's rows in batch order: as they are
+            _check_free(columns, column, mask_key)
+            batch[column] = first
+            batch[mask_key] = torch.ones(size, lengths, dtype=torch.bool)
+            continue
+        parts = [(positions, _flat_rows(part[column])) for positions, part in pieces]
+        first, lengths = parts[0][1]
         if packed:
-            rows = _rows_in_order(column, size, pieces)
+            rows = _rows_in_order(size, parts)
             if first.dim() == 1 and not (
                 first.dtype.is_floating_point or first.dtype.is_complex or first.dtype == torch.bool
             ):
@@ -966,7 +1009,6 @@ def _collate(
             batch[column] = torch.cat(rows)
             batch[f"{column}_cu_seqlens"] = cu
             continue
-        mask_key = f"{column}_mask"
         _check_free(columns, column, mask_key)
         if in_order and size and lengths.count(lengths[0]) == size:  # every row full width: a view, no scatter
             batch[column] = first.view(size, lengths[0], *first.shape[1:])
@@ -976,17 +1018,17 @@ def _collate(
             all_lengths = torch.tensor(lengths, dtype=torch.int64)
         else:
             all_lengths = torch.zeros(size, dtype=torch.int64)
-            for positions, part in pieces:
-                all_lengths[positions] = torch.tensor(part[column][1], dtype=torch.int64)
+            for positions, (_, part_lengths) in parts:
+                all_lengths[positions] = torch.tensor(part_lengths, dtype=torch.int64)
         width = int(all_lengths.max()) if size else 0
         mask = torch.arange(width) < all_lengths[:, None]
         out = first.new_full((size, width, *first.shape[1:]), pad_value)
         if in_order:
             out[mask] = first
         else:
-            for positions, part in pieces:
+            for positions, (flat, _) in parts:
                 sub = first.new_full((len(positions), width, *first.shape[1:]), pad_value)
-                sub[mask[positions]] = part[column][0]
+                sub[mask[positions]] = flat
                 out[positions] = sub
         batch[column] = out
         batch[mask_key] = mask

@@ -229,8 +229,15 @@ def rollout_stage(
 
 
 def _rows(x: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
-    """The kept ids of each row, as host lists: two reads of the whole tensors, not two per row."""
-    return [[v for v, k in zip(values, kept) if k] for values, kept in zip(x.tolist(), (keep != 0).tolist())]
+    """The kept ids of each row, as host lists: the kept ids read once, then cut at the rows' ends.
+
+    No Python loop over the ids: this runs on a host thread beside the device's stages,
+    and every Python step it takes holds the GIL those stages' ops wait for.
+    """
+    kept = (keep != 0).cpu().numpy()
+    ids = x.cpu().numpy()[kept].tolist()
+    ends = kept.sum(1).cumsum().tolist()
+    return [ids[a:b] for a, b in zip([0, *ends], ends)]
 
 
 def reward_outputs(pool: Any) -> list[str]:
