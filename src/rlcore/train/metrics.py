@@ -109,8 +109,10 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # A fresh run overwrites whatever an earlier run left, readable or not.
         kept = [] if resume_step is None else [r for r in read_metrics(self.path) if r["step"] <= resume_step]
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        # Kept open, line-buffered: each record reaches the file as it is written, without an
+        # open and a close per step on the path between two steps.
+        self._file = open(self.path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._file.writelines(json.dumps(r) + "\n" for r in kept)
         self._bar = None
         self._shown: dict[str, str] = {}
         if progress:
@@ -119,8 +121,7 @@ class MetricsLog:
             self._bar = tqdm(total=total, initial=start, desc="rl", dynamic_ncols=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(record) + "\n")
         if self._bar is not None:
             # A metric logged on some steps only (kl, with trainer.log_ref_kl_every) keeps its last value.
             self._shown.update({short: f"{record[k]:.3g}" for k, short in _bar_keys(record).items() if k in record})
@@ -128,6 +129,7 @@ class MetricsLog:
             self._bar.update(1)
 
     def close(self) -> None:
+        self._file.close()
         if self._bar is not None:
             self._bar.close()
 
