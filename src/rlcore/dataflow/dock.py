@@ -856,7 +856,7 @@ class Warehouse:
 
     def get(
         self, columns: Sequence[str], indexes: torch.Tensor | range
-    ) -> dict[str, tuple[torch.Tensor, list[int] | None]]:
+    ) -> dict[str, tuple[torch.Tensor, int | list[int] | None]]:
         """The stored rows of ``columns`` at ``indexes``, in that order, as fresh tensors: per column ``(rows, lengths)``.
 
         Rows read from one block come as they are, ``[m, width, ...]`` with ``lengths`` the
@@ -866,7 +866,7 @@ class Warehouse:
         m = len(indexes)
         first = indexes.start - self.start if isinstance(indexes, range) else None
         local = None if isinstance(indexes, range) else indexes.numpy() - self.start
-        out: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
+        out: dict[str, tuple[torch.Tensor, int | list[int] | None]] = {}
         with self._lock:
             for c in columns:
                 if first is not None and m:
@@ -951,9 +951,12 @@ def _check_free(columns: Sequence[str], column: str, key: str) -> None:
         raise ValueError(f"columns: got both {column!r} and {key!r}, expected {key!r} free for the batch layout")
 
 
-def _rows_in_order(size: int, parts: Sequence[tuple[list[int], tuple[torch.Tensor, list[int]]]]) -> list[torch.Tensor]:
+def _rows_in_order(
+    size: int, parts: Sequence[tuple[list[int], tuple[torch.Tensor, list[int] | None]]]
+) -> list[torch.Tensor]:
     rows: list[Any] = [None] * size
     for positions, (flat, lengths) in parts:
+        assert lengths is not None, "per-row scalars are collated before"
         for pos, row in zip(positions, flat.split(lengths)):
             rows[pos] = row
     return rows
@@ -962,7 +965,7 @@ def _rows_in_order(size: int, parts: Sequence[tuple[list[int], tuple[torch.Tenso
 def _collate(
     columns: Sequence[str],
     size: int,
-    pieces: Sequence[tuple[list[int], Mapping[str, tuple[torch.Tensor, list[int] | None]]]],
+    pieces: Sequence[tuple[list[int], Mapping[str, tuple[torch.Tensor, int | list[int] | None]]]],
     *,
     pad_value: float = 0,
     packed: bool = False,
@@ -995,7 +998,9 @@ def _collate(
             batch[mask_key] = torch.ones(size, lengths, dtype=torch.bool)
             continue
         parts = [(positions, _flat_rows(part[column])) for positions, part in pieces]
-        first, lengths = parts[0][1]
+        first, flat_lengths = parts[0][1]
+        assert flat_lengths is not None, "per-row scalars are collated above"
+        lengths = flat_lengths
         if packed:
             rows = _rows_in_order(size, parts)
             if first.dim() == 1 and not (
