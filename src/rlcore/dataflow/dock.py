@@ -998,9 +998,8 @@ def _collate(
             batch[mask_key] = torch.ones(size, lengths, dtype=torch.bool)
             continue
         parts = [(positions, _flat_rows(part[column])) for positions, part in pieces]
-        first, flat_lengths = parts[0][1]
-        assert flat_lengths is not None, "per-row scalars are collated above"
-        lengths = flat_lengths
+        first, lengths = parts[0][1]
+        assert lengths is not None, "per-row scalars are collated above"
         if packed:
             rows = _rows_in_order(size, parts)
             if first.dim() == 1 and not (

@@ -121,7 +121,6 @@ class ScheduledCall:
     version: int
     switch: tuple[str | None, str] | None
     start: float = 0.0
-    at: range | None = None  # the rows as one run, when the dock was asked for a run: the put goes there as is
 
 
 def add_note(err: BaseException, where: str) -> BaseException:
@@ -381,14 +380,12 @@ class SchedulerCore:
         left = self.capacity - taken
         count = left if s.micro_batch is None else min(s.micro_batch, left)
         back = self.returned.get((s.name, j))
-        at = None
         if back:  # rows a lost call handed back: taken again as they were, before any new ones
             batch, rows = dock.get(s.name, list(s.inputs), indexes=back.pop(0), by_group=False)
         elif self.blocking:
             if any(u not in self.finished[j] for u in self.graph.upstream[s.name]):
                 return None
-            at = range(taken, taken + count)
-            batch, rows = dock.get(s.name, list(s.inputs), indexes=at, by_group=False)
+            batch, rows = dock.get(s.name, list(s.inputs), indexes=range(taken, taken + count), by_group=False)
         else:
             # Rows ready for s are at most what its slowest upstream stage has finished: skip the dock when short.
             done = min((self.capacity - self.left[u, j] for u in self.graph.upstream[s.name]), default=self.capacity)
@@ -400,7 +397,7 @@ class SchedulerCore:
         self.taken[s.name, j] = taken + rows.numel()
         if s.role == "rollout":
             batch["policy_version"] = torch.full((rows.numel(),), self.version, dtype=torch.int64)
-        return ScheduledCall(s, j, rows, batch, self.version, None, at=at)
+        return ScheduledCall(s, j, rows, batch, self.version, None)
 
     def hand_back(self, task: ScheduledCall) -> None:
         """Give a lost call's rows back to its iteration's dock (``nack``) and free its slot; they are taken again next."""
@@ -422,7 +419,7 @@ class SchedulerCore:
             columns["policy_version"] = torch.full((task.rows.numel(),), task.version, dtype=torch.int64)
         self.graph.check_put(s.name, columns)
         try:
-            self.docks[task.iteration].put(columns, task.rows if task.at is None else task.at)
+            self.docks[task.iteration].put(columns, task.rows)
         except ValueError as err:
             raise add_note(err, f"in the output of stage {s.name!r} at iteration {task.iteration}") from None
         self.left[s.name, task.iteration] -= task.rows.numel()
