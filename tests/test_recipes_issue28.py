@@ -138,6 +138,59 @@ def test_on_policy_distillation_reverse_kl_matches_the_distillation_loss(batch, 
     torch.testing.assert_close(logp.grad, grad.to(logp.grad.dtype), rtol=1e-5, atol=1e-6)
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    batch=recipe_batches(dtype=torch.float64),
+    coef=st.sampled_from([0.5, 1.0]),
+    task=st.sampled_from([0.0, 1.0]),
+    beta=st.sampled_from([0.0, 0.5, 1.0]),
+    vocab=st.integers(2, 6),
+)
+def test_on_policy_distillation_jsd_adds_the_full_vocabulary_loss(batch, coef, task, beta, vocab):
+    """``loss="jsd"``: GRPO on ``task * scores`` plus ``coef`` times the token mean of GKD's JSD at ``beta`` between
+    the student's and the teacher's logits, in value and in the logits' gradient."""
+    algo = algos.on_policy_distillation(teacher_coef=coef, task_coef=task, loss="jsd", beta=beta)
+    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=False, ref_logp=False)
+    mask = batch["mask"]
+    g = torch.Generator().manual_seed(int(batch["group_ids"].sum()) + vocab)
+    logits = torch.randn(*mask.shape, vocab, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*mask.shape, vocab, generator=g, dtype=torch.float64)
+    prepared = algo.advantages(batch)
+    loss, metrics = algo.loss({**prepared, "logits": logits, "teacher_logits": teacher}, **algo.global_counts(prepared))
+    loss.backward()
+    pg, _, _ = ref.ppo_clip_loss_ref(batch["logp"], batch["old_logp"], prepared["advantages"], mask)
+    jsd = ref.generalized_jsd_loss_ref(logits.detach(), teacher, mask, beta=beta)
+    expected = ref.aggregate_ref(pg, mask) + coef * ref.aggregate_ref(jsd, mask)
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=loss.dtype), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["distill"], torch.tensor(ref.aggregate_ref(jsd, mask), dtype=loss.dtype))
+    # The logits' gradient is the JSD's alone, scaled by coef over the counted tokens.
+    copy = logits.detach().clone().requires_grad_(True)
+    jsd_t, _ = algos.generalized_jsd_loss(copy, teacher, mask, beta=beta)
+    (coef * algos.aggregate(jsd_t, mask, mode="token-mean")).backward()
+    torch.testing.assert_close(logits.grad, copy.grad)
+
+
+def test_the_distillation_term_needs_the_teachers_logits():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    algo = algos.on_policy_distillation(loss="jsd", task_coef=0.0)
+    rows = {
+        "scores": torch.zeros(4),
+        "group_ids": torch.tensor([0, 0, 1, 1]),
+        "mask": mask,
+        "logp": torch.zeros(4, 3),
+        "old_logp": torch.zeros(4, 3),
+        "logits": torch.randn(4, 3, 5, generator=g),
+    }
+    prepared = algo.advantages(rows)
+    with pytest.raises(ValueError, match="teacher_logits"):
+        algo.loss(prepared)
+    with pytest.raises(ValueError, match="beta: got 1.5"):
+        algos.on_policy_distillation(loss="jsd", beta=1.5)
+    with pytest.raises(ValueError, match="top_k: got 0"):
+        algos.on_policy_distillation(loss="jsd", top_k=0)
+
+
 @settings(max_examples=20, deadline=None)
 @given(batch=recipe_batches(), coef=st.floats(0.0, 4.0))
 def test_score_scaling_scales_the_scores_only(batch, coef):

@@ -96,6 +96,10 @@ class Algorithm(NamedTuple):
         objective's per-token weight of the proximal policy (``old_logp``) over the
         behaviour policy that sampled (``rollout_logp``), multiplied into the policy
         loss (:func:`rlcore.algos.decoupled`), or ``None``.
+      distill: ``(logits, teacher_logits, mask) -> (loss_t, metrics)``, a per-token
+        distillation loss over the vocabulary (e.g. ``partial(generalized_jsd_loss,
+        beta=0.0)``, the forward KL), or ``None``.
+      distill_coef: weight of ``distill`` in the loss.
 
     Batch keys (all token leaves ``[B, T]``, sequence leaves ``[B]``): ``mask``, ``logp``
     (current policy, with gradient), ``old_logp`` (rollout policy); ``advantages``, or
@@ -104,7 +108,9 @@ class Algorithm(NamedTuple):
     ``rlcore.ops.logprobs_from_logits(..., with_entropy=True)``); ``values``,
     ``old_values``, ``returns`` for a value loss; optional ``is_weights`` (detached
     per-token weights, e.g. :func:`rlcore.algos.truncated_is_weights`, multiplied into
-    the policy loss); ``rollout_logp`` (the sampler's log-probs) with ``behaviour_weights``.
+    the policy loss); ``rollout_logp`` (the sampler's log-probs) with ``behaviour_weights``;
+    ``logits`` and ``teacher_logits`` ``[B, T, V]`` (the policy's, with gradient, and the
+    teacher's at the same positions, each divided by the sampling temperature) with ``distill``.
     """
 
     advantage_estimator: Callable[[Batch], Batch]
@@ -118,6 +124,8 @@ class Algorithm(NamedTuple):
     value_loss: Callable[..., tuple[torch.Tensor, Metrics]] | None = None
     vf_coef: float = 1.0
     behaviour_weights: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    distill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Metrics]] | None = None
+    distill_coef: float = 0.0
 
     def advantages(self, batch: Batch, *, process_group: Any = None) -> Batch:
         """The batch after shaping, with ``"advantages"`` (and the estimator's other leaves) added.
@@ -246,6 +254,16 @@ class Algorithm(NamedTuple):
             else:
                 loss = loss + kl_coef * kl
             metrics["kl"] = kl.detach()
+        if self.distill is not None and self.distill_coef != 0:
+            d_t, d_metrics = self.distill(
+                batch_entry(batch, "logits", "the policy's logits over the vocabulary, for the distillation loss"),
+                batch_entry(batch, "teacher_logits", "the teacher's logits at the same positions"),
+                mask,
+            )
+            distill = agg(d_t)
+            loss = loss + self.distill_coef * distill
+            metrics["distill"] = distill.detach()
+            metrics.update({f"distill_{k}": v for k, v in d_metrics.items()})
         if self.entropy_coef != 0:
             entropy = agg(torch.where(keep, batch_entry(batch, "entropy", "per-token entropy for the bonus"), 0.0))
             loss = loss - self.entropy_coef * entropy

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from rlcore.algos.advantages import gdpo_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from rlcore.algos.distillation import generalized_jsd_loss
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.policy_losses import gspo_loss, ppo_clip_loss
 from rlcore.algos.recipes.adapters import (
@@ -227,6 +228,8 @@ def on_policy_distillation(
     clip: float = 0.2,
     loss: str = "reward",
     task_coef: float = 1.0,
+    beta: float = 0.0,
+    top_k: int | None = None,
 ) -> Algorithm:
     """On-policy distillation: the student's sampled tokens scored by the teacher, as a dense reward or a loss.
 
@@ -248,8 +251,15 @@ def on_policy_distillation(
     ``kl`` metric, is the reverse-KL estimate), beside GRPO's group advantages of
     ``task_coef * scores`` under the PPO clip. No old-policy forward is needed.
 
-    ``task_coef = 0`` is pure distillation. For the full-vocabulary loss use
-    :func:`rlcore.algos.generalized_jsd_loss`.
+    ``loss="jsd"``: the full-vocabulary loss, ``teacher_coef *`` GKD's generalised JSD
+    (:func:`rlcore.algos.generalized_jsd_loss` at ``beta`` and ``top_k``) between the
+    student's and the teacher's next-token distributions at every response position,
+    beside the same GRPO term. ``beta = 0`` is the forward KL ``KL(teacher || student)``,
+    whose gradient ``pi - pi_T`` does not fade where the student is sure of a wrong token
+    (the reverse KL's, ``beta = 1``, does); ``beta`` in between mixes them. The batch then
+    needs ``logits`` and ``teacher_logits`` (``[B, T, V]``, divided by the temperature).
+
+    ``task_coef = 0`` is pure distillation.
 
     Batch: ``scores`` or ``rewards``, ``group_ids`` (``reverse_kl``), ``old_logp``,
     ``ref_logp`` (the teacher's), ``logp``, ``mask``.
@@ -259,12 +269,25 @@ def on_policy_distillation(
     >>> on_policy_distillation(loss="reverse_kl").kl.keywords
     {'estimator': 'k1', 'straight_through': True}
     """
-    if loss not in ("reward", "reverse_kl"):
-        raise ValueError(f"loss: got {loss!r}, expected 'reward' or 'reverse_kl'")
+    if loss not in ("reward", "reverse_kl", "jsd"):
+        raise ValueError(f"loss: got {loss!r}, expected 'reward', 'reverse_kl' or 'jsd'")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        raise ValueError(f"beta: got {beta!r}, expected a number in [0, 1]")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k: got {top_k!r}, expected None or an int >= 1")
     for name, value in (("teacher_coef", teacher_coef), ("task_coef", task_coef)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
             raise ValueError(f"{name}: got {value!r}, expected a finite number >= 0")
     scale = partial(score_scaling, coef=task_coef)
+    if loss == "jsd":
+        return Algorithm(
+            advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group")),
+            policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+            agg_mode="token-mean",
+            shaping=scale,
+            distill=partial(generalized_jsd_loss, beta=float(beta), top_k=top_k),
+            distill_coef=teacher_coef,
+        )
     if loss == "reverse_kl":
         return Algorithm(
             advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group")),
