@@ -113,6 +113,10 @@ def test_new_recipes_have_no_host_sync():
     assert_no_host_sync(partial(step, gdpo), batch)
     distill = {**batch, "scores": batch["scores"][:, 0]}
     assert_no_host_sync(partial(step, algos.on_policy_distillation()), distill)
+    logits = {"logits": torch.randn(b, t, 6, generator=g), "teacher_logits": torch.randn(b, t, 6, generator=g)}
+    for beta, top_k in ((0.0, None), (0.5, 3)):
+        jsd = algos.on_policy_distillation(loss="jsd", beta=beta, top_k=top_k)
+        assert_no_host_sync(partial(step, jsd), {**distill, **logits})
 
 
 @settings(max_examples=15, deadline=None)
