@@ -254,29 +254,32 @@ class Algorithm(NamedTuple):
             else:
                 loss = loss + kl_coef * kl
             metrics["kl"] = kl.detach()
+
+        def term(out: tuple[torch.Tensor, Metrics], name: str, prefix: str) -> torch.Tensor:
+            # A per-token loss term and its metrics: aggregated like the loss, logged under name and prefix.
+            per_token, extra = out
+            value = agg(per_token)
+            metrics[name] = value.detach()
+            metrics.update({f"{prefix}{k}": v for k, v in extra.items()})
+            return value
+
         if self.distill is not None and self.distill_coef != 0:
-            d_t, d_metrics = self.distill(
+            out = self.distill(
                 batch_entry(batch, "logits", "the policy's logits over the vocabulary, for the distillation loss"),
                 batch_entry(batch, "teacher_logits", "the teacher's logits at the same positions"),
                 mask,
             )
-            distill = agg(d_t)
-            loss = loss + self.distill_coef * distill
-            metrics["distill"] = distill.detach()
-            metrics.update({f"distill_{k}": v for k, v in d_metrics.items()})
+            loss = loss + self.distill_coef * term(out, "distill", "distill_")
         if self.entropy_coef != 0:
             entropy = agg(torch.where(keep, batch_entry(batch, "entropy", "per-token entropy for the bonus"), 0.0))
             loss = loss - self.entropy_coef * entropy
             metrics["entropy"] = entropy.detach()
         if self.value_loss is not None and self.vf_coef != 0:
-            vf_t, vf_metrics = self.value_loss(
+            out = self.value_loss(
                 batch_entry(batch, "values", "current critic values"),
                 batch_entry(batch, "old_values", "rollout critic values"),
                 batch_entry(batch, "returns", "value targets"),
                 mask,
             )
-            vf = agg(vf_t)
-            loss = loss + self.vf_coef * vf
-            metrics["vf_loss"] = vf.detach()
-            metrics.update({f"vf_{k}": v for k, v in vf_metrics.items()})
+            loss = loss + self.vf_coef * term(out, "vf_loss", "vf_")
         return loss, metrics
