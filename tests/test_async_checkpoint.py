@@ -52,6 +52,7 @@ def test_the_staged_copy_is_saved_while_training_changes_the_model(tmp_path):
         model(torch.randn(4, 8)).square().mean().backward()
         opt.step()
     assert pending.result() == tmp_path / CHECKPOINT_NAME / "step000007"
+    assert not pending.thread.is_alive()  # the result comes once the commit thread has ended
     saved = load_checkpoint(tmp_path)
     assert saved["step"] == 7
     for k, v in weights.items():
@@ -228,6 +229,8 @@ def _rank_main(rank, world, init_file, out_dir):
                 p.add_(1.0)
         dist.all_reduce(torch.ones(1))  # the training's own collectives meanwhile, on the default group
         pending.result(timeout=60)
+        # The commit thread has ended with the result: at exit no daemon thread may drop the group (an abort).
+        assert not pending.thread.is_alive()
         if rank == 0:
             torch.save(full, os.path.join(out_dir, "full.pt"))
     except BaseException:

@@ -492,6 +492,7 @@ def save_checkpoint_async(
     world = dist.get_world_size() if collective else 1
 
     def finish() -> None:
+        nonlocal process_group, writes, copied
         failed: CheckpointError | None = None
         try:
             if copied is not None:
@@ -522,22 +523,39 @@ def save_checkpoint_async(
             # Released before the future completes: a save started as soon as it does must find the folder free.
             if lock is not None:
                 os.close(lock)
+        # This thread must not drop the last reference to a process group or a tensor once the caller may go on:
+        # at interpreter exit a daemon thread that releases the GIL in a destructor is killed there (abort).
+        process_group = writes = copied = None
         if failed is not None:
             done.set_exception(failed)
         else:
             done.set_result(path)
 
-    threading.Thread(target=finish, name="rlcore-checkpoint-commit", daemon=True).start()
+    done.thread = threading.Thread(target=finish, name="rlcore-checkpoint-commit", daemon=True)
+    done.thread.start()
     return done
 
 
 class PendingSave(Future[Path]):
     """The future of a background save (:func:`save_checkpoint_async`): its result is the committed version's
-    directory; ``staged`` is done once the state is copied, after which the caller may change it."""
+    directory; ``staged`` is done once the state is copied, after which the caller may change it.
+
+    ``result()`` returns (or raises) once the thread that committed the version has ended
+    too, so that a process may exit as soon as it has the result.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.staged: Future[None] = Future()
+        self.thread: threading.Thread | None = None
+
+    def result(self, timeout: float | None = None) -> Path:
+        try:
+            return super().result(timeout)
+        finally:
+            thread = self.thread
+            if self.done() and thread is not None and thread is not threading.current_thread():
+                thread.join()
 
 
 def _stager() -> DefaultStager:
