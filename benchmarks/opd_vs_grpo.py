@@ -102,6 +102,8 @@ def main() -> None:
             "rl.beta=0.0",
             "model.teacher=null",
             "rl.opd_loss=reward",
+            "rl.opd_beta=0.0",
+            "rl.opd_top_k=null",
             "rl.task_coef=1.0",
             "rl.teacher_coef=1.0",
             f"rl.temperature={main_job.rl.temperature}",  # the main job's sampling temperature (opd_tiny's is 1)

@@ -59,6 +59,12 @@ def _batch(seed=0, b=6, t=5):
         ({"opd_loss": "reverse_kl"}, None, "rl.opd_loss"),
         ({"algo": "opd", "beta": 0.1}, {"teacher": "."}, "rl.beta"),
         ({"algo": "opd", "teacher_coef": -1.0}, {"teacher": "."}, "rl.teacher_coef"),
+        ({"opd_beta": 0.5}, None, "rl.opd_beta"),  # a jsd option without opd
+        ({"algo": "opd", "opd_beta": 0.5}, {"teacher": "."}, "rl.opd_beta"),  # without opd_loss jsd
+        ({"algo": "opd", "opd_loss": "reverse_kl", "opd_top_k": 4}, {"teacher": "."}, "rl.opd_top_k"),
+        ({"algo": "opd", "opd_loss": "jsd", "opd_beta": 1.5}, {"teacher": "."}, "rl.opd_beta"),
+        ({"algo": "opd", "opd_loss": "jsd", "opd_beta": True}, {"teacher": "."}, "rl.opd_beta"),
+        ({"algo": "opd", "opd_loss": "jsd", "opd_top_k": 0}, {"teacher": "."}, "rl.opd_top_k"),
     ],
 )
 def test_bad_recipe_options_name_their_key(rl, model, key):
@@ -106,6 +112,27 @@ def test_opd_builds_on_policy_distillation(tmp_path, opd_loss):
     assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=opd_loss == "reward", ref_logp=True)
 
 
+def test_opd_jsd_builds_the_full_vocabulary_recipe(tmp_path):
+    cfg = {"algo": "opd", "opd_loss": "jsd", "opd_beta": 0.25, "opd_top_k": 3, "teacher_coef": 0.5}
+    algo = build_algorithm(_cfg(cfg, {"teacher": str(tmp_path)}))
+    ref = algos.on_policy_distillation(teacher_coef=0.5, loss="jsd", beta=0.25, top_k=3)
+    assert (
+        (algo.distill.keywords, algo.distill_coef)
+        == (ref.distill.keywords, ref.distill_coef)
+        == ({"beta": 0.25, "top_k": 3}, 0.5)
+    )
+    # The teacher's logits come in the update's forward: no old-policy or reference stage.
+    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=False, ref_logp=False)
+
+
+def test_opd_jsd_is_refused_under_context_parallelism(tmp_path):
+    with pytest.raises(ValueError, match="'parallel.context_parallel': got 2 with rl.opd_loss 'jsd'"):
+        load_config(
+            ROOT / "configs" / "opd_tiny.yaml",
+            [f"model.teacher={tmp_path}", "rl.opd_loss=jsd", "parallel.context_parallel=2", "parallel.data_parallel=1"],
+        )
+
+
 def _teacher(path: Path, vocab: int) -> str:
     config = transformers.AutoConfig.for_model(**{**INLINE, "hidden_size": 32, "vocab_size": vocab})
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -131,6 +158,27 @@ def test_opd_trains_against_the_teacher(tmp_path):
     assert first["pg_loss"] == pytest.approx(0.0, abs=1e-6)  # no task advantages
     assert first["loss"] != pytest.approx(0.0, abs=1e-4)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in run.records)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # two updates per step: the old policy's forward is a stage, the update's own forward has the logits
+        ["rl.mini_batch_size=4"],  # one update: the update's forward runs ahead while the rows are scored
+        ["rl.opd_top_k=3", "rl.opd_beta=0.5", "rl.task_coef=1.0"],
+    ],
+)
+def test_opd_jsd_trains_on_the_full_distributions(tmp_path, extra):
+    """``rl.opd_loss: jsd``: the teacher's logits meet the student's in the update; the distillation term is the loss
+    (no task advantages with ``rl.task_coef`` 0), the KL to the teacher is logged every step, and the student moves."""
+    teacher = _teacher(tmp_path / "teacher", vocab=9)
+    run = train(_run(tmp_path, f"model.teacher={teacher}", "rl.opd_loss=jsd", *extra))
+    for r in run.records:
+        assert r["kl"] > 0.05 and r["distill"] > 0.01
+        if "rl.task_coef=1.0" not in extra:  # forward KL alone: the loss is its term
+            assert r["pg_loss"] == pytest.approx(0.0, abs=1e-6)
+            assert r["loss"] == pytest.approx(r["distill"], rel=1e-5)
+    assert run.records[1]["distill"] != run.records[0]["distill"]
 
 
 def test_missing_teacher_is_refused_before_the_run(tmp_path):

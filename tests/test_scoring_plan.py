@@ -129,6 +129,15 @@ def test_dpo_and_context_parallel_keep_both_forwards():
     assert scoring_plan(dpo, build_algorithm(dpo)) == ScoringPlan(True, 1)
 
 
+@pytest.mark.parametrize("updates", [[], ONE_UPDATE])
+def test_a_distillation_term_reads_the_teacher_in_the_update_every_step(updates):
+    """The teacher's logits come in the update's forward: no reference stage, and the logged KL on every step."""
+    cfg = _cfg(*updates)
+    one = bool(updates)
+    plan = scoring_plan(cfg, algos.on_policy_distillation(loss="jsd"))
+    assert plan == ScoringPlan(not one, 1, ref_stage=False)  # log_ref_kl_every 0 would log it never
+
+
 @pytest.mark.parametrize(
     "key", ["rl.old_logp=sometimes", "trainer.log_ref_kl_every=-1", "rl.behaviour_weights=clip", "rl.behaviour_cap=0"]
 )

@@ -15,7 +15,7 @@ import torch
 from rlcore._checks import check_counts, check_floating, check_ndim, check_positive, check_same_shape, check_shape
 from rlcore.ops import acc_dtype
 
-__all__ = ["generalized_jsd_loss", "reverse_kl_distill_loss"]
+__all__ = ["check_jsd_options", "generalized_jsd_loss", "reverse_kl_distill_loss"]
 
 Metrics = dict[str, torch.Tensor]
 
@@ -152,6 +152,16 @@ def _kl_finite(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     return (p_log.exp() * (p_log - q_log)).sum(-1)
 
 
+def check_jsd_options(beta: float, top_k: int | None, *, vocab: int | None = None) -> None:
+    """:func:`generalized_jsd_loss`'s ``beta`` in ``[0, 1]`` and ``top_k`` None or in ``[1, vocab]`` (``vocab`` None: unbounded)."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta: got {beta!r}, expected a number in [0, 1]")
+    bad = isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (vocab is not None and top_k > vocab)
+    if top_k is not None and bad:
+        bound = f"in [1, {vocab}] (the vocabulary size)" if vocab is not None else ">= 1"
+        raise ValueError(f"top_k: got {top_k!r}, expected None or an int {bound}")
+
+
 def generalized_jsd_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -206,12 +216,8 @@ def generalized_jsd_loss(
     check_floating("teacher_logits", teacher_logits)
     check_same_shape("teacher_logits", teacher_logits, "student_logits", student_logits)
     check_shape("mask", mask, student_logits.shape[:2], what="[B, T] of the logits")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta: got {beta!r}, expected a number in [0, 1]")
     check_positive("temperature", temperature, finite=True)
-    vocab = student_logits.shape[-1]
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab):
-        raise ValueError(f"top_k: got {top_k!r}, expected None or an int in [1, {vocab}] (the vocabulary size)")
+    check_jsd_options(beta, top_k, vocab=student_logits.shape[-1])
     acc = acc_dtype(student_logits.dtype)
     keep, weights, total = _keep_and_total(mask, acc)
     # Padding may hold nan: it reaches neither a value nor a gradient. The student's padding is

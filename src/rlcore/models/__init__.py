@@ -30,10 +30,11 @@ from rlcore.models.lora import (
     merged_state_dict,
 )
 from rlcore.models.preference import PREFERENCE_SIDES, preference_logps
+from rlcore.models.response_logits import response_logits
 from rlcore.models.ring_attention import ring_attention
 from rlcore.models.sampling import filter_logits, left_pad, sample_tokens, uniform_table
 from rlcore.models.sequence_shards import SequenceShards, plan_sequence_shards
-from rlcore.models.shared_prefix import SharedPrefix, shared_prefix_logprobs, shares_prompts
+from rlcore.models.shared_prefix import SharedPrefix, shared_prefix_hidden, shared_prefix_logprobs, shares_prompts
 from rlcore.models.static_cache import StaticDecodeStep, supports_static_decode
 from rlcore.models.token_logprobs import token_logprobs
 from rlcore.models.ulysses import ulysses_attention
@@ -75,10 +76,12 @@ __all__ = [
     "plan_sequence_shards",
     "preference_logps",
     "resolve_dtype",
+    "response_logits",
     "ring_attention",
     "sample_tokens",
     "shard_packed",
     "sharded_token_logprobs",
+    "shared_prefix_hidden",
     "shared_prefix_logprobs",
     "shares_prompts",
     "supports_static_decode",

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from rlcore.ops.linear_logprobs import linear_logprobs
 
-__all__ = ["SharedPrefix", "shared_prefix_logprobs", "shares_prompts"]
+__all__ = ["SharedPrefix", "shared_prefix_hidden", "shared_prefix_logprobs", "shares_prompts"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -150,6 +150,26 @@ def _layout(
     return ids, pos, SharedPrefix(gather, slot, allowed[:, None]), src, dst
 
 
+def shared_prefix_hidden(
+    apply: Any, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], *, group: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last hidden state that predicts each response token, from one shared-prompt forward.
+
+    Args:
+      apply, params, batch, group: as in :func:`shared_prefix_logprobs`.
+
+    Returns:
+      ``(hidden [M, H], dst [M])``: one row per response token (``mask != 0``), the state
+      of the token before it (the group's last prompt token for a response's first), and
+      its flat index ``row * R + column`` in the ``[B, R]`` response layout.
+    """
+    ids, positions, layout, src, dst = _layout(
+        batch["prompts"], batch["prompt_mask"], batch["responses"], batch["mask"], group
+    )
+    hidden = apply(params, ids, position_ids=positions, shared_prefix=layout)
+    return hidden.index_select(0, src), dst
+
+
 def shared_prefix_logprobs(
     apply: Any,
     params: Mapping[str, torch.Tensor],
@@ -175,11 +195,10 @@ def shared_prefix_logprobs(
       with_entropy: also return the per-token entropy.
       with_sum_pi_squared: also return each position's ``sum_v pi(v)^2`` (no gradient).
     """
-    responses, mask = batch["responses"], batch["mask"]
-    ids, positions, layout, src, dst = _layout(batch["prompts"], batch["prompt_mask"], responses, mask, group)
-    hidden = apply(params, ids, position_ids=positions, shared_prefix=layout)
+    responses = batch["responses"]
+    hidden, dst = shared_prefix_hidden(apply, params, batch, group=group)
     out = linear_logprobs(
-        hidden.index_select(0, src),
+        hidden,
         apply.output_weight(params),
         responses.reshape(-1).index_select(0, dst),
         temperature=temperature,

@@ -64,7 +64,13 @@ def build_algorithm(cfg: Config) -> algos.Recipe:
     if rl.algo == "dpo":
         return algos.dpo() if beta is None else algos.dpo(beta=beta)
     if rl.algo == "opd":  # the teacher is the reference model (build_reference)
-        algo = algos.on_policy_distillation(teacher_coef=rl.teacher_coef, task_coef=rl.task_coef, loss=rl.opd_loss)
+        algo = algos.on_policy_distillation(
+            teacher_coef=rl.teacher_coef,
+            task_coef=rl.task_coef,
+            loss=rl.opd_loss,
+            beta=rl.opd_beta,
+            top_k=rl.opd_top_k,
+        )
     elif rl.algo == "gdpo":  # one score column per entry of the rewards list, weighted after normalisation
         weights = None if cfg.rewards is None else reward_weights(cfg.rewards)
         algo = algos.gdpo(weights=weights, batch_norm=rl.gdpo_batch_norm)

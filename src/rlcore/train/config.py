@@ -140,8 +140,13 @@ Keys beyond the seed's (defaults in the dataclasses below)::
                                              (it must build this run's model.model_name_or_path; e.g. an RM or
                                              GRPO run from the SFT config's model; rlcore.train.chain)
     rl.opd_loss                              with opd: reward (the teacher's log-prob as a dense per-token reward,
-                                             minus the student's, whitened, PPO-clipped) or reverse_kl (the sampled-
-                                             token reverse KL as a loss term beside GRPO on the task reward)
+                                             minus the student's, whitened, PPO-clipped), reverse_kl (the sampled-
+                                             token reverse KL as a loss term beside GRPO on the task reward) or jsd
+                                             (GKD's generalised JSD between the full next-token distributions, beside
+                                             GRPO; the teacher runs inside the update's forward)
+    rl.opd_beta, rl.opd_top_k                with opd_loss jsd: the JSD's beta (0: forward KL(teacher || student), the
+                                             default; 1: reverse KL) and the teacher's top-k tokens it is taken over
+                                             (null: the whole vocabulary)
     rl.teacher_coef, rl.task_coef            with opd: the weights of the teacher's signal and of the task reward
                                              (task_coef 0: pure distillation; defaults 1 and 1)
     rl.advantage                             optimal_token_baseline: the recipe's advantages replaced by the optimal
@@ -257,7 +262,9 @@ class RLConfig:
     entropy_coef: float = 0.0
     advantage: Literal["optimal_token_baseline"] | None = None
     entropy_target: float | dict | None = None
-    opd_loss: Literal["reward", "reverse_kl"] = "reward"
+    opd_loss: Literal["reward", "reverse_kl", "jsd"] = "reward"
+    opd_beta: float = 0.0
+    opd_top_k: int | None = None
     teacher_coef: float = 1.0
     task_coef: float = 1.0
     gdpo_batch_norm: bool = True
@@ -668,7 +675,7 @@ def _check_recipe_options(cfg: Config) -> None:
         )
     if rl.algo != "opd":
         defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
-        for key in ("opd_loss", "teacher_coef", "task_coef"):
+        for key in ("opd_loss", "opd_beta", "opd_top_k", "teacher_coef", "task_coef"):
             if getattr(rl, key) != defaults[key]:
                 raise ValueError(
                     f"config key 'rl.{key}': got {getattr(rl, key)!r} with rl.algo {rl.algo!r}, expected it unset "
@@ -685,6 +692,7 @@ def _check_recipe_options(cfg: Config) -> None:
             f"config key 'model.teacher': got {teacher!r} with rl.algo 'opd', expected a local causal LM directory "
             "(e.g. a run's output_dir/hf, written with trainer.export)"
         )
+    _check_opd_loss(cfg)
     if rl.beta is not None:
         raise ValueError(
             f"config key 'rl.beta': got {rl.beta!r} with rl.algo 'opd', expected null (the teacher is the reference: "
@@ -694,6 +702,30 @@ def _check_recipe_options(cfg: Config) -> None:
         raise ValueError(
             "config key 'model.lora': got a section with rl.algo 'opd', expected null (the teacher takes the "
             "reference's place, which LoRA keeps as the policy with its adapters off)"
+        )
+
+
+def _check_opd_loss(cfg: Config) -> None:
+    """``rl.opd_beta`` / ``rl.opd_top_k``: options of ``rl.opd_loss: jsd``, in range; the JSD's logits are not split over shards."""
+    rl = cfg.rl
+    if rl.opd_loss != "jsd":
+        for key, default in (("opd_beta", 0.0), ("opd_top_k", None)):
+            if getattr(rl, key) != default:
+                raise ValueError(
+                    f"config key 'rl.{key}': got {getattr(rl, key)!r} with rl.opd_loss {rl.opd_loss!r}, expected it "
+                    "unset (an option of rl.opd_loss 'jsd')"
+                )
+        return
+    beta = rl.opd_beta
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        raise ValueError(f"config key 'rl.opd_beta': got {beta!r}, expected a number in [0, 1]")
+    k = rl.opd_top_k
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"config key 'rl.opd_top_k': got {k!r}, expected null or an int >= 1")
+    if cfg.parallel.context_parallel != 1:
+        raise ValueError(
+            f"config key 'parallel.context_parallel': got {cfg.parallel.context_parallel!r} with rl.opd_loss 'jsd', "
+            "expected 1 (the full-vocabulary loss reads whole sequences' logits)"
         )
 
 
@@ -1009,7 +1041,7 @@ def parse_config(raw: Mapping[str, Any]) -> Config:
     >>> parse_config({"rl": {"bacth_size": 8}})
     Traceback (most recent call last):
     ...
-    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay, max_refill_draws, replay, sft_loss, rm_margin, rm_center_coef, policy_loss, policy_loss_args, entropy_coef, advantage, entropy_target, opd_loss, teacher_coef, task_coef, gdpo_batch_norm
+    ValueError: config key 'rl.bacth_size': unknown, expected one of algo, batch_size, mini_batch_size, num_rollouts, temperature, top_p, top_k, max_new_tokens, beta, lr, critic_lr, weight_decay, grad_clip, epochs, multi_turn, old_logp, behaviour_weights, behaviour_cap, prox_logp, stale_after, stale_mode, stale_decay, max_refill_draws, replay, sft_loss, rm_margin, rm_center_coef, policy_loss, policy_loss_args, entropy_coef, advantage, entropy_target, opd_loss, opd_beta, opd_top_k, teacher_coef, task_coef, gdpo_batch_norm
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"config: got {type(raw).__name__}, expected a mapping of sections")

@@ -43,6 +43,7 @@ from rlcore.train.stages import (
     update_forward,
     values_stage,
     with_logged_reference,
+    with_teacher_logits,
 )
 from rlcore.train.supervised_stages import SFT_COLUMNS, reward_pair_forward, sft_forward
 
@@ -205,8 +206,17 @@ class PolicyGradientStages:
             scored.append("old_values")
             produced.append("returns")
         stages.append(advantages_stage(self.recipe, inputs=scored, outputs=produced, process_group=parts.dp_group))
-        outputs = rl_outputs(parts.policy, critic=critic, temperature=parts.temperature)
-        if plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update's forward runs it on its steps
+        # A full-vocabulary distillation term (rl.opd_loss: jsd): the policy's logits, and the teacher's beside them.
+        distill = self.recipe.distill is not None and self.recipe.distill_coef != 0
+        outputs = rl_outputs(parts.policy, critic=critic, temperature=parts.temperature, with_logits=distill)
+        if distill:
+            if parts.reference is None:
+                raise ValueError(
+                    "parts.reference: got None with a distillation term in the recipe, expected the teacher model"
+                )
+            # Its log-probs of the sampled tokens come with its logits: ref_logp on every step, no stage.
+            outputs = with_teacher_logits(outputs, parts.reference, temperature=parts.temperature)
+        elif plan.ref_every and not plan.ref_stage:  # logged only: no stage, the update's forward runs it on its steps
             outputs = with_logged_reference(
                 outputs, parts.reference, every=plan.ref_every, temperature=parts.temperature
             )

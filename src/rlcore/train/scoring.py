@@ -96,16 +96,28 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
       for the logged ``kl`` (0: never). With ``deploy.async_infer`` over data-parallel
       ranks a KL term in the loss takes it from inside the update's forward (every
       sharded forward's collectives then run in the update, in iteration order).
+      A full-vocabulary distillation term (:attr:`rlcore.algos.Algorithm.distill`)
+      reads the teacher's logits inside the update's forward every step, and the
+      logged ``kl`` with them.
 
     Context parallelism (each rank's update holds its share of the tokens) keeps both
     forwards, and so does a recipe that is not an :class:`rlcore.algos.Algorithm`
     (:func:`rlcore.algos.scoring_needs` counts it as reading both): DPO's logged KL and
     entropy of the sampled answers come from these forwards.
     """
-    rl, blocking = cfg.rl, not cfg.deploy.async_infer
+    blocking = not cfg.deploy.async_infer
     if context_parallel:
         return ScoringPlan(True, 1)
     needs = algos.scoring_needs(algo)
+    plan = _plan(cfg, algo, needs, blocking)
+    if getattr(algo, "distill", None) is not None and getattr(algo, "distill_coef", 0) != 0:
+        # The teacher's logits come in the update's forward, its log-probs of the samples with them: logged every step.
+        return plan._replace(ref_every=1)
+    return plan
+
+
+def _plan(cfg: Config, algo: Any, needs: algos.ScoringNeeds, blocking: bool) -> ScoringPlan:
+    rl = cfg.rl
     one_update = rl.mini_batch_size == rl.batch_size and rl.epochs == 1
     anchored = blocking or getattr(algo, "behaviour_weights", None) is not None
     skip_old = rl.old_logp == "auto" and one_update and anchored and not needs.old_logp

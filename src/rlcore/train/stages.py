@@ -43,7 +43,15 @@ import torch
 
 from rlcore import algos, seeding
 from rlcore.dataflow import Stage, deal_rows, stage
-from rlcore.models import from_hf, preference_logps, shared_prefix_logprobs, shares_prompts, token_logprobs
+from rlcore.models import (
+    from_hf,
+    preference_logps,
+    response_logits,
+    shared_prefix_logprobs,
+    shares_prompts,
+    token_logprobs,
+)
+from rlcore.ops import logprobs_from_logits
 from rlcore.seeding import Purpose, RowStream
 from rlcore.train.columns import COLUMNS
 from rlcore.train.tagged_metrics import maximum
@@ -56,6 +64,7 @@ __all__ = [
     "eval_mode",
     "forward_ahead",
     "logprob_stage",
+    "masked_logprobs",
     "old_policy_interpolated",
     "old_policy_is_updated",
     "pairs_stage",
@@ -77,6 +86,7 @@ __all__ = [
     "update_stage",
     "values_stage",
     "with_logged_reference",
+    "with_teacher_logits",
 ]
 
 Batch = dict[str, torch.Tensor]
@@ -145,6 +155,13 @@ def response_logprobs(
         out = token_logprobs(apply, params, seq, temperature=temperature, **options)
         return tuple(v[:, width:].float() for v in out)
     return token_logprobs(apply, params, seq, temperature=temperature)[:, width:].float()
+
+
+def masked_logprobs(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, entropy)`` ``[B, R]`` float32 of the responses under ``logits`` (:func:`rlcore.models.response_logits`); 0 off the mask."""
+    keep = batch["mask"] != 0
+    logp, entropy = logprobs_from_logits(logits, batch["responses"], with_entropy=True)
+    return torch.where(keep, logp, 0.0).float(), torch.where(keep, entropy, 0.0).float()
 
 
 def response_values(critic: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -405,18 +422,28 @@ def advantages_stage(
 
 
 def rl_outputs(
-    policy: torch.nn.Module, *, critic: torch.nn.Module | None = None, temperature: float = 1.0
+    policy: torch.nn.Module,
+    *,
+    critic: torch.nn.Module | None = None,
+    temperature: float = 1.0,
+    with_logits: bool = False,
 ) -> Callable[[Batch], Batch]:
     """The model half of the update's forward: rows -> ``logp`` and ``entropy`` (and PPO's ``values``), gradient on.
 
     It reads the prompts and responses only (not the rewards), so it can run before the
-    rows are scored (:func:`forward_ahead`).
+    rows are scored (:func:`forward_ahead`). With ``with_logits`` it also gives ``logits``
+    ``[B, R, V]`` (:func:`rlcore.models.response_logits`, for a full-vocabulary
+    distillation loss), from which ``logp`` and ``entropy`` are read: still one forward.
     """
     lm = from_hf(policy)
 
     def outputs(b: Batch) -> Batch:
         out: Batch = {}
-        out["logp"], out["entropy"] = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
+        if with_logits:
+            out["logits"] = response_logits(*lm, b, temperature=temperature)
+            out["logp"], out["entropy"] = masked_logprobs(out["logits"], b)
+        else:
+            out["logp"], out["entropy"] = response_logprobs(lm, b, temperature=temperature, with_entropy=True)
         if critic is not None:
             out["values"] = response_values(critic, b)
         return out
@@ -611,6 +638,27 @@ def with_logged_reference(
         with eval_mode(reference):
             ref = response_logprobs(lm, b, temperature=temperature)
         return {**forward({**b, "ref_logp": ref}), "ref_logp": ref}
+
+    return run
+
+
+def with_teacher_logits(
+    forward: Callable[[Batch], Batch], teacher: torch.nn.Module, *, temperature: float = 1.0
+) -> Callable[[Batch], Batch]:
+    """``forward`` whose output also carries the teacher's ``teacher_logits`` ``[B, R, V]`` and ``ref_logp`` (eval mode, no grad).
+
+    The teacher of a full-vocabulary distillation loss (:attr:`rlcore.algos.Algorithm.distill`)
+    runs inside the update's forward, on the rows being trained: its logits never enter
+    the dock (``[B, R, V]`` per row would dwarf the rest of it). Its log-probs of the
+    sampled tokens, read from the same logits, are ``ref_logp`` (the logged KL to it).
+    """
+    lm = from_hf(teacher)
+
+    def run(b: Batch) -> Batch:
+        with eval_mode(teacher):
+            logits = response_logits(*lm, b, temperature=temperature)
+            ref, _ = masked_logprobs(logits, b)
+        return {**forward(b), "teacher_logits": logits, "ref_logp": ref}
 
     return run
 

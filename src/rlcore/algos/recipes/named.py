@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from rlcore.algos.advantages import gdpo_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
-from rlcore.algos.distillation import generalized_jsd_loss
+from rlcore.algos.distillation import check_jsd_options, generalized_jsd_loss
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.policy_losses import gspo_loss, ppo_clip_loss
 from rlcore.algos.recipes.adapters import (
@@ -271,35 +271,30 @@ def on_policy_distillation(
     """
     if loss not in ("reward", "reverse_kl", "jsd"):
         raise ValueError(f"loss: got {loss!r}, expected 'reward', 'reverse_kl' or 'jsd'")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
-        raise ValueError(f"beta: got {beta!r}, expected a number in [0, 1]")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k: got {top_k!r}, expected None or an int >= 1")
+    check_jsd_options(beta, top_k)
     for name, value in (("teacher_coef", teacher_coef), ("task_coef", task_coef)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
             raise ValueError(f"{name}: got {value!r}, expected a finite number >= 0")
     scale = partial(score_scaling, coef=task_coef)
-    if loss == "jsd":
+    clipped = partial(ppo_clip_loss, clip_low=clip, clip_high=clip)
+    if loss == "reward":
         return Algorithm(
-            advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group")),
-            policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+            advantage_estimator=partial(token_advantages, estimator=partial(reinforce_pp_advantages, gamma=gamma)),
+            policy_loss=clipped,
             agg_mode="token-mean",
-            shaping=scale,
-            distill=partial(generalized_jsd_loss, beta=float(beta), top_k=top_k),
-            distill_coef=teacher_coef,
+            shaping=chain(
+                scale, token_rewards_shaping, partial(kl_reward_shaping, kl_coef=teacher_coef, estimator="k1")
+            ),
         )
-    if loss == "reverse_kl":
-        return Algorithm(
-            advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group")),
-            policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
-            kl=partial(kl_penalty, estimator="k1", straight_through=True),
-            kl_coef=teacher_coef,
-            agg_mode="token-mean",
-            shaping=scale,
-        )
-    return Algorithm(
-        advantage_estimator=partial(token_advantages, estimator=partial(reinforce_pp_advantages, gamma=gamma)),
-        policy_loss=partial(ppo_clip_loss, clip_low=clip, clip_high=clip),
+    # A distillation loss term beside GRPO's group advantages of the (scaled) task score.
+    grpo_term = Algorithm(
+        advantage_estimator=partial(outcome_advantages, estimator=partial(grpo_advantages, scale="group")),
+        policy_loss=clipped,
         agg_mode="token-mean",
-        shaping=chain(scale, token_rewards_shaping, partial(kl_reward_shaping, kl_coef=teacher_coef, estimator="k1")),
+        shaping=scale,
     )
+    if loss == "jsd":
+        return grpo_term._replace(
+            distill=partial(generalized_jsd_loss, beta=float(beta), top_k=top_k), distill_coef=teacher_coef
+        )
+    return grpo_term._replace(kl=partial(kl_penalty, estimator="k1", straight_through=True), kl_coef=teacher_coef)

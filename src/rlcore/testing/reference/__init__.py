@@ -95,7 +95,13 @@ from rlcore.testing.reference.resharding import (
 )
 from rlcore.testing.reference.reward_model import bradley_terry_loss_ref, process_reward_loss_ref
 from rlcore.testing.reference.rewards import length_reward_ref, weighted_ref
-from rlcore.testing.reference.rollout import filter_logits_ref, greedy_ref, partial_greedy_ref, response_logprobs_ref
+from rlcore.testing.reference.rollout import (
+    filter_logits_ref,
+    greedy_ref,
+    partial_greedy_ref,
+    response_logits_ref,
+    response_logprobs_ref,
+)
 from rlcore.testing.reference.seeding import row_uniform_ref, sample_token_ref
 from rlcore.testing.reference.shaping import (
     RunningNormalizerRef,
@@ -177,6 +183,7 @@ __all__ = [
     "reinforce_pp_baseline_advantages_ref",
     "rejection_mask_ref",
     "remax_advantages_ref",
+    "response_logits_ref",
     "response_logprobs_ref",
     "reverse_kl_distill_loss_ref",
     "reverse_linear_scan_ref",

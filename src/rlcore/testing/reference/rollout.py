@@ -96,3 +96,13 @@ def response_logprobs_ref(
     for t, token in enumerate(response):
         out.append(float(torch.log_softmax(logits[len(prompt) - 1 + t], -1)[token]))
     return out
+
+
+@torch.no_grad()
+def response_logits_ref(
+    model: Callable[..., Any], prompt: Sequence[int], response: Sequence[int], *, temperature: float = 1.0
+) -> list[torch.Tensor]:
+    """``logits / T`` ``[V]`` each response token is sampled from, one unpadded forward of prompt + response, token by token."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    logits = model(input_ids=ids).logits[0].double() / temperature
+    return [logits[len(prompt) - 1 + t] for t in range(len(response))]
