@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 
 from dist_helpers import leave, spawn
 from rlcore.train import full_state_dict, load_config, train
@@ -33,8 +34,28 @@ BASE = [
 ONE_RANK = ["rl.batch_size=4", "rl.mini_batch_size=4", "trainer.warmup_batch_size=8"]
 DATA_PARALLEL = ["parallel.data_parallel=2", "rl.batch_size=2", "rl.mini_batch_size=2", "trainer.warmup_batch_size=4"]
 TENSOR_PARALLEL = ["parallel.tensor_parallel=2", *ONE_RANK]
-# GRPO with a KL term (its on-policy loss is otherwise ~0), PPO with its critic's value loss.
+# GRPO with a KL term (its on-policy loss is otherwise ~0), PPO with its critic's value loss, and on-policy
+# distillation over the full vocabulary (the student's and the FSDP-sharded teacher's logits in the update).
 ALGOS = {"grpo": ["rl.algo=grpo", "rl.beta=1.0", "rl.lr=0.02"], "ppo": ["rl.algo=ppo"]}
+JSD = ["rl.algo=opd", "rl.beta=null", "rl.opd_loss=jsd", "rl.opd_beta=0.5", "rl.task_coef=1.0"]
+
+
+def _algos(teacher: str) -> dict[str, list[str]]:
+    return {**ALGOS, "opd_jsd": [*JSD, f"model.teacher={teacher}"]}
+
+
+def _teacher(path: Path) -> str:
+    """A peaked random teacher with the reversal task's 9-token vocabulary."""
+    config = transformers.AutoConfig.for_model(
+        model_type="qwen2", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=9,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(path)
+    return str(path)
 
 
 def _cfg(out: Path, *extra: str, steps: int = STEPS):
@@ -51,7 +72,7 @@ def _run(cfg, start: int = 0, **kwargs):
     return train(cfg, reward=length_reward, resume=start > 0, **kwargs)
 
 
-def _ranks(rank: int, init_file: str, tmp: str) -> None:
+def _ranks(rank: int, init_file: str, tmp: str, teacher: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     out = Path(tmp)
@@ -63,7 +84,9 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
     dp_weights = full_state_dict(rest.policy)  # collective: the FSDP shards gathered
     tp = _run(_cfg(out / "tp", *TENSOR_PARALLEL))
     tp_weights = full_state_dict(tp.policy)
-    algos = {algo: _run(_cfg(out / algo, *ALGOS[algo], *DATA_PARALLEL, steps=4)).records for algo in ALGOS}
+    algos = {
+        algo: _run(_cfg(out / algo, *extra, *DATA_PARALLEL, steps=4)).records for algo, extra in _algos(teacher).items()
+    }
     if rank == 0:
         torch.save(
             {
@@ -79,7 +102,8 @@ def _ranks(rank: int, init_file: str, tmp: str) -> None:
 
 
 def test_two_ranks_fsdp2_and_tensor_parallel_equal_one_rank_and_dcp_resumes_at_one(tmp_path):
-    spawn(_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=420)
+    teacher = _teacher(tmp_path / "teacher")
+    spawn(_ranks, (str(tmp_path / "rendezvous"), str(tmp_path), teacher), 2, timeout=420)
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)
     ref = _run(_cfg(tmp_path / "one", *ONE_RANK))
     want = record_losses(ref.records)
@@ -106,7 +130,7 @@ def test_two_ranks_fsdp2_and_tensor_parallel_equal_one_rank_and_dcp_resumes_at_o
         final = ref.policy.state_dict()
         for k, v in got[f"{name}_weights"].items():
             torch.testing.assert_close(v, final[k], rtol=0, atol=1e-3, msg=lambda m: f"{name} {k}: {m}")
-    for algo, extra in ALGOS.items():
+    for algo, extra in _algos(teacher).items():
         ref = _run(_cfg(tmp_path / f"one_{algo}", *extra, *ONE_RANK, steps=4)).records
         records = got[algo]
         assert [r["step"] for r in records] == list(range(4)), algo
@@ -118,6 +142,10 @@ def test_two_ranks_fsdp2_and_tensor_parallel_equal_one_rank_and_dcp_resumes_at_o
         torch.testing.assert_close(
             record_losses(records), record_losses(ref), rtol=0, atol=1e-4, msg=lambda m: f"{algo}: {m}"
         )
+        if algo == "opd_jsd":  # the distillation term is a whole-batch metric too, and not 0
+            distill = torch.tensor([r["distill"] for r in records], dtype=torch.float64)
+            assert distill.min() > 1e-3
+            torch.testing.assert_close(distill, torch.tensor([r["distill"] for r in ref], dtype=torch.float64))
     # The checkpoint the 2-rank run saved after step 2 resumes in one process.
     resumed = _run(_cfg(tmp_path / "saved_at_2", *ONE_RANK), start=3)
     assert [r["step"] for r in resumed.records] == [3, 4]

@@ -3,7 +3,7 @@
 A loss's metrics are statistics of the tokens (or pairs) a rank holds: masked means
 (``approx_kl``, ``ratio_mean``, the clip fractions), extremes (``ratio_max``,
 ``ratio_min``) and terms already normalised by global counts (``pg_loss``, ``kl``,
-``entropy``, ``vf_loss``: each rank holds its share). Averaging them over ranks is
+``entropy``, ``vf_loss``, ``distill``: each rank holds its share). Averaging them over ranks is
 wrong twice over: a mean of means weights a rank with few tokens like one with many,
 and a mean of maxima is no maximum. :func:`reduce_metrics` combines them exactly: each
 mean as the global weighted sum over the global weight, each extreme with an
@@ -34,6 +34,7 @@ RL_METRIC_REDUCTIONS: Mapping[str, str] = {
     "kl": "sum",
     "entropy": "sum",
     "vf_loss": "sum",
+    "distill": "sum",
     "ratio_max": "max",
     "ratio_min": "min",
 }

@@ -49,13 +49,13 @@ def response_logits(
       float32 ``[B, R, V]``, differentiable in ``params``.
     """
     check_positive("temperature", temperature)
-    weight = apply.output_weight(params)
     responses, mask = batch["responses"], batch["mask"]
     b, r = responses.shape
     group = shares_prompts(batch["prompts"], batch["prompt_mask"]) if share_prompts else None
+    # The output weight is read after the forward: a sharded model holds it whole only then.
     if group is not None:
         hidden, dst = shared_prefix_hidden(apply, params, batch, group=group)
-        logits = F.linear(hidden, weight).float()
+        logits = F.linear(hidden, apply.output_weight(params)).float()
         placed = logits.new_zeros(b * r, logits.shape[-1]).index_copy(0, dst, logits)
         return placed.view(b, r, -1) / temperature
     width = batch["prompts"].shape[1]
@@ -75,4 +75,4 @@ def response_logits(
     # Response token t is predicted from padded position width + t - 1 (the last prompt token for t = 0).
     before = unpack(hidden, packed)[:, width - 1 : width - 1 + r]
     keep = (mask != 0)[..., None]
-    return torch.where(keep, F.linear(before, weight).float(), 0.0) / temperature
+    return torch.where(keep, F.linear(before, apply.output_weight(params)).float(), 0.0) / temperature

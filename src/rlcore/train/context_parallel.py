@@ -277,7 +277,7 @@ class DataParallelRecipe:
     gradients are summed by FSDP2). The metrics are combined with
     :func:`rlcore.algos.reduce_metrics` after every update: the means weighted by the
     recipe's ``metric_weight(batch)`` (counted tokens, or pairs), ``ratio_max`` /
-    ``ratio_min`` the true extremes, the loss terms (``pg_loss``, ``kl``, ``entropy``,
+    ``ratio_min`` the true extremes, the loss terms (``pg_loss``, ``kl``, ``entropy``, ``distill``,
     ``vf_loss``) summed, as the recipe's ``metric_reductions()`` says; so every rank
     logs the metrics a single process would log for the same global batch.
 
