@@ -152,7 +152,7 @@ def test_opd_trains_against_the_teacher(tmp_path):
     """The teacher is the reference: the first step's KL is not 0 (a warmed-up policy's own is), and with
     ``rl.task_coef`` 0 the loss is the reverse-KL term alone."""
     teacher = _teacher(tmp_path / "teacher", vocab=9)  # the reversal task over "abcdef": 6 letters, '>', pad, eos
-    run = train(_run(tmp_path, f"model.teacher={teacher}"))
+    run = train(_run(tmp_path, f"model.teacher={teacher}", "rl.opd_loss=reverse_kl"))
     first = run.records[0]
     assert first["kl"] > 0.05  # the student's KL to the teacher (k3), logged every step
     assert first["pg_loss"] == pytest.approx(0.0, abs=1e-6)  # no task advantages
