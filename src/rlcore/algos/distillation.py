@@ -15,7 +15,7 @@ import torch
 from rlcore._checks import check_counts, check_floating, check_ndim, check_positive, check_same_shape, check_shape
 from rlcore.ops import acc_dtype
 
-__all__ = ["check_jsd_options", "generalized_jsd_loss", "reverse_kl_distill_loss"]
+__all__ = ["generalized_jsd_loss", "reverse_kl_distill_loss"]
 
 Metrics = dict[str, torch.Tensor]
 
