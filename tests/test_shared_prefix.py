@@ -110,11 +110,16 @@ def test_shared_forward_gradients_equal_the_per_row_forwards(dtype):
         logp, entropy = response_logprobs(from_hf(model), batch, with_entropy=True, share_prompts=share)
         ((logp * weights).sum() + entropy.sum()).backward()
         grads.append({k: p.grad.float().clone() for k, p in model.named_parameters()})
+    assert_same_gradients(grads[0], grads[1], dtype)
+
+
+def assert_same_gradients(got: dict, want: dict, dtype: torch.dtype) -> None:
+    """Per-parameter gradients equal up to the dtype's rounding (relative to the largest entry), and not all zero."""
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for k in grads[0]:
-        scale = grads[1][k].abs().max().item() + 1e-12
-        assert (grads[0][k] - grads[1][k]).abs().max().item() <= tol * max(1.0, scale), k
-    assert any(g.abs().sum() > 0 for g in grads[0].values())  # the comparison is not between zeros
+    for k in got:
+        scale = want[k].abs().max().item() + 1e-12
+        assert (got[k] - want[k]).abs().max().item() <= tol * max(1.0, scale), k
+    assert any(g.abs().sum() > 0 for g in got.values())  # the comparison is not between zeros
 
 
 def test_a_response_mask_with_holes_packs_like_the_per_row_forward(model):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from rlcore._checks import check_positive
 from rlcore.models.shared_prefix import shared_prefix_hidden, shares_prompts
+from rlcore.models.token_logprobs import packed_hidden
 from rlcore.ops.packing import pack, unpack
 
 __all__ = ["response_logits"]
@@ -65,13 +66,7 @@ def response_logits(
             "attention_mask": torch.cat([batch["prompt_mask"].long(), (mask != 0).long()], 1),
         }
     )
-    hidden = apply(
-        params,
-        packed.input_ids,
-        position_ids=packed.position_ids,
-        cu_seqlens=packed.cu_seqlens,
-        max_seqlen=packed.max_seqlen,
-    )
+    hidden = packed_hidden(apply, params, packed)
     # Response token t is predicted from padded position width + t - 1 (the last prompt token for t = 0).
     before = unpack(hidden, packed)[:, width - 1 : width - 1 + r]
     keep = (mask != 0)[..., None]

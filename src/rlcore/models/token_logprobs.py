@@ -7,10 +7,21 @@ from typing import Any, Literal, overload
 
 import torch
 
-from rlcore.ops import pack, shift_labels, unpack
+from rlcore.ops import Packed, pack, shift_labels, unpack
 from rlcore.ops.linear_logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
 
 __all__ = ["token_logprobs"]
+
+
+def packed_hidden(apply: Callable[..., torch.Tensor], params: Any, packed: Packed) -> torch.Tensor:
+    """The last hidden states ``[N, H]`` of a packed row (:func:`rlcore.ops.pack`), sequences kept apart."""
+    return apply(
+        params,
+        packed.input_ids,
+        position_ids=packed.position_ids,
+        cu_seqlens=packed.cu_seqlens,
+        max_seqlen=packed.max_seqlen,
+    )
 
 
 @overload
@@ -101,13 +112,7 @@ def token_logprobs(
             "expected a model function such as rlcore.models.from_hf(model)[0]"
         )
     packed = pack(batch)
-    hidden = apply(
-        params,
-        packed.input_ids,
-        position_ids=packed.position_ids,
-        cu_seqlens=packed.cu_seqlens,
-        max_seqlen=packed.max_seqlen,
-    )
+    hidden = packed_hidden(apply, params, packed)
     labels, _ = shift_labels(packed)
     out = linear_logprobs(
         hidden,
