@@ -452,6 +452,9 @@ def bench_policy_losses_vs_verl(repeats: int) -> None:
     for name in POLICY_PEERS:
         report(f"{name} loss+aggregate fwd+bwd vs verl [256,1024]", t[name], t[f"{name}_verl"], target=1.0)
         report("  same, with ratio mean/min/max (the default)", t[f"{name}_all"], t[f"{name}_verl"])
+        # The same pair alternated on its own: the allocator's state then depends on these two calls only.
+        alone = _alternate({"ours": fns[name], "verl": fns[f"{name}_verl"]}, repeats * 4)
+        report("  same pair alternated on its own", alone["ours"], alone["verl"])
 
 
 def bench_gdpo_vs_verl(repeats: int) -> None:
