@@ -122,7 +122,7 @@ def test_opd_jsd_builds_the_full_vocabulary_recipe(tmp_path):
         == ({"beta": 0.25, "top_k": 3}, 0.5)
     )
     # The teacher's logits come in the update's forward: no old-policy or reference stage.
-    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=False, ref_logp=False)
+    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=False, ref_logp=False, logits=True)
 
 
 def test_opd_jsd_is_refused_under_context_parallelism(tmp_path):

@@ -154,7 +154,7 @@ def test_on_policy_distillation_jsd_adds_the_full_vocabulary_loss(batch, coef, t
     """``loss="jsd"``: GRPO on ``task * scores`` plus ``coef`` times the token mean of GKD's JSD at ``beta`` between
     the student's and the teacher's logits, in value and in the logits' gradient."""
     algo = algos.on_policy_distillation(teacher_coef=coef, task_coef=task, loss="jsd", beta=beta)
-    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=False, ref_logp=False)
+    assert algos.scoring_needs(algo) == algos.ScoringNeeds(old_logp=False, ref_logp=False, logits=True)
     mask = batch["mask"]
     g = torch.Generator().manual_seed(int(batch["group_ids"].sum()) + vocab)
     logits = torch.randn(*mask.shape, vocab, generator=g, dtype=torch.float64, requires_grad=True)

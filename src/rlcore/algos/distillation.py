@@ -152,14 +152,19 @@ def _kl_finite(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     return (p_log.exp() * (p_log - q_log)).sum(-1)
 
 
-def check_jsd_options(beta: float, top_k: int | None, *, vocab: int | None = None) -> None:
-    """:func:`generalized_jsd_loss`'s ``beta`` in ``[0, 1]`` and ``top_k`` None or in ``[1, vocab]`` (``vocab`` None: unbounded)."""
+def check_jsd_options(
+    beta: float, top_k: int | None, *, vocab: int | None = None, names: tuple[str, str] = ("beta", "top_k")
+) -> None:
+    """:func:`generalized_jsd_loss`'s ``beta`` in ``[0, 1]`` and ``top_k`` None or in ``[1, vocab]`` (``vocab`` None: unbounded).
+
+    ``names``: what the errors call the two (e.g. the config keys that hold them).
+    """
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta: got {beta!r}, expected a number in [0, 1]")
+        raise ValueError(f"{names[0]}: got {beta!r}, expected a number in [0, 1]")
     bad = isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (vocab is not None and top_k > vocab)
     if top_k is not None and bad:
         bound = f"in [1, {vocab}] (the vocabulary size)" if vocab is not None else ">= 1"
-        raise ValueError(f"top_k: got {top_k!r}, expected None or an int {bound}")
+        raise ValueError(f"{names[1]}: got {top_k!r}, expected None or an int {bound}")
 
 
 def generalized_jsd_loss(

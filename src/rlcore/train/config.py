@@ -183,6 +183,7 @@ from typing import Any, Literal
 import yaml
 
 from rlcore.agent import parse_multi_turn
+from rlcore.algos.distillation import check_jsd_options
 from rlcore.data.curriculum import parse_curriculum
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.entropy_target import parse_entropy_target
@@ -716,12 +717,7 @@ def _check_opd_loss(cfg: Config) -> None:
                     "unset (an option of rl.opd_loss 'jsd')"
                 )
         return
-    beta = rl.opd_beta
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
-        raise ValueError(f"config key 'rl.opd_beta': got {beta!r}, expected a number in [0, 1]")
-    k = rl.opd_top_k
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ValueError(f"config key 'rl.opd_top_k': got {k!r}, expected null or an int >= 1")
+    check_jsd_options(rl.opd_beta, rl.opd_top_k, names=("config key 'rl.opd_beta'", "config key 'rl.opd_top_k'"))
     if cfg.parallel.context_parallel != 1:
         raise ValueError(
             f"config key 'parallel.context_parallel': got {cfg.parallel.context_parallel!r} with rl.opd_loss 'jsd', "

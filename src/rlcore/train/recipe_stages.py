@@ -207,9 +207,8 @@ class PolicyGradientStages:
             produced.append("returns")
         stages.append(advantages_stage(self.recipe, inputs=scored, outputs=produced, process_group=parts.dp_group))
         # A full-vocabulary distillation term (rl.opd_loss: jsd): the policy's logits, and the teacher's beside them.
-        distill = self.recipe.distill is not None and self.recipe.distill_coef != 0
-        outputs = rl_outputs(parts.policy, critic=critic, temperature=parts.temperature, with_logits=distill)
-        if distill:
+        outputs = rl_outputs(parts.policy, critic=critic, temperature=parts.temperature, with_logits=needs.logits)
+        if needs.logits:
             if parts.reference is None:
                 raise ValueError(
                     "parts.reference: got None with a distillation term in the recipe, expected the teacher model"

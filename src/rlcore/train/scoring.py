@@ -110,10 +110,8 @@ def scoring_plan(cfg: Config, algo: Any, *, context_parallel: bool = False) -> S
         return ScoringPlan(True, 1)
     needs = algos.scoring_needs(algo)
     plan = _plan(cfg, algo, needs, blocking)
-    if getattr(algo, "distill", None) is not None and getattr(algo, "distill_coef", 0) != 0:
-        # The teacher's logits come in the update's forward, its log-probs of the samples with them: logged every step.
-        return plan._replace(ref_every=1)
-    return plan
+    # The teacher's logits come in the update's forward, its log-probs of the samples with them: logged every step.
+    return plan._replace(ref_every=1) if needs.logits else plan
 
 
 def _plan(cfg: Config, algo: Any, needs: algos.ScoringNeeds, blocking: bool) -> ScoringPlan:

@@ -53,12 +53,16 @@ class ScoringNeeds(NamedTuple):
       sum_pi_squared: the estimator reads the rollout policy's ``sum_v pi(v)^2`` per token
         from the old-policy forward (the optimal token baseline,
         :func:`~rlcore.algos.token_baseline_advantages`), and so its ``old_logp`` too.
+      logits: the loss reads the policy's and the teacher's ``logits`` over the vocabulary
+        (a distillation term, :attr:`~rlcore.algos.Algorithm.distill`), which the update's
+        forward gives.
     """
 
     old_logp: bool
     ref_logp: bool
     score_parts: bool = False
     sum_pi_squared: bool = False
+    logits: bool = False
 
 
 def _steps(shaping: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
@@ -71,7 +75,7 @@ def _steps(shaping: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
 
 
 def scoring_needs(algo: Any) -> ScoringNeeds:
-    """Which of ``old_logp`` (before the update), ``ref_logp``, the component scores and ``sum_pi_squared`` ``algo`` reads.
+    """Which of ``old_logp`` (before the update), ``ref_logp``, the component scores, ``sum_pi_squared`` and the logits ``algo`` reads.
 
     Args:
       algo: an :class:`~rlcore.algos.Algorithm`; anything else counts as reading both.
@@ -81,7 +85,9 @@ def scoring_needs(algo: Any) -> ScoringNeeds:
     ...     algos.grpo()).ref_logp
     (False, False, True)
     >>> tuple(scoring_needs(algos.ppo()))
-    (True, True, False, False)
+    (True, True, False, False, False)
+    >>> scoring_needs(algos.on_policy_distillation(loss="jsd")).logits
+    True
     >>> scoring_needs(algos.gdpo()).score_parts, scoring_needs(algos.grpo()._replace(
     ...     advantage_estimator=algos.token_baseline_advantages)).sum_pi_squared
     (True, True)
@@ -91,6 +97,7 @@ def scoring_needs(algo: Any) -> ScoringNeeds:
     parts = _reads_score_parts(algo.advantage_estimator)
     est = algo.advantage_estimator
     sps = (est.func if isinstance(est, functools.partial) else est) is token_baseline_advantages
+    logits = algo.distill is not None and algo.distill_coef != 0
     coef = algo.kl_coef
     ref = isinstance(coef, KLController) or coef != 0
     old = sps
@@ -100,8 +107,8 @@ def scoring_needs(algo: Any) -> ScoringNeeds:
             reads = step.keywords.get("kl_coef", 1) != 0 if isinstance(step, functools.partial) else True
             old, ref = old or reads, ref or reads
         elif fn not in _READS_NO_LOGPS:
-            return ScoringNeeds(True, True, parts, sps)
-    return ScoringNeeds(old, ref, parts, sps)
+            return ScoringNeeds(True, True, parts, sps, logits)
+    return ScoringNeeds(old, ref, parts, sps, logits)
 
 
 def _reads_score_parts(estimator: Callable[..., Any]) -> bool:
