@@ -239,6 +239,50 @@ def test_clip_cov_draws_uniformly_among_eligible_tokens():
     assert torch.all((counts[:4] > 30) & (counts[:4] < 70)), counts
 
 
+def test_clip_cov_default_draw_is_uniform_over_every_position():
+    # Every token eligible (the band is everything, no ratio clipped), one of 15 cut per call, drawn
+    # by the loss itself: each position, the two halves of each int64 draw and the odd last one
+    # alike, is cut about 1/15 of the time (100 of 1500; 60 and 140 are 4 standard deviations out).
+    g = torch.Generator().manual_seed(1)
+    logp = torch.rand(3, 5, generator=g).log()
+    adv = torch.randn(3, 5, generator=g)
+    torch.manual_seed(0)
+    counts = torch.zeros(3, 5)
+    for _ in range(1500):
+        loss, metrics = algos.clip_cov_loss(
+            logp, logp, adv, torch.ones(3, 5), cov_fraction=1 / 15, cov_low=-1e9, cov_high=1e9
+        )
+        counts += loss == 0
+        assert metrics["cov_frac"] == pytest.approx(1 / 15)
+    assert counts.sum() == 1500
+    assert torch.all((counts > 60) & (counts < 140)), counts
+
+
+def test_clip_cov_default_draw_compiles_whole_and_matches_eager_on_the_same_seed():
+    g = torch.Generator().manual_seed(3)
+    logp = torch.rand(4, 6, generator=g).log()
+    old = logp + 0.3 * torch.randn(4, 6, generator=g)
+    adv = torch.randn(4, 6, generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+
+    def step(lp):
+        loss, metrics = algos.clip_cov_loss(lp, old, adv, mask, cov_fraction=0.2, cov_low=0.0)
+        return algos.aggregate(loss, mask, mode="token-mean"), metrics["cov_frac"]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")  # a host sync would break the graph
+    out = []
+    for f in (step, compiled):
+        torch.manual_seed(5)
+        lp = logp.clone().requires_grad_(True)
+        loss, frac = f(lp)
+        loss.backward()
+        out.append((loss, frac, lp.grad))
+    assert out[0][1] > 0
+    for a, b in zip(out[0], out[1]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", list(IMPL))
 @settings(max_examples=10, deadline=None)
 @given(batch=policy_batches(drifts=("small", "large")), seed=st.integers(0, 9))

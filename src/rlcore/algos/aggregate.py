@@ -25,7 +25,7 @@ from rlcore._checks import (
     check_tensor,
 )
 from rlcore.algos.collectives import group_sum
-from rlcore.ops import acc_dtype, masked_sum, saturating_cast
+from rlcore.ops import acc_dtype, masked_sum, masked_zero, saturating_cast
 
 __all__ = ["AGGREGATION_MODES", "aggregate", "global_counts"]
 
@@ -48,13 +48,12 @@ def _safe_den(count: Count, ref: torch.Tensor) -> torch.Tensor:
 def _row_sums(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked sum of each row: :func:`rlcore.ops.masked_sum` semantics (padding never enters).
 
-    A boolean mask, the common case, takes one ``where`` pass instead of the four of
-    the general weighted path, forward and backward: this is the hot reduction of
-    every training step.
+    A boolean mask, the common case, takes one zeroing pass (:func:`rlcore.ops.masked_zero`,
+    a bitwise and) instead of the four of the general weighted path, forward and backward:
+    this is the hot reduction of every training step.
     """
     if mask.dtype == torch.bool:
-        # A 0-dim zero of the loss's dtype: torch.where with a Python float takes a casting loop on the CPU.
-        return torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)).sum(-1)
+        return masked_zero(loss, mask).sum(-1)
     return masked_sum(loss, mask, dim=-1)
 
 

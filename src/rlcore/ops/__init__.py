@@ -18,6 +18,7 @@ from rlcore.ops.segment import (
     segment_sum,
     segment_zscore,
 )
+from rlcore.ops.select import keep_bits, masked_zero, masked_zero_
 from rlcore.ops.sequence import SEQUENCE_REDUCTIONS, sequence_logps
 
 __all__ = [
@@ -26,12 +27,15 @@ __all__ = [
     "acc_dtype",
     "discounted_cumsum",
     "entropy_from_logits",
+    "keep_bits",
     "linear_logprobs",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "masked_zero",
+    "masked_zero_",
     "pack",
     "pivot_shift",
     "pow2_scale",

@@ -18,6 +18,7 @@ __all__ = [
     "masked_sum_ref",
     "masked_var_ref",
     "masked_whiten_ref",
+    "masked_zero_ref",
     "reverse_linear_scan_ref",
     "segment_mean_ref",
     "segment_std_ref",
@@ -155,3 +156,13 @@ def reverse_linear_scan_ref(x: torch.Tensor, factors: torch.Tensor | float) -> t
 def discounted_cumsum_ref(x: torch.Tensor, gamma: float) -> torch.Tensor:
     """Loop reference of :func:`rlcore.ops.discounted_cumsum`, written for clarity."""
     return reverse_linear_scan_ref(x, gamma)
+
+
+def masked_zero_ref(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """:func:`rlcore.ops.masked_zero` element by element: ``x`` where ``keep``, ``+0.0`` elsewhere."""
+    keep = keep.expand(x.shape)
+    out = torch.empty_like(x)
+    for i in range(x.numel()):
+        idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), x.shape))
+        out[idx] = x[idx] if bool(keep[idx]) else 0.0
+    return out
