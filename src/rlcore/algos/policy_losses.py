@@ -622,9 +622,14 @@ def _binary_kl(old_lp: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     """
     old_lp, lp = old_lp.clamp(max=0.0), lp.clamp(max=0.0)
     q = old_lp.exp()
-    # (1 - q) (log(1 - q) - log(1 - p)), in place (a hot path: no gradient flows through it).
-    tail = torch.expm1(old_lp).neg_().log_().sub_(torch.expm1(lp).neg_().log_()).mul_(1.0 - q)
-    return tail.masked_fill_(old_lp >= 0, 0.0).addcmul_(q, old_lp - lp)
+    # (1 - q) (log(1 - q) - log(1 - p)), in place (a hot path: no gradient flows through it). Where
+    # q = 1 (padding among them) the term is 0: both logs are taken of 1 more than their argument
+    # there, so that no log of 0 is taken (the CPU's log takes a slow path for each 0 and subnormal,
+    # 8x the time at 40% padding) and the factor 1 - q = 0 zeroes the finite difference.
+    certain = (old_lp >= 0).to(q.dtype)
+    tail = torch.expm1(old_lp).neg_().add_(certain).log_()
+    tail.sub_(torch.expm1(lp).neg_().add_(certain).log_()).mul_(1.0 - q)
+    return tail.addcmul_(q, old_lp - lp)
 
 
 def _dppo(
@@ -659,10 +664,13 @@ def _dppo(
             up_ok = (kl <= clip_high).logical_or_(new_lp <= old_lp)
             down_ok = (kl <= clip_low).logical_or_(new_lp >= old_lp)
         # A > 0 may not push p up too far, A <= 0 not down.
-        inside = torch.where(nadv < 0, up_ok, down_ok).logical_and_(tok.keep)
+        # As boolean ops: a torch.where over booleans is a branching scalar loop on the CPU.
+        pushed_up = nadv < 0
+        inside = up_ok.logical_and_(pushed_up).logical_or_(down_ok.logical_and_(pushed_up.logical_not_()))
+        inside.logical_and_(tok.keep)
         ratio = tok.log_ratio.detach().exp()
         coef = nadv * ratio if ratio_cap is None else ratio.clamp(max=ratio_cap).mul_(nadv)  # -sg(min(r, C)) A
-    loss = torch.where(inside, coef * lp, 0.0)
+    loss = masked_zero(coef * lp, inside)
     with torch.no_grad():
         metrics = _ratio_sums(ratio, tok) if ratio_stats else _kl_only(ratio, tok)
         metrics["trust_region_frac"] = _frac(inside.logical_not().logical_and_(tok.keep), tok)
