@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from rlcore import algos
+from rlcore.algos import policy_losses
 from rlcore.testing import assert_close
 from rlcore.testing import reference as ref
 from rlcore.testing.loss_strategies import policy_batches
@@ -237,6 +238,20 @@ def test_clip_cov_draws_uniformly_among_eligible_tokens():
         counts += (loss[0] == 0) & (adv[0] != 0)
     assert counts[4:].sum() == 0 and counts.sum() == 200
     assert torch.all((counts[:4] > 30) & (counts[:4] < 70)), counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    keys=st.lists(
+        st.sampled_from([-math.inf, -1.0, 0.0, 0.5, 2.0, math.inf]) | st.floats(-5, 5), min_size=1, max_size=90
+    ),
+    k=st.integers(1, 12),
+    chunk=st.integers(1, 20),
+)
+def test_chunked_top_values_equal_topk_ties_and_infinities_included(keys, k, chunk):
+    flat = torch.tensor(keys)
+    k = min(k, flat.numel())
+    assert torch.equal(policy_losses._top_values(flat, k, chunk=chunk), flat.topk(k).values)
 
 
 def test_clip_cov_default_draw_is_uniform_over_every_position():
