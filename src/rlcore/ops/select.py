@@ -3,7 +3,7 @@
 Losses zero their padding with ``torch.where`` rather than a multiply by the mask, so a
 ``nan`` or ``inf`` at a padded position never reaches a value or a gradient. On the CPU
 ``torch.where`` is a scalar, branching loop: at ``[256, 1024]`` float32 it took 3.5x the
-time of a multiply with a prefix (padding) mask and 14x with a scattered one, and losses
+time of the bitwise ``and`` below with a prefix (padding) mask and 14x with a scattered one, and losses
 call it several times forward and backward. Clearing the bits of each padded element
 instead (the float viewed as an integer of its width, ``and``-ed with all-ones or zeros)
 gives the same bits as the ``where`` (``+0.0`` at padding, ``nan`` and ``-0.0`` kept where
