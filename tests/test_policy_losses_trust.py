@@ -273,12 +273,16 @@ def test_clip_cov_default_draw_is_uniform_over_every_position():
     assert torch.all((counts > 60) & (counts < 140)), counts
 
 
-def test_clip_cov_default_draw_compiles_whole_and_matches_eager_on_the_same_seed():
-    g = torch.Generator().manual_seed(3)
+def _compile_batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A small batch for the compiled-whole checks: ``logp``, ``old_logp``, advantages, a scattered mask."""
     logp = torch.rand(4, 6, generator=g).log()
-    old = logp + 0.3 * torch.randn(4, 6, generator=g)
+    old = logp + 0.5 * torch.randn(4, 6, generator=g)
     adv = torch.randn(4, 6, generator=g)
-    mask = torch.rand(4, 6, generator=g) > 0.3
+    return logp, old, adv, torch.rand(4, 6, generator=g) > 0.3
+
+
+def test_clip_cov_default_draw_compiles_whole_and_matches_eager_on_the_same_seed():
+    logp, old, adv, mask = _compile_batch(torch.Generator().manual_seed(3))
 
     def step(lp):
         loss, metrics = algos.clip_cov_loss(lp, old, adv, mask, cov_fraction=0.2, cov_low=0.0)
@@ -391,10 +395,7 @@ def test_bad_hyperparameters_raise():
 def test_no_host_sync_forward_and_backward(name):
     """Compiled whole (fullgraph: a host sync would break the graph), forward and backward match eager."""
     g = torch.Generator().manual_seed(3)
-    logp = torch.rand(4, 6, generator=g).log()
-    old = logp + 0.5 * torch.randn(4, 6, generator=g)
-    adv = torch.randn(4, 6, generator=g)
-    mask = torch.rand(4, 6, generator=g) > 0.3
+    logp, old, adv, mask = _compile_batch(g)
     kw = {
         **DEFAULTS.get(name, {}),
         **({"noise": torch.rand(4, 6, generator=g), "cov_low": 0.0} if name == "clip_cov" else {}),

@@ -961,7 +961,7 @@ def _first_ranked(
     if masked:
         flat = keys.flatten()
     elif owned:
-        flat = _fill_dropped_(keys, keep_bits(eligible, keys.dtype), -torch.inf).flatten()
+        flat = _fill_dropped_(keys, eligible, -torch.inf).flatten()
     else:
         flat = torch.where(eligible, keys, -torch.inf).flatten()
     n = flat.numel()
@@ -996,17 +996,15 @@ def _top_values(flat: torch.Tensor, k: int, chunk: int = 16384) -> torch.Tensor:
     return torch.cat([head, flat[rows * chunk :]]).topk(k).values
 
 
-def _fill_dropped_(x: torch.Tensor, bits: torch.Tensor, value: float) -> torch.Tensor:
-    """``x`` set to ``value`` where ``bits`` (:func:`rlcore.ops.keep_bits`) are 0, in place, as bitwise ops.
+def _fill_dropped_(x: torch.Tensor, keep: torch.Tensor, value: float) -> torch.Tensor:
+    """``x`` (float32 or float64) set to ``value`` where ``keep`` is False, in place, as bitwise ops.
 
     ``masked_fill_`` and ``torch.where`` are scalar loops on the CPU (3-14x a vectorised pass).
     """
-    if bits.dtype == torch.bool:
-        return x.masked_fill_(~bits, value)
+    bits = keep_bits(keep, x.dtype)
     fill = torch.tensor(value, dtype=x.dtype, device=x.device).view(bits.dtype)
-    ints = x.view(bits.dtype)
     # (x & b) | (fill & ~b) = ((x ^ fill) & b) ^ fill.
-    ints.bitwise_xor_(fill).bitwise_and_(bits).bitwise_xor_(fill)
+    x.view(bits.dtype).bitwise_xor_(fill).bitwise_and_(bits).bitwise_xor_(fill)
     return x
 
 
@@ -1020,6 +1018,7 @@ def _random_keys(eligible: torch.Tensor) -> torch.Tensor:
     # [0, 2**63 - 1): 31 uniform bits in each int32 half once the sign bit is cleared.
     raw = torch.randint(0, 2**63 - 1, ((n + 1) // 2,), dtype=torch.int64, device=eligible.device)
     keys = raw.view(torch.int32)[:n].view(eligible.shape)
+    # keep_bits for float32 is the int32 pattern (-1 where eligible); without the sign bit it keeps 31 bits.
     return keys.bitwise_and_(keep_bits(eligible, torch.float32).bitwise_and_(0x7FFFFFFF))
 
 
@@ -1100,7 +1099,7 @@ def clip_cov_loss(
     with torch.no_grad():
         r = tok.log_ratio.detach().exp()
         clip_low_t, clip_high_t = (nadv > 0).logical_and_(r < lo), (nadv < 0).logical_and_(r > hi)
-        cov = _covariance(tok, masked_zero(_cast(logp.detach(), nadv.dtype), tok.bits))
+        cov = _covariance(tok, _logp(logp, tok).detach())
         clipped = clip_low_t.logical_or(clip_high_t)
         eligible = (cov > cov_low).logical_and_(cov < cov_high).logical_and_(tok.keep)
         eligible.logical_and_(clipped.logical_not())

@@ -88,9 +88,8 @@ class _MaskedZero(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[no-untyped-def,override]
         (bits,) = ctx.saved_tensors
-        # Through masked_zero itself, so that a double backward (create_graph) differentiates it too.
-        if bits.dtype not in (torch.bool, _INT_VIEW.get(g.dtype)):  # a gradient of another width than x
-            bits = keep_bits(bits != 0, g.dtype)
+        # Through masked_zero itself (autograd hands a gradient of x's dtype), so that a double
+        # backward (create_graph) differentiates it too.
         return masked_zero(g, bits), None
 
 
