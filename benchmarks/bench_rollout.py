@@ -1,7 +1,7 @@
 """Rollout throughput: VLLMEngine (vLLM, in-process) against TorchEngine (rlcore's KV-cached decode loop).
 
 Run: python benchmarks/bench_rollout.py [--sizes 32x32,128x64,256x128,512x128] [--dtype float32] [--repeats 3]
-[--vllm KEY=VALUE ...] (one size alone: ``--sizes 256x128``; ``--vllm enforce_eager=false``: any
+[--device cuda] [--vllm KEY=VALUE ...] (one size alone: ``--sizes 256x128``; ``--vllm enforce_eager=false``: any
 ``deploy.vllm`` key, read as the trainer reads it)
 
 Both engines sample the same random Qwen2 (4 layers, hidden 512, 8 heads of 64, MLP
@@ -37,6 +37,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import median_time
 from rlcore.dataflow import WeightSync
+from rlcore.device import get_device, synchronize
 from rlcore.seeding import Purpose, RowStream
 from rlcore.train import TorchEngine, VLLMEngine, left_pad, parse_vllm_options
 
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--stepped", action="store_true", help="also time vLLM's interruptible (partial) path")
+    parser.add_argument("--device", default=None, help="torch device of the weights and prompts (default: rlcore's)")
     parser.add_argument(
         "--vllm", action="append", default=[], metavar="KEY=VALUE", help="a deploy.vllm option (repeatable)"
     )
@@ -85,7 +87,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     dtype = getattr(torch, args.dtype)
-    policy = model(dtype)
+    device = torch.device(args.device) if args.device else get_device()
+    policy = model(dtype).to(device)
     longest_rows = max(r for r, _ in sizes)
     # Every sequence of the largest size holds its blocks at once: vLLM never preempts a row
     # (a resumed seeded request fails on the CPU build), whole blocks per sequence.
@@ -107,7 +110,8 @@ def main() -> None:
     built = time.perf_counter() - start
     record = WeightSync(dict(policy.named_parameters())).sync(1, vllm_engine.receiver())
     print(
-        f"model: {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}, {args.dtype}; {args.threads} threads; "
+        f"model: {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}, {args.dtype}, on {device}; "
+        f"{args.threads} threads; "
         f"vLLM built in {built:.1f} s ({options}); "
         f"weights synced to vLLM in {record.seconds:.3f} s ({record.nbytes / 2**20:.1f} MiB); "
         f"medians of {args.repeats} alternated calls after 1 warm-up each",
@@ -115,7 +119,7 @@ def main() -> None:
     )
     ratios = []
     for rows, new in sizes:
-        ids, mask = prompts(rows)
+        ids, mask = (t.to(device) for t in prompts(rows))
         engines = {
             "vllm": vllm_engine.sampling(max_new_tokens=new),
             "torch": TorchEngine(policy, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=new),
@@ -131,6 +135,7 @@ def main() -> None:
             def call(engine=engine, out=out, kw=calls[name]) -> None:
                 stream = RowStream(0, Purpose.SAMPLING, 0)
                 out[:] = [engine.generate(ids, mask, n=SAMPLES, generator=stream, **kw)]
+                synchronize(device)  # the torch engine's kernels may still be queued
 
             runs[name], outs[name] = call, out
             first[name] = median_time(call, repeats=1, warmup=0)

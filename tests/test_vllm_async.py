@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlcore.dataflow import WeightPacket, WeightSync
-from rlcore.train import PendingVersions, load_config, read_metrics, sleep_mode_available, train
-from rlcore.train.deploy import _SleepSwitch
+from rlcore.train import PendingVersions, VLLMDeployment, load_config, read_metrics, sleep_mode_available, train
 from tiny_runs import QUIET, TINY_BATCH, TINY_ROLLOUT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,22 +137,33 @@ class _Engine:
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_switch_sleeps_in_train_wakes_for_the_rollout_and_reloads_dropped_weights(level):
+    """The deployment's switch (vLLM's sleep mode needs an accelerator: the engine here records its calls)."""
     engine, got = _Engine(), []
     pending = PendingVersions(lambda p: got.append(p.version), copy=False, keep_last=level == 2)
-    switch = _SleepSwitch(engine, pending, level)  # type: ignore[arg-type]
+    policy = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1, momentum=0.9)
+    deployment = SimpleNamespace(engine=engine, pending=pending, sync=SimpleNamespace(params={}))
+    switch = VLLMDeployment._sleep_switch(deployment, policy, opt, level)  # type: ignore[arg-type]
     pending(_packet(0, 0.0))
-    switch("device", None, "rollout")  # built awake: nothing to do
+    switch("device", None, "rollout")  # built awake: nothing to wake
+    assert policy.weight.untyped_storage().nbytes() == 0  # the trainer's state is on the host meanwhile
     pending.load(0)
     switch("device", "rollout", "train")
     switch("device", "train", "train")  # no change of phase: still asleep, once
+    policy(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    momentum = opt.state[policy.weight]["momentum_buffer"].clone()
     switch("device", "train", "rollout")
+    assert opt.state[policy.weight]["momentum_buffer"].untyped_storage().nbytes() == 0
     pending.load(0)  # no new version: level 2 dropped the weights, so they load again
     switch("device", "rollout", "train")
+    assert torch.equal(opt.state[policy.weight]["momentum_buffer"], momentum)
     pending(_packet(1, 1.0))  # published while asleep: waits for the rollout
     switch("device", "train", "rollout")
     pending.load(1)
     assert engine.calls == [f"sleep {level}", "wake", f"sleep {level}", "wake"]
     assert got == ([0, 0, 1] if level == 2 else [0, 1])
+    assert deployment.staging is not None  # a background save copies from the switch's offload
 
 
 def test_the_cpu_platform_has_no_sleep_mode_and_the_run_says_so_once(tmp_path, capfd):

@@ -8,7 +8,7 @@ from rlcore.memory.allgather_swap import (
     enter_rollout,
     enter_train,
 )
-from rlcore.memory.phases import ColocatedSwitch, in_phase
+from rlcore.memory.phases import ColocatedSwitch, EngineSwitch, in_phase
 from rlcore.memory.plan import ORDERS, RESIDENCIES, MemoryPlan, StateGroup, Step, Transition, colocated_plan
 from rlcore.memory.swap import SwapHandle, host_copies, offload, reload
 
@@ -17,6 +17,7 @@ __all__ = [
     "RESIDENCIES",
     "AllGatherSwapPlan",
     "ColocatedSwitch",
+    "EngineSwitch",
     "MemoryPlan",
     "RolloutState",
     "StateGroup",

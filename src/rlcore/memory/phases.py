@@ -9,6 +9,9 @@ a transform of the caller's functions, with the same calling convention:
   inference weights gathered bucket by bucket), and placed back for training after.
 * :class:`ColocatedSwitch`: the ``switch`` hook of :func:`rlcore.dataflow.run_pipeline`
   for co-located stages: it runs the transition only when the phase changes.
+* :class:`EngineSwitch`: the same hook for an engine that holds its own weights and KV
+  cache and can release them (vLLM's sleep mode): the plan's order with the engine's
+  memory in place of the inference buckets.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from typing import Any, TypeVar
 import torch
 
 from rlcore.memory.allgather_swap import AllGatherSwapPlan, RolloutState, TrainState, enter_rollout, enter_train
+from rlcore.memory.swap import SwapHandle, offload, reload
 
-__all__ = ["ColocatedSwitch", "in_phase"]
+__all__ = ["ColocatedSwitch", "EngineSwitch", "in_phase"]
 
 R = TypeVar("R")
 
@@ -82,6 +86,95 @@ class ColocatedSwitch:
             raise ValueError(f"weights: the switch is in phase {self.phase!r}, expected 'rollout'")
         assert isinstance(self.state, RolloutState)
         return self.state.weights
+
+
+class EngineSwitch:
+    """The ``switch`` hook of a co-located engine that frees and restores its own memory (vLLM's sleep mode).
+
+    The engine keeps its weights and KV cache in memory it allocates itself, so the
+    AllGather-Swap's inference buckets have no part here; the rest of the plan's
+    transitions stays, in the same lowest-peak order (every release before any
+    allocation):
+
+    * to ``"rollout"``: the training state (params, grads, optimizer state) is offloaded
+      to host buckets (:func:`~rlcore.memory.offload`), then ``wake()`` gives the engine
+      its memory back;
+    * to ``"train"``: ``sleep()`` frees the engine's memory, then the training state is
+      reloaded into its own tensors (:func:`~rlcore.memory.reload`), so the optimizer
+      and the module carry on unchanged.
+
+    Args:
+      state: called at each switch to ``"rollout"`` for the :class:`~rlcore.memory.TrainState`
+        to move (an optimizer creates its grads and state lazily: the current tensors).
+      wake: restores the engine's memory.
+      sleep: frees the engine's memory.
+      on_offload: optional, called with the offload's handles after each switch to
+        ``"rollout"`` (a background save takes its copy from them).
+      awake: whether the engine holds its memory now (an engine is built awake); an
+        awake engine is not woken again, an asleep one is not put to sleep again.
+
+    Attributes:
+      phase: the current phase; None until the first switch (the training state in place).
+      transitions: ``(src, dst)`` of every transition run (``src`` None: the first).
+      offloaded_bytes: host bytes the last switch to ``"rollout"`` moved.
+
+    >>> w, log = torch.ones(4), []
+    >>> switch = EngineSwitch(lambda: TrainState({"w": w}), wake=lambda: log.append(w.untyped_storage().nbytes()),
+    ...                       sleep=lambda: log.append("sleep"))
+    >>> switch("device", None, "rollout"); switch("device", "rollout", "train")
+    >>> log, w.sum().item(), switch.offloaded_bytes
+    ([0, 'sleep'], 4.0, 16)
+    """
+
+    def __init__(
+        self,
+        state: Callable[[], TrainState],
+        *,
+        wake: Callable[[], Any],
+        sleep: Callable[[], Any],
+        on_offload: Callable[[list[SwapHandle]], Any] | None = None,
+        awake: bool = False,
+    ) -> None:
+        self.state, self.wake, self.sleep, self.on_offload = state, wake, sleep, on_offload
+        self.awake = awake
+        self.phase: str | None = None
+        self.transitions: list[tuple[str | None, str]] = []
+        self.offloaded_bytes = 0
+        self._handles: list[SwapHandle] = []
+
+    def __call__(self, resource: str, src: str | None, dst: str) -> None:
+        if dst not in ("rollout", "train"):
+            raise ValueError(f"switch: got phase {dst!r} on resource {resource!r}, expected 'rollout' or 'train'")
+        if dst == self.phase:
+            return
+        if dst == "rollout":
+            state = self.state()
+            if not isinstance(state, TrainState):
+                raise ValueError(f"state: returned {type(state).__name__}, expected a TrainState")
+            trees = (dict(state.params), state.grads, state.optimizer)
+            self._handles = [offload(tree) for tree in trees]
+            self.offloaded_bytes = sum(h.nbytes for h in self._handles)
+            if not self.awake:
+                try:
+                    self.wake()
+                except BaseException:
+                    self._reload()  # the engine stays asleep: training goes on with its state in place
+                    raise
+                self.awake = True
+            if self.on_offload is not None:
+                self.on_offload(self._handles)
+        else:
+            if self.awake:
+                self.sleep()
+                self.awake = False
+            self._reload()
+        self.transitions.append((self.phase, dst))
+        self.phase = dst
+
+    def _reload(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            reload(handle)
 
 
 def in_phase(fn: Callable[..., R], plan: AllGatherSwapPlan, phase: str, *, state: TrainState) -> Callable[..., R]:

@@ -53,7 +53,7 @@ from rlcore.dataflow import (
     unpack_weights,
 )
 from rlcore.device import memory_stats
-from rlcore.memory import ColocatedSwitch, RolloutState, TrainState, allgather_swap_plan
+from rlcore.memory import ColocatedSwitch, EngineSwitch, RolloutState, TrainState, allgather_swap_plan
 from rlcore.models import is_lora
 from rlcore.pytree import tree_leaves
 from rlcore.seeding import Purpose, RowStream
@@ -452,14 +452,25 @@ class VLLMDeployment(_Synced):
     and ``deploy.staleness`` bounds its lag as with any rollout.
 
     vLLM's sleep mode (``deploy.vllm.sleep_level``, on a platform that has one: CUDA,
-    ROCm, XPU): the deployment's :attr:`switch`, the scheduler's phase-switch hook,
-    puts the engine to sleep when the device enters the ``"train"`` phase and wakes it
-    when it enters ``"rollout"``; versions published meanwhile wait as packets and are
-    loaded by the rollout after the wake-up (at level 2 the last one is loaded again).
-    Elsewhere (the CPU) the engine's memory stays resident and the log says so once.
+    ROCm, XPU): the deployment's :attr:`switch`, the scheduler's phase-switch hook, is the
+    memory plan's :class:`rlcore.memory.EngineSwitch`. Entering ``"rollout"`` it offloads
+    the policy's parameters, gradients and ``optimiser`` state to host memory, then
+    wakes the engine; entering ``"train"`` the engine sleeps, then the training state comes
+    back into its own tensors. A background save takes its copy from that offload
+    (:attr:`staging`). Versions published meanwhile wait as packets and are loaded by the
+    rollout after the wake-up (at level 2 the last one is loaded again). Elsewhere (the
+    CPU) the engine's memory stays resident and the log says so once.
     """
 
-    def __init__(self, cfg: Config, policy: torch.nn.Module, replica: torch.nn.Module, task: Any):
+    def __init__(
+        self,
+        cfg: Config,
+        policy: torch.nn.Module,
+        replica: torch.nn.Module,
+        task: Any,
+        *,
+        optimiser: torch.optim.Optimizer | None = None,
+    ):
         super().__init__(policy, replica)
         opts = parse_vllm_options(cfg.deploy.vllm)
         overlap = cfg.deploy.async_infer
@@ -489,14 +500,38 @@ class VLLMDeployment(_Synced):
                 resource="rollout" if overlap else self.rollout.resource,
             )
         if level is not None:
-            assert self.pending is not None
-            self.switch = _SleepSwitch(self.engine, self.pending, level)
+            self.switch = self._sleep_switch(policy, optimiser, level)
 
     def publish(self, version: int) -> None:
         self._send(version, self.engine.receiver() if self.pending is None else self.pending)
 
     def rollout_metrics(self, step: int) -> dict[str, torch.Tensor]:
         return {} if self.agent is None else self.agent.pop_metrics(step)
+
+    def _sleep_switch(
+        self, policy: torch.nn.Module, optimiser: torch.optim.Optimizer | None, level: int
+    ) -> EngineSwitch:
+        """vLLM's sleep mode at the phase switch, in the memory plan's order, with the trainer's state on the host."""
+        named = dict(policy.named_parameters())
+
+        def optimiser_state() -> list[Any] | None:  # created lazily by the first step
+            return None if optimiser is None else list(optimiser.state.values())
+
+        def train_state() -> TrainState:
+            self.sync.params = {}  # the published weights' views: gathered anew at the next publish
+            return TrainState(named, [p.grad for p in named.values()], optimiser_state())
+
+        def sleep() -> None:
+            self.engine.sleep(level)
+            if level == 2:  # the weights are gone: the next rollout loads its version again
+                assert self.pending is not None
+                self.pending.forget()
+
+        # A background save's copy of the moved state is the offload's (the optimiser's state as of the save).
+        self.staging = SwapStaging(lambda: [*named.values(), *tree_leaves(optimiser_state())])
+        return EngineSwitch(
+            train_state, wake=self.engine.wake_up, sleep=sleep, on_offload=self.staging.offloaded, awake=True
+        )
 
     def close(self) -> None:
         self.engine.close()
@@ -564,24 +599,6 @@ def _at_version(call: Callable[[Batch], Any], pending: PendingVersions, b: Batch
     """A rollout call that first loads the weights version its rows were stamped with."""
     pending.load(int(b["policy_version"][0]))
     return call(b)
-
-
-class _SleepSwitch:
-    """The phase-switch hook of a co-located vLLM engine in sleep mode: asleep in ``"train"``, awake in ``"rollout"``."""
-
-    def __init__(self, engine: VLLMEngine, pending: PendingVersions, level: int):
-        self.engine, self.pending, self.level = engine, pending, level
-        self.asleep = False
-
-    def __call__(self, resource: str, src: str | None, dst: str) -> None:
-        if dst == "train" and not self.asleep:
-            self.engine.sleep(self.level)
-            self.asleep = True
-            if self.level == 2:  # the weights are gone: the next rollout loads its version again
-                self.pending.forget()
-        elif dst == "rollout" and self.asleep:
-            self.engine.wake_up()
-            self.asleep = False
 
 
 _NOTED: list[bool] = []
@@ -876,7 +893,7 @@ def make_deployment(
         kind = RayDeployment if cfg.deploy.backend == "ray" else WorkerDeployment
         return kind(cfg, policy, replica, vocab_size=task.tokenizer.vocab_size, build_model=build_model)
     if cfg.deploy.engine == "vllm":
-        return VLLMDeployment(cfg, policy, replica, task)
+        return VLLMDeployment(cfg, policy, replica, task, optimiser=opt.opts[0])
     if world.sharded and cfg.deploy.async_infer:  # the rollout overlaps the update: a snapshot of its own
         return SnapshotDeployment(cfg, policy, replica, task)
     if world.sharded or is_lora(policy):
