@@ -75,7 +75,7 @@ def _assert_weights_equal(engine, params):
 
 
 def test_greedy_tokens_equal_torch_engine_for_16_tokens_in_float32(engine, policy):
-    ids, mask = left_pad(PROMPTS, PAD)
+    ids, mask = (t.cuda() for t in left_pad(PROMPTS, PAD))
     got = engine.generate(ids, mask, n=2, generator=None)
     want = TorchEngine(policy, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=16, temperature=0.0).generate(
         ids, mask, n=2, generator=None

@@ -47,7 +47,7 @@ from rlcore.dataflow.scheduler import (
     run_pipeline,
 )
 from rlcore.dataflow.simulate import LinearCost, SimReport, critical_path_bound, fit_costs, simulate
-from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, stage
+from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, on_device, stage
 from rlcore.dataflow.weight_sync import SyncRecord, WeightPacket, WeightSync, load_into, unpack_weights
 
 __all__: list[str] = [
@@ -105,6 +105,7 @@ __all__: list[str] = [
     "flatten_rows",
     "infer_dp",
     "load_into",
+    "on_device",
     "pack",
     "pack_to_budget",
     "param_meta",

@@ -32,7 +32,7 @@ import torch
 from rlcore._checks import check_choice, check_positive
 from rlcore.dataflow.columns import Schema
 
-__all__ = ["PHASES", "ROLES", "Stage", "StageGraph", "stage"]
+__all__ = ["PHASES", "ROLES", "Stage", "StageGraph", "on_device", "stage"]
 
 ROLES = ("rollout", "compute", "update")
 # The memory-plan phase a role runs in when stages share devices (co-located).
@@ -78,6 +78,29 @@ class Stage:
     phase: str | None = None
     on_iteration_end: Callable[[int], Any] | None = None
     timeout: float | None = None
+
+
+def on_device(s: Stage, device: torch.device | str) -> Stage:
+    """``s`` with its batch's tensors moved to ``device`` before each call (the dock keeps rows where they were put).
+
+    The prompt loader and the host stages (rewards, pairs) put their columns in host
+    memory; a stage that computes on an accelerator takes its inputs there first. The
+    copies are queued ``non_blocking`` (pinned rows copy asynchronously; the stage's
+    kernels queue behind them on the same stream). Tensors already on ``device`` and the
+    batch's other entries are passed as they are; the outputs are not moved.
+
+    >>> s = on_device(stage(lambda b: {"y": b["x"] + 1}, inputs=["x"], outputs=["y"]), "cpu")
+    >>> s.fn({"x": torch.zeros(2)})["y"]
+    tensor([1., 1.])
+    """
+    device = torch.device(device)
+    fn = s.fn
+
+    def placed(b: dict[str, torch.Tensor]) -> Mapping[str, Any]:
+        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+        return fn(moved)
+
+    return dataclasses.replace(s, fn=placed)
 
 
 def _names(what: str, value: Any) -> tuple[str, ...]:

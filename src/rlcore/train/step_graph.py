@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any, cast
 
 from rlcore import algos
-from rlcore.dataflow import Stage, StageGraph
+from rlcore.dataflow import Stage, StageGraph, on_device
 from rlcore.rewards import RewardPool
 from rlcore.train.agent_stages import multi_turn_graph
 from rlcore.train.columns import COLUMNS
@@ -170,4 +170,8 @@ def step_graph(
             prepare=prepare,
         )
     )
+    if world.device.type != "cpu":  # the loader's and the host stages' columns are in host memory
+        stages = [s if s.resource == "cpu" else on_device(s, world.device) for s in stages]
+    if world.device.type != "cpu":  # the loader's and the host stages' columns are in host memory
+        stages = [s if s.resource == "cpu" else on_device(s, world.device) for s in stages]
     return StageGraph([steps.timed(s) for s in stages], sources=task.columns, schema=COLUMNS)
