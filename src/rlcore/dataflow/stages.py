@@ -89,7 +89,7 @@ def on_device(s: Stage, device: torch.device | str) -> Stage:
     kernels queue behind them on the same stream). Tensors already on ``device`` and the
     batch's other entries are passed as they are; the outputs are not moved.
 
-    >>> s = on_device(stage(lambda b: {"y": b["x"] + 1}, inputs=["x"], outputs=["y"]), "cpu")
+    >>> s = on_device(stage(lambda b: {"y": b["x"] + 1}, inputs=["x"], outputs=["y"], name="add"), "cpu")
     >>> s.fn({"x": torch.zeros(2)})["y"]
     tensor([1., 1.])
     """
