@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlcore.dataflow import PHASES, StageGraph, stage
+from rlcore.dataflow import PHASES, StageGraph, on_device, stage
 
 
 def _s(name, inputs, outputs, **kw):
@@ -125,3 +125,29 @@ def test_stage_needs_a_callable_and_a_name():
     with pytest.raises(ValueError, match="lambda needs an explicit name"):
         stage(lambda b: b, inputs=["prompts"], outputs=["x"])
     assert stage(lambda b: b, inputs=["prompts"], outputs=["x"], name="ok").name == "ok"
+
+
+def test_on_device_moves_the_batchs_tensors_before_the_call_and_nothing_else():
+    seen = {}
+
+    def fn(b):
+        seen.update(b)
+        return {"y": b["x"] * 2}
+
+    s = stage(fn, inputs=["x", "tags"], outputs=["y"], name="double", micro_batch=2, role="update")
+    placed = on_device(s, "meta")
+    x, tags = torch.ones(3), ["a", "b", "c"]
+    out = placed.fn({"x": x, "tags": tags})
+    assert seen["x"].device.type == "meta" and seen["tags"] is tags  # a list passes as it is
+    assert out["y"].device.type == "meta"  # the outputs stay where the stage made them
+    assert x.device.type == "cpu"  # the caller's tensors are not changed
+    assert (placed.name, placed.inputs, placed.outputs, placed.micro_batch, placed.role) == (
+        s.name,
+        s.inputs,
+        s.outputs,
+        s.micro_batch,
+        s.role,
+    )
+    same = torch.ones(2)
+    on_device(stage(fn, inputs=["x"], outputs=["y"], name="cpu_stage"), "cpu").fn({"x": same})
+    assert seen["x"] is same  # already on the device: no copy
