@@ -1,11 +1,11 @@
 """Rollout throughput: VLLMEngine (vLLM, in-process) against TorchEngine (rlcore's KV-cached decode loop).
 
 Run: python benchmarks/bench_rollout.py [--sizes 32x32,128x64,256x128,512x128] [--dtype float32] [--repeats 3]
-[--device cuda] [--vllm KEY=VALUE ...] (one size alone: ``--sizes 256x128``; ``--vllm enforce_eager=false``: any
-``deploy.vllm`` key, read as the trainer reads it)
+[--device cuda] [--layers 4] [--hidden 512] [--vllm KEY=VALUE ...] (one size alone: ``--sizes 256x128``;
+``--vllm enforce_eager=false``: any ``deploy.vllm`` key, read as the trainer reads it)
 
-Both engines sample the same random Qwen2 (4 layers, hidden 512, 8 heads of 64, MLP
-1536, vocabulary 2048, float32 by default) from the same left-padded prompts (8 to 24
+Both engines sample the same random Qwen2 (by default 4 layers, hidden 512, 8 heads of 64,
+MLP 1536, vocabulary 2048, float32 by default) from the same left-padded prompts (8 to 24
 tokens), temperature 1, keyed by the same row streams, each size ``ROWSxNEW``: ROWS
 sequences (prompts x 8 samples) of up to NEW new tokens. vLLM holds the weights the
 trainer would publish: they reach it through ``rlcore.dataflow.WeightSync``. Tokens
@@ -42,20 +42,20 @@ from rlcore.seeding import Purpose, RowStream
 from rlcore.train import TorchEngine, VLLMEngine, left_pad, parse_vllm_options
 
 EOS, PAD, VOCAB, SAMPLES = 1, 0, 2048, 8
-LAYERS, HIDDEN, HEADS, HEAD_DIM = 4, 512, 8, 64
+HEAD_DIM = 64
 BLOCK = 128  # KV-cache block (tokens): vLLM's CPU default, set so the cache is sized in whole blocks
 
 
-def model(dtype: torch.dtype) -> torch.nn.Module:
+def model(dtype: torch.dtype, layers: int, hidden: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(
         "qwen2",
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=3 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // HEAD_DIM,
+        num_key_value_heads=hidden // HEAD_DIM,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--stepped", action="store_true", help="also time vLLM's interruptible (partial) path")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512, help="a multiple of 64 (heads of 64 channels)")
     parser.add_argument("--device", default=None, help="torch device of the weights and prompts (default: rlcore's)")
     parser.add_argument(
         "--vllm", action="append", default=[], metavar="KEY=VALUE", help="a deploy.vllm option (repeatable)"
@@ -88,12 +90,14 @@ def main() -> None:
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device) if args.device else get_device()
-    policy = model(dtype).to(device)
+    if args.hidden % HEAD_DIM:
+        parser.error(f"--hidden: got {args.hidden}, expected a multiple of {HEAD_DIM}")
+    policy = model(dtype, args.layers, args.hidden).to(device)
     longest_rows = max(r for r, _ in sizes)
     # Every sequence of the largest size holds its blocks at once: vLLM never preempts a row
     # (a resumed seeded request fails on the CPU build), whole blocks per sequence.
     blocks = -(-(24 + max(n for _, n in sizes)) // BLOCK)
-    kv_token_bytes = 2 * LAYERS * HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
+    kv_token_bytes = 2 * args.layers * args.hidden * torch.finfo(dtype).bits // 8
     raw = {
         "kv_cache_memory_bytes": int(1.25 * longest_rows * blocks * BLOCK * kv_token_bytes),
         "max_num_seqs": longest_rows,
@@ -110,7 +114,7 @@ def main() -> None:
     built = time.perf_counter() - start
     record = WeightSync(dict(policy.named_parameters())).sync(1, vllm_engine.receiver())
     print(
-        f"model: {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}, {args.dtype}, on {device}; "
+        f"model: {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, {args.dtype}, on {device}; "
         f"{args.threads} threads; "
         f"vLLM built in {built:.1f} s ({options}); "
         f"weights synced to vLLM in {record.seconds:.3f} s ({record.nbytes / 2**20:.1f} MiB); "
