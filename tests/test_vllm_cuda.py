@@ -21,25 +21,28 @@ KV_BYTES = 1 << 30  # large beside the weights, so its release is plain in the d
 PROMPTS = [[2, 3, 4, 5, 6], [7, 8], [9, 10, 11], [12, 13, 14, 15]]
 
 
+MODEL = {
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+
+
 def tiny_model(seed: int) -> torch.nn.Module:
+    """A random Qwen2 of :data:`MODEL` on the GPU, float32."""
     torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(
-        "qwen2",
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().cuda()
+    config = transformers.AutoConfig.for_model("qwen2", **MODEL)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).cuda()
 
 
 @pytest.fixture(scope="module")
 def policy():
-    return tiny_model(0)
+    return tiny_model(0).eval()
 
 
 @pytest.fixture(scope="module")

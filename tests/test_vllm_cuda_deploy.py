@@ -2,8 +2,9 @@
 
 Entering ``"train"`` the engine sleeps (its KV cache and weights leave the device);
 entering ``"rollout"`` the trainer's parameters, gradients and optimiser state go to the
-host and the engine wakes. Needs an accelerator (CI has none: skipped there); a module of
-its own, as vLLM's sleep mode keeps one allocator per process.
+host and the engine wakes. Needs an accelerator (CI has none: skipped there). Run it in a
+process of its own, apart from ``test_vllm_cuda.py`` (vLLM's sleep mode keeps one allocator
+per process): ``pytest tests/test_vllm_cuda_deploy.py``.
 """
 
 from types import SimpleNamespace
@@ -12,40 +13,21 @@ import pytest
 import torch
 
 from rlcore.train import VLLMDeployment, parse_config
+from test_vllm_cuda import MODEL, VOCAB, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (vLLM's sleep mode)")
 
 EOS, PAD = 1, 0
 KV_BYTES = 1 << 30
-MODEL = {
-    "model_type": "qwen2",
-    "vocab_size": 1000,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
 CONFIG = {
-    "model": {"model_name_or_path": MODEL},
+    "model": {"model_name_or_path": {"model_type": "qwen2", **MODEL}},
     "rl": {"temperature": 1.0, "max_new_tokens": 8},
     "deploy": {"engine": "vllm", "vllm": {"kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 64, "sleep_level": 1}},
 }
 
 
-def _model(seed: int) -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(seed)
-    fields = dict(MODEL)
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).cuda()
-
-
 def _step(policy: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    ids = torch.randint(2, 1000, (4, 12), device="cuda")
+    ids = torch.randint(2, VOCAB, (4, 12), device="cuda")
     policy(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
     opt.step()
 
@@ -56,11 +38,11 @@ def _free() -> int:
 
 
 def test_the_switch_sleeps_the_engine_for_training_and_swaps_the_trainer_out_for_the_rollout():
-    policy = _model(0)
+    policy = tiny_model(0)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     _step(policy, opt)
     task = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
-    d = VLLMDeployment(parse_config(CONFIG), policy, _model(1).eval(), task, optimiser=opt)
+    d = VLLMDeployment(parse_config(CONFIG), policy, tiny_model(1).eval(), task, optimiser=opt)
     try:
         assert d.switch is not None and d.staging is not None
         state_bytes = sum(
