@@ -181,6 +181,11 @@ def rollout_proxy_stage(
     )
 
 
+def _on_host(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch's tensors in host memory (those already there are passed as they are)."""
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 class ProxyRollout:
     """The base of the rollout workers (:class:`RolloutWorker`, :class:`rlcore.dataflow.RayRolloutWorker`).
 
@@ -201,9 +206,14 @@ class ProxyRollout:
         resource: str = "rollout",
         timeout: float | None = None,
     ) -> Stage:
-        """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph."""
+        """The proxy rollout stage (role ``"rollout"``) to put in the trainer's graph.
+
+        The batch crosses to another process from host memory: a trainer on an
+        accelerator hands its device stages their rows there (:func:`rlcore.dataflow.on_device`),
+        and the worker places them for its own engine.
+        """
         return rollout_proxy_stage(
-            lambda batch: self._call(name, batch),
+            lambda batch: self._call(name, _on_host(batch)),
             inputs=inputs,
             outputs=outputs,
             name=name,
