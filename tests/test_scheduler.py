@@ -373,8 +373,8 @@ def test_the_next_iterations_prompts_are_loaded_while_the_current_one_runs():
     assert _no_worker_threads()
 
 
-def test_the_prefetch_starts_beside_a_stage_call_not_at_admission():
-    """The loader (Python, competing for the GIL) is handed the next iteration when a stage call starts."""
+def test_the_prefetch_starts_beside_the_update_call_not_at_admission_nor_beside_the_rollout():
+    """The loader (Python, competing for the GIL) is handed the next iteration when the update's call starts."""
     calls = []
     graph = StageGraph(
         [
@@ -407,7 +407,13 @@ def test_the_prefetch_starts_beside_a_stage_call_not_at_admission():
         assert calls == [0]
         task = core.pick("device")
         assert task is not None and task.stage.name == "rollout"
-        core.started()
+        core.started(task.stage.name)
+        time.sleep(0.2)  # a prefetch started beside the rollout would have run by now
+        assert calls == [0]
+        core.release(task, 0.0, core.complete(task, task.stage.fn(task.batch)))
+        task = core.pick("device")
+        assert task is not None and task.stage.name == "update"
+        core.started(task.stage.name)
         deadline = time.monotonic() + 30
         while calls != [0, 1] and time.monotonic() < deadline:
             time.sleep(0.01)

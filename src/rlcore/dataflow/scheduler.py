@@ -296,15 +296,22 @@ class SchedulerCore:
                 self.left[name, j] = self.capacity
             self.admitted += 1
 
-    def started(self) -> None:
-        """A stage call is about to run: hand the side jobs that became due to the loader thread.
+    def started(self, name: str) -> None:
+        """Stage ``name``'s call is about to run: hand the side jobs that became due to the loader thread.
 
         The prefetch admission made due and the collects of retired iterations are Python
         (they fill or read a dock) and compete for the GIL with whichever thread runs Python
         beside them. Started with a stage call rather than when they became due, they run
         beside the call's kernels instead of the scheduler's own bookkeeping (the rows the
-        next call takes), which would otherwise wait for the GIL on the device's path.
+        next call takes), which would otherwise wait for the GIL on the device's path. In the
+        blocking pipeline they wait for an update call (any call when the graph has no update
+        stage): its backward runs in C++ with the GIL released for most of its time, where a
+        rollout's decode loop and the forwards issue many small ops that each take the GIL
+        back. The next iteration is admitted only after the update, so the prefetch is still
+        ahead of it.
         """
+        if self.blocking and name not in self.updates:
+            return
         jobs, self._due = self._due, []
         if self.prefetch and self._ahead is None and self.admitted < self.num_iterations:  # the next one to admit
             self._ahead = _Ahead(self.admitted, self._open)
@@ -565,7 +572,7 @@ def run_pipeline(
                         return
                     if task is not None:
                         task.start = time.perf_counter() - t0
-                        core.started()
+                        core.started(task.stage.name)
                         break
                     if seen != state["epoch"]:
                         seen = state["epoch"]
