@@ -142,7 +142,7 @@ def test_sleep_switch_sleeps_in_train_wakes_for_the_rollout_and_reloads_dropped_
     pending = PendingVersions(lambda p: got.append(p.version), copy=False, keep_last=level == 2)
     policy = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(policy.parameters(), lr=0.1, momentum=0.9)
-    deployment = SimpleNamespace(engine=engine, pending=pending, sync=SimpleNamespace(params={}))
+    deployment = SimpleNamespace(engine=engine, pending=pending)
     switch = VLLMDeployment._sleep_switch(deployment, policy, opt, level)  # type: ignore[arg-type]
     pending(_packet(0, 0.0))
     switch("device", None, "rollout")  # built awake: nothing to wake

@@ -47,7 +47,7 @@ from rlcore.dataflow.scheduler import (
     run_pipeline,
 )
 from rlcore.dataflow.simulate import LinearCost, SimReport, critical_path_bound, fit_costs, simulate
-from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, on_device, stage
+from rlcore.dataflow.stages import PHASES, ROLES, Stage, StageGraph, batch_to, on_device, stage
 from rlcore.dataflow.weight_sync import SyncRecord, WeightPacket, WeightSync, load_into, unpack_weights
 
 __all__: list[str] = [
@@ -94,6 +94,7 @@ __all__: list[str] = [
     "add_note",
     "allocate_buckets",
     "balanced_partition",
+    "batch_to",
     "bucket_views",
     "check_reshard_params",
     "colocate",

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 from rlcore._lifetime import die_with_parent
 from rlcore.dataflow.scheduler import HandBack, add_note
-from rlcore.dataflow.stages import Stage, stage
+from rlcore.dataflow.stages import Stage, batch_to, stage
 from rlcore.dataflow.weight_sync import WeightPacket, WeightSync, unpack_weights
 
 __all__ = ["LatestWeights", "ProxyRollout", "RolloutWorker", "WorkerDied", "colocate", "rollout_proxy_stage"]
@@ -181,11 +181,6 @@ def rollout_proxy_stage(
     )
 
 
-def _on_host(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The batch's tensors in host memory (those already there are passed as they are)."""
-    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 class ProxyRollout:
     """The base of the rollout workers (:class:`RolloutWorker`, :class:`rlcore.dataflow.RayRolloutWorker`).
 
@@ -213,7 +208,7 @@ class ProxyRollout:
         and the worker places them for its own engine.
         """
         return rollout_proxy_stage(
-            lambda batch: self._call(name, _on_host(batch)),
+            lambda batch: self._call(name, batch_to(batch, "cpu")),
             inputs=inputs,
             outputs=outputs,
             name=name,

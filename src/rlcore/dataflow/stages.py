@@ -32,7 +32,7 @@ import torch
 from rlcore._checks import check_choice, check_positive
 from rlcore.dataflow.columns import Schema
 
-__all__ = ["PHASES", "ROLES", "Stage", "StageGraph", "on_device", "stage"]
+__all__ = ["PHASES", "ROLES", "Stage", "StageGraph", "batch_to", "on_device", "stage"]
 
 ROLES = ("rollout", "compute", "update")
 # The memory-plan phase a role runs in when stages share devices (co-located).
@@ -97,10 +97,14 @@ def on_device(s: Stage, device: torch.device | str) -> Stage:
     fn = s.fn
 
     def placed(b: dict[str, torch.Tensor]) -> Mapping[str, Any]:
-        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-        return fn(moved)
+        return fn(batch_to(b, device, non_blocking=True))
 
     return dataclasses.replace(s, fn=placed)
+
+
+def batch_to(b: Mapping[str, Any], device: torch.device | str, *, non_blocking: bool = False) -> dict[str, Any]:
+    """A batch with its tensors on ``device`` (those already there, and the other entries, as they are)."""
+    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
 
 
 def _names(what: str, value: Any) -> tuple[str, ...]:

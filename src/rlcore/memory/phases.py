@@ -140,7 +140,7 @@ class EngineSwitch:
         self.phase: str | None = None
         self.transitions: list[tuple[str | None, str]] = []
         self.offloaded_bytes = 0
-        self._handles: list[SwapHandle] = []
+        self._handle: SwapHandle | None = None
 
     def __call__(self, resource: str, src: str | None, dst: str) -> None:
         if dst not in ("rollout", "train"):
@@ -151,9 +151,8 @@ class EngineSwitch:
             state = self.state()
             if not isinstance(state, TrainState):
                 raise ValueError(f"state: returned {type(state).__name__}, expected a TrainState")
-            trees = (dict(state.params), state.grads, state.optimizer)
-            self._handles = [offload(tree) for tree in trees]
-            self.offloaded_bytes = sum(h.nbytes for h in self._handles)
+            self._handle = offload((dict(state.params), state.grads, state.optimizer))
+            self.offloaded_bytes = self._handle.nbytes
             if not self.awake:
                 try:
                     self.wake()
@@ -162,7 +161,7 @@ class EngineSwitch:
                     raise
                 self.awake = True
             if self.on_offload is not None:
-                self.on_offload(self._handles)
+                self.on_offload([self._handle])
         else:
             if self.awake:
                 self.sleep()
@@ -172,8 +171,8 @@ class EngineSwitch:
         self.phase = dst
 
     def _reload(self) -> None:
-        handles, self._handles = self._handles, []
-        for handle in handles:
+        handle, self._handle = self._handle, None
+        if handle is not None:
             reload(handle)
 
 

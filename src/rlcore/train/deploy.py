@@ -364,6 +364,7 @@ class _Synced(_Placed):
     def _send(self, version: int, receiver: Callable[[WeightPacket], Any]) -> None:
         self.sync.params = self._full_weights()  # gathered anew after each update (collective when sharded)
         record = self.sync.sync(version, receiver)
+        self.sync.params = {}  # no view of the weights held between publishes: a phase switch may move their storage
         self._record_sync(record.seconds, record.nbytes)
 
 
@@ -518,7 +519,6 @@ class VLLMDeployment(_Synced):
             return None if optimiser is None else list(optimiser.state.values())
 
         def train_state() -> TrainState:
-            self.sync.params = {}  # the published weights' views: gathered anew at the next publish
             return TrainState(named, [p.grad for p in named.values()], optimiser_state())
 
         def sleep() -> None:

@@ -172,6 +172,4 @@ def step_graph(
     )
     if world.device.type != "cpu":  # the loader's and the host stages' columns are in host memory
         stages = [s if s.resource == "cpu" else on_device(s, world.device) for s in stages]
-    if world.device.type != "cpu":  # the loader's and the host stages' columns are in host memory
-        stages = [s if s.resource == "cpu" else on_device(s, world.device) for s in stages]
     return StageGraph([steps.timed(s) for s in stages], sources=task.columns, schema=COLUMNS)
