@@ -1,11 +1,11 @@
 """Rollout throughput: VLLMEngine (vLLM, in-process) against TorchEngine (rlcore's KV-cached decode loop).
 
 Run: python benchmarks/bench_rollout.py [--sizes 32x32,128x64,256x128,512x128] [--dtype float32] [--repeats 3]
-[--device cuda] [--layers 4] [--hidden 512] [--vllm KEY=VALUE ...] (one size alone: ``--sizes 256x128``;
+[--device cuda] [--layers 4] [--hidden 512] [--head-dim 64] [--vocab 2048] [--vllm KEY=VALUE ...] (one size alone: ``--sizes 256x128``;
 ``--vllm enforce_eager=false``: any ``deploy.vllm`` key, read as the trainer reads it)
 
 Both engines sample the same random Qwen2 (by default 4 layers, hidden 512, 8 heads of 64,
-MLP 1536, vocabulary 2048, float32 by default) from the same left-padded prompts (8 to 24
+MLP 1536, vocabulary 2048, float32 by default; built on ``--device``) from the same left-padded prompts (8 to 24
 tokens), temperature 1, keyed by the same row streams, each size ``ROWSxNEW``: ROWS
 sequences (prompts x 8 samples) of up to NEW new tokens. vLLM holds the weights the
 trainer would publish: they reach it through ``rlcore.dataflow.WeightSync``. Tokens
@@ -41,31 +41,39 @@ from rlcore.device import get_device, synchronize
 from rlcore.seeding import Purpose, RowStream
 from rlcore.train import TorchEngine, VLLMEngine, left_pad, parse_vllm_options
 
-EOS, PAD, VOCAB, SAMPLES = 1, 0, 2048, 8
-HEAD_DIM = 64
+EOS, PAD, SAMPLES = 1, 0, 8
 BLOCK = 128  # KV-cache block (tokens): vLLM's CPU default, set so the cache is sized in whole blocks
 
 
-def model(dtype: torch.dtype, layers: int, hidden: int) -> torch.nn.Module:
+def model(
+    dtype: torch.dtype,
+    layers: int,
+    hidden: int,
+    *,
+    head_dim: int = 64,
+    vocab: int = 2048,
+    device: torch.device | None = None,
+) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(
         "qwen2",
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=hidden // HEAD_DIM,
-        num_key_value_heads=hidden // HEAD_DIM,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=hidden // head_dim,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.device(device or "cpu"):  # initialised where it runs: a large model's init on the host is slow
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def prompts(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prompts(rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(8, 25, (rows // SAMPLES,), generator=g).tolist()
-    return left_pad([torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths], PAD)
+    return left_pad([torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths], PAD)
 
 
 def _never() -> None:
@@ -80,7 +88,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--stepped", action="store_true", help="also time vLLM's interruptible (partial) path")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512, help="a multiple of 64 (heads of 64 channels)")
+    parser.add_argument("--hidden", type=int, default=512, help="a multiple of --head-dim")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--device", default=None, help="torch device of the weights and prompts (default: rlcore's)")
     parser.add_argument(
         "--vllm", action="append", default=[], metavar="KEY=VALUE", help="a deploy.vllm option (repeatable)"
@@ -90,9 +100,9 @@ def main() -> None:
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device) if args.device else get_device()
-    if args.hidden % HEAD_DIM:
-        parser.error(f"--hidden: got {args.hidden}, expected a multiple of {HEAD_DIM}")
-    policy = model(dtype, args.layers, args.hidden).to(device)
+    if args.hidden % args.head_dim:
+        parser.error(f"--hidden: got {args.hidden}, expected a multiple of --head-dim ({args.head_dim})")
+    policy = model(dtype, args.layers, args.hidden, head_dim=args.head_dim, vocab=args.vocab, device=device)
     longest_rows = max(r for r, _ in sizes)
     # Every sequence of the largest size holds its blocks at once: vLLM never preempts a row
     # (a resumed seeded request fails on the CPU build), whole blocks per sequence.
@@ -112,9 +122,11 @@ def main() -> None:
     start = time.perf_counter()
     vllm_engine = VLLMEngine.from_module(policy, eos_token_id=EOS, pad_token_id=PAD, options=options)
     built = time.perf_counter() - start
-    record = WeightSync(dict(policy.named_parameters())).sync(1, vllm_engine.receiver())
+    params = dict(policy.named_parameters())
+    largest = max(p.numel() * p.element_size() for p in params.values())  # a large vocabulary's embedding
+    record = WeightSync(params, bucket_bytes=max(64 << 20, largest)).sync(1, vllm_engine.receiver())
     print(
-        f"model: {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, {args.dtype}, on {device}; "
+        f"model: {args.layers} layers, hidden {args.hidden} ({args.head_dim} per head), vocab {args.vocab}, {args.dtype}, on {device}; "
         f"{args.threads} threads; "
         f"vLLM built in {built:.1f} s ({options}); "
         f"weights synced to vLLM in {record.seconds:.3f} s ({record.nbytes / 2**20:.1f} MiB); "
@@ -123,7 +135,7 @@ def main() -> None:
     )
     ratios = []
     for rows, new in sizes:
-        ids, mask = (t.to(device) for t in prompts(rows))
+        ids, mask = (t.to(device) for t in prompts(rows, args.vocab))
         engines = {
             "vllm": vllm_engine.sampling(max_new_tokens=new),
             "torch": TorchEngine(policy, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=new),
