@@ -9,9 +9,9 @@ its own pool, outside torch's allocator statistics.
 
 import pytest
 import torch
-import transformers
 
 from rlcore.dataflow import WeightSync
+from rlcore.models import load_causal_lm
 from rlcore.train import TorchEngine, VLLMEngine, VLLMOptions, left_pad
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (vLLM's sleep mode)")
@@ -35,9 +35,7 @@ MODEL = {
 
 def tiny_model(seed: int) -> torch.nn.Module:
     """A random Qwen2 of :data:`MODEL` on the GPU, float32."""
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model("qwen2", **MODEL)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).cuda()
+    return load_causal_lm({"model_type": "qwen2", **MODEL}, dtype=torch.float32, seed=seed, device="cuda")
 
 
 @pytest.fixture(scope="module")

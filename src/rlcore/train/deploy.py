@@ -513,13 +513,7 @@ class VLLMDeployment(_Synced):
         self, policy: torch.nn.Module, optimiser: torch.optim.Optimizer | None, level: int
     ) -> EngineSwitch:
         """vLLM's sleep mode at the phase switch, in the memory plan's order, with the trainer's state on the host."""
-        named = dict(policy.named_parameters())
-
-        def optimiser_state() -> list[Any] | None:  # created lazily by the first step
-            return None if optimiser is None else list(optimiser.state.values())
-
-        def train_state() -> TrainState:
-            return TrainState(named, [p.grad for p in named.values()], optimiser_state())
+        current, self.staging = _moved_state(dict(policy.named_parameters()), optimiser)
 
         def sleep() -> None:
             self.engine.sleep(level)
@@ -527,10 +521,8 @@ class VLLMDeployment(_Synced):
                 assert self.pending is not None
                 self.pending.forget()
 
-        # A background save's copy of the moved state is the offload's (the optimiser's state as of the save).
-        self.staging = SwapStaging(lambda: [*named.values(), *tree_leaves(optimiser_state())])
         return EngineSwitch(
-            train_state, wake=self.engine.wake_up, sleep=sleep, on_offload=self.staging.offloaded, awake=True
+            current, wake=self.engine.wake_up, sleep=sleep, on_offload=self.staging.offloaded, awake=True
         )
 
     def close(self) -> None:
@@ -599,6 +591,25 @@ def _at_version(call: Callable[[Batch], Any], pending: PendingVersions, b: Batch
     """A rollout call that first loads the weights version its rows were stamped with."""
     pending.load(int(b["policy_version"][0]))
     return call(b)
+
+
+def _moved_state(
+    named: Mapping[str, torch.Tensor], optimiser: torch.optim.Optimizer | None
+) -> tuple[Callable[[], TrainState], SwapStaging]:
+    """What a co-located phase switch moves off the device, and the background save's staging served by that move.
+
+    Returns ``(current, staging)``: ``current()`` is the training state as it is now (the
+    optimiser creates the grads and its state lazily, at the first step); a background
+    save's copy of the moved tensors is the offload's (the optimiser's state as of the save).
+    """
+
+    def optimiser_state() -> list[Any]:
+        return [] if optimiser is None else list(optimiser.state.values())
+
+    def current() -> TrainState:
+        return TrainState(named, [p.grad for p in named.values()], optimiser_state())
+
+    return current, SwapStaging(lambda: [*named.values(), *tree_leaves(optimiser_state())])
 
 
 _NOTED: list[bool] = []
@@ -824,10 +835,9 @@ class ColocatedDeployment(_Placed):
             device=next(policy.parameters()).device,
             rank=dist.get_rank(),
         )
-        state = TrainState(named)
-        # A background save's copy of the moved state is the offload's (the optimiser's state as of the save).
-        staging = SwapStaging(lambda: [*named.values(), *tree_leaves(list(optimiser.state.values()))])
+        current, staging = _moved_state(named, optimiser)
         self.staging = staging
+        state = TrainState(named)
 
         def bind(weights: dict[str, torch.Tensor]) -> None:
             for name, p in engine_params.items():
@@ -842,9 +852,8 @@ class ColocatedDeployment(_Placed):
 
         def switch(resource: str, src: str | None, dst: str) -> None:
             if dst == "rollout":
-                # The optimiser creates grads and its state lazily: the swap takes the current tensors.
-                state.grads = [p.grad for p in policy.parameters()]
-                state.optimizer = list(optimiser.state.values())
+                now = current()
+                state.grads, state.optimizer = now.grads, now.optimizer
                 t0 = time.perf_counter()
                 swap(resource, src, dst)
                 self._record_sync(time.perf_counter() - t0, sum(b.nbytes for b in plan.reshard.buckets))
