@@ -1,4 +1,4 @@
-"""Memory: host<->device swap of pytrees, the per-phase memory plan, AllGather-Swap, phase transforms."""
+"""Memory: host<->device swap of pytrees, the per-phase memory plan, AllGather-Swap, phase transforms, host malloc."""
 
 from rlcore.memory.allgather_swap import (
     AllGatherSwapPlan,
@@ -8,11 +8,14 @@ from rlcore.memory.allgather_swap import (
     enter_rollout,
     enter_train,
 )
+from rlcore.memory.host_malloc import MAX_MIB, MMAP_THRESHOLD_LIMIT, keep_freed_host_memory
 from rlcore.memory.phases import ColocatedSwitch, EngineSwitch, in_phase
 from rlcore.memory.plan import ORDERS, RESIDENCIES, MemoryPlan, StateGroup, Step, Transition, colocated_plan
 from rlcore.memory.swap import SwapHandle, host_copies, offload, reload
 
 __all__ = [
+    "MAX_MIB",
+    "MMAP_THRESHOLD_LIMIT",
     "ORDERS",
     "RESIDENCIES",
     "AllGatherSwapPlan",
@@ -31,6 +34,7 @@ __all__ = [
     "enter_train",
     "host_copies",
     "in_phase",
+    "keep_freed_host_memory",
     "offload",
     "reload",
 ]

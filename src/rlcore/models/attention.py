@@ -11,6 +11,11 @@ attention over the segments only:
   float16 / bfloat16; FlexAttention with a document mask for other dtypes.
 * Ascend NPU: torch-npu's fused varlen attention (``npu_fusion_attention``, layout TND).
 
+Attention under an explicit boolean mask (a shared-prompt pack's groups, a prefill's
+padded prompts) goes through :func:`attend_masked`: SDPA, except for the few keys per
+problem of a small model's batch on the CPU, where :func:`rlcore.ops.masked_attention`'s
+three matmuls beat the fused kernel.
+
 The backend follows the tensors' device (``rlcore.device`` names the same three);
 torch-npu is imported only through :mod:`rlcore.device`. The CUDA and NPU branches
 cannot run on the CPU-only CI and are kept to the library call; the CPU test suite
@@ -28,8 +33,10 @@ import torch.nn.functional as F
 
 from rlcore._checks import check_integer, check_ndim, check_tensor, host_readable
 from rlcore.device import import_torch_npu
+from rlcore.ops.attention import masked_attention
 
 __all__ = [
+    "attend_masked",
     "attend_packed",
     "check_cu_seqlens",
     "packed_causal_attention",
@@ -37,6 +44,10 @@ __all__ = [
 
 # The compressed causal mask npu_fusion_attention requires with sparse_mode=3.
 _NPU_MASK_SIZE = 2048
+# On the CPU, problems of at most this many keys run as materialised-score matmuls
+# (rlcore.ops.masked_attention), longer ones through SDPA's fused kernel: the crossover
+# measured by benchmarks/bench_small_attention.py lies between 64 and 128 keys.
+CPU_SMALL_KEYS = 64
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> list[int] | None:
@@ -63,6 +74,22 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> list[int] | None:
             f"non-decreasing boundaries from 0 to {n} (the number of packed tokens)"
         )
     return bounds
+
+
+def attend_masked(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, *, scale: float
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=...)`` by the faster kernel.
+
+    ``query`` ``[B, H, T, D]``, ``key`` / ``value`` ``[B, KV, S, D]``, ``mask`` bool
+    ``[B or 1, 1 or H, T, S]`` with at least one key per query (the result of a query
+    with none depends on the kernel). On the CPU with at most :data:`CPU_SMALL_KEYS` keys:
+    :func:`rlcore.ops.masked_attention`; otherwise SDPA.
+    """
+    if query.device.type == "cpu" and key.shape[2] <= CPU_SMALL_KEYS:
+        return masked_attention(query, key, value, mask, scale=scale)
+    gqa = query.shape[1] != key.shape[1]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float) -> torch.Tensor:

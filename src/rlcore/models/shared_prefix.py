@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from rlcore.models.attention import attend_masked
 from rlcore.ops.linear_logprobs import linear_logprobs
 
 __all__ = ["SharedPrefix", "shared_prefix_hidden", "shared_prefix_logprobs", "shares_prompts"]
@@ -51,9 +51,7 @@ class SharedPrefix:
         def view(x: torch.Tensor) -> torch.Tensor:
             return x.index_select(0, self.gather).view(groups, width, *x.shape[1:]).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(
-            view(q), view(k), view(v), attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out = attend_masked(view(q), view(k), view(v), self.mask, scale=scale)
         return out.transpose(1, 2).reshape(groups * width, *q.shape[1:]).index_select(0, self.scatter)
 
 

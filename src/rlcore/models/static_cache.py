@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from rlcore.models.attention import attend_masked
+
 __all__ = ["StaticDecodeStep", "supports_static_decode"]
 
 _LAYOUTS = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -191,7 +193,7 @@ class StaticDecodeStep:
             shape = (rows, length, -1, attn.head_dim)
             q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
             q, k = _rotary(attn, q, k, cos, sin)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+            out = attend_masked(q, k, v, mask, scale=attn.scaling)
             hidden = _mlp(layer, hidden + attn.o_proj(out.transpose(1, 2).reshape(rows, length, -1)))
             cache.append((k, v) if groups is None else (k.index_select(0, groups), v.index_select(0, groups)))
         logits = base.lm_head(inner.norm(hidden[:, -1]))

@@ -1,8 +1,9 @@
-"""Tensor primitives: masked and segment reductions, linear scans, token and sequence log-probs, packing.
+"""Tensor primitives: masked and segment reductions, small-head masked attention, linear scans, token and sequence log-probs, packing.
 
 Pure tensor-in, tensor-out functions with float32 accumulation and no host syncs.
 """
 
+from rlcore.ops.attention import masked_attention
 from rlcore.ops.linear_logprobs import linear_logprobs
 from rlcore.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from rlcore.ops.masked import masked_mean, masked_sum, masked_var, masked_whiten, pivot_shift
@@ -30,6 +31,7 @@ __all__ = [
     "keep_bits",
     "linear_logprobs",
     "logprobs_from_logits",
+    "masked_attention",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -47,6 +47,9 @@ Keys beyond the seed's (defaults in the dataclasses below)::
     data.task (addition | reversal | multiplication), data.digits, data.length, data.min_length, data.letters
     trainer.steps, trainer.seed, trainer.output_dir, trainer.save_every, trainer.reward_workers,
     trainer.progress, trainer.plot, trainer.threads (torch threads; 0 leaves torch's default)
+    trainer.malloc_keep_mib                  MiB of freed host memory glibc's malloc keeps for reuse instead of
+                                             returning it to the system (default 256; 0: malloc's own thresholds;
+                                             rlcore.memory.keep_freed_host_memory)
     trainer.reward_timeout                   seconds one batch's reward may run (null: no limit)
     trainer.reward_workers                   reward worker processes (0: score in the trainer's process)
     trainer.timeline_iterations              iterations shown in the output directory's timeline.png
@@ -185,6 +188,7 @@ import yaml
 from rlcore.agent import parse_multi_turn
 from rlcore.algos.distillation import check_jsd_options
 from rlcore.data.curriculum import parse_curriculum
+from rlcore.memory.host_malloc import MAX_MIB
 from rlcore.train.context_parallel import check_context_parallel_model
 from rlcore.train.entropy_target import parse_entropy_target
 from rlcore.train.parallel import check_parallel_sizes
@@ -333,6 +337,7 @@ class TrainerConfig:
     progress: bool = True
     plot: bool = True
     threads: int = 0
+    malloc_keep_mib: int = 256
     reward_timeout: float | None = 300.0
     timeline_iterations: int = 4
     eval_every: int = 0
@@ -485,6 +490,10 @@ def _validate(cfg: Config) -> None:
         _positive("trainer.reward_timeout", tr.reward_timeout)
     if tr.stop_timeout is not None:
         _positive("trainer.stop_timeout", tr.stop_timeout)
+    if not 0 <= tr.malloc_keep_mib <= MAX_MIB:
+        raise ValueError(
+            f"config key 'trainer.malloc_keep_mib': got {tr.malloc_keep_mib}, expected an int in [0, {MAX_MIB}]"
+        )
     most_threads = max(256, 4 * (os.cpu_count() or 1))  # torch takes a C int; OpenMP would start them all
     if tr.threads > most_threads:
         raise ValueError(

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from rlcore.device import get_device
+from rlcore.memory.host_malloc import keep_freed_host_memory
 from rlcore.train.config import Config, check_launch
 from rlcore.train.lora import check_lora_launch
 from rlcore.train.parallel import device_mesh
@@ -96,9 +97,10 @@ class World:
 
 
 def process_settings(cfg: Config) -> None:
-    """This process's settings from ``trainer``: torch's intra-op threads."""
+    """This process's settings from ``trainer``: torch's intra-op threads, the freed host memory malloc keeps."""
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    keep_freed_host_memory(cfg.trainer.malloc_keep_mib)
 
 
 def local_device() -> torch.device:

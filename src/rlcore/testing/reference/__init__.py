@@ -19,7 +19,7 @@ from rlcore.testing.reference.advantages import (
     remax_advantages_ref,
     rloo_advantages_ref,
 )
-from rlcore.testing.reference.attention import packed_attention_ref
+from rlcore.testing.reference.attention import masked_attention_ref, packed_attention_ref
 from rlcore.testing.reference.curriculum import curriculum_probs_ref, difficulty_bands_ref, pass_rate_update_ref
 from rlcore.testing.reference.distillation import generalized_jsd_loss_ref, reverse_kl_distill_loss_ref
 from rlcore.testing.reference.dock import TransferDockRef, balanced_partition_ref
@@ -159,6 +159,7 @@ __all__ = [
     "linear_logprobs_ref",
     "local_shard_ref",
     "logprobs_ref",
+    "masked_attention_ref",
     "masked_mean_ref",
     "masked_sum_ref",
     "masked_var_ref",
