@@ -79,11 +79,13 @@ def _assert_metrics_match(records, ref_records, ctx):  # type: ignore[no-untyped
     for key in ("ratio_max", "ratio_min", "ratio_mean", "approx_kl", "clip_frac_low", "pg_loss"):
         assert key in keys, (ctx, key)
     for key in keys:
+        # The rollout-vs-trainer log-prob mismatch is itself float rounding (~1e-7): each run's
+        # attention kernels round differently (SDPA's ring pieces against the one-rank matmuls).
         torch.testing.assert_close(
             torch.tensor(got[key], dtype=torch.float64),
             torch.tensor(want[key], dtype=torch.float64),
             rtol=1e-5,
-            atol=1e-7,
+            atol=2e-6 if key.startswith("mismatch/") else 1e-7,
             msg=lambda m: f"{ctx} {key}: {m}",
         )
 
