@@ -193,3 +193,21 @@ def test_shared_prompt_prefill_equals_the_models_own_forward(kind):
             ours.feed(token)
             theirs.feed(token)
         torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_rope_table_is_the_models_own_rotary_embedding_bit_for_bit(kind):
+    from rlcore.models.static_cache import _rope_table
+
+    inner = MODELS[kind].model
+    cos, sin = _rope_table(inner, 40)
+    positions = torch.tensor([[0], [7], [39], [3]])
+    want_cos, want_sin = inner.rotary_emb(inner.embed_tokens.weight[:4], positions)
+    assert torch.equal(cos[positions], want_cos) and torch.equal(sin[positions], want_sin)
+
+
+def test_a_rotary_embedding_that_follows_the_length_keeps_its_own_call():
+    from rlcore.models.static_cache import _rope_table
+
+    model = _model("qwen2", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert _rope_table(model.model, 16) is None

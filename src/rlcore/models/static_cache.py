@@ -95,6 +95,24 @@ def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     return None
 
 
+def _rope_table(inner: Any, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(cos, sin)`` ``[length, head_dim]`` of positions ``0 .. length - 1``, or None for a rotary embedding with state.
+
+    The default rotary embedding is a function of the position alone (each angle one
+    product ``position * inv_freq``), so a row of the table is bit for bit what the model's
+    ``rotary_emb`` gives that position; the decode reads it instead of recomputing the
+    angles, their cosines and sines at every token. Scaled variants whose frequencies
+    follow the sequence length (dynamic, longrope) keep the model's own call.
+    """
+    rotary = inner.rotary_emb
+    if getattr(rotary, "rope_type", None) != "default":
+        return None
+    weight = inner.embed_tokens.weight
+    positions = torch.arange(length, device=weight.device)[None]
+    cos, sin = rotary(weight[:1], positions)
+    return cos[0], sin[0]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -148,6 +166,7 @@ class StaticDecodeStep:
         self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=attention.device)
         self.valid[:, :length] = attention.bool()
         self.length = length
+        self.rope = _rope_table(self.inner, capacity)
 
     @classmethod
     def prefill(
@@ -215,6 +234,7 @@ class StaticDecodeStep:
         self.keys = [wider(t, 2) for t in self.keys]
         self.values = [wider(t, 2) for t in self.values]
         self.valid = wider(self.valid, 1)
+        self.rope = _rope_table(self.inner, self.valid.shape[1])
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (an index list), in that order."""
@@ -230,7 +250,10 @@ class StaticDecodeStep:
         mask = self.valid[:, None, None, :end]
         inner = self.inner
         hidden = inner.embed_tokens(token)  # [B, H]
-        cos, sin = inner.rotary_emb(hidden, position)  # [B, 1, head_dim]
+        if self.rope is not None:  # a row's position is at most the cache's length: inside the table
+            cos, sin = self.rope[0][position], self.rope[1][position]  # [B, 1, head_dim]
+        else:
+            cos, sin = inner.rotary_emb(hidden, position)
         rows = token.shape[0]
         for layer, keys, values in zip(inner.layers, self.keys, self.values):
             attn = layer.self_attn
