@@ -552,11 +552,16 @@ def run_pipeline(
     workers = sum(core.slots[r] for r in graph.resources)
     t0 = time.perf_counter()
 
+    # The driving thread waits on this, not on ``cond``: a hand-off between stages wakes the
+    # workers only, not a thread that has nothing to take.
+    finished = threading.Event()
+
     def fail(err: BaseException) -> None:
         if state["error"] is None:
             state["error"] = err
         state["stop"] = True
         cond.notify_all()
+        finished.set()
 
     def worker(resource: str) -> None:
         while True:
@@ -615,6 +620,8 @@ def run_pipeline(
                 except BaseException as err:  # the loader of a newly admitted iteration
                     fail(err)
                     return
+                if core.done:
+                    finished.set()
                 state["epoch"] += 1
                 state["idle"] = 0
                 cond.notify_all()
@@ -627,15 +634,17 @@ def run_pipeline(
     for t in threads:
         t.start()
     try:
-        with cond:
-            while not core.done and state["error"] is None:
+        while True:
+            finished.wait(0.05)  # the stage time limits are checked every 50 ms
+            with cond:
+                if core.done or state["error"] is not None:
+                    break
                 now = time.perf_counter() - t0
                 for tasks in core.running.values():
                     for task in tasks:
                         limit = task.stage.timeout
                         if limit is not None and now - task.start > limit:
                             fail(StageTimeout(task.stage.name, task.iteration, limit))
-                cond.wait(0.05)
     finally:
         # Also on Ctrl-C / SIGTERM in this thread: workers finish their current call and
         # exit, so the process never ends with a worker thread inside a stage.
