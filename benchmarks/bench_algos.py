@@ -57,7 +57,7 @@ from rlcore.algos import aggregate, gae, grpo, grpo_advantages, ppo_clip_loss, r
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _peers import PeerConfig, actor_config, peer
-from _timing import median_time, report
+from _timing import alternated_medians, median_time, report
 
 
 def _report(name: str, ours: float, baseline: float) -> None:
@@ -263,19 +263,6 @@ def bench_grpo_loss(repeats: int) -> None:
     _report("grpo loss + backward  [256, 1024]", statistics.median(times["ours"]), statistics.median(times["peer"]))
 
 
-def _alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Medians of each function, called in turn so that load from other processes hits all alike."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def bench_grpo_vs_vectorised(repeats: int) -> None:
     """Both sides on the same scores: first as rollouts are stored (the ``n_samples`` responses to a
     prompt side by side), which rlcore is told with ``group_size`` and verl reads from its index;
@@ -307,10 +294,14 @@ def bench_grpo_vs_vectorised(repeats: int) -> None:
         "ours_default": lambda: grpo_advantages(scores, shuffled),
         "verl": lambda: grpo_vectorised_verl(scores, shuffled),
     }
-    t = _alternate(fns, repeats * 40)
+    t = alternated_medians(fns, repeats=repeats * 40, warmup=1)
     # The compiled function is first called only now: its worker threads, once started, slow
     # every eager call that follows on a busy machine, so the eager rows are timed before it.
-    t.update(_alternate({"ours_compiled": lambda: compiled(scores, shuffled), "verl": fns["verl"]}, repeats * 40))
+    t.update(
+        alternated_medians(
+            {"ours_compiled": lambda: compiled(scores, shuffled), "verl": fns["verl"]}, repeats=repeats * 40, warmup=1
+        )
+    )
     report("grpo_advantages vs verl vectorised (group_size)", t["layout_no_ids"], t["verl_layout"], target=2.0)
     report("  same, ids also passed and checked on the CPU", t["layout"], t["verl_layout"])
     report("  shuffled ids, num_groups=G", t["ours"], t["verl"])
@@ -355,10 +346,14 @@ def bench_ppo_loss_vs_vanilla(repeats: int) -> None:
 
     torch.testing.assert_close(ours(), verl(), rtol=1e-4, atol=1e-9)
     torch.testing.assert_close(ours(ratio_stats=True), verl(), rtol=1e-4, atol=1e-9)
-    tm = _alternate({"ours": ours, "ours_all": lambda: ours(ratio_stats=True), "verl": verl}, repeats * 4)
+    tm = alternated_medians(
+        {"ours": ours, "ours_all": lambda: ours(ratio_stats=True), "verl": verl}, repeats=repeats * 4, warmup=1
+    )
     # Compiled last (see bench_grpo_vs_vectorised): the eager rows are timed before any compiled call.
     torch.testing.assert_close(ours_compiled(), verl(verl_c), rtol=1e-4, atol=1e-9)
-    tm.update(_alternate({"ours_c": ours_compiled, "verl_c": lambda: verl(verl_c)}, repeats * 4))
+    tm.update(
+        alternated_medians({"ours_c": ours_compiled, "verl_c": lambda: verl(verl_c)}, repeats=repeats * 4, warmup=1)
+    )
     report("ppo_clip_loss+aggregate fwd+bwd vs verl vanilla", tm["ours"], tm["verl"], target=1.5)
     report("  same, with ratio mean/min/max (the default)", tm["ours_all"], tm["verl"])
     report("  same, both torch.compile'd", tm["ours_c"], tm["verl_c"])
@@ -448,12 +443,12 @@ def bench_policy_losses_vs_verl(repeats: int) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-9)
         fns[name], fns[f"{name}_verl"] = ours(loss, {**kw, "ratio_stats": False}), theirs(peer_fn, config())
         fns[f"{name}_all"] = ours(loss, kw)
-    t = _alternate(fns, repeats * 4)
+    t = alternated_medians(fns, repeats=repeats * 4, warmup=1)
     for name in POLICY_PEERS:
         report(f"{name} loss+aggregate fwd+bwd vs verl [256,1024]", t[name], t[f"{name}_verl"], target=1.0)
         report("  same, with ratio mean/min/max (the default)", t[f"{name}_all"], t[f"{name}_verl"])
         # The same pair alternated on its own: the allocator's state then depends on these two calls only.
-        alone = _alternate({"ours": fns[name], "verl": fns[f"{name}_verl"]}, repeats * 4)
+        alone = alternated_medians({"ours": fns[name], "verl": fns[f"{name}_verl"]}, repeats=repeats * 4, warmup=1)
         report("  same pair alternated on its own", alone["ours"], alone["verl"])
 
 
@@ -496,7 +491,7 @@ def bench_gdpo_vs_verl(repeats: int) -> None:
         return adv
 
     torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-4)
-    tm = _alternate({"ours": ours, "ours_samples": ours_samples, "verl": theirs}, repeats)
+    tm = alternated_medians({"ours": ours, "ours_samples": ours_samples, "verl": theirs}, repeats=repeats, warmup=1)
     report("gdpo_advantages vs verl gdpo [2048x3, T=512]", tm["ours"], tm["verl"], target=1.0)
     report("  rlcore whitening samples (its default)", tm["ours_samples"], tm["verl"])
 
@@ -540,7 +535,7 @@ def bench_otb_vs_verl(repeats: int) -> None:
         torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-4)
         key = "multi" if multi else "single"
         fns[key], fns[f"{key}_verl"] = ours, theirs
-    tm = _alternate(fns, repeats)
+    tm = alternated_medians(fns, repeats=repeats, warmup=1)
     report("optimal token baseline vs verl [512, 1024]", tm["single"], tm["single_verl"], target=1.0)
     report("  multi-turn (tir_), 10% holes in the mask", tm["multi"], tm["multi_verl"], target=1.0)
 
@@ -573,7 +568,7 @@ def bench_jsd_vs_trl(repeats: int) -> None:
 
         torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-9)
         fns[f"ours{beta}"], fns[f"trl{beta}"] = ours, theirs
-    tm = _alternate(fns, repeats)
+    tm = alternated_medians(fns, repeats=repeats, warmup=1)
     report("generalized_jsd_loss fwd+bwd vs TRL [8,256,4096]", tm["ours0.5"], tm["trl0.5"], target=1.0)
     report("  beta = 1 (reverse KL)", tm["ours1.0"], tm["trl1.0"], target=1.0)
 
@@ -617,7 +612,7 @@ def bench_reward_loss_vs_trl(repeats: int) -> None:
         return c.grad
 
     torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-9)
-    tm = _alternate({"ours": ours, "trl": theirs}, repeats * 20)
+    tm = alternated_medians({"ours": ours, "trl": theirs}, repeats=repeats * 20, warmup=1)
     report("reward-model loss fwd+bwd vs TRL RewardTrainer (8192)", tm["ours"], tm["trl"], target=1.0)
 
 
