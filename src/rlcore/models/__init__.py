@@ -5,7 +5,7 @@ transformers is needed only by :mod:`rlcore.models.hf` (the ``hf`` extra), and i
 imported on first use.
 """
 
-from rlcore.models.attention import attend_packed, check_cu_seqlens, packed_causal_attention
+from rlcore.models.attention import attend_masked, attend_packed, check_cu_seqlens, packed_causal_attention
 from rlcore.models.build import DTYPES, attention_implementation, load_causal_lm, resolve_dtype
 from rlcore.models.context_parallel import (
     CP_MODES,
@@ -57,6 +57,7 @@ __all__ = [
     "adapter_state_dict",
     "adapters_disabled",
     "apply_lora",
+    "attend_masked",
     "attend_packed",
     "attention_implementation",
     "base_view",
