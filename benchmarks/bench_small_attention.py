@@ -26,8 +26,6 @@ steps under that setting).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import os
 import resource
 import sys
@@ -39,7 +37,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import alternated_medians
-from rlcore.memory import keep_freed_host_memory
+from rlcore.memory import START_THRESHOLD, keep_freed_host_memory, set_malloc_thresholds
 from rlcore.models import attention as model_attention
 from rlcore.models import from_hf, load_causal_lm
 from rlcore.ops import masked_attention
@@ -105,11 +103,11 @@ def _batch(prompts: int, samples: int, vocab: int, g: torch.Generator) -> dict[s
 
 
 def step(repeats: int) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-    def malloc(kept: bool) -> None:  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
-        libc.mallopt(-1, (256 << 20) if kept else (128 << 10))
-        libc.mallopt(-3, (32 << 20) if kept else (128 << 10))
+    def malloc(kept: bool) -> None:
+        if kept:
+            keep_freed_host_memory(256)
+        else:
+            set_malloc_thresholds(START_THRESHOLD, START_THRESHOLD)
 
     cfg = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
     task = Reversal(length=4, min_length=2, letters="abcdef")

@@ -8,19 +8,17 @@ import sys
 
 import pytest
 
-from rlcore.memory import MAX_MIB, keep_freed_host_memory
+from rlcore.memory import MAX_MIB, keep_freed_host_memory, set_malloc_thresholds
 from rlcore.train import parse_config
 
 # A step's pattern: several 1 MiB temporaries allocated, written and freed together. With
 # glibc's start-up thresholds (128 KiB, set explicitly: its adaptive rise depends on the
 # heap's layout) each is mapped and unmapped on its own, so every cycle faults its pages in.
 _FAULTS = """
-import ctypes, ctypes.util, resource, sys, torch
-from rlcore.memory import keep_freed_host_memory
+import resource, sys, torch
+from rlcore.memory import START_THRESHOLD, keep_freed_host_memory, set_malloc_thresholds
 
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
-libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+assert set_malloc_thresholds(START_THRESHOLD, START_THRESHOLD)
 
 def faults_per_cycle():
     for _ in range(3):
@@ -50,6 +48,12 @@ def test_freed_memory_is_reused_without_page_faults():
 
 def test_zero_leaves_malloc_alone():
     assert keep_freed_host_memory(0) is False
+
+
+@pytest.mark.parametrize(("trim", "mmap"), [(-1, 0), (0, 2**31), (1.5, 0), (0, True)])
+def test_bad_thresholds_are_refused(trim, mmap):
+    with pytest.raises(ValueError, match=r"(trim|mmap): got .*, expected an int number of bytes in \[0, 2\*\*31\)"):
+        set_malloc_thresholds(trim, mmap)
 
 
 @pytest.mark.parametrize("bad", [-1, MAX_MIB + 1, 1.5, True, "256"])

@@ -134,7 +134,10 @@ def test_no_host_sync():
         (lambda q, k, v, m: (q, k.double(), v, m), r"key, value: got torch.float64 and torch.float32, expected"),
         (lambda q, k, v, m: (q, k[:, :, :, :3], v, m), r"key: got shape \(2, 2, 6, 3\), expected \[2, KV, S, 8\]"),
         (lambda q, k, v, m: (q[:, :3], k, v, m), r"with KV dividing the query's 3 heads"),
-        (lambda q, k, v, m: (q, k, v[:, :, :5], m), r"value: got shape \(2, 2, 5, 8\), expected the key's"),
+        (
+            lambda q, k, v, m: (q, k, v[:, :, :5], m),
+            r"value: got shape \(2, 2, 5, 8\), expected \(2, 2, 6, 8\) \(the shape of key\)",
+        ),
         (lambda q, k, v, m: (q, k, v, m.float()), r"mask: got dtype torch.float32, expected torch.bool"),
         (
             lambda q, k, v, m: (q, k, v, m[..., :5]),

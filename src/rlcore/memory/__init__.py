@@ -8,7 +8,13 @@ from rlcore.memory.allgather_swap import (
     enter_rollout,
     enter_train,
 )
-from rlcore.memory.host_malloc import MAX_MIB, MMAP_THRESHOLD_LIMIT, keep_freed_host_memory
+from rlcore.memory.host_malloc import (
+    MAX_MIB,
+    MMAP_THRESHOLD_LIMIT,
+    START_THRESHOLD,
+    keep_freed_host_memory,
+    set_malloc_thresholds,
+)
 from rlcore.memory.phases import ColocatedSwitch, EngineSwitch, in_phase
 from rlcore.memory.plan import ORDERS, RESIDENCIES, MemoryPlan, StateGroup, Step, Transition, colocated_plan
 from rlcore.memory.swap import SwapHandle, host_copies, offload, reload
@@ -18,6 +24,7 @@ __all__ = [
     "MMAP_THRESHOLD_LIMIT",
     "ORDERS",
     "RESIDENCIES",
+    "START_THRESHOLD",
     "AllGatherSwapPlan",
     "ColocatedSwitch",
     "EngineSwitch",
@@ -37,4 +44,5 @@ __all__ = [
     "keep_freed_host_memory",
     "offload",
     "reload",
+    "set_malloc_thresholds",
 ]

@@ -18,13 +18,31 @@ import ctypes
 import ctypes.util
 import platform
 
-__all__ = ["MAX_MIB", "MMAP_THRESHOLD_LIMIT", "keep_freed_host_memory"]
+__all__ = ["MAX_MIB", "MMAP_THRESHOLD_LIMIT", "START_THRESHOLD", "keep_freed_host_memory", "set_malloc_thresholds"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2: 32 MiB on 64-bit systems.
 MMAP_THRESHOLD_LIMIT = 32 << 20
+# Both thresholds as glibc starts (before its adaptive rise), in bytes.
+START_THRESHOLD = 128 << 10
 MAX_MIB = 2047
+
+
+def set_malloc_thresholds(trim: int, mmap: int) -> bool:
+    """Fix glibc's trim and mmap thresholds (bytes) for this process: ``mallopt(3)``, which ends their adaptive rise.
+
+    Returns True where both were set (glibc accepted them), False on another C library.
+    """
+    for name, value in (("trim", trim), ("mmap", mmap)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+            raise ValueError(f"{name}: got {value!r}, expected an int number of bytes in [0, 2**31)")
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(trim)) and libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(mmap))
+    )
 
 
 def keep_freed_host_memory(mib: int) -> bool:
@@ -32,8 +50,8 @@ def keep_freed_host_memory(mib: int) -> bool:
 
     Sets glibc's trim threshold to ``mib`` MiB and its mmap threshold to the smaller of
     that and :data:`MMAP_THRESHOLD_LIMIT` (blocks above it are still mapped and unmapped
-    one by one). Process-wide, for the process's life; the memory kept is freed memory
-    that later allocations reuse, not a reservation.
+    one by one) with :func:`set_malloc_thresholds`. Process-wide, for the process's life;
+    the memory kept is freed memory that later allocations reuse, not a reservation.
 
     Args:
       mib: MiB of freed memory kept, at most :data:`MAX_MIB` (mallopt takes a C int of
@@ -45,10 +63,6 @@ def keep_freed_host_memory(mib: int) -> bool:
     """
     if not isinstance(mib, int) or isinstance(mib, bool) or not 0 <= mib <= MAX_MIB:
         raise ValueError(f"mib: got {mib!r}, expected an int in [0, {MAX_MIB}] (MiB of freed memory kept)")
-    if mib == 0 or platform.libc_ver()[0] != "glibc":
+    if mib == 0:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    size = mib << 20
-    trim = libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(size))
-    mmap = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(size, MMAP_THRESHOLD_LIMIT)))
-    return bool(trim and mmap)
+    return set_malloc_thresholds(mib << 20, min(mib << 20, MMAP_THRESHOLD_LIMIT))

@@ -263,6 +263,8 @@ class StaticDecodeStep:
             v = attn.v_proj(x).view(shape)
             keys[:, :, at] = k
             values[:, :, at] = v
+            # One query per row: SDPA, not attend_masked (whose batched matmuls of one query
+            # per row were slower here: 0.28 against 0.23 ms at 256 rows on the CPU).
             out = F.scaled_dot_product_attention(
                 q[:, :, None], keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=attn.scaling, enable_gqa=True
             )

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlcore._checks import check_floating, check_ndim, check_tensor
+from rlcore._checks import check_floating, check_ndim, check_same_shape
 from rlcore.ops.numerics import acc_dtype
 
 __all__ = ["masked_attention"]
@@ -106,10 +106,8 @@ def masked_attention(
       ``[B, H, T, D]`` in the query's dtype.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, x)
         check_floating(name, x)
         check_ndim(name, x, 4)
-    check_tensor("mask", mask)
     check_ndim("mask", mask, 4)
     b, h, t, d = query.shape
     kv, s = key.shape[1], key.shape[2]
@@ -119,8 +117,7 @@ def masked_attention(
         raise ValueError(
             f"key: got shape {tuple(key.shape)}, expected [{b}, KV, S, {d}] with KV dividing the query's {h} heads"
         )
-    if value.shape != key.shape:
-        raise ValueError(f"value: got shape {tuple(value.shape)}, expected the key's {tuple(key.shape)}")
+    check_same_shape("value", value, "key", key)
     if mask.dtype != torch.bool:
         raise ValueError(f"mask: got dtype {mask.dtype}, expected torch.bool")
     if mask.shape[0] not in (1, b) or mask.shape[1] not in (1, h) or tuple(mask.shape[2:]) != (t, s):
