@@ -23,6 +23,7 @@ from rlcore.train import (
     response_sequences,
     stages_for,
 )
+from rlcore.train.stages import advantages_stage
 from tiny_runs import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,18 +118,20 @@ def _parts(models, *, critic=False, plan=NO_FORWARDS, **options):
 
 
 @pytest.mark.parametrize(
-    ("recipe", "plan", "reads"),
+    ("recipe", "plan", "reads", "resource"),
     [
-        (algos.grpo(kl_coef=0.0), NO_FORWARDS, ("scores", "mask", "group")),
-        (algos.grpo(), ScoringPlan(False, 1), ("scores", "mask", "group", "ref_logp")),
-        (algos.rloo(), ScoringPlan(True, 1), ("scores", "mask", "group", "old_logp", "ref_logp")),
-        (algos.dapo(), NO_FORWARDS, ("scores", "mask", "group")),
+        (algos.grpo(kl_coef=0.0), NO_FORWARDS, ("scores", "mask", "group"), "cpu"),
+        (algos.grpo(), ScoringPlan(False, 1), ("scores", "mask", "group", "ref_logp"), "device"),
+        (algos.rloo(), ScoringPlan(True, 1), ("scores", "mask", "group", "old_logp", "ref_logp"), "device"),
+        (algos.dapo(), NO_FORWARDS, ("scores", "mask", "group"), "cpu"),
     ],
 )
-def test_the_advantages_stage_reads_what_the_recipe_reads(models, recipe, plan, reads):
+def test_the_advantages_stage_reads_what_the_recipe_reads(models, recipe, plan, reads, resource):
     part = stages_for(recipe).graph(_parts(models, plan=plan, epochs=2))
     assert [s.name for s in part.stages] == ["advantages"]
     assert part.stages[0].inputs == reads and part.stages[0].outputs == ("advantages", "loss_mask")
+    # Only the host's columns read: it runs on the host thread beside the device's forward, else on the device.
+    assert part.stages[0].resource == resource
     # Without an old-policy forward the update's own forward runs ahead and writes old_logp.
     ahead = [] if plan.old_logp else ["policy_forward"]
     assert [s.name for s in part.ahead] == ahead
@@ -137,11 +140,27 @@ def test_the_advantages_stage_reads_what_the_recipe_reads(models, recipe, plan, 
     assert part.recipe is recipe and part.epochs == 2
 
 
+def test_the_advantages_stay_on_the_device_where_the_estimator_may_make_a_collective(models):
+    # Batch whitening takes its moments over the data-parallel ranks: a collective beside the device's would race.
+    dp = stages_for(algos.grpo(kl_coef=0.0)).graph(_parts(models, dp_group=object()))
+    assert dp.stages[0].resource == "device"
+
+
+def test_host_advantages_read_device_columns_from_host_memory():
+    s = advantages_stage(algos.grpo(), inputs=("scores", "mask", "group"), resource="cpu")
+    meta = {"scores": torch.tensor([1.0, 0.0]), "mask": torch.ones(2, 2, device="meta"), "group": torch.tensor([3, 3])}
+    with pytest.raises(NotImplementedError):  # a meta tensor cannot come to host memory: the stage tried
+        s.fn(meta)
+    out = s.fn({**meta, "mask": torch.ones(2, 2)})
+    assert out["advantages"].device.type == "cpu"
+
+
 def test_ppo_scores_the_critic_before_gae_and_trains_it(models):
     part = stages_for(algos.ppo(kl_coef=0.0)).graph(_parts(models, critic=True))
     assert [s.name for s in part.stages] == ["old_values", "advantages"]
     assert part.stages[1].inputs[-1] == "old_values"
     assert part.stages[1].outputs == ("advantages", "loss_mask", "returns")
+    assert part.stages[1].resource == "device"  # GAE reads the critic's values: a device column
     values = ["old_values", "returns"]
     assert part.inputs == ["prompts", "responses", "advantages", "loss_mask", *values, *LOGGED, "old_logp", "entropy"]
     rows = {**_rows(), "loss_mask": _rows()["mask"], "advantages": torch.zeros(2, 3)}

@@ -20,6 +20,7 @@ from rlcore.dataflow.layout import (
     infer_dp,
     param_meta,
 )
+from rlcore.dataflow.openmp import release_openmp_threads
 from rlcore.dataflow.packing import Packed, pack, pack_to_budget, shift_labels, unpack
 from rlcore.dataflow.ray_dock import DockHost, RayTransferDock
 from rlcore.dataflow.ray_rollout import RayRolloutWorker, RolloutActor
@@ -112,6 +113,7 @@ __all__: list[str] = [
     "param_meta",
     "plan_fingerprint",
     "plan_reshard",
+    "release_openmp_threads",
     "reshard",
     "reshard_bucket",
     "rollout_proxy_stage",

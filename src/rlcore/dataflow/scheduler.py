@@ -39,6 +39,7 @@ import torch
 
 from rlcore._checks import check_positive
 from rlcore.dataflow.dock import TransferDock
+from rlcore.dataflow.openmp import release_openmp_threads
 from rlcore.dataflow.stages import Stage, StageGraph
 
 __all__ = [
@@ -490,6 +491,7 @@ def run_pipeline(
     collect: Sequence[str] = (),
     switch: Switch | None = None,
     join_timeout: float = 10.0,
+    threads: Mapping[str, int] | None = None,
 ) -> PipelineResult:
     """Run ``graph`` for ``num_iterations`` iterations, stages on threads pulling ready rows from the dock.
 
@@ -521,6 +523,11 @@ def run_pipeline(
         the first call in a new memory phase (``from_phase`` None the first time);
         see :class:`rlcore.memory.ColocatedSwitch`.
       join_timeout: seconds to wait for each worker thread at the end.
+      threads: intra-op threads (``torch.set_num_threads``) of each worker of a resource;
+        the other workers keep the calling thread's count. On a CPU device, a host
+        resource whose stages run a few small ops (a reward's decoding, the advantages of
+        a few hundred rows) at 1: each thread that runs a parallel op gets an OpenMP team
+        of its own, whose threads spin after every op on the cores the device's stages use.
 
     Returns:
       A :class:`PipelineResult`.
@@ -535,6 +542,7 @@ def run_pipeline(
     >>> [b["policy_version"].tolist() for b in res.batches]
     [[0, 0, 0, 0], [0, 0, 0, 0], [2, 2, 2, 2]]
     """
+    counts = _ThreadCounts(threads, graph.resources if isinstance(graph, StageGraph) else ())
     core = SchedulerCore(
         graph,
         loader,
@@ -563,9 +571,38 @@ def run_pipeline(
         cond.notify_all()
         finished.set()
 
+    def settle(task: ScheduledCall, out: Any, last: bool | None) -> bool:
+        """With ``cond`` held: put the call's outputs (unless ``last`` is known: put already), free its slot, wake the others."""
+        if state["stop"]:
+            return False
+        try:
+            if last is None:
+                last = core.complete(task, out)
+            core.release(task, time.perf_counter() - t0, last)
+        except BaseException as err:  # bad outputs, or the loader of a newly admitted iteration
+            fail(
+                err
+                if last is not None
+                else add_note(err, f"in stage {task.stage.name!r} at iteration {task.iteration}")
+            )
+            return False
+        if core.done:
+            finished.set()
+        state["epoch"] += 1
+        state["idle"] = 0
+        cond.notify_all()
+        return True
+
     def worker(resource: str) -> None:
+        counts.enter(resource)
+        # A finished call (its outputs, or None once put) settled when the lock is next held, together with the next
+        # pick: no other worker takes the lock in between, nor does this one wait for it twice per hand-off.
+        done: tuple[ScheduledCall, Any, bool | None] | None = None
         while True:
             with cond:
+                if done is not None and not settle(*done):
+                    return
+                done = None
                 seen = -1
                 while True:
                     if state["stop"] or core.done:
@@ -591,12 +628,16 @@ def run_pipeline(
                 if task.switch is not None and switch is not None:
                     switch(resource, *task.switch)
                 out = s.fn(task.batch)
-                with cond:
+                if s.on_iteration_end is None:
+                    done = (task, out, None)
+                    continue
+                with cond:  # the iteration's end runs between the put and the slot's release, without the lock
                     if state["stop"]:
                         return
                     last = core.complete(task, out)
-                if last and s.on_iteration_end is not None:
+                if last:
                     s.on_iteration_end(task.iteration)
+                done = (task, None, last)
             except HandBack:  # the call's work was lost and its worker replaced: its rows are redone
                 with cond:
                     if state["stop"]:
@@ -609,31 +650,21 @@ def run_pipeline(
                     state["epoch"] += 1
                     state["idle"] = 0
                     cond.notify_all()
-                continue
             except BaseException as err:
                 with cond:
                     fail(add_note(err, f"in stage {s.name!r} at iteration {task.iteration}"))
                 return
-            with cond:
-                try:
-                    core.release(task, time.perf_counter() - t0, last)
-                except BaseException as err:  # the loader of a newly admitted iteration
-                    fail(err)
-                    return
-                if core.done:
-                    finished.set()
-                state["epoch"] += 1
-                state["idle"] = 0
-                cond.notify_all()
 
-    threads = [
-        threading.Thread(target=worker, args=(r,), name=f"rlcore-pipeline-{r}-{i}", daemon=True)
+    pool = [
+        (r, threading.Thread(target=worker, args=(r,), name=f"rlcore-pipeline-{r}-{i}", daemon=True))
         for r in graph.resources
         for i in range(core.slots[r])
     ]
-    for t in threads:
-        t.start()
     try:
+        # The calling thread only waits from here on: its OpenMP team (a warm-up's, say) would make the device
+        # worker's team a second one, and slow every parallel op of the device's stages (rlcore.dataflow.openmp).
+        release_openmp_threads()
+        counts.start(pool)
         while True:
             finished.wait(0.05)  # the stage time limits are checked every 50 ms
             with cond:
@@ -651,10 +682,79 @@ def run_pipeline(
         with cond:
             state["stop"] = True
             cond.notify_all()
+        counts.release()
         makespan = time.perf_counter() - t0
-        for t in threads:
-            t.join(join_timeout)
+        for _, t in pool:
+            if t.ident is not None:  # started
+                t.join(join_timeout)
         core.close(join_timeout)
     if state["error"] is not None:
         raise state["error"]
     return core.result(makespan)
+
+
+class _ThreadCounts:
+    """Per-resource intra-op thread counts of the pipeline's workers (``run_pipeline``'s ``threads``).
+
+    ``torch.set_num_threads`` sets the calling thread's OpenMP and MKL counts, and also the
+    count that every thread which has not run a parallel op yet starts with (a thread takes
+    it at its first parallel op, or its first ``torch.get_num_threads``). So the workers of a
+    limited resource start first, take the process's count and then set theirs; the starting
+    thread then puts its own count back, and only then does any worker take a call or
+    another worker start.
+
+    Why it matters on a CPU device: GNU OpenMP counts the threads of every team in the
+    process, and once they outnumber the cores its idle threads stop spinning between
+    parallel regions and sleep, so that every op of the device's stages then pays for
+    waking its team. A host worker with a team of its own (two threads) halved the speed of
+    the device's stages on two cores; with one thread it has no team.
+    """
+
+    def __init__(self, threads: Mapping[str, int] | None, resources: Sequence[str]) -> None:
+        self.counts: dict[str, int] = {}
+        for resource, n in (threads or {}).items():
+            if resource not in resources:
+                raise ValueError(
+                    f"threads: got resource {resource!r} no stage runs on, expected some of {list(resources)}"
+                )
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"threads[{resource!r}]: got {n!r}, expected a positive int")
+            self.counts[resource] = n
+        self._set: threading.Barrier | None = None
+        self._go = threading.Event()
+
+    def enter(self, resource: str) -> None:
+        """On a worker, before its first call: set its count (a limited resource), and wait until all may start."""
+        n = self.counts.get(resource)
+        if n is None:
+            return
+        # Read first: a thread's first parallel op would otherwise set the process's count over this one.
+        torch.get_num_threads()
+        torch.set_num_threads(n)
+        assert self._set is not None, "start() made the barrier before starting a limited worker"
+        try:
+            self._set.wait()
+        except threading.BrokenBarrierError:  # the start was interrupted (release): the worker sees the stop
+            return
+        self._go.wait()
+
+    def release(self) -> None:
+        """Let every limited worker go on (they then see the pipeline stopped, if it did before they started)."""
+        if self._set is not None:
+            self._set.abort()
+        self._go.set()
+
+    def start(self, workers: Sequence[tuple[str, threading.Thread]]) -> None:
+        """Start ``(resource, thread)`` workers: the limited ones, then (the count put back) the others."""
+        first = [t for r, t in workers if r in self.counts]
+        if first:
+            count = torch.get_num_threads()
+            self._set = threading.Barrier(len(first) + 1)
+            for t in first:
+                t.start()
+            self._set.wait()
+            torch.set_num_threads(count)
+            self._go.set()
+        for r, t in workers:
+            if r not in self.counts:
+                t.start()

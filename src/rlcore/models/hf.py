@@ -10,7 +10,10 @@ never built. Qwen2 and Llama (and other HF decoders with the same layout: a
 The backbone runs as a parameter-free twin on the meta device whose configuration
 selects rlcore's packed attention (``"rlcore_packed"``, registered with
 transformers' ``AttentionInterface``), so the user's model object is left exactly as
-it was, and no ``[N, N]`` mask is built. transformers is imported on first use.
+it was, and no ``[N, N]`` mask is built. A Llama-family backbone (Llama, Qwen2, Qwen3,
+Mistral with full attention) runs instead as rlcore's own packed decoder over the same
+weights (:mod:`rlcore.models.packed_decoder`): the same arithmetic, without the twin's
+per-call plumbing. transformers is imported on first use.
 
 A model sharded with FSDP2 or DTensor tensor parallelism (``rlcore.train.parallelize``)
 runs through its own modules instead, whose hooks gather the shards: the attention is
@@ -33,7 +36,9 @@ from torch import nn
 from rlcore._checks import check_integer, check_ndim, check_same_shape
 from rlcore.models.attention import attend_packed, check_cu_seqlens
 from rlcore.models.context_parallel import ContextParallelShard
+from rlcore.models.llama_family import is_llama_family
 from rlcore.models.lora import AdaptersOff, MergedWeights, adapters_disabled, base_view, is_lora
+from rlcore.models.packed_decoder import decoder_hidden
 from rlcore.models.shared_prefix import SharedPrefix
 
 __all__ = ["ATTENTION_NAME", "HFCausalLM", "from_hf"]
@@ -62,20 +67,16 @@ def _hf_attention(
     if dropout:
         raise ValueError(f"dropout: got {dropout}, expected 0.0 (packed attention applies no attention dropout)")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return _attend(packing, q, k, v, scale).unsqueeze(0), None
+
+
+def _attend(packing: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The packing's attention of ``[N, heads, D]`` queries over ``[N, kv_heads, D]`` keys and values."""
     if isinstance(packing, (ContextParallelShard, SharedPrefix)):
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-        return packing.attend(q, k, v, scale=scale).unsqueeze(0), None
+        return packing.attend(q, k, v, scale=scale)
     cu_seqlens, max_seqlen, bounds = packing
-    out = attend_packed(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        cu_seqlens,
-        max_seqlen,
-        bounds,
-        scale,
-    )
-    return out.unsqueeze(0), None
+    return attend_packed(q, k, v, cu_seqlens, max_seqlen, bounds, scale)
 
 
 @functools.cache
@@ -104,6 +105,15 @@ def _packed_attention(config: Any) -> Iterator[None]:
         config._attn_implementation = before
 
 
+def _weight(params: Mapping[str, torch.Tensor], backbone: nn.Module, prefix: str, name: str) -> torch.Tensor | None:
+    """Backbone weight ``name``: from ``params`` (under the model's ``prefix``), else the backbone's own; None if neither."""
+    full = prefix + name
+    if full in params:
+        return params[full]
+    owner, _, leaf = name.rpartition(".")
+    return getattr(backbone.get_submodule(owner) if owner else backbone, leaf, None)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class HFCausalLM:
     """``apply(params, input_ids, *, position_ids, cu_seqlens, max_seqlen=None) -> hidden [N, H]``.
@@ -121,6 +131,8 @@ class HFCausalLM:
     sharded: Mapping[str, torch.Tensor] | None = None
     # A sharded LoRA model run with its adapters off (the reference policy, AdaptersOff), else None.
     adapters_off: Any = None
+    # A Llama-family backbone runs as rlcore's own packed decoder (rlcore.models.packed_decoder), not the twin.
+    native: bool = False
 
     def __call__(
         self,
@@ -183,6 +195,14 @@ class HFCausalLM:
         self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, position_ids: torch.Tensor, packing: Any
     ) -> torch.Tensor:
         backbone = self.model.get_submodule(self.prefix)
+        if self.native:
+            return decoder_hidden(
+                backbone,
+                functools.partial(_weight, params, backbone, self.prefix + "."),
+                input_ids,
+                position_ids,
+                functools.partial(_attend, packing),
+            )
         tensors: dict[str, torch.Tensor] = dict(backbone.named_parameters())
         tensors.update(backbone.named_buffers())
         cut = len(self.prefix) + 1
@@ -319,5 +339,11 @@ def from_hf(model: nn.Module) -> tuple[HFCausalLM, Mapping[str, torch.Tensor]]:
         twin = type(backbone)(config)
     # RL post-training runs without dropout; eval mode also keeps HF from asking for it.
     twin.eval()
-    apply = HFCausalLM(model=model, prefix=prefix, output_weight_name=names[id(head.weight)], twin=twin)
+    apply = HFCausalLM(
+        model=model,
+        prefix=prefix,
+        output_weight_name=names[id(head.weight)],
+        twin=twin,
+        native=prefix == "model" and is_llama_family(model),
+    )
     return apply, params

@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from rlcore.models.attention import attend_masked
+from rlcore.models.llama_family import is_llama_family, rotate_half, unwrap_peft
 
 __all__ = ["StaticDecodeStep", "supports_static_decode"]
 
-_LAYOUTS = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 # Room added to the cache when it is full: at least this many columns (doubling beyond).
 _GROW = 16
 
@@ -43,46 +42,18 @@ def _hooked(module: torch.nn.Module) -> bool:
 def supports_static_decode(model: Any) -> bool:
     """Whether :class:`StaticDecodeStep` computes ``model``'s decode step exactly as its own forward does.
 
-    True for a ``transformers`` Llama, Qwen2, Qwen3 or Mistral causal LM (or a ``peft`` model
-    over one: its adapters sit in the projections the step calls) with full attention in
-    every layer, plain (not sharded, not hooked) modules, no tensor-parallel pretraining
-    split and no attention dropout in training mode.
+    True for a Llama-family causal LM (:func:`rlcore.models.llama_family.is_llama_family`: a
+    ``transformers`` Llama, Qwen2, Qwen3 or Mistral with full attention, or a ``peft`` model
+    over one: its adapters sit in the projections the step calls) with plain (not hooked)
+    modules and no attention dropout in training mode.
     """
-    model = _base(model)
-    config = getattr(model, "config", None)
-    inner = getattr(model, "model", None)
-    if config is None or inner is None or getattr(config, "model_type", None) not in _LAYOUTS:
+    if not is_llama_family(model):
         return False
-    layer_types = getattr(config, "layer_types", None) or ()
-    if any(kind != "full_attention" for kind in layer_types) or getattr(config, "use_sliding_window", False):
+    model = unwrap_peft(model)
+    if model.training and getattr(model.config, "attention_dropout", 0.0):
         return False
-    if getattr(config, "model_type", None) == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return False
-    if getattr(config, "pretraining_tp", 1) != 1:
-        return False
-    if model.training and getattr(config, "attention_dropout", 0.0):
-        return False
-    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if not all(hasattr(inner, p) for p in parts) or not hasattr(model, "lm_head"):
-        return False
-    for layer in inner.layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
-        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
-            return False
-        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            return False
-        if _hooked(layer) or _hooked(attn):
-            return False
-    if _hooked(model) or _hooked(inner):
-        return False
-    return not any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _base(model: Any) -> Any:
-    """The causal LM under a ``peft`` wrapper (adapters injected into its modules), else ``model``."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
+    inner = model.model
+    return not any(_hooked(m) for m in (model, inner, *inner.layers, *(layer.self_attn for layer in inner.layers)))
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -113,18 +84,13 @@ def _rope_table(inner: Any, length: int) -> tuple[torch.Tensor, torch.Tensor] | 
     return cos[0], sin[0]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _rotary(
     attn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys ``[..., heads, T, head_dim]`` after the per-head norms (Qwen3) and the rotary embedding."""
     if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def _mlp(layer: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -150,7 +116,7 @@ class StaticDecodeStep:
         layers = _cache_layers(cache)
         if layers is None:
             raise ValueError(f"cache: got {type(cache).__name__}, expected a transformers cache with per-layer keys")
-        self.model = model = _base(model)
+        self.model = model = unwrap_peft(model)
         self.inner = model.model
         rows, length = attention.shape
         capacity = length + _GROW
@@ -194,7 +160,7 @@ class StaticDecodeStep:
             forward, as :func:`rlcore.models.shared_prefix.shares_prompts` finds them); None:
             one row per prompt.
         """
-        base = _base(model)
+        base = unwrap_peft(model)
         inner = base.model
         rows, length = ids.shape
         valid = attention.bool()

@@ -148,6 +148,10 @@ class RecipeStages(Protocol):
     def graph(self, parts: StepParts) -> RecipeGraph: ...
 
 
+# Columns the host has before any device forward: the reward's, and the rollout's mask and the loader's groups.
+_HOST_COLUMNS = frozenset({"scores", "score_parts", "mask", "group"})
+
+
 class PolicyGradientStages:
     """:class:`rlcore.algos.Algorithm`: the critic's values when it has a value loss (PPO), then the advantages.
 
@@ -205,7 +209,19 @@ class PolicyGradientStages:
             stages.append(values_stage(critic))
             scored.append("old_values")
             produced.append("returns")
-        stages.append(advantages_stage(self.recipe, inputs=scored, outputs=produced, process_group=parts.dp_group))
+        # An estimator that reads only the host's columns (the scores, the mask, the groups) and makes no collective
+        # runs on the host thread as soon as the reward is in, beside the device's forward: not as a device call
+        # between the forward and the update, where each hand-off of the dock costs the device its time.
+        on_host = parts.dp_group is None and parts.context_parallel is None and set(scored) <= _HOST_COLUMNS
+        stages.append(
+            advantages_stage(
+                self.recipe,
+                inputs=scored,
+                outputs=produced,
+                process_group=parts.dp_group,
+                resource="cpu" if on_host else "device",
+            )
+        )
         # A full-vocabulary distillation term (rl.opd_loss: jsd): the policy's logits, and the teacher's beside them.
         outputs = rl_outputs(parts.policy, critic=critic, temperature=parts.temperature, with_logits=needs.logits)
         if needs.logits:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from rlcore import algos, seeding
-from rlcore.dataflow import Stage, deal_rows, stage
+from rlcore.dataflow import Stage, batch_to, deal_rows, stage
 from rlcore.models import (
     from_hf,
     preference_logps,
@@ -393,7 +393,7 @@ def advantages_stage(
       algo: an :class:`rlcore.algos.Algorithm`.
       inputs: dock columns the recipe reads (``group`` becomes ``group_ids``).
       outputs: a subset of ``advantages``, ``loss_mask``, ``returns``.
-      resource: as in :func:`rlcore.dataflow.stage`.
+      resource: as in :func:`rlcore.dataflow.stage`; on ``"cpu"`` the rows are moved to host memory first.
       process_group: the data-parallel group: batch whitening (GAE's) takes its moments
         over every rank's rows, so the advantages do not depend on the world size. The
         stage takes the whole local batch once per iteration on every rank.
@@ -410,6 +410,8 @@ def advantages_stage(
         raise ValueError(f"outputs: got {bad}, expected some of {list(known)}")
 
     def advantages(b: Batch) -> dict[str, torch.Tensor]:
+        if resource == "cpu":  # a device stage's columns (the rollout's mask) may be in device memory
+            b = batch_to(b, "cpu")
         batch = {c: b[c] for c in inputs if c not in ("group", "score_parts")}
         if "score_parts" in inputs:
             batch["scores"] = b["score_parts"]

@@ -29,7 +29,7 @@ from rlcore.train.stages import balanced_rows, logprob_stage, staleness_weighted
 from rlcore.train.step_metrics import StepMetrics
 from rlcore.train.world import World
 
-__all__ = ["step_graph"]
+__all__ = ["host_threads", "step_graph"]
 
 
 def _sampling_stages(
@@ -173,3 +173,14 @@ def step_graph(
     if world.device.type != "cpu":  # the loader's and the host stages' columns are in host memory
         stages = [s if s.resource == "cpu" else on_device(s, world.device) for s in stages]
     return StageGraph([steps.timed(s) for s in stages], sources=task.columns, schema=COLUMNS)
+
+
+def host_threads(world: World, graph: StageGraph) -> dict[str, int] | None:
+    """:func:`rlcore.dataflow.run_pipeline`'s ``threads``: on a CPU device the host stages run single-threaded.
+
+    The host stages (the reward's decoding, the advantages of a few hundred rows) then
+    make no OpenMP team of their own beside the device's, which would make GNU OpenMP
+    put the device's idle helpers to sleep between ops (:mod:`rlcore.dataflow.openmp`).
+    On an accelerator the host's cores are not the device's: nothing is limited.
+    """
+    return {"cpu": 1} if world.device.type == "cpu" and "cpu" in graph.resources else None

@@ -60,7 +60,7 @@ from rlcore.train.run_state import check_resume, restore_run, run_extras
 from rlcore.train.rundir import prepare_run_dir
 from rlcore.train.scoring import scorers, scoring_plan
 from rlcore.train.step_end import StepEnd
-from rlcore.train.step_graph import step_graph
+from rlcore.train.step_graph import host_threads, step_graph
 from rlcore.train.step_metrics import StepMetrics
 from rlcore.train.warmup import supervised_warmup
 from rlcore.train.world import World, check_run, local_device, process_settings
@@ -206,5 +206,6 @@ def _train(
                 staleness=cfg.deploy.staleness if cfg.deploy.async_infer else 0,
                 blocking=not cfg.deploy.async_infer,
                 switch=deployment.switch,
+                threads=host_threads(world, graph),
             )
     return _Trained(end.records, models, result.tasks if result is not None else None, start)
