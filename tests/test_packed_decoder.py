@@ -13,6 +13,7 @@ from rlcore.models import from_hf
 from rlcore.models.llama_family import is_llama_family
 from rlcore.testing.token_strategies import ragged_token_batches
 from rlcore.train.stages import response_logprobs
+from tiny_runs import tiny_family_lm
 
 VOCAB = 29
 KINDS = {
@@ -24,20 +25,8 @@ KINDS = {
 
 
 def _model(kind, dtype=torch.float32, **extra):
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        kind,
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,  # the embedding's padding row takes no gradient: the native path keeps that
-        **{**KINDS.get(kind, {}), **extra},
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # pad_token_id: the embedding's padding row takes no gradient, which the native path keeps
+    model = tiny_family_lm(kind, vocab=VOCAB, dtype=dtype, pad_token_id=0, **{**KINDS.get(kind, {}), **extra})
     model.set_attn_implementation("eager")  # the reference path shares no attention code with the packed one
     return model.eval()
 

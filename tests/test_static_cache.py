@@ -9,24 +9,13 @@ from hypothesis import strategies as st
 from rlcore.models import CachedDecoder
 from rlcore.models.static_cache import StaticDecodeStep, supports_static_decode
 from rlcore.train import generate, left_pad
+from tiny_runs import tiny_family_lm
 
 VOCAB = 20
 
 
 def _model(kind: str, dtype=torch.float32, seed=0, **extra):
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(
-        kind,
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        **extra,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return tiny_family_lm(kind, vocab=VOCAB, dtype=dtype, seed=seed, **extra)
 
 
 KINDS = {

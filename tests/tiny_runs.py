@@ -65,3 +65,25 @@ def tiny_lm(dtype=torch.float32, seed=0, vocab=12):
         max_position_embeddings=64,
     )
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def tiny_family_lm(kind, *, vocab, dtype=torch.float32, seed=0, **extra):
+    """A random 2-layer causal LM of ``kind`` (qwen2, llama, qwen3, mistral, ...): hidden 32, 4 heads over 2 KV heads, eval mode.
+
+    ``extra`` overrides or adds config keys (``head_dim``, ``attention_bias``, a sliding window, ...).
+    """
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(
+        kind,
+        **{
+            "vocab_size": vocab,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+            **extra,
+        },
+    )
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
