@@ -10,8 +10,10 @@ on two cores the worker's model step took about 1.6 times as long until the main
 thread's team was given back. :func:`rlcore.dataflow.run_pipeline` gives back the calling
 thread's team before its workers start (that thread only waits while they run).
 
-``omp_pause_resource_all`` (OpenMP 5.0) is the call; it is looked up in the OpenMP
-runtime this process has loaded (Linux: ``/proc/self/maps``), never loading one.
+``omp_pause_resource_all`` (OpenMP 5.0) is the call; GNU OpenMP frees the calling
+thread's team only. It is looked up in the GNU OpenMP this process has loaded (Linux:
+``/proc/self/maps``), never loading one. Other runtimes (LLVM's, Intel's) are left
+alone: their pause acts on the whole process, not on one thread's team.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import sys
 
 __all__ = ["release_openmp_threads"]
 
-_RUNTIMES = ("libgomp", "libiomp5", "libomp")
+_RUNTIME = "libgomp"
 _OMP_PAUSE_SOFT = 1
 
 
 @functools.cache
 def _pause() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """``omp_pause_resource_all`` of the loaded OpenMP runtime, or None (none loaded, or not Linux)."""
+    """``omp_pause_resource_all`` of the loaded GNU OpenMP, or None (none loaded, or not Linux)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -38,7 +40,7 @@ def _pause() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     except OSError:
         return None
     for path in sorted(paths):
-        if os.path.basename(path).startswith(_RUNTIMES):
+        if os.path.basename(path).startswith(_RUNTIME):
             try:
                 lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
                 pause = lib.omp_pause_resource_all
@@ -52,8 +54,8 @@ def _pause() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def release_openmp_threads() -> bool:
     """Give back the calling thread's OpenMP team (its helper threads end); its next parallel op makes a new one.
 
-    Returns True where the runtime released it, False where no OpenMP runtime with
-    ``omp_pause_resource_all`` is loaded (or it refused: inside a parallel region).
+    Returns True where GNU OpenMP released it, False where it is not loaded (another
+    runtime, or not Linux) or refused (inside a parallel region).
     """
     pause = _pause()
     return pause is not None and pause(_OMP_PAUSE_SOFT) == 0
