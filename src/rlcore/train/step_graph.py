@@ -181,6 +181,8 @@ def host_threads(world: World, graph: StageGraph) -> dict[str, int] | None:
     The host stages (the reward's decoding, the advantages of a few hundred rows) then
     make no OpenMP team of their own beside the device's, which would make GNU OpenMP
     put the device's idle helpers to sleep between ops (:mod:`rlcore.dataflow.openmp`).
-    On an accelerator the host's cores are not the device's: nothing is limited.
+    On an accelerator the host's cores are not the device's: nothing is limited. A reward
+    scored in the trainer's own process (``trainer.reward_workers: 0``) is one of those
+    host stages: a heavy one (a reward model on the CPU) belongs in a worker process.
     """
     return {"cpu": 1} if world.device.type == "cpu" and "cpu" in graph.resources else None
