@@ -28,19 +28,19 @@ __all__ = ["decoder_hidden"]
 Weights = Callable[[str], "torch.Tensor | None"]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 @functools.cache
 def _layer_names(i: int) -> dict[str, str]:
-    """Backbone-relative weight names of layer ``i``: ``q_proj`` -> ``layers.i.self_attn.q_proj``, norms by their own names."""
-    names = {
-        p: f"layers.{i}.{'mlp' if p in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{p}"
-        for p in _PROJECTIONS
+    """Backbone-relative names of layer ``i``'s parts: ``q_proj`` -> ``layers.i.self_attn.q_proj``, and so on."""
+    return {
+        **{n: f"layers.{i}.self_attn.{n}" for n in _ATTENTION},
+        **{n: f"layers.{i}.mlp.{n}" for n in _MLP},
+        **{n: f"layers.{i}.{n}" for n in _NORMS},
     }
-    names.update({n: f"layers.{i}.{n}" for n in ("input_layernorm", "post_attention_layernorm")})
-    names.update({n: f"layers.{i}.self_attn.{n}" for n in ("q_norm", "k_norm")})
-    return names
 
 
 def _linear(weights: Weights, name: str, x: torch.Tensor) -> torch.Tensor:
