@@ -110,8 +110,10 @@ def _weight(params: Mapping[str, torch.Tensor], backbone: nn.Module, prefix: str
     full = prefix + name
     if full in params:
         return params[full]
-    owner, _, leaf = name.rpartition(".")
-    return getattr(backbone.get_submodule(owner) if owner else backbone, leaf, None)
+    try:
+        return backbone.get_parameter(name)
+    except AttributeError:  # no such weight (a projection without a bias)
+        return None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
