@@ -109,6 +109,15 @@ def test_values_round_trip_padded_with_masks(make_dock, dtype):
     assert set(batch) == {"responses", "responses_mask", "logp", "logp_mask", "scores"}
 
 
+def test_rows_that_require_grad_are_kept_detached(make_dock):
+    dock = make_dock(1, 2, consumers=["train"])
+    logp = [torch.tensor([0.5, -1.5], requires_grad=True), torch.tensor([2.0])]
+    dock.put({"logp": [x * 2 for x in logp]}, [0, 1])
+    batch, _ = dock.get("train", ["logp"], 2, balance="fifo")
+    assert not batch["logp"].requires_grad
+    assert batch["logp"].tolist() == [[1.0, -3.0], [4.0, 0.0]]
+
+
 def test_packed_batches(make_dock):
     dock = make_dock(2, 2, consumers=["train", "other"], num_warehouses=2)
     responses = [tokens(5, 6, 7), tokens(8), tokens(9, 10), tokens(11, 12, 13, 14)]

@@ -74,3 +74,31 @@ def test_reward_stage_decodes_the_kept_ids_of_each_row(b) -> None:
     assert call["answers"] == as_text(_kept(b["answers"], b["answers_mask"]))
     assert call["batch"] == 7
     assert out["scores"].tolist() == [float(len(r)) for r in call["responses"]]
+
+
+def test_a_groups_shared_prompt_and_answer_are_decoded_once() -> None:
+    decoded: list[list[int]] = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(list(ids))
+        return ",".join(map(str, ids))
+
+    group = torch.tensor([[3, 4], [5, 6]]).repeat_interleave(4, 0)  # two prompts, four rows each
+    b = {
+        "prompts": group,
+        "prompt_mask": torch.ones_like(group),
+        "responses": torch.arange(16).reshape(8, 2),
+        "mask": torch.ones(8, 2),
+        "answers": group.flip(1),
+        "answers_mask": torch.ones(8, 2, dtype=torch.bool),
+        "iteration": torch.full((8,), 0),
+    }
+    pool = _Pool()
+    reward_stage(pool, decode).fn(b)
+    (call,) = pool.calls
+    assert call["prompts"] == ["3,4"] * 4 + ["5,6"] * 4
+    assert call["answers"] == ["4,3"] * 4 + ["6,5"] * 4
+    assert len(call["responses"]) == 8
+    assert sorted(map(tuple, decoded)) == sorted(
+        [(3, 4), (5, 6), (4, 3), (6, 5), *(tuple(r) for r in b["responses"].tolist())]
+    )

@@ -144,7 +144,7 @@ def _rows(column: str, value: Any) -> torch.Tensor | list[torch.Tensor]:
         for i, row in enumerate(rows):
             if not isinstance(row, torch.Tensor):
                 raise ValueError(f"columns[{column!r}][{i}]: got {type(row).__name__}, expected a torch.Tensor")
-        return [row.detach() for row in rows]
+        return [row.detach() if row.requires_grad else row for row in rows]
     raise ValueError(f"columns[{column!r}]: got {type(value).__name__}, expected a tensor or a list of tensors")
 
 

@@ -257,6 +257,19 @@ def _rows(x: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
     return [ids[a:b] for a, b in zip([0, *ends], ends)]
 
 
+def _texts(rows: list[list[int]], decode: Callable[[list[int]], str]) -> list[str]:
+    """Each row decoded, every distinct row once: a group's rows share their prompt and answer."""
+    seen: dict[tuple[int, ...], str] = {}
+    out = []
+    for row in rows:
+        key = tuple(row)
+        text = seen.get(key)
+        if text is None:
+            text = seen[key] = decode(row)
+        out.append(text)
+    return out
+
+
 def reward_outputs(pool: Any) -> list[str]:
     """The columns a reward stage over ``pool`` writes: ``scores``, and ``score_parts`` when the pool gives components."""
     return ["scores", "score_parts"] if getattr(pool, "components", False) else ["scores"]
@@ -288,9 +301,9 @@ def reward_stage(
     """
 
     def reward(b: Batch) -> dict[str, torch.Tensor]:
-        prompts = [decode(r) for r in _rows(b["prompts"], b["prompt_mask"])]
+        prompts = _texts(_rows(b["prompts"], b["prompt_mask"]), decode)
         texts = [decode(r) for r in _rows(b["responses"], b["mask"])]
-        answers = [decode(r) for r in _rows(b["answers"], b["answers_mask"])]
+        answers = _texts(_rows(b["answers"], b["answers_mask"]), decode)
         return reward_columns(pool.submit(prompts, texts, batch=int(b["iteration"][0]), answers=answers).result())
 
     return stage(
