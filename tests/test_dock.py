@@ -118,6 +118,16 @@ def test_rows_that_require_grad_are_kept_detached(make_dock):
     assert batch["logp"].tolist() == [[1.0, -3.0], [4.0, 0.0]]
 
 
+def test_one_tensor_given_for_several_rows_is_stored_for_each(make_dock):
+    dock = make_dock(2, 2, consumers=["train"])
+    shared, other = tokens(4, 5), tokens(6)
+    dock.put({"answers": [shared, shared, other, other]}, [0, 1, 2, 3])
+    batch, _ = dock.get("train", ["answers"], 4, balance="fifo")
+    assert batch["answers"].tolist() == [[4, 5], [4, 5], [6, 0], [6, 0]]
+    with pytest.raises(ValueError, match=r"columns\['answers'\]\[2\]"):
+        dock.put({"answers": [shared, shared, torch.zeros(1, 2, dtype=torch.int64), other]}, [0, 1, 2, 3])
+
+
 def test_packed_batches(make_dock):
     dock = make_dock(2, 2, consumers=["train", "other"], num_warehouses=2)
     responses = [tokens(5, 6, 7), tokens(8), tokens(9, 10), tokens(11, 12, 13, 14)]

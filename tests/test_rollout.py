@@ -31,6 +31,20 @@ def test_left_pad():
     assert mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]]
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 50), max_size=6), max_size=5),
+    pad=st.integers(-3, 3),
+)
+def test_left_pad_matches_a_per_row_loop(seqs, pad):
+    ids, mask = left_pad(seqs, pad)
+    width = max((len(s) for s in seqs), default=0)
+    assert ids.shape == mask.shape == (len(seqs), width) and ids.dtype == mask.dtype == torch.long
+    for i, s in enumerate(seqs):  # the loop reference: pad on the left, ones over the tokens
+        assert ids[i].tolist() == [pad] * (width - len(s)) + s
+        assert mask[i].tolist() == [0] * (width - len(s)) + [1] * len(s)
+
+
 def _unpadded(r: Rollout, i: int) -> tuple[list[int], list[int]]:
     prompt = r.prompts[i][r.prompt_mask[i] == 1].tolist()
     return prompt, r.responses[i][r.mask[i] == 1].tolist()

@@ -24,13 +24,10 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
             [0, 1]]))
     """
     width = max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
+    # Built as Python lists and converted once: a tensor write per row costs more than the row.
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
+    return ids.reshape(len(sequences), width), mask.reshape(len(sequences), width)
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
