@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["LAYOUTS", "is_llama_family", "rms_norm", "rotate_half", "unwrap_peft"]
+__all__ = ["is_llama_family", "rms_norm", "rotary", "unwrap_peft"]
 
-LAYOUTS = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+_LAYOUTS = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 
 
 def unwrap_peft(model: Any) -> Any:
@@ -38,7 +38,7 @@ def is_llama_family(model: Any) -> bool:
     model = unwrap_peft(model)
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
-    if config is None or inner is None or getattr(config, "model_type", None) not in LAYOUTS:
+    if config is None or inner is None or getattr(config, "model_type", None) not in _LAYOUTS:
         return False
     layer_types = getattr(config, "layer_types", None) or ()
     if any(kind != "full_attention" for kind in layer_types) or getattr(config, "use_sliding_window", False):
@@ -65,10 +65,14 @@ def is_llama_family(model: Any) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding's ``rotate_half``: ``[-x2, x1]`` of the two halves of the last dimension."""
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of queries or keys ``x``: ``x * cos + rotate_half(x) * sin``, as transformers computes it.
+
+    ``rotate_half(x)`` is ``[-x2, x1]`` of the two halves of the last dimension; ``cos`` and
+    ``sin`` broadcast against ``x`` (one angle per position, shared by the heads).
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlcore.models.llama_family import rms_norm, rotate_half
+from rlcore.models.llama_family import rms_norm, rotary
 
 __all__ = ["decoder_hidden"]
 
@@ -86,8 +86,7 @@ def decoder_hidden(
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
             q = _norm(weights, names["q_norm"], attn.q_norm, q)
             k = _norm(weights, names["k_norm"], attn.k_norm, k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         out = attend(q, k, v, attn.scaling).reshape(n, -1)
         hidden = hidden + _linear(weights, names["o_proj"], out)
         x = _norm(weights, names["post_attention_layernorm"], layer.post_attention_layernorm, hidden)

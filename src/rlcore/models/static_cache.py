@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore.models.attention import attend_masked
-from rlcore.models.llama_family import is_llama_family, rotate_half, unwrap_peft
+from rlcore.models.llama_family import is_llama_family, rotary, unwrap_peft
 
 __all__ = ["StaticDecodeStep", "supports_static_decode"]
 
@@ -90,7 +90,7 @@ def _rotary(
     """Queries and keys ``[..., heads, T, head_dim]`` after the per-head norms (Qwen3) and the rotary embedding."""
     if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotary(q, cos, sin), rotary(k, cos, sin)
 
 
 def _mlp(layer: Any, hidden: torch.Tensor) -> torch.Tensor:
